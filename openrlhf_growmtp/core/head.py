@@ -1,0 +1,253 @@
+"""The EAGLE-style single-layer recurrent MTP draft head.
+
+    x   = fc(cat[norm_e(embed(token)), norm_h(hidden)])      (bias-free 2H -> H)
+    o   = decoder_layer(x)                                     (one layer of the backbone's family)
+    q   = softmax(lm_head(norm(o)) / T)                        (the backbone's lm_head)
+    h'  = o or norm(o), per family                             (the state fed to the next draft step)
+
+The embedding and the lm_head are the backbone's modules, passed in and never copied or registered:
+the head's state dict holds only its own parameters, under the native checkpoint names.
+
+Alignment with drafting (DESIGN.md, measured against vLLM): the head's KV cache holds one entry per
+committed position p, written from (H_p, x_{p+1}) at RoPE position p, where H_p is the target's
+final-norm hidden state. A cycle starting at s drafts d_1 from the output at s, then feeds
+(h'_{j-1}, d_{j-1}) at position s+j-1 for j = 2..K.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+
+from .families import CONCAT_EH, FEED_PRE_NORM, HeadFamily, get_family
+
+HEAD_CONFIG_FIELD = "growmtp_family"
+
+
+def make_head_config(backbone_config: PretrainedConfig, family: HeadFamily) -> PretrainedConfig:
+    """The config of the head's single decoder layer: the backbone's text config, one full-attention layer."""
+    text = backbone_config.get_text_config() if hasattr(backbone_config, "get_text_config") else backbone_config
+    fields = text.to_dict()
+    for key in ("num_hidden_layers", "layer_types", "architectures", "model_type", "transformers_version",
+                "auto_map", "torch_dtype", "dtype", "sliding_window", "use_sliding_window", "max_window_layers"):
+        fields.pop(key, None)
+    config = family.config_class(**fields, num_hidden_layers=1, layer_types=["full_attention"])
+    setattr(config, HEAD_CONFIG_FIELD, family.name)
+    config.architectures = ["GrowMTPHead"]
+    return config
+
+
+class HeadKVCache:
+    """Keys and values of the head's one attention layer, [B, kv_heads, L, head_dim].
+
+    Duck-types the `update` of transformers' Cache, which is all the decoder layers call.
+    """
+
+    def __init__(self, key: torch.Tensor | None = None, value: torch.Tensor | None = None):
+        self.key = key
+        self.value = value
+
+    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int = 0, cache_kwargs=None):
+        if self.key is None:
+            self.key, self.value = key, value
+        else:
+            self.key = torch.cat([self.key, key], dim=2)
+            self.value = torch.cat([self.value, value], dim=2)
+        return self.key, self.value
+
+    def __len__(self) -> int:
+        return 0 if self.key is None else self.key.shape[2]
+
+    def crop(self, length: int) -> None:
+        """Keep the first `length` entries (drop a finished cycle's chain entries)."""
+        if self.key is not None:
+            self.key = self.key[:, :, :length]
+            self.value = self.value[:, :, :length]
+
+
+@dataclass
+class HeadOutput:
+    hidden: torch.Tensor  # [B, T, H] decoder-layer output o (pre-norm)
+    normed: torch.Tensor  # [B, T, H] norm(o), what the lm_head reads
+    feed_back: torch.Tensor  # [B, T, H] the state the next draft step consumes
+
+    def last(self) -> "HeadOutput":
+        """The last slot only ([B, 1, H] each): the output a cycle's chain starts from."""
+        return HeadOutput(self.hidden[:, -1:], self.normed[:, -1:], self.feed_back[:, -1:])
+
+
+class MTPHead(nn.Module):
+    """One implementation for all families; see `families.FAMILIES` for what differs."""
+
+    def __init__(self, config: PretrainedConfig, embed_tokens: nn.Module | None = None,
+                 lm_head: nn.Module | None = None):
+        super().__init__()
+        self.family = get_family(getattr(config, HEAD_CONFIG_FIELD))
+        config = copy.deepcopy(config)
+        # NOTE: the prefix pass relies on SDPA's is_causal; chain steps pass an explicit additive mask.
+        config._attn_implementation = "sdpa"
+        self.config = config
+        fam, hidden, eps = self.family, config.hidden_size, config.rms_norm_eps
+        self.add_module(fam.norm_embedding_name, fam.norm_class(hidden, eps=eps))
+        self.add_module(fam.norm_hidden_name, fam.norm_class(hidden, eps=eps))
+        self.add_module(fam.fc_name, nn.Linear(2 * hidden, hidden, bias=False))
+        layer = fam.layer_class(config, 0)
+        if fam.layer_prefix:
+            container, index = fam.layer_prefix.split(".")
+            self.add_module(container, nn.ModuleList([layer]))
+        else:
+            # MiMo keeps the block's parameters at the top level of the head: register its children here
+            # and keep the layer itself unregistered (its forward uses these very child modules).
+            for child_name, child in layer.named_children():
+                self.add_module(child_name, child)
+        self.__dict__["decoder_layer"] = layer
+        self.add_module(fam.final_norm_name, fam.norm_class(hidden, eps=eps))
+        self.rotary_emb = fam.rotary_class(config)
+        self.bind(embed_tokens, lm_head)
+
+    # ---- the backbone's modules -------------------------------------------------------------
+    def bind(self, embed_tokens: nn.Module | None, lm_head: nn.Module | None) -> None:
+        """Point the head at the backbone's embedding and lm_head (kept unregistered: never copied)."""
+        self.__dict__["embed_tokens"] = embed_tokens
+        self.__dict__["lm_head"] = lm_head
+
+    def _shared(self, name: str) -> nn.Module:
+        module = self.__dict__.get(name)
+        if module is None:
+            raise RuntimeError(f"MTPHead has no {name}: call head.bind(embed_tokens, lm_head) with the backbone's")
+        return module
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        # The embedding lookup is an input of the head, never trained by the head loss.
+        with torch.no_grad():
+            return self._shared("embed_tokens")(input_ids)
+
+    def logits(self, normed: torch.Tensor, train_lm_head: bool = False) -> torch.Tensor:
+        """lm_head(norm(o)); unless `train_lm_head`, no gradient reaches the backbone's lm_head."""
+        lm_head = self._shared("lm_head")
+        context = contextlib.nullcontext() if train_lm_head else _frozen(lm_head)
+        with context:
+            return lm_head(normed)
+
+    # ---- the head's computation -------------------------------------------------------------
+    def fuse(self, hidden: torch.Tensor, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        """fc(cat[norm_e(embed(token)), norm_h(hidden)]) -> [B, T, H]."""
+        fam = self.family
+        emb = self.embed(input_ids).to(hidden.dtype)
+        if fam.zero_embed_at_position_0:
+            emb = emb * (position_ids != 0).unsqueeze(-1).to(emb.dtype)
+        emb = getattr(self, fam.norm_embedding_name)(emb)
+        hid = getattr(self, fam.norm_hidden_name)(hidden)
+        return getattr(self, fam.fc_name)(torch.cat([emb, hid], dim=-1))
+
+    def forward(self, hidden: torch.Tensor, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                cache: HeadKVCache | None = None, attention_mask: torch.Tensor | None = None) -> HeadOutput:
+        """One head application to T new slots per row.
+
+        hidden [B, T, H] (target final-norm hidden, or the fed-back head state), input_ids [B, T],
+        position_ids [B, T] absolute RoPE positions. New keys/values are appended to `cache`.
+        attention_mask: additive [B, 1, T, L_cache + T]; None means causal over the new slots with
+        everything already in the cache visible (SDPA is_causal, valid when the cache is empty or T == 1).
+        """
+        assert hidden.ndim == 3 and input_ids.shape == hidden.shape[:2] == position_ids.shape, (
+            hidden.shape, input_ids.shape, position_ids.shape)
+        if attention_mask is None and cache is not None and len(cache) > 0 and hidden.shape[1] > 1:
+            raise ValueError("several new slots over a non-empty cache need an explicit attention_mask")
+        x = self.fuse(hidden, input_ids, position_ids)
+        position_embeddings = self.rotary_emb(x, position_ids)
+        o = self.decoder_layer(hidden_states=x, attention_mask=attention_mask, position_ids=position_ids,
+                               past_key_values=cache, position_embeddings=position_embeddings)
+        normed = getattr(self, self.family.final_norm_name)(o)
+        feed_back = o if self.family.feed_back == FEED_PRE_NORM else normed
+        return HeadOutput(hidden=o, normed=normed, feed_back=feed_back)
+
+    # ---- recurrent drafting (the chain-by-chain reference, and the demo's drafter) --------------
+    def prefill(self, target_hidden: torch.Tensor, next_token_ids: torch.Tensor, start_position: int,
+                cache: HeadKVCache) -> HeadOutput:
+        """Write cache entries for committed positions start_position.. from (H_p, x_{p+1}).
+
+        target_hidden [B, T, H] = H_p, next_token_ids [B, T] = x_{p+1}. Slots attend causally to each
+        other and to every entry already in the cache.
+        """
+        batch, length = next_token_ids.shape
+        positions = torch.arange(start_position, start_position + length, device=next_token_ids.device)
+        positions = positions.expand(batch, length)
+        mask = None
+        if len(cache) > 0 and length > 1:
+            mask = prefix_extension_mask(len(cache), length, target_hidden.dtype, target_hidden.device)
+        return self.forward(target_hidden, next_token_ids, positions, cache=cache, attention_mask=mask)
+
+    def step(self, feed_back: torch.Tensor, token_ids: torch.Tensor, position: int | torch.Tensor,
+             cache: HeadKVCache) -> HeadOutput:
+        """One chain step: feed_back [B, H], token_ids [B] at `position`; attends to the whole cache."""
+        positions = torch.as_tensor(position, device=token_ids.device).reshape(-1, 1).expand(token_ids.shape[0], 1)
+        return self.forward(feed_back.unsqueeze(1), token_ids.unsqueeze(1), positions, cache=cache)
+
+    def draft_chain(self, first: HeadOutput, start: int, draft_ids: torch.Tensor | None, num_steps: int,
+                    cache: HeadKVCache, temperature: float = 1.0,
+                    generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run a cycle's chain from the output at `start` (first: HeadOutput of that one slot, [B, 1, H]).
+
+        With `draft_ids` [B, num_steps] the chain is fed those tokens (reconstruction); without, each
+        draft is sampled from q (drafting). Returns (drafts [B, num_steps], logits [B, num_steps, V]),
+        logits already divided by the temperature. Chain entries are appended to `cache`; crop them
+        before the next cycle.
+        """
+        out, drafts, logits = first, [], []
+        for j in range(num_steps):
+            step_logits = self.logits(out.normed[:, -1]).float() / temperature
+            logits.append(step_logits)
+            if draft_ids is not None:
+                token = draft_ids[:, j]
+            else:
+                token = torch.multinomial(torch.softmax(step_logits, dim=-1), 1, generator=generator).squeeze(-1)
+            drafts.append(token)
+            if j + 1 < num_steps:
+                out = self.step(out.feed_back[:, -1], token, start + j + 1, cache)
+        return torch.stack(drafts, dim=1), torch.stack(logits, dim=1)
+
+
+def prefix_extension_mask(num_cached: int, num_new: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """Additive [1, 1, num_new, num_cached + num_new]: all cached entries visible, causal among new ones."""
+    visible = torch.ones(num_new, num_cached + num_new, dtype=torch.bool, device=device)
+    visible[:, num_cached:] = torch.tril(visible[:, num_cached:])
+    return additive_mask(visible, dtype)[None, None]
+
+
+def additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """bool visibility -> additive float mask (0 where visible, the dtype's min elsewhere)."""
+    return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill(
+        ~visible, torch.finfo(dtype).min)
+
+
+@contextlib.contextmanager
+def _frozen(module: nn.Module):
+    """Run `module` without recording gradients for its parameters (but still for its inputs).
+
+    Autograd decides at op time, so parameters frozen during the forward get no gradient edge.
+    """
+    params = [p for p in module.parameters() if p.requires_grad]
+    for p in params:
+        p.requires_grad_(False)
+    try:
+        yield
+    finally:
+        for p in params:
+            p.requires_grad_(True)
+
+
+def native_fc_to_ours(weight: torch.Tensor, family: HeadFamily) -> torch.Tensor:
+    """A native fc weight [H, 2H] in our [e, h] input order (swap halves for [h, e] checkpoints)."""
+    if family.native_concat == CONCAT_EH:
+        return weight
+    first, second = weight.chunk(2, dim=1)
+    return torch.cat([second, first], dim=1).contiguous()
+
+
+# Swapping the two halves is its own inverse.
+ours_fc_to_native = native_fc_to_ours

@@ -1,0 +1,153 @@
+"""Head objectives on reconstructed draft distributions q and recorded target distributions p.
+
+alpha_k = sum_d min(p_k(d), q_k(d)) = 1 - TV(p_k, q_k), the probability that rejection sampling accepts
+a draft sampled from q_k. It is estimated on the target's recorded top-k ids plus one residual bin
+(target mass outside the top-k vs head mass outside those ids); q is the head's full-vocabulary softmax
+gathered at the ids. Merging the tail into one bin can only raise the overlap, by at most the target
+mass outside the top-k.
+
+Per cycle, with L = min(j, K) under verify-gated masking (j = accepted + 1 is the first rejection) or
+L = K without it:
+    TV  chain:  -sum_{l<=L} prod_{i<=l} alpha_i
+    DCA:        -log sum_{l<=L} prod_{i<=l} alpha_i     (computed in log space)
+CE and KL compare q with the recorded top-k (+ residual bin) per position and average positions 1..L.
+Every batch loss is a mean over cycles. Recorded p and accepted are constants.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+CHAIN_KINDS = ("dca", "tv")
+POSITION_KINDS = ("ce", "kl")
+LOSS_KINDS = CHAIN_KINDS + POSITION_KINDS
+# A target residual below this is fp32/bf16 rounding of a top-k that holds all the mass: the bin is
+# dropped, since which side of min() wins there is noise (the error stays <= the target residual).
+MIN_RESIDUAL_MASS = 1e-6
+
+
+def _log1mexp(x: torch.Tensor) -> torch.Tensor:
+    """log(1 - exp(x)) for x <= 0, stable at both ends; -inf at x = 0 with a finite gradient nearby."""
+    x = x.clamp(max=-1e-30)
+    return torch.where(x > -math.log(2.0), torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x)))
+
+
+def _residual_logprob(topk_logprobs: torch.Tensor) -> torch.Tensor:
+    """log of the probability mass outside the given ids: [..., k] -> [...]."""
+    return _log1mexp(torch.logsumexp(topk_logprobs, dim=-1).clamp(max=0.0))
+
+
+def _gathered_logq(draft_logits: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    """log q at the ids, q = full-vocabulary softmax of the draft logits. [N, K, V], [N, K, k] -> [N, K, k]."""
+    logq = torch.log_softmax(draft_logits.float(), dim=-1)
+    return logq.gather(-1, topk_ids.long())
+
+
+def _check(draft_logits: torch.Tensor, topk_ids: torch.Tensor, topk_logprobs: torch.Tensor) -> None:
+    assert draft_logits.ndim == 3, f"draft_logits must be [N, K, V], got {tuple(draft_logits.shape)}"
+    assert topk_ids.shape == topk_logprobs.shape, (tuple(topk_ids.shape), tuple(topk_logprobs.shape))
+    assert topk_ids.ndim == 3 and topk_ids.shape[:2] == draft_logits.shape[:2], (
+        f"topk_ids must be [N, K, k] with N, K of draft_logits, got {tuple(topk_ids.shape)}")
+
+
+def log_acceptance_rates(draft_logits: torch.Tensor, topk_ids: torch.Tensor,
+                         topk_logprobs: torch.Tensor) -> torch.Tensor:
+    """log alpha [N, K] from draft_logits [N, K, V], topk_ids [N, K, k], topk_logprobs [N, K, k].
+
+    Stays finite (with finite gradients) however small alpha gets.
+    """
+    _check(draft_logits, topk_ids, topk_logprobs)
+    logp = topk_logprobs.float()
+    logq = _gathered_logq(draft_logits, topk_ids)
+    log_min = torch.minimum(logp, logq)  # [N, K, k]
+    residual_p = _residual_logprob(logp)  # [N, K]
+    residual = torch.where(residual_p > math.log(MIN_RESIDUAL_MASS),
+                           torch.minimum(residual_p, _residual_logprob(logq)),
+                           torch.full_like(residual_p, float("-inf")))
+    return torch.logsumexp(torch.cat([log_min, residual.unsqueeze(-1)], dim=-1), dim=-1)
+
+
+def acceptance_rates(draft_logits: torch.Tensor, topk_ids: torch.Tensor, topk_logprobs: torch.Tensor) -> torch.Tensor:
+    """alpha [N, K] = sparse sum_d min(p, q) over the top-k ids plus one residual bin."""
+    return log_acceptance_rates(draft_logits, topk_ids, topk_logprobs).exp()
+
+
+def chain_lengths(accepted: torch.Tensor | None, num_cycles: int, k: int, device=None) -> torch.Tensor:
+    """L per cycle: min(accepted + 1, K) under VGM (first position always kept), K without it."""
+    if accepted is None:
+        return torch.full((num_cycles,), k, dtype=torch.long, device=device)
+    assert accepted.shape == (num_cycles,), f"accepted must be [N={num_cycles}], got {tuple(accepted.shape)}"
+    return (accepted.long() + 1).clamp(max=k)
+
+
+def chain_loss(alpha: torch.Tensor, accepted: torch.Tensor | None = None, kind: str = "dca", *,
+               alpha_is_log: bool = False) -> torch.Tensor:
+    """Mean over cycles of the DCA or TV chain loss. alpha [N, K] (or log alpha with alpha_is_log).
+
+    accepted [N] (0..K) enables verify-gated masking: the chain sum stops at and includes position
+    min(accepted + 1, K). None: no masking, the chain runs over all K positions.
+    """
+    return chain_loss_per_cycle(alpha, accepted, kind, alpha_is_log=alpha_is_log).mean()
+
+
+def chain_loss_per_cycle(alpha: torch.Tensor, accepted: torch.Tensor | None = None, kind: str = "dca", *,
+                         alpha_is_log: bool = False) -> torch.Tensor:
+    if kind not in CHAIN_KINDS:
+        raise ValueError(f"chain loss kind must be one of {CHAIN_KINDS}, got {kind!r}")
+    assert alpha.ndim == 2, f"alpha must be [N, K], got {tuple(alpha.shape)}"
+    num_cycles, k = alpha.shape
+    log_alpha = alpha.float() if alpha_is_log else alpha.float().log()
+    lengths = chain_lengths(accepted, num_cycles, k, device=alpha.device)
+    log_terms = torch.cumsum(log_alpha, dim=1)  # log prod_{i<=l} alpha_i, [N, K]
+    # Masked positions get -inf through `where` (not arithmetic), so no gradient reaches them.
+    keep = torch.arange(k, device=alpha.device)[None, :] < lengths[:, None]
+    log_terms = torch.where(keep, log_terms, torch.full_like(log_terms, float("-inf")))
+    log_chain = torch.logsumexp(log_terms, dim=1)  # log M, [N]
+    return -log_chain if kind == "dca" else -log_chain.exp()
+
+
+def position_loss(draft_logits: torch.Tensor, topk_ids: torch.Tensor, topk_logprobs: torch.Tensor,
+                  accepted: torch.Tensor | None = None, kind: str = "kl") -> torch.Tensor:
+    """Mean over cycles of the per-position CE or KL(p || q), averaged over positions 1..L.
+
+    p is the recorded top-k plus its residual bin; q is gathered at the same ids plus its own residual.
+    """
+    return position_loss_per_cycle(draft_logits, topk_ids, topk_logprobs, accepted, kind).mean()
+
+
+def position_loss_per_cycle(draft_logits: torch.Tensor, topk_ids: torch.Tensor, topk_logprobs: torch.Tensor,
+                            accepted: torch.Tensor | None = None, kind: str = "kl") -> torch.Tensor:
+    if kind not in POSITION_KINDS:
+        raise ValueError(f"position loss kind must be one of {POSITION_KINDS}, got {kind!r}")
+    _check(draft_logits, topk_ids, topk_logprobs)
+    num_cycles, k = draft_logits.shape[:2]
+    logp = topk_logprobs.float()
+    logq = _gathered_logq(draft_logits, topk_ids)
+    logp_all = torch.cat([logp, _residual_logprob(logp).unsqueeze(-1)], dim=-1)  # [N, K, k+1]
+    logq_all = torch.cat([logq, _residual_logprob(logq).unsqueeze(-1)], dim=-1)
+    p = logp_all.exp()
+    cross = -(p * logq_all).sum(-1)  # [N, K]
+    if kind == "kl":
+        # p log p is 0 where p is 0; where() keeps the -inf of an empty residual bin out of the sum.
+        entropy_term = torch.where(p > 0, p * logp_all, torch.zeros_like(p)).sum(-1)
+        per_position = cross + entropy_term
+    else:
+        per_position = cross
+    lengths = chain_lengths(accepted, num_cycles, k, device=draft_logits.device)
+    keep = (torch.arange(k, device=draft_logits.device)[None, :] < lengths[:, None]).float()
+    return (per_position * keep).sum(1) / lengths.float()
+
+
+def head_loss_per_cycle(draft_logits: torch.Tensor, topk_ids: torch.Tensor, topk_logprobs: torch.Tensor,
+                        accepted: torch.Tensor | None, kind: str = "dca") -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss per cycle [N], alpha [N, K] detached) for any objective; `accepted` None disables VGM."""
+    if kind not in LOSS_KINDS:
+        raise ValueError(f"head loss must be one of {LOSS_KINDS}, got {kind!r}")
+    log_alpha = log_acceptance_rates(draft_logits, topk_ids, topk_logprobs)
+    if kind in CHAIN_KINDS:
+        loss = chain_loss_per_cycle(log_alpha, accepted, kind, alpha_is_log=True)
+    else:
+        loss = position_loss_per_cycle(draft_logits, topk_ids, topk_logprobs, accepted, kind)
+    return loss, log_alpha.detach().exp()

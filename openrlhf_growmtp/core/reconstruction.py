@@ -1,0 +1,284 @@
+"""Draft-path reconstruction: rebuild every recorded cycle's q_1..q_K exactly as drafting computed them.
+
+Chain by chain, cycle r (start s, drafts d) is: a head KV cache with one entry per committed position
+p = 0..s from (H_p, x_{p+1}) at RoPE position p; q_1 from the output at s; then step j = 2..K feeds
+(h'_{j-1}, d_{j-1}) at position s+j-1. Nothing is sampled: the recorded drafts are inputs.
+
+Batched, the same computation runs as one causal prefix pass plus K-1 chain forwards that advance every
+cycle of a chunk by one step. All chains attend over one shared cache -- the flattened prefix entries of
+the chunk's sequences followed by one block of chain entries per depth -- under an additive mask:
+causal over the chain's own committed prefix (p <= s), diagonal over the draft blocks (a chain sees only
+its own drafts). Worked example, one sequence, Lmax = 4 prefix slots, 2 cycles starting at s = 1 and 3,
+at depth 3 (keys: prefix p0..p3 | depth-2 entries c0 c1 | depth-3 entries c0 c1):
+
+    cycle 0 (s=1):  1 1 0 0 | 1 0 | 1 0
+    cycle 1 (s=3):  1 1 1 1 | 0 1 | 0 1
+
+Chunks of cycles run their forwards and their own backward; each chunk's loss is weighted by its share
+of the batch's cycles, so accumulated gradients equal one backward over the whole batch (chunk graphs are
+disjoint: each chunk recomputes the prefix entries it reads).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+from .head import HeadKVCache, MTPHead, additive_mask
+from .objectives import head_loss_per_cycle
+from .records import RecordError, SequenceRecord
+
+DEFAULT_CHUNK_CYCLES = 1024
+
+
+@dataclass
+class Piece:
+    """Cycles [lo, hi) of sequence `seq`, reconstructed together in one chunk."""
+
+    seq: int
+    lo: int
+    hi: int
+
+
+def plan_chunks(records: Sequence[SequenceRecord], chunk_cycles: int) -> list[list[Piece]]:
+    """Split the batch's cycles, in order, into chunks of at most chunk_cycles cycles."""
+    if chunk_cycles < 1:
+        raise ValueError(f"chunk_cycles must be >= 1, got {chunk_cycles}")
+    chunks, current, room = [], [], chunk_cycles
+    for seq, rec in enumerate(records):
+        lo = 0
+        while lo < rec.num_cycles:
+            hi = min(rec.num_cycles, lo + room)
+            current.append(Piece(seq, lo, hi))
+            room -= hi - lo
+            lo = hi
+            if room == 0:
+                chunks.append(current)
+                current, room = [], chunk_cycles
+    if current:
+        chunks.append(current)
+    return chunks
+
+
+def _hidden_of(records: Sequence[SequenceRecord], hiddens: Sequence[torch.Tensor] | None, seq: int) -> torch.Tensor:
+    if hiddens is not None:
+        return hiddens[seq]
+    if records[seq].hidden is None:
+        raise RecordError(f"hidden: record {seq} carries no hidden states (transport-free mode) and the "
+                          "trainer passed none; recompute them with the policy forward")
+    return records[seq].hidden
+
+
+def reconstruct_chunk(head: MTPHead, records: Sequence[SequenceRecord], pieces: Sequence[Piece],
+                      hiddens: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
+    """Draft logits [N, K, V] (divided by each request's temperature) for the cycles of `pieces`, in order."""
+    param = next(head.parameters())
+    device, dtype = param.device, param.dtype
+    depth = records[pieces[0].seq].k
+    num_seqs = len(pieces)
+    prefix_lens = [int(records[pc.seq].start[pc.hi - 1]) + 1 for pc in pieces]  # positions 0..max start
+    lmax = max(prefix_lens)
+
+    # ---- prefix pass: every sequence's entries (H_p, x_{p+1}) at p = 0..prefix_len-1, causal -------------
+    hidden_pad = torch.zeros(num_seqs, lmax, head.config.hidden_size, device=device, dtype=dtype)
+    ids_pad = torch.zeros(num_seqs, lmax, dtype=torch.long, device=device)
+    for i, (pc, length) in enumerate(zip(pieces, prefix_lens)):
+        hidden_pad[i, :length] = _hidden_of(records, hiddens, pc.seq)[:length].to(device=device, dtype=dtype)
+        ids_pad[i, :length] = records[pc.seq].token_ids[1:length + 1].to(device)
+    positions = torch.arange(lmax, device=device).expand(num_seqs, lmax)
+    cache = HeadKVCache()
+    # Right padding is harmless under a causal mask: real slots never see the padded ones after them.
+    prefix = head(hidden_pad, ids_pad, positions, cache=cache)
+
+    # ---- the chunk's cycles, flattened ----------------------------------------------------------------
+    seq_local = torch.cat([torch.full((pc.hi - pc.lo,), i, dtype=torch.long) for i, pc in enumerate(pieces)])
+    seq_local = seq_local.to(device)
+    start = torch.cat([records[pc.seq].start[pc.lo:pc.hi] for pc in pieces]).to(device)
+    drafts = torch.cat([records[pc.seq].drafts[pc.lo:pc.hi] for pc in pieces]).to(device)
+    temperature = torch.cat([torch.full((pc.hi - pc.lo,), float(records[pc.seq].temperature)) for pc in pieces])
+    num_cycles = int(start.shape[0])
+
+    normed = [prefix.normed[seq_local, start]]  # depth 1 is the prefix output at s, [N, H]
+    feed_back = prefix.feed_back[seq_local, start]
+
+    if depth > 1:
+        # Shared cache: prefix entries of all sequences side by side ([1, kv, num_seqs * lmax, d]).
+        def flatten(t: torch.Tensor) -> torch.Tensor:  # [B, kv, L, d] -> [1, kv, B * L, d]
+            return t.transpose(0, 1).reshape(1, t.shape[1], -1, t.shape[3])
+
+        chain_cache = HeadKVCache(flatten(cache.key), flatten(cache.value))
+        mask = draft_path_mask(seq_local, start, num_seqs, lmax, depth, dtype)
+        num_prefix = num_seqs * lmax
+        for j in range(2, depth + 1):
+            step_mask = mask[..., :num_prefix + num_cycles * (j - 1)]
+            out = head(feed_back.unsqueeze(0), drafts[:, j - 2].unsqueeze(0), (start + j - 1).unsqueeze(0),
+                       cache=chain_cache, attention_mask=step_mask)
+            normed.append(out.normed[0])
+            feed_back = out.feed_back[0]
+
+    logits = head.logits(torch.stack(normed, dim=1)).float()  # [N, K, V]
+    return logits / temperature.to(device)[:, None, None]
+
+
+def draft_path_mask(seq_local: torch.Tensor, start: torch.Tensor, num_seqs: int, lmax: int, depth: int,
+                    dtype: torch.dtype) -> torch.Tensor:
+    """Additive [1, 1, N, num_seqs*lmax + N*(depth-1)]: own committed prefix p <= s, own draft entries."""
+    device = start.device
+    num_cycles = int(start.shape[0])
+    column_seq = torch.arange(num_seqs, device=device).repeat_interleave(lmax)  # [num_seqs * lmax]
+    column_pos = torch.arange(lmax, device=device).repeat(num_seqs)
+    prefix_visible = (column_seq[None, :] == seq_local[:, None]) & (column_pos[None, :] <= start[:, None])
+    own = torch.eye(num_cycles, dtype=torch.bool, device=device)
+    visible = torch.cat([prefix_visible] + [own] * (depth - 1), dim=1)
+    return additive_mask(visible, dtype)[None, None]
+
+
+def reconstruct_draft_logits(head: MTPHead, records: Sequence[SequenceRecord],
+                             hiddens: Sequence[torch.Tensor] | None = None,
+                             chunk_cycles: int = DEFAULT_CHUNK_CYCLES) -> torch.Tensor:
+    """Draft logits [N, K, V] for every cycle of the batch (in record order), chunk by chunk."""
+    return torch.cat([reconstruct_chunk(head, records, pieces, hiddens)
+                      for pieces in plan_chunks(records, chunk_cycles)])
+
+
+def _cat_cycles(records: Sequence[SequenceRecord], pieces: Sequence[Piece], name: str) -> torch.Tensor:
+    return torch.cat([getattr(records[pc.seq], name)[pc.lo:pc.hi] for pc in pieces])
+
+
+# ---- teacher forcing (ablation) ------------------------------------------------------------------------
+@dataclass
+class TeacherForcedBatch:
+    """Teacher-forced chains of one sequence: one chain per committed start m, depths 1..K."""
+
+    logits: torch.Tensor  # [M, K, V], temperature applied
+    topk_ids: torch.Tensor  # [M, K, k] recorded target at the token each depth predicts
+    topk_logprobs: torch.Tensor  # [M, K, k]
+    lengths: torch.Tensor  # [M] consecutive depths (from 1) that have a recorded target
+
+
+def _teacher_forcing_targets(rec: SequenceRecord):
+    """(starts [M], token_index [M, K], lengths [M], target_ids [T, k], target_lp [T, k]) or None. No model work."""
+    length, depth, width = int(rec.token_ids.shape[0]), rec.k, int(rec.topk_ids.shape[2])
+    target_ids = torch.zeros(length, width, dtype=torch.long)
+    target_lp = torch.zeros(length, width, dtype=torch.float32)
+    has_target = torch.zeros(length, dtype=torch.bool)
+    for r in range(rec.num_cycles):
+        s, a = int(rec.start[r]), int(rec.accepted[r])
+        for kk in range(1, min(a + 1, depth) + 1):
+            t = s + 1 + kk
+            if t < length:
+                target_ids[t], target_lp[t], has_target[t] = rec.topk_ids[r, kk - 1], rec.topk_logprobs[r, kk - 1], True
+    starts = torch.arange(rec.prompt_len - 1, max(rec.prompt_len - 1, length - 2))
+    offsets = torch.arange(1, depth + 1)
+    token_index = starts[:, None] + 1 + offsets[None, :]  # [M, K] token each depth predicts
+    available = (token_index < length) & has_target[token_index.clamp(max=length - 1)]
+    lengths = torch.cumprod(available.long(), dim=1).sum(1)  # consecutive depths from 1
+    keep = lengths > 0
+    if not bool(keep.any()):
+        return None
+    return starts[keep], token_index[keep], lengths[keep], target_ids, target_lp
+
+
+def teacher_forced_chains(head: MTPHead, rec: SequenceRecord, hidden: torch.Tensor) -> TeacherForcedBatch | None:
+    """Teacher forcing on the committed sequence, as the ablation of the paper's Appendix on it.
+
+    K causal forwards over the committed tokens: depth 1 reads (H_p, x_{p+1}); depth k reads the
+    depth-(k-1) state of position p-1 with x_{p+1} (position 0 keeps H_0). The chain from start m at
+    depth k is the depth-k state at m+k-1 and predicts token m+1+k. Its target is the recorded p of the
+    cycle that verified that token with an accepted (= committed) context: row k' of cycle r covers token
+    s_r+1+k' for k' <= accepted+1. Returns None when no chain has a target.
+    """
+    targets = _teacher_forcing_targets(rec)
+    if targets is None:
+        return None
+    starts, token_index, lengths, target_ids, target_lp = targets
+    param = next(head.parameters())
+    device, dtype = param.device, param.dtype
+    length, depth = int(rec.token_ids.shape[0]), rec.k
+    offsets = torch.arange(1, depth + 1)
+
+    # ---- K causal forwards ---------------------------------------------------------------------------
+    num_slots = length - 1  # slot p pairs (state, x_{p+1}), p = 0..T-2
+    ids = rec.token_ids[1:].to(device)[None]
+    positions = torch.arange(num_slots, device=device)[None]
+    features = hidden[:num_slots].to(device=device, dtype=dtype)[None]
+    normed = []
+    for k in range(1, depth + 1):
+        out = head(features, ids, positions, cache=HeadKVCache())
+        normed.append(out.normed[0])
+        features = torch.cat([hidden[:1].to(device=device, dtype=dtype)[None], out.feed_back[:, :-1]], dim=1)
+    slot = (starts[:, None] + offsets[None, :] - 1).clamp(max=num_slots - 1).to(device)  # [M, K]
+    states = torch.stack([normed[k][slot[:, k]] for k in range(depth)], dim=1)  # [M, K, H]
+    logits = head.logits(states).float() / rec.temperature
+    tgt = token_index.clamp(max=length - 1)
+    return TeacherForcedBatch(logits=logits, topk_ids=target_ids[tgt].to(device),
+                              topk_logprobs=target_lp[tgt].to(device), lengths=lengths.to(device))
+
+
+# ---- the head update -----------------------------------------------------------------------------------
+@dataclass
+class HeadLossStats:
+    loss: float  # batch loss (mean over cycles, or over teacher-forced chains)
+    num_cycles: int
+    num_chunks: int
+    alpha_mean: list[float] = field(default_factory=list)  # per position, over reconstructed cycles
+    finite: bool = True
+
+
+def head_loss_backward(head: MTPHead, records: Sequence[SequenceRecord],
+                       hiddens: Sequence[torch.Tensor] | None = None, *, kind: str = "dca", vgm: bool = True,
+                       chunk_cycles: int = DEFAULT_CHUNK_CYCLES, teacher_forcing: bool = False,
+                       backward: Callable[[torch.Tensor], None] | None = None) -> HeadLossStats:
+    """Reconstruct, score and backpropagate the head loss over a batch of records, chunk by chunk.
+
+    Gradients accumulate into the head's .grad (via `backward`, default loss.backward()). If a chunk's
+    loss is not finite, it is not backpropagated and the returned stats say finite=False: the caller must
+    then drop the head's gradients for this step (earlier chunks may have accumulated some).
+    """
+    backward = backward or (lambda loss: loss.backward())
+    if teacher_forcing:
+        return _teacher_forced_backward(head, records, hiddens, kind, backward)
+    total = sum(rec.num_cycles for rec in records)
+    if total == 0:
+        return HeadLossStats(loss=0.0, num_cycles=0, num_chunks=0)
+    device = next(head.parameters()).device
+    loss_sum, alpha_sum, chunks = 0.0, None, plan_chunks(records, chunk_cycles)
+    for pieces in chunks:
+        logits = reconstruct_chunk(head, records, pieces, hiddens)
+        accepted = _cat_cycles(records, pieces, "accepted").to(device) if vgm else None
+        per_cycle, alpha = head_loss_per_cycle(logits, _cat_cycles(records, pieces, "topk_ids").to(device),
+                                               _cat_cycles(records, pieces, "topk_logprobs").to(device),
+                                               accepted, kind)
+        chunk_loss = per_cycle.sum() / total  # = chunk mean x the chunk's share of cycles
+        if not bool(torch.isfinite(chunk_loss)):
+            return HeadLossStats(loss=float("nan"), num_cycles=total, num_chunks=len(chunks), finite=False)
+        backward(chunk_loss)
+        loss_sum += float(chunk_loss)
+        alpha_sum = alpha.sum(0) if alpha_sum is None else alpha_sum + alpha.sum(0)
+    return HeadLossStats(loss=loss_sum, num_cycles=total, num_chunks=len(chunks),
+                         alpha_mean=(alpha_sum / total).tolist())
+
+
+def _teacher_forced_backward(head, records, hiddens, kind, backward) -> HeadLossStats:
+    # One sequence per chunk; every depth's length is set by the available targets (no cycles, no VGM).
+    targets = [_teacher_forcing_targets(rec) for rec in records]
+    total = sum(int(t[0].shape[0]) for t in targets if t is not None)
+    if total == 0:
+        return HeadLossStats(loss=0.0, num_cycles=0, num_chunks=0)
+    loss_sum, chunks = 0.0, 0
+    for i, rec in enumerate(records):
+        if targets[i] is None:
+            continue
+        batch = teacher_forced_chains(head, rec, _hidden_of(records, hiddens, i))
+        per_chain, _ = head_loss_per_cycle(batch.logits, batch.topk_ids, batch.topk_logprobs,
+                                           batch.lengths - 1, kind)
+        chunk_loss = per_chain.sum() / total
+        if not math.isfinite(float(chunk_loss)):
+            return HeadLossStats(loss=float("nan"), num_cycles=total, num_chunks=chunks, finite=False)
+        backward(chunk_loss)
+        loss_sum += float(chunk_loss)
+        chunks += 1
+    return HeadLossStats(loss=loss_sum, num_cycles=total, num_chunks=chunks)

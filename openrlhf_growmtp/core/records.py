@@ -1,0 +1,245 @@
+"""Verification records: the contract between the drafting engine and the trainer.
+
+Terms, defined once:
+
+- *cycle*: one draft-then-verify step of one sequence. It starts at position s, the last committed
+  position whose target hidden state H_s is known; x_{s+1} is the token the previous verification emitted.
+- *draft path*: the K tokens d_1..d_K the head sampled in that cycle, proposed for positions
+  s+2..s+K+1. Draft d_k was sampled from q_k, the head's distribution after consuming d_1..d_{k-1}.
+- *verification*: one target forward over [x_{s+1}, d_1..d_K] gives p_k, the target's distribution for
+  the token at s+1+k conditioned on the draft path. Rejection sampling accepts d_k with prob min(1, p/q).
+- *accepted prefix*: drafts d_1..d_a that passed before the first rejection (a = `accepted`, 0..K; the
+  first rejected position is j = a + 1, or j = K + 1 when all passed).
+- *recovered token*: on a rejection at j, the token sampled from norm(max(p_j - q_j, 0)) instead of d_j.
+- *bonus token*: when all K drafts pass, the extra token sampled from the target at position s+K+2.
+  Either way a cycle commits a + 1 tokens, so the next cycle starts at s + a + 1 (or later, if steps
+  without drafts happened in between).
+- *verification record*: per sequence, the committed token ids (and optionally the target hidden states
+  the head consumed), plus per cycle: start, drafts, the target's top-k log-probs at each draft position
+  (normalised over the full vocabulary, temperature applied as in verification) and `accepted`.
+
+Mean acceptance length (tau) counts the recovered/bonus token: tau = 1 + mean(accepted).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+SCHEMA_VERSION = 1
+DEFAULT_TOPK = 64
+# bf16 log-probs near 0 round to small positive values; anything above this is not rounding.
+LOGPROB_ROUNDING = 1e-2
+
+
+class RecordError(ValueError):
+    """A malformed verification record. The message names the offending field."""
+
+
+@dataclass
+class SequenceRecord:
+    """The verification record of one generated sequence (prompt + response).
+
+    T = committed length (prompt included), R = cycles, K = drafting depth, k = recorded top-k width.
+    """
+
+    token_ids: torch.Tensor  # [T] int, committed tokens x_0..x_{T-1}, prompt included
+    prompt_len: int  # number of prompt tokens at the front of token_ids
+    start: torch.Tensor  # [R] int, absolute position s of each cycle (strictly increasing)
+    drafts: torch.Tensor  # [R, K] int, the draft path of each cycle
+    topk_ids: torch.Tensor  # [R, K, k] int, token ids of the target's top-k at each draft position
+    topk_logprobs: torch.Tensor  # [R, K, k] float (bf16 on the wire), full-vocab log p at those ids
+    accepted: torch.Tensor  # [R] int in 0..K, accepted drafts per cycle
+    hidden: torch.Tensor | None = None  # [T, H] target final-norm hidden states, or None (trainer recomputes)
+    temperature: float = 1.0  # the request's sampling temperature (q and p both use it)
+    meta: dict = field(default_factory=dict)  # free-form (request id, ...); travels with the record
+
+    @property
+    def num_cycles(self) -> int:
+        return int(self.start.shape[0])
+
+    @property
+    def k(self) -> int:
+        return int(self.drafts.shape[1])
+
+    @property
+    def num_generated(self) -> int:
+        return int(self.token_ids.shape[0]) - self.prompt_len
+
+    def validate(self, k: int | None = None, vocab_size: int | None = None, hidden_size: int | None = None,
+                 topk: int | None = None) -> "SequenceRecord":
+        """Check every field; raise RecordError naming the first bad one. Returns self."""
+        validate_record(self, k=k, vocab_size=vocab_size, hidden_size=hidden_size, topk=topk)
+        return self
+
+    # ---- transport ----------------------------------------------------------------------------
+    def pack(self) -> bytes:
+        """Compact bytes (safetensors, no pickle): int32 ids, uint8 accepted, bf16 log-probs and hidden."""
+        tensors = {
+            "token_ids": self.token_ids.to(torch.int32),
+            "start": self.start.to(torch.int32),
+            "drafts": self.drafts.to(torch.int32),
+            "topk_ids": self.topk_ids.to(torch.int32),
+            "topk_logprobs": self.topk_logprobs.to(torch.bfloat16),
+            "accepted": self.accepted.to(torch.uint8),
+        }
+        if self.hidden is not None:
+            tensors["hidden"] = self.hidden.to(torch.bfloat16)
+        header = {"schema_version": str(SCHEMA_VERSION), "prompt_len": str(self.prompt_len),
+                  "temperature": repr(float(self.temperature)), "meta": json.dumps(self.meta)}
+        return st_save({name: t.detach().cpu().contiguous() for name, t in tensors.items()}, metadata=header)
+
+    @classmethod
+    def unpack(cls, blob: bytes) -> "SequenceRecord":
+        header = _read_safetensors_metadata(blob)
+        version = int(header.get("schema_version", -1))
+        if version != SCHEMA_VERSION:
+            raise RecordError(f"schema_version: record has {version}, this code reads {SCHEMA_VERSION}")
+        t = st_load(blob)
+        return cls(token_ids=t["token_ids"].long(), prompt_len=int(header["prompt_len"]),
+                   start=t["start"].long(), drafts=t["drafts"].long(), topk_ids=t["topk_ids"].long(),
+                   topk_logprobs=t["topk_logprobs"], accepted=t["accepted"].long(), hidden=t.get("hidden"),
+                   temperature=float(header["temperature"]), meta=json.loads(header["meta"]))
+
+    def bytes_per_token(self) -> float:
+        """Packed record size per generated token (the transport cost the engine reports)."""
+        return len(self.pack()) / max(1, self.num_generated)
+
+    @classmethod
+    def make_dummy(cls, prompt_len: int = 5, accepted: list[int] | tuple[int, ...] = (2, 0, 3), k: int = 3,
+                   topk: int = 4, vocab_size: int = 50, hidden_size: int | None = 8, seed: int = 0,
+                   trailing_tokens: int = 1) -> "SequenceRecord":
+        """A valid record with the given accepted counts (random tokens and log-probs), for tests."""
+        g = torch.Generator().manual_seed(seed)
+        num_cycles = len(accepted)
+        acc = torch.tensor(accepted, dtype=torch.long)
+        starts = (prompt_len - 1 + torch.cumsum(torch.cat([torch.zeros(1, dtype=torch.long), acc[:-1] + 1]), 0))
+        length = int(starts[-1]) + int(acc[-1]) + 1 + trailing_tokens + 1
+        token_ids = torch.randint(0, vocab_size, (length,), generator=g)
+        drafts = torch.randint(0, vocab_size, (num_cycles, k), generator=g)
+        for r in range(num_cycles):
+            s, a = int(starts[r]), int(acc[r])
+            token_ids[s + 2:s + 2 + a] = drafts[r, :a]
+            if a < k:  # the recovered token differs from the rejected draft
+                token_ids[s + 2 + a] = (drafts[r, a] + 1) % vocab_size
+        scores = torch.randn(num_cycles, k, vocab_size, generator=g)
+        logprobs = torch.log_softmax(scores, dim=-1)
+        top = logprobs.topk(topk, dim=-1)
+        hidden = None if hidden_size is None else torch.randn(length, hidden_size, generator=g)
+        return cls(token_ids=token_ids, prompt_len=prompt_len, start=starts, drafts=drafts, topk_ids=top.indices,
+                   topk_logprobs=top.values, accepted=acc, hidden=hidden)
+
+
+def _read_safetensors_metadata(blob: bytes) -> dict:
+    header_len = int.from_bytes(blob[:8], "little")
+    return json.loads(blob[8:8 + header_len]).get("__metadata__", {})
+
+
+def _require(condition: bool, field_name: str, message: str) -> None:
+    if not condition:
+        raise RecordError(f"{field_name}: {message}")
+
+
+def _check_int(tensor, field_name: str, ndim: int) -> None:
+    _require(isinstance(tensor, torch.Tensor), field_name, f"expected a tensor, got {type(tensor).__name__}")
+    _require(tensor.ndim == ndim, field_name, f"expected {ndim} dims, got shape {tuple(tensor.shape)}")
+    _require(not tensor.is_floating_point() and not tensor.is_complex() and tensor.dtype != torch.bool,
+             field_name, f"expected an integer dtype, got {tensor.dtype}")
+
+
+def validate_record(rec: SequenceRecord, k: int | None = None, vocab_size: int | None = None,
+                    hidden_size: int | None = None, topk: int | None = None) -> None:
+    """Reject every malformed record with a RecordError naming the field. Cheap: no model work."""
+    _check_int(rec.token_ids, "token_ids", 1)
+    _check_int(rec.start, "start", 1)
+    _check_int(rec.drafts, "drafts", 2)
+    _check_int(rec.topk_ids, "topk_ids", 3)
+    _check_int(rec.accepted, "accepted", 1)
+    length = int(rec.token_ids.shape[0])
+    num_cycles, depth = int(rec.drafts.shape[0]), int(rec.drafts.shape[1])
+    _require(isinstance(rec.prompt_len, int) and 1 <= rec.prompt_len <= length, "prompt_len",
+             f"must be an int in 1..{length} (len(token_ids)), got {rec.prompt_len!r}")
+    _require(depth >= 1, "drafts", "K (second dim) must be at least 1")
+    if k is not None:
+        _require(depth == k, "drafts", f"K = {depth} drafts per cycle, expected K = {k}")
+    _require(rec.start.shape[0] == num_cycles, "start", f"{rec.start.shape[0]} cycles, drafts has {num_cycles}")
+    _require(rec.accepted.shape[0] == num_cycles, "accepted",
+             f"{rec.accepted.shape[0]} cycles, drafts has {num_cycles}")
+    _require(rec.topk_ids.shape[:2] == (num_cycles, depth), "topk_ids",
+             f"shape {tuple(rec.topk_ids.shape)} does not start with [R={num_cycles}, K={depth}]")
+    width = int(rec.topk_ids.shape[2])
+    _require(width >= 1, "topk_ids", "top-k width must be at least 1")
+    if topk is not None:
+        _require(width == topk, "topk_ids", f"top-k width {width}, expected {topk}")
+    lp = rec.topk_logprobs
+    _require(isinstance(lp, torch.Tensor) and lp.is_floating_point(), "topk_logprobs",
+             f"expected a floating tensor, got {getattr(lp, 'dtype', type(lp).__name__)}")
+    _require(tuple(lp.shape) == tuple(rec.topk_ids.shape), "topk_logprobs",
+             f"shape {tuple(lp.shape)} differs from topk_ids {tuple(rec.topk_ids.shape)}")
+    _require(bool(torch.isfinite(lp).all()), "topk_logprobs", "non-finite log-probs")
+    _require(bool((lp <= LOGPROB_ROUNDING).all()), "topk_logprobs",
+             f"positive log-probs (max {float(lp.max()):.4g}); they must be full-vocab log p <= 0")
+    mass = torch.logsumexp(lp.float(), dim=-1)
+    _require(bool((mass <= LOGPROB_ROUNDING).all()), "topk_logprobs",
+             f"top-k probabilities sum to {float(mass.exp().max()):.4g} > 1: not normalised over the full vocabulary")
+    if num_cycles and width > 1:
+        ids_sorted = rec.topk_ids.sort(dim=-1).values
+        _require(bool((ids_sorted[..., 1:] != ids_sorted[..., :-1]).all()), "topk_ids", "repeated ids within a row")
+    if vocab_size is not None:
+        for name, ids in (("token_ids", rec.token_ids), ("drafts", rec.drafts), ("topk_ids", rec.topk_ids)):
+            if ids.numel():
+                _require(int(ids.min()) >= 0 and int(ids.max()) < vocab_size, name,
+                         f"token ids must lie in [0, {vocab_size}), got [{int(ids.min())}, {int(ids.max())}]")
+    if num_cycles:
+        _require(int(rec.accepted.min()) >= 0 and int(rec.accepted.max()) <= depth, "accepted",
+                 f"must lie in 0..K={depth}, got [{int(rec.accepted.min())}, {int(rec.accepted.max())}]")
+        _require(int(rec.start[0]) >= rec.prompt_len - 1, "start",
+                 f"first cycle starts at {int(rec.start[0])}, before the last prompt position {rec.prompt_len - 1}")
+        _require(int(rec.start[-1]) + 1 < length, "start",
+                 f"last cycle starts at {int(rec.start[-1])}: its next token x_(s+1) is past the sequence "
+                 f"(len(token_ids) = {length})")
+        # A cycle commits accepted + 1 tokens, so the next one starts at least that far on.
+        earliest_next = rec.start[:-1] + rec.accepted[:-1] + 1
+        bad = (rec.start[1:] < earliest_next).nonzero()
+        if bad.numel():
+            r = int(bad[0, 0])
+            raise RecordError(f"start: starts are not monotone: cycle {r + 1} starts at {int(rec.start[r + 1])}, "
+                              f"before {int(earliest_next[r])} = previous start + accepted + 1")
+        _check_committed_prefix(rec)
+    if rec.hidden is not None:
+        h = rec.hidden
+        _require(isinstance(h, torch.Tensor) and h.is_floating_point() and h.ndim == 2, "hidden",
+                 f"expected a floating [T, H] tensor, got {getattr(h, 'dtype', type(h).__name__)} "
+                 f"{tuple(getattr(h, 'shape', ()))}")
+        _require(h.shape[0] == length, "hidden", f"{h.shape[0]} rows, token_ids has T = {length}")
+        if hidden_size is not None:
+            _require(h.shape[1] == hidden_size, "hidden", f"width {h.shape[1]}, expected H = {hidden_size}")
+        _require(bool(torch.isfinite(h).all()), "hidden", "non-finite hidden states")
+    _require(isinstance(rec.temperature, (int, float)) and rec.temperature > 0, "temperature",
+             f"must be > 0 (greedy drafting has no q to learn from), got {rec.temperature!r}")
+
+
+def _check_committed_prefix(rec: SequenceRecord) -> None:
+    """token_ids[s+2 .. s+1+a] must equal the accepted drafts d_1..d_a (where the sequence reaches)."""
+    length, depth = int(rec.token_ids.shape[0]), rec.k
+    offsets = torch.arange(depth)
+    positions = rec.start[:, None] + 2 + offsets[None, :]  # [R, K] position of draft k
+    in_accepted = offsets[None, :] < rec.accepted[:, None]
+    # EOS or max_tokens may cut a cycle short: accepted drafts past the end were never committed.
+    checked = in_accepted & (positions < length)
+    committed = rec.token_ids[positions.clamp(max=length - 1)]
+    bad = (checked & (committed != rec.drafts)).nonzero()
+    if bad.numel():
+        r, j = int(bad[0, 0]), int(bad[0, 1])
+        raise RecordError(
+            f"drafts: cycle {r} accepted {int(rec.accepted[r])} drafts but draft {j + 1} "
+            f"({int(rec.drafts[r, j])}) differs from the committed token_ids[{int(positions[r, j])}] "
+            f"= {int(committed[r, j])}")
+
+
+def total_cycles(records: list[SequenceRecord]) -> int:
+    return sum(rec.num_cycles for rec in records)

