@@ -1,0 +1,19 @@
+"""The GrowMTP core: pure torch (+ transformers decoder layers). Imports neither openrlhf nor vllm."""
+
+from .checkpoint import (export_head, init_random_head_, load_head, load_native_head, materialize_random_head,
+                         save_head)
+from .families import FAMILIES, HeadFamily, family_for_backbone, get_family
+from .head import HeadKVCache, HeadOutput, MTPHead, make_head_config
+from .metrics import AcceptanceSummary, acceptance_summary
+from .objectives import acceptance_rates, chain_loss, log_acceptance_rates, position_loss
+from .reconstruction import head_loss_backward, reconstruct_draft_logits, teacher_forced_chains
+from .records import RecordError, SequenceRecord, validate_record
+from .schedule import HeadLRSchedule
+
+__all__ = [
+    "AcceptanceSummary", "FAMILIES", "HeadFamily", "HeadKVCache", "HeadLRSchedule", "HeadOutput", "MTPHead",
+    "RecordError", "SequenceRecord", "acceptance_rates", "acceptance_summary", "chain_loss", "export_head",
+    "family_for_backbone", "get_family", "head_loss_backward", "init_random_head_", "load_head", "load_native_head",
+    "log_acceptance_rates", "make_head_config", "materialize_random_head", "position_loss",
+    "reconstruct_draft_logits", "save_head", "teacher_forced_chains", "validate_record",
+]

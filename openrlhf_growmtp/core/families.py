@@ -131,15 +131,16 @@ def get_family(name: str) -> HeadFamily:
         raise ValueError(f"unknown head family {name!r}; known: {sorted(FAMILIES)}") from None
 
 
+def family_for_model_type(*model_types: str | None) -> HeadFamily:
+    """The family of the first known model_type (e.g. a wrapper's, then its text config's)."""
+    for model_type in model_types:
+        if model_type in MODEL_TYPE_TO_FAMILY:
+            return FAMILIES[MODEL_TYPE_TO_FAMILY[model_type]]
+    raise ValueError(f"no GrowMTP head family for backbone model_type {model_types}; "
+                     f"supported: {sorted(MODEL_TYPE_TO_FAMILY)}")
+
+
 def family_for_backbone(config: PretrainedConfig) -> HeadFamily:
     """The head family of a backbone config (its text config for multimodal wrappers)."""
-    model_type = getattr(config, "model_type", None)
-    if model_type not in MODEL_TYPE_TO_FAMILY:
-        text = config.get_text_config() if hasattr(config, "get_text_config") else config
-        model_type = getattr(text, "model_type", None)
-    if model_type not in MODEL_TYPE_TO_FAMILY:
-        raise ValueError(
-            f"no GrowMTP head family for backbone model_type {model_type!r}; "
-            f"supported: {sorted(MODEL_TYPE_TO_FAMILY)}"
-        )
-    return FAMILIES[MODEL_TYPE_TO_FAMILY[model_type]]
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return family_for_model_type(getattr(config, "model_type", None), getattr(text, "model_type", None))

@@ -21,7 +21,6 @@ disjoint: each chunk recomputes the prefix entries it reads).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -153,6 +152,7 @@ def _cat_cycles(records: Sequence[SequenceRecord], pieces: Sequence[Piece], name
 class TeacherForcedBatch:
     """Teacher-forced chains of one sequence: one chain per committed start m, depths 1..K."""
 
+    starts: torch.Tensor  # [M] start position m of each chain
     logits: torch.Tensor  # [M, K, V], temperature applied
     topk_ids: torch.Tensor  # [M, K, k] recorded target at the token each depth predicts
     topk_logprobs: torch.Tensor  # [M, K, k]
@@ -214,7 +214,7 @@ def teacher_forced_chains(head: MTPHead, rec: SequenceRecord, hidden: torch.Tens
     states = torch.stack([normed[k][slot[:, k]] for k in range(depth)], dim=1)  # [M, K, H]
     logits = head.logits(states).float() / rec.temperature
     tgt = token_index.clamp(max=length - 1)
-    return TeacherForcedBatch(logits=logits, topk_ids=target_ids[tgt].to(device),
+    return TeacherForcedBatch(starts=starts, logits=logits, topk_ids=target_ids[tgt].to(device),
                               topk_logprobs=target_lp[tgt].to(device), lengths=lengths.to(device))
 
 
@@ -253,13 +253,20 @@ def head_loss_backward(head: MTPHead, records: Sequence[SequenceRecord],
                                                _cat_cycles(records, pieces, "topk_logprobs").to(device),
                                                accepted, kind)
         chunk_loss = per_cycle.sum() / total  # = chunk mean x the chunk's share of cycles
-        if not bool(torch.isfinite(chunk_loss)):
+        if not _backward_if_finite(chunk_loss, backward):
             return HeadLossStats(loss=float("nan"), num_cycles=total, num_chunks=len(chunks), finite=False)
-        backward(chunk_loss)
-        loss_sum += float(chunk_loss)
+        loss_sum += chunk_loss.item()
         alpha_sum = alpha.sum(0) if alpha_sum is None else alpha_sum + alpha.sum(0)
     return HeadLossStats(loss=loss_sum, num_cycles=total, num_chunks=len(chunks),
                          alpha_mean=(alpha_sum / total).tolist())
+
+
+def _backward_if_finite(chunk_loss: torch.Tensor, backward: Callable[[torch.Tensor], None]) -> bool:
+    # A non-finite loss is never backpropagated: it would poison every gradient it touches.
+    if not bool(torch.isfinite(chunk_loss.detach())):
+        return False
+    backward(chunk_loss)
+    return True
 
 
 def _teacher_forced_backward(head, records, hiddens, kind, backward) -> HeadLossStats:
@@ -276,9 +283,8 @@ def _teacher_forced_backward(head, records, hiddens, kind, backward) -> HeadLoss
         per_chain, _ = head_loss_per_cycle(batch.logits, batch.topk_ids, batch.topk_logprobs,
                                            batch.lengths - 1, kind)
         chunk_loss = per_chain.sum() / total
-        if not math.isfinite(float(chunk_loss)):
+        if not _backward_if_finite(chunk_loss, backward):
             return HeadLossStats(loss=float("nan"), num_cycles=total, num_chunks=chunks, finite=False)
-        backward(chunk_loss)
-        loss_sum += float(chunk_loss)
+        loss_sum += chunk_loss.item()
         chunks += 1
     return HeadLossStats(loss=loss_sum, num_cycles=total, num_chunks=chunks)

@@ -1,0 +1,215 @@
+"""Head checkpoints: random materialisation, native heads inside full model checkpoints, export.
+
+A head directory holds `config.json` (the config of the head's single decoder layer, with
+`growmtp_family`) and `model.safetensors` (the head's own parameters under the native names, fc in our
+[e, h] input order). Trainer, engine and export all read this one format. A native export writes the
+names and fc order of the family's full-model checkpoint instead.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+from transformers import PretrainedConfig
+
+from .families import HeadFamily, family_for_backbone, family_for_model_type, get_family
+from .head import HEAD_CONFIG_FIELD, MTPHead, make_head_config, native_fc_to_ours, ours_fc_to_native
+
+HEAD_WEIGHTS = "model.safetensors"
+HEAD_CONFIG = "config.json"
+
+
+class HeadCheckpointError(ValueError):
+    """A head or backbone checkpoint that cannot serve as asked (the message says which file and why)."""
+
+
+# ---- backbone configs --------------------------------------------------------------------------------
+def resolve_backbone(backbone: str | Path | PretrainedConfig) -> tuple[HeadFamily, PretrainedConfig, dict]:
+    """(family, text config, raw config dict) of a backbone given as a config or a model directory.
+
+    Reads only config.json, so it works for families transformers has no class for (MiMo) and never
+    touches the hub.
+    """
+    if isinstance(backbone, PretrainedConfig):
+        raw = backbone.to_dict()
+        family = family_for_backbone(backbone)
+        text = backbone.get_text_config() if hasattr(backbone, "get_text_config") else backbone
+        return family, text, raw
+    path = Path(backbone) / HEAD_CONFIG
+    if not path.is_file():
+        raise HeadCheckpointError(f"{path}: no config.json; pass a local model directory")
+    raw = json.loads(path.read_text())
+    fields = dict(raw.get("text_config") or raw)
+    family = family_for_model_type(raw.get("model_type"), fields.get("model_type"))
+    for key in ("model_type", "architectures", "transformers_version", "auto_map"):
+        fields.pop(key, None)
+    return family, family.config_class(**fields), raw
+
+
+def head_config_for(backbone: str | Path | PretrainedConfig) -> PretrainedConfig:
+    family, text, _ = resolve_backbone(backbone)
+    return make_head_config(text, family)
+
+
+def native_head_layers(backbone: str | Path | PretrainedConfig) -> int:
+    """How many native MTP layers the backbone's config declares (0 when it ships none)."""
+    family, text, raw = resolve_backbone(backbone)
+    if family.native_layers_field is None:
+        return 0
+    value = raw.get(family.native_layers_field, (raw.get("text_config") or {}).get(family.native_layers_field))
+    if value is None:
+        value = getattr(text, family.native_layers_field, 0)
+    return int(value or 0)
+
+
+# ---- random heads ------------------------------------------------------------------------------------
+@torch.no_grad()
+def init_random_head_(head: MTPHead, seed: int = 0) -> MTPHead:
+    """From-scratch init, in place: every Linear ~ N(0, initializer_range), biases 0, RMSNorms scale 1.
+
+    Deterministic: one generator seeded with `seed`, modules visited in sorted name order.
+    """
+    std = float(head.config.initializer_range)
+    unit = head.family.norm_unit_weight
+    generator = torch.Generator().manual_seed(seed)
+    for name, module in sorted(head.named_modules(), key=lambda item: item[0]):
+        if isinstance(module, nn.Linear):
+            weight = torch.empty(module.weight.shape, dtype=torch.float32)
+            weight.normal_(0.0, std, generator=generator)
+            module.weight.copy_(weight)
+            if module.bias is not None:
+                module.bias.zero_()
+        elif type(module).__name__.endswith("RMSNorm"):
+            module.weight.fill_(unit)
+    return head
+
+
+def materialize_random_head(backbone: str | Path | PretrainedConfig, out_dir: str | Path, seed: int = 0,
+                            dtype: torch.dtype = torch.float32) -> Path:
+    """Write a from-scratch head for `backbone` to out_dir once; trainer and engine both load it."""
+    config = head_config_for(backbone)
+    head = init_random_head_(MTPHead(config), seed=seed).to(dtype)
+    return save_head(head, out_dir)
+
+
+# ---- head directories ----------------------------------------------------------------------------------
+def save_head(head: MTPHead, out_dir: str | Path, native: bool = False) -> Path:
+    """Write the head as a standalone directory (config.json + model.safetensors).
+
+    native=True writes the family's full-checkpoint names (with its prefix) and fc order instead.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    state = {name: t.detach().cpu().contiguous() for name, t in head.state_dict().items()}
+    if native:
+        state = to_native_state_dict(state, head.family)
+    save_file(state, str(out / HEAD_WEIGHTS), metadata={"format": "pt", HEAD_CONFIG_FIELD: head.family.name,
+                                                        "layout": "native" if native else "growmtp"})
+    config = head.config.to_dict()
+    config.pop("_attn_implementation", None)
+    config["torch_dtype"] = str(next(head.parameters()).dtype).removeprefix("torch.")
+    (out / HEAD_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return out
+
+
+export_head = save_head
+
+
+def read_head_config(head_dir: str | Path) -> PretrainedConfig:
+    path = Path(head_dir) / HEAD_CONFIG
+    if not path.is_file():
+        raise HeadCheckpointError(f"{path}: not a head directory (no config.json)")
+    raw = json.loads(path.read_text())
+    if HEAD_CONFIG_FIELD not in raw:
+        raise HeadCheckpointError(f"{path}: no {HEAD_CONFIG_FIELD!r} field; not written by growmtp-make-head "
+                                  "or export_head")
+    family = get_family(raw[HEAD_CONFIG_FIELD])
+    fields = {k: v for k, v in raw.items() if k not in ("model_type", "transformers_version")}
+    return family.config_class(**fields)
+
+
+def load_head(head_dir: str | Path, embed_tokens: nn.Module | None = None, lm_head: nn.Module | None = None,
+              dtype: torch.dtype | None = None) -> MTPHead:
+    """Build a head from a head directory and bind it to the backbone's embedding and lm_head."""
+    config = read_head_config(head_dir)
+    head = MTPHead(config, embed_tokens, lm_head)
+    state = _read_safetensors(Path(head_dir) / HEAD_WEIGHTS)
+    _load_exact(head, state, Path(head_dir) / HEAD_WEIGHTS)
+    return head.to(dtype) if dtype is not None else head
+
+
+def _load_exact(head: MTPHead, state: dict[str, torch.Tensor], source: Path) -> None:
+    expected = head.state_dict()
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    if missing or unexpected:
+        raise HeadCheckpointError(f"{source}: head parameters do not match the {head.family.name} head: "
+                                  f"missing {missing[:5]}, unexpected {unexpected[:5]}")
+    for name, tensor in state.items():
+        if tuple(tensor.shape) != tuple(expected[name].shape):
+            raise HeadCheckpointError(f"{source}: {name} has shape {tuple(tensor.shape)}, "
+                                      f"the head expects {tuple(expected[name].shape)}")
+    head.load_state_dict(state)
+
+
+def _read_safetensors(path: Path, prefix: str = "") -> dict[str, torch.Tensor]:
+    if not path.is_file():
+        raise HeadCheckpointError(f"{path}: missing")
+    with safe_open(str(path), framework="pt") as f:
+        return {name: f.get_tensor(name) for name in f.keys() if name.startswith(prefix)}
+
+
+# ---- native heads --------------------------------------------------------------------------------------
+def to_native_state_dict(state: dict[str, torch.Tensor], family: HeadFamily) -> dict[str, torch.Tensor]:
+    if family.native_prefix is None:
+        raise HeadCheckpointError(f"the {family.name} family ships no native head layout")
+    out = {}
+    for name, tensor in state.items():
+        if name == f"{family.fc_name}.weight":
+            tensor = ours_fc_to_native(tensor, family)
+        out[family.native_prefix + name] = tensor
+    return out
+
+
+def from_native_state_dict(state: dict[str, torch.Tensor], family: HeadFamily) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, tensor in state.items():
+        local = name[len(family.native_prefix):]
+        if local == f"{family.fc_name}.weight":
+            tensor = native_fc_to_ours(tensor, family)
+        out[local] = tensor
+    return out
+
+
+def load_native_head(model_dir: str | Path, embed_tokens: nn.Module | None = None,
+                     lm_head: nn.Module | None = None, dtype: torch.dtype | None = None) -> MTPHead:
+    """The native MTP head shipped inside a full model checkpoint (Qwen3.5 `mtp.*`, MiMo `model.mtp_layers.0.*`)."""
+    family, _, _ = resolve_backbone(model_dir)
+    if family.native_prefix is None or native_head_layers(model_dir) < 1:
+        raise HeadCheckpointError(
+            f"{model_dir}: --growmtp_head native needs a model that ships an MTP head, but this {family.name} "
+            f"checkpoint declares none ({family.native_layers_field or 'no native layout'}); use 'random'")
+    head = MTPHead(head_config_for(model_dir), embed_tokens, lm_head)
+    state = {}
+    for shard in _weight_files(Path(model_dir)):
+        state.update(_read_safetensors(shard, family.native_prefix))
+    if not state:
+        raise HeadCheckpointError(f"{model_dir}: no tensors under {family.native_prefix!r} in the checkpoint")
+    _load_exact(head, from_native_state_dict(state, family), Path(model_dir))
+    return head.to(dtype) if dtype is not None else head
+
+
+def _weight_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [model_dir / name for name in names]
+    single = model_dir / "model.safetensors"
+    if single.is_file():
+        return [single]
+    raise HeadCheckpointError(f"{model_dir}: no model.safetensors or model.safetensors.index.json")

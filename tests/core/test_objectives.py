@@ -1,0 +1,153 @@
+"""Objectives: sparse alpha vs the full vocabulary, DCA vs TV, verify-gated masking, CE/KL."""
+
+import math
+
+import pytest
+import torch
+
+from openrlhf_growmtp.core import acceptance_rates, chain_loss, head_loss_backward, position_loss
+from openrlhf_growmtp.core.objectives import log_acceptance_rates
+from tiny import make_head, make_records
+
+
+def _full_alpha(draft_logits, target_logprobs):
+    """Reference: sum_d min(p, q) over the whole vocabulary."""
+    return torch.minimum(target_logprobs.exp(), draft_logits.softmax(-1)).sum(-1)
+
+
+def _topk(target_logprobs, k):
+    top = target_logprobs.topk(k, dim=-1)
+    return top.indices, top.values
+
+
+def test_sparse_alpha_error_is_bounded_by_target_mass_outside_topk():
+    g = torch.Generator().manual_seed(0)
+    draft = torch.randn(64, 5, 300, generator=g) * 2
+    target = torch.log_softmax(torch.randn(64, 5, 300, generator=g) * 2, -1)
+    ids, lp = _topk(target, 16)
+    sparse, full = acceptance_rates(draft, ids, lp), _full_alpha(draft, target)
+    outside = 1 - lp.exp().sum(-1)
+    assert outside.min() > 0.05  # a real truncation, not a no-op
+    assert ((sparse - full).abs() <= outside + 1e-6).all()
+    assert (sparse >= full - 1e-6).all()  # merging the tail into one bin can only raise the overlap
+
+
+def test_sparse_alpha_is_exact_on_peaked_targets():
+    g = torch.Generator().manual_seed(1)
+    draft = torch.randn(32, 3, 500, generator=g)
+    scores = torch.randn(32, 3, 500, generator=g)
+    scores[..., :4] += 25.0  # nearly all target mass on 4 tokens
+    target = torch.log_softmax(scores, -1)
+    ids, lp = _topk(target, 64)
+    diff = (acceptance_rates(draft, ids, lp) - _full_alpha(draft, target)).abs().max().item()
+    assert diff <= 1e-5, diff
+
+
+def test_alpha_is_one_minus_total_variation_with_the_whole_vocabulary():
+    g = torch.Generator().manual_seed(2)
+    draft = torch.randn(8, 2, 40, generator=g)
+    target = torch.log_softmax(torch.randn(8, 2, 40, generator=g), -1)
+    ids, lp = _topk(target, 40)
+    tv = 0.5 * (target.exp() - draft.softmax(-1)).abs().sum(-1)
+    assert torch.allclose(acceptance_rates(draft, ids, lp), 1 - tv, atol=1e-6)
+
+
+def test_chain_losses_match_hand_computed_values():
+    alpha = torch.tensor([[0.5, 0.4, 0.2]])
+    # M = 0.5 + 0.5*0.4 + 0.5*0.4*0.2 = 0.74
+    assert chain_loss(alpha, None, "tv").item() == pytest.approx(-0.74, abs=1e-6)
+    assert chain_loss(alpha, None, "dca").item() == pytest.approx(-math.log(0.74), abs=1e-6)
+    # VGM: accepted = 1 -> first rejection at j = 2 -> chain sums positions 1..2: 0.5 + 0.2
+    assert chain_loss(alpha, torch.tensor([1]), "tv").item() == pytest.approx(-0.7, abs=1e-6)
+    # accepted = 0 keeps the first position
+    assert chain_loss(alpha, torch.tensor([0]), "dca").item() == pytest.approx(-math.log(0.5), abs=1e-6)
+    # all accepted: L = min(K + 1, K) = K
+    assert chain_loss(alpha, torch.tensor([3]), "tv").item() == pytest.approx(-0.74, abs=1e-6)
+    # mean over cycles
+    two = torch.tensor([[0.5, 0.4, 0.2], [1.0, 1.0, 1.0]])
+    assert chain_loss(two, None, "tv").item() == pytest.approx(-(0.74 + 3.0) / 2, abs=1e-6)
+    with pytest.raises(ValueError, match="kind"):
+        chain_loss(alpha, None, "ce")
+
+
+@pytest.mark.parametrize("accepted", [0, 1, 2, 3, 4])
+def test_vgm_removes_exactly_the_positions_after_the_first_rejection(accepted):
+    k = 4
+    alpha = torch.tensor([[0.9, 0.7, 0.5, 0.3]], requires_grad=True)
+    chain_loss(alpha, torch.tensor([accepted]), "dca").backward()
+    kept = min(accepted + 1, k)
+    assert (alpha.grad[0, :kept] != 0).all()
+    assert (alpha.grad[0, kept:] == 0).all()
+
+
+def test_without_vgm_every_position_gets_gradient():
+    alpha = torch.tensor([[0.9, 0.7, 0.5, 0.3]], requires_grad=True)
+    chain_loss(alpha, None, "dca").backward()
+    assert (alpha.grad != 0).all()
+
+
+def test_dca_gradient_is_tv_gradient_divided_by_chain_value_on_a_single_cycle():
+    head = make_head("qwen3")
+    rec = make_records(k=4)[0]
+    rec.start, rec.drafts, rec.accepted = rec.start[:1], rec.drafts[:1], rec.accepted[:1]
+    rec.topk_ids, rec.topk_logprobs = rec.topk_ids[:1], rec.topk_logprobs[:1]
+    rec.validate()
+    grads = {}
+    for kind in ("dca", "tv"):
+        for p in head.parameters():
+            p.grad = None
+        stats = head_loss_backward(head, [rec], kind=kind)
+        grads[kind] = (stats.loss, torch.cat([p.grad.flatten() for p in head.parameters()]))
+    chain_value = math.exp(-grads["dca"][0])  # M, from the DCA loss -log M
+    assert chain_value == pytest.approx(-grads["tv"][0], rel=1e-5)  # and TV = -M
+    g_dca, g_tv = grads["dca"][1], grads["tv"][1]
+    assert g_tv.abs().max() > 0
+    assert torch.allclose(g_dca, g_tv / chain_value, rtol=1e-4, atol=1e-7)
+
+
+def test_dca_stays_finite_when_every_alpha_is_tiny():
+    alpha = torch.full((3, 5), 1e-30, requires_grad=True)
+    loss = chain_loss(alpha, None, "dca")
+    loss.backward()
+    assert math.isfinite(loss.item()) and loss.item() == pytest.approx(-math.log(1e-30), rel=1e-3)
+    assert torch.isfinite(alpha.grad).all()
+    # far below fp32's range, through log alpha and the logits themselves
+    draft = torch.zeros(2, 3, 50)
+    draft[..., 0] = 200.0  # the head puts all its mass on a token the target never chooses
+    draft.requires_grad_(True)
+    target = torch.full((2, 3, 50), -1000.0)
+    target[..., 1:] = 0.0
+    target = torch.log_softmax(target, -1)
+    ids, lp = _topk(target, 49)
+    log_alpha = log_acceptance_rates(draft, ids, lp)
+    assert log_alpha.max() < -150  # alpha underflows fp32; its log does not
+    loss = chain_loss(log_alpha, torch.tensor([0, 4]), "dca", alpha_is_log=True)
+    loss.backward()
+    assert math.isfinite(loss.item()) and torch.isfinite(draft.grad).all() and draft.grad.abs().max() > 0
+
+
+def test_kl_is_zero_when_q_equals_p_and_ce_is_entropy_plus_kl():
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(4, 3, 30, generator=g)
+    target = torch.log_softmax(logits, -1)
+    ids, lp = _topk(target, 30)
+    assert position_loss(logits, ids, lp, None, "kl").abs().item() <= 1e-6
+    other = torch.randn(4, 3, 30, generator=g)
+    kl = position_loss(other, ids, lp, None, "kl")
+    ce = position_loss(other, ids, lp, None, "ce")
+    entropy = -(target.exp() * target).sum(-1).mean()
+    assert ce.item() == pytest.approx(entropy.item() + kl.item(), abs=1e-5)
+    full_kl = (target.exp() * (target - torch.log_softmax(other, -1))).sum(-1).mean()
+    assert kl.item() == pytest.approx(full_kl.item(), abs=1e-5)
+
+
+def test_position_loss_vgm_averages_positions_up_to_the_first_rejection():
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(1, 4, 20, generator=g, requires_grad=True)
+    ids, lp = _topk(torch.log_softmax(torch.randn(1, 4, 20, generator=g), -1), 20)
+    per_position = torch.stack([position_loss(logits[:, i:i + 1], ids[:, i:i + 1], lp[:, i:i + 1], None, "kl")
+                                for i in range(4)])
+    masked = position_loss(logits, ids, lp, torch.tensor([1]), "kl")
+    assert masked.item() == pytest.approx(per_position[:2].mean().item(), abs=1e-6)
+    masked.backward()
+    assert (logits.grad[0, 2:] == 0).all() and (logits.grad[0, :2] != 0).any()

@@ -1,0 +1,152 @@
+"""Batched draft-path reconstruction equals chain-by-chain drafting: values, gradients, chunking, mask."""
+
+import pytest
+import torch
+
+from openrlhf_growmtp.core import head_loss_backward, reconstruct_draft_logits
+from openrlhf_growmtp.core.reconstruction import draft_path_mask, plan_chunks, teacher_forced_chains
+from openrlhf_growmtp.core.records import RecordError
+from tiny import FAMILY_NAMES, chain_by_chain_logits, make_head, make_records
+
+
+def _grads(head):
+    return {name: p.grad.detach().clone() for name, p in head.named_parameters() if p.grad is not None}
+
+
+def _zero(head):
+    for p in head.parameters():
+        p.grad = None
+
+
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_batched_reconstruction_equals_chain_by_chain(family):
+    head = make_head(family)
+    records = make_records(k=4)
+    with torch.no_grad():
+        batched = reconstruct_draft_logits(head, records, chunk_cycles=5)  # chunks cut through sequences
+        reference = chain_by_chain_logits(head, records)
+    assert batched.shape == reference.shape == (sum(r.num_cycles for r in records), 4, 97)
+    diff = (batched.log_softmax(-1) - reference.log_softmax(-1)).abs().max().item()
+    assert diff <= 1e-5, diff
+    # the comparison is not vacuous: depths differ from each other and q is far from uniform
+    assert (reference[:, 0] - reference[:, 1]).abs().max() > 1e-2
+    assert reference.softmax(-1).max() > 5.0 / 97
+
+
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_head_gradients_equal_chain_by_chain(family):
+    head = make_head(family)
+    records = make_records(k=4)
+    topk_ids = torch.cat([r.topk_ids for r in records])
+    topk_lp = torch.cat([r.topk_logprobs for r in records])
+    accepted = torch.cat([r.accepted for r in records])
+    from openrlhf_growmtp.core.objectives import head_loss_per_cycle
+
+    loss, _ = head_loss_per_cycle(chain_by_chain_logits(head, records), topk_ids, topk_lp, accepted, "dca")
+    loss.mean().backward()
+    reference = _grads(head)
+    _zero(head)
+    stats = head_loss_backward(head, records, kind="dca", chunk_cycles=1024)
+    assert stats.finite and stats.num_chunks == 1
+    batched = _grads(head)
+    assert set(batched) == set(reference) and len(batched) == len(list(head.parameters()))
+    for name in reference:
+        scale = reference[name].abs().max().item()
+        assert scale > 0, name
+        assert (batched[name] - reference[name]).abs().max().item() <= 1e-5 * max(1.0, scale), name
+    assert abs(stats.loss - loss.mean().item()) <= 1e-5
+
+
+@pytest.mark.parametrize("kind", ["dca", "tv", "kl", "ce"])
+def test_chunked_gradients_equal_unchunked(kind):
+    head = make_head("qwen3")
+    records = make_records(k=4)
+    whole = head_loss_backward(head, records, kind=kind, chunk_cycles=10_000)
+    reference = _grads(head)
+    _zero(head)
+    chunked = head_loss_backward(head, records, kind=kind, chunk_cycles=3)
+    assert chunked.num_chunks == 4 and whole.num_chunks == 1
+    assert abs(chunked.loss - whole.loss) <= 1e-6 * max(1.0, abs(whole.loss))
+    assert chunked.alpha_mean == pytest.approx(whole.alpha_mean, abs=1e-6)
+    for name, grad in _grads(head).items():
+        assert (grad - reference[name]).abs().max().item() <= 1e-6 * max(1.0, reference[name].abs().max().item())
+
+
+def test_plan_chunks_covers_every_cycle_once_in_order():
+    records = make_records(k=3)
+    chunks = plan_chunks(records, 4)
+    flat = [(pc.seq, r) for pieces in chunks for pc in pieces for r in range(pc.lo, pc.hi)]
+    assert flat == [(s, r) for s, rec in enumerate(records) for r in range(rec.num_cycles)]
+    assert all(sum(pc.hi - pc.lo for pc in pieces) <= 4 for pieces in chunks)
+    with pytest.raises(ValueError, match="chunk_cycles"):
+        plan_chunks(records, 0)
+
+
+def test_mask_matches_worked_example():
+    # one sequence, 4 prefix slots, cycles starting at s = 1 and 3, depth 3 (the module docstring's example)
+    mask = draft_path_mask(torch.tensor([0, 0]), torch.tensor([1, 3]), num_seqs=1, lmax=4, depth=3,
+                           dtype=torch.float32)
+    visible = (mask[0, 0] == 0).int().tolist()
+    assert visible == [[1, 1, 0, 0, 1, 0, 1, 0],
+                       [1, 1, 1, 1, 0, 1, 0, 1]]
+
+
+def test_mask_blocks_attention_across_draft_paths():
+    head = make_head("qwen3")
+    records = make_records(k=4)
+    with torch.no_grad():
+        before = reconstruct_draft_logits(head, records)
+        records[0].drafts[1, :] = (records[0].drafts[1, :] + 5) % 97  # cycle 1 rejected everything: legal
+        records[0].accepted[1] = 0
+        records[0].validate()
+        after = reconstruct_draft_logits(head, records)
+    changed = (after - before).abs().amax(dim=(1, 2))
+    assert changed[1] > 1e-3  # its own deeper positions moved
+    assert changed[torch.arange(len(changed)) != 1].max() == 0.0  # no other chain saw those drafts
+    assert (after[1, 0] - before[1, 0]).abs().max() == 0.0  # depth 1 reads only the committed prefix
+
+
+def test_teacher_forcing_agrees_with_reconstruction_only_at_depth_one():
+    head = make_head("qwen3")
+    rec = make_records(k=4)[2]  # cycles with full accepts: every cycle start has a target at depth 1
+    with torch.no_grad():
+        recon = reconstruct_draft_logits(head, [rec])
+        tf = teacher_forced_chains(head, rec, rec.hidden)
+    starts = rec.start.tolist()
+    tf_starts = tf.starts.tolist()
+    rows = [tf_starts.index(s) for s in starts]
+    assert (tf.logits[rows, 0] - recon[:, 0]).abs().max() <= 1e-5
+    # cycle 0 accepted all K drafts, so both paths feed the same tokens; only the caches differ at depth >= 2
+    assert torch.equal(rec.drafts[0], rec.token_ids[starts[0] + 2:starts[0] + 2 + rec.k])
+    assert (tf.logits[rows[0], 1:] - recon[0, 1:]).abs().max() > 1e-3
+    # targets: depth 1 of the chain at s is verified by row 1 of the cycle starting at s
+    assert torch.equal(tf.topk_ids[rows, 0], rec.topk_ids[:, 0])
+
+
+def test_teacher_forcing_trains_through_head_loss_backward():
+    head = make_head("qwen3")
+    records = make_records(k=3)
+    stats = head_loss_backward(head, records, kind="dca", teacher_forcing=True)
+    assert stats.finite and stats.num_cycles > sum(r.num_cycles for r in records)  # every position is a start
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in head.parameters())
+
+
+def test_nonfinite_head_loss_is_reported_and_not_backpropagated():
+    head = make_head("qwen3")
+    with torch.no_grad():
+        head.fc.weight[0, 0] = float("nan")
+    stats = head_loss_backward(head, make_records(k=3), chunk_cycles=100)
+    assert not stats.finite
+    assert all(p.grad is None for p in head.parameters())
+
+
+def test_transport_free_records_need_hidden_from_the_trainer():
+    head = make_head("qwen3")
+    records = make_records(k=3)
+    hiddens = [r.hidden for r in records]
+    for r in records:
+        r.hidden = None
+    with pytest.raises(RecordError, match="hidden"):
+        reconstruct_draft_logits(head, records)
+    with torch.no_grad():
+        assert reconstruct_draft_logits(head, records, hiddens=hiddens).isfinite().all()

@@ -1,0 +1,131 @@
+"""Verification records: round trip, size, and a precise error for every malformed field."""
+
+import pytest
+import torch
+
+from openrlhf_growmtp.core import RecordError, SequenceRecord
+from openrlhf_growmtp.core.records import total_cycles
+from tiny import HIDDEN, VOCAB
+
+
+def _valid(**kw):
+    return SequenceRecord.make_dummy(prompt_len=5, accepted=[2, 0, 3, 1], k=3, topk=4, vocab_size=VOCAB,
+                                     hidden_size=HIDDEN, **kw)
+
+
+def test_dummy_record_is_valid_and_its_committed_tokens_follow_the_cycles():
+    rec = _valid().validate(k=3, vocab_size=VOCAB, hidden_size=HIDDEN, topk=4)
+    # each cycle commits accepted + 1 tokens, so starts advance by exactly that
+    assert (rec.start[1:] - rec.start[:-1]).tolist() == (rec.accepted[:-1] + 1).tolist()
+    assert rec.start[0].item() == rec.prompt_len - 1
+
+
+def test_record_roundtrip():
+    rec = _valid()
+    rec.meta = {"request_id": "7", "n": 1}
+    rec.temperature = 0.7
+    back = SequenceRecord.unpack(rec.pack())
+    for name in ("token_ids", "start", "drafts", "topk_ids", "accepted"):
+        assert torch.equal(getattr(back, name), getattr(rec, name)), name
+    assert torch.equal(back.topk_logprobs, rec.topk_logprobs.to(torch.bfloat16))
+    assert torch.equal(back.hidden, rec.hidden.to(torch.bfloat16))
+    assert (back.prompt_len, back.temperature, back.meta) == (rec.prompt_len, 0.7, rec.meta)
+    back.validate(k=3, vocab_size=VOCAB, hidden_size=HIDDEN)
+
+
+def test_bytes_per_token_counts_the_packed_size_and_hidden_dominates():
+    rec = _valid()
+    full = rec.bytes_per_token()
+    assert full == len(rec.pack()) / rec.num_generated
+    # bf16 hidden: 2 * H bytes per committed token (prompt included), spread over generated tokens
+    assert full > 2 * HIDDEN * rec.token_ids.numel() / rec.num_generated
+    rec.hidden = None  # transport-free mode
+    assert rec.bytes_per_token() < full / 3
+
+
+def test_unpack_refuses_another_schema_version():
+    blob = bytearray(_valid().pack())
+    marker = b'"schema_version":"1"'
+    at = bytes(blob).index(marker)
+    blob[at:at + len(marker)] = b'"schema_version":"9"'
+    with pytest.raises(RecordError, match="schema_version"):
+        SequenceRecord.unpack(bytes(blob))
+
+
+def _set(name, fn):
+    def apply(rec):
+        setattr(rec, name, fn(getattr(rec, name)))
+    return apply
+
+
+def _assign(name, index, value):
+    def apply(rec):
+        getattr(rec, name)[index] = value
+    return apply
+
+
+def _repeat_topk_id(rec):
+    rec.topk_ids[2, 0, 1] = rec.topk_ids[2, 0, 0]
+
+
+def _break_accepted_draft(rec):
+    assert rec.accepted[2] == 3  # draft 2 of cycle 2 was accepted, so it is committed
+    rec.drafts[2, 1] = (rec.drafts[2, 1] + 1) % VOCAB
+
+
+MALFORMED = [
+    ("wrong K", _set("drafts", lambda d: d[:, :2]), "drafts", dict(k=3)),
+    ("K expected differs", lambda rec: None, "drafts", dict(k=5)),
+    ("start count", _set("start", lambda s: s[:-1]), "start", {}),
+    ("accepted count", _set("accepted", lambda a: a[:-1]), "accepted", {}),
+    ("topk shape", _set("topk_logprobs", lambda t: t[..., :3]), "topk_logprobs", {}),
+    ("topk width", lambda rec: None, "topk_ids", dict(topk=64)),
+    ("float token ids", _set("token_ids", lambda t: t.float()), "token_ids", {}),
+    ("int log-probs", _set("topk_logprobs", lambda t: t.long()), "topk_logprobs", {}),
+    ("2-d token ids", _set("token_ids", lambda t: t[None]), "token_ids", {}),
+    ("draft id out of vocab", _assign("drafts", (1, 2), VOCAB), "drafts", dict(vocab_size=VOCAB)),
+    ("negative token id", _assign("token_ids", 0, -1), "token_ids", dict(vocab_size=VOCAB)),
+    ("top-k id out of vocab", _assign("topk_ids", (0, 0, 0), VOCAB + 3), "topk_ids", dict(vocab_size=VOCAB)),
+    ("accepted > K", _assign("accepted", 3, 4), "accepted", {}),
+    ("accepted < 0", _assign("accepted", 3, -1), "accepted", {}),
+    ("non-monotone starts", _assign("start", 2, 5), "start", {}),
+    ("start before the prompt end", _assign("start", 0, 1), "start", {}),
+    ("start past the sequence", _set("token_ids", lambda t: t[:8]), "start", {}),
+    ("non-finite log-prob", _assign("topk_logprobs", (1, 1, 1), float("nan")), "topk_logprobs", {}),
+    ("infinite log-prob", _assign("topk_logprobs", (1, 1, 1), float("-inf")), "topk_logprobs", {}),
+    ("positive log-prob", _assign("topk_logprobs", (0, 2, 0), 0.5), "topk_logprobs", {}),
+    ("top-k mass above one", _set("topk_logprobs", lambda t: t * 0 - 0.1), "topk_logprobs", {}),
+    ("repeated top-k id", _repeat_topk_id, "topk_ids", {}),
+    ("committed token disagrees with an accepted draft", _break_accepted_draft, "drafts", {}),
+    ("hidden rows", _set("hidden", lambda h: h[:-1]), "hidden", {}),
+    ("hidden width", lambda rec: None, "hidden", dict(hidden_size=HIDDEN + 1)),
+    ("non-finite hidden", _assign("hidden", (3, 3), float("inf")), "hidden", {}),
+    ("integer hidden", _set("hidden", lambda h: h.long()), "hidden", {}),
+    ("prompt_len zero", _set("prompt_len", lambda p: 0), "prompt_len", {}),
+    ("greedy temperature", _set("temperature", lambda t: 0.0), "temperature", {}),
+]
+
+
+@pytest.mark.parametrize("case, mutate, field_name, kwargs", MALFORMED, ids=[m[0] for m in MALFORMED])
+def test_malformed_record_raises_naming_the_field(case, mutate, field_name, kwargs):
+    rec = _valid()
+    mutate(rec)
+    with pytest.raises(RecordError) as err:
+        rec.validate(**kwargs)
+    assert str(err.value).startswith(f"{field_name}:"), str(err.value)
+
+
+def test_cycle_cut_short_by_the_end_of_the_sequence_is_valid():
+    # EOS inside a cycle: accepted drafts past the last committed token were never committed
+    rec = SequenceRecord.make_dummy(prompt_len=4, accepted=[1, 3], k=3, topk=4, vocab_size=VOCAB, hidden_size=None,
+                                    trailing_tokens=0)
+    s = int(rec.start[-1])
+    rec.token_ids = rec.token_ids[:s + 3]  # keeps x_{s+1} and the first accepted draft only
+    rec.validate(vocab_size=VOCAB)
+    rec.drafts[-1, 0] = (rec.drafts[-1, 0] + 1) % VOCAB  # but the committed part is still checked
+    with pytest.raises(RecordError, match="^drafts:"):
+        rec.validate()
+
+
+def test_total_cycles_counts_every_sequence():
+    assert total_cycles([_valid(), _valid(seed=1)]) == 8
