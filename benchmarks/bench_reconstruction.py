@@ -1,0 +1,193 @@
+"""Batched vs chain-by-chain draft-path reconstruction (forward + DCA/VGM backward), side by side.
+
+Chain by chain is how a drafter runs: one incremental head KV cache per response, each cycle appends its
+newly committed entries, runs its K chain steps one at a time, and crops them again. Batched is
+`head_loss_backward`: one causal prefix pass and K-1 chain forwards per chunk of cycles.
+
+Prints a table of time, speed-up and identity (max |log q| and max |grad| differences) per cycle count,
+then the activation memory held for backward per chunk size and per response length. Memory is CUDA's
+peak allocation on a GPU, else the bytes of the unique tensors autograd saved for backward (the
+resident state that chunking bounds). With --json the last line is one JSON object.
+
+    python benchmarks/bench_reconstruction.py [--json] [--cycles 64 256 1024] [--device cpu|cuda]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+from torch import nn
+from transformers import Qwen3Config
+
+from openrlhf_growmtp.core import MTPHead, SequenceRecord, head_loss_backward, init_random_head_, make_head_config
+from openrlhf_growmtp.core.families import get_family
+from openrlhf_growmtp.core.head import HeadKVCache
+from openrlhf_growmtp.core.objectives import head_loss_per_cycle
+
+K, TOPK = 5, 64
+
+
+def build_head(device: str, seed: int = 0) -> MTPHead:
+    # Qwen3-4B's layer layout (GQA 2:1, qk-norm, head_dim 128) at a size that runs on 2 CPU cores.
+    config = Qwen3Config(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                         intermediate_size=768, num_hidden_layers=1, vocab_size=4096, initializer_range=0.02)
+    g = torch.Generator().manual_seed(seed)
+    embed, lm_head = nn.Embedding(4096, 256), nn.Linear(256, 4096, bias=False)
+    with torch.no_grad():
+        embed.weight.copy_(torch.randn(4096, 256, generator=g))
+        lm_head.weight.copy_(torch.randn(4096, 256, generator=g) * 0.05)
+    head = init_random_head_(MTPHead(make_head_config(config, get_family("qwen3")), embed, lm_head), seed)
+    with torch.no_grad():  # a partly trained head: larger weights than the init, so q is not uniform
+        for p in head.parameters():
+            if p.ndim == 2:
+                p.mul_(4.0)
+    return head.to(device)
+
+
+def make_record(num_cycles: int, seed: int = 0) -> SequenceRecord:
+    """One response of num_cycles cycles (mean accepted ~1.6, i.e. tau ~2.6), prompt of 128 tokens."""
+    g = torch.Generator().manual_seed(seed)
+    accepted = torch.multinomial(torch.tensor([0.25, 0.25, 0.2, 0.12, 0.08, 0.1]), num_cycles, replacement=True,
+                                 generator=g).tolist()
+    return SequenceRecord.make_dummy(prompt_len=128, accepted=accepted, k=K, topk=TOPK, vocab_size=4096,
+                                     hidden_size=256, seed=seed)
+
+
+def chain_by_chain(head: MTPHead, rec: SequenceRecord) -> torch.Tensor:
+    """Draft logits [R, K, V] the way drafting computes them, cycle after cycle."""
+    device = next(head.parameters()).device
+    hidden, ids = rec.hidden.to(device), rec.token_ids.to(device)
+    cache, written, out = HeadKVCache(), 0, []
+    for r in range(rec.num_cycles):
+        s = int(rec.start[r])
+        first = head.prefill(hidden[None, written:s + 1], ids[None, written + 1:s + 2], written, cache)
+        written = s + 1
+        _, logits = head.draft_chain(first.last(), s, rec.drafts[r:r + 1].to(device), K, cache, rec.temperature)
+        cache.crop(written)
+        out.append(logits[0])
+    return torch.stack(out)
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def grads_of(head: MTPHead) -> torch.Tensor:
+    flat = torch.cat([p.grad.flatten() for p in head.parameters()])
+    for p in head.parameters():
+        p.grad = None
+    return flat
+
+
+def compare(head: MTPHead, rec: SequenceRecord, device: str) -> dict:
+    sync(device)
+    t0 = time.perf_counter()
+    logits = chain_by_chain(head, rec)
+    acc = rec.accepted.to(device)
+    loss, _ = head_loss_per_cycle(logits, rec.topk_ids.to(device), rec.topk_logprobs.to(device), acc, "dca")
+    loss.mean().backward()
+    sync(device)
+    serial_s = time.perf_counter() - t0
+    serial_grad, serial_logq = grads_of(head), logits.detach().log_softmax(-1)
+
+    sync(device)
+    t0 = time.perf_counter()
+    head_loss_backward(head, [rec], kind="dca", chunk_cycles=1024)
+    sync(device)
+    batched_s = time.perf_counter() - t0
+    batched_grad = grads_of(head)
+    with torch.no_grad():
+        from openrlhf_growmtp.core import reconstruct_draft_logits
+        batched_logq = reconstruct_draft_logits(head, [rec]).log_softmax(-1)
+    return {"cycles": rec.num_cycles, "k": K, "serial_s": serial_s, "batched_s": batched_s,
+            "speedup": serial_s / batched_s,
+            "max_abs_diff": (batched_logq - serial_logq).abs().max().item(),
+            "grad_max_abs_diff": (batched_grad - serial_grad).abs().max().item(),
+            "grad_max_abs": serial_grad.abs().max().item()}
+
+
+class SavedBytes:
+    """Bytes of the unique storages autograd holds for backward, per chunk (CPU memory proxy)."""
+
+    def __init__(self):
+        self.ptrs, self.current, self.peak = set(), 0, 0
+
+    def pack(self, t: torch.Tensor):
+        key = t.untyped_storage().data_ptr()
+        if key not in self.ptrs:
+            self.ptrs.add(key)
+            self.current += t.untyped_storage().nbytes()
+        return t
+
+    def chunk_done(self) -> None:
+        self.peak = max(self.peak, self.current)
+        self.ptrs, self.current = set(), 0
+
+
+def peak_memory_mb(head: MTPHead, rec: SequenceRecord, chunk: int, device: str) -> float:
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+        head_loss_backward(head, [rec], chunk_cycles=chunk)
+        grads_of(head)
+        return torch.cuda.max_memory_allocated() / 2**20
+    meter = SavedBytes()
+
+    def backward(loss):
+        meter.chunk_done()
+        loss.backward()
+
+    with torch.autograd.graph.saved_tensors_hooks(meter.pack, lambda t: t):
+        head_loss_backward(head, [rec], chunk_cycles=chunk, backward=backward)
+    grads_of(head)
+    return meter.peak / 2**20
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--cycles", type=int, nargs="+", default=[64, 256, 1024])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    head = build_head(args.device)
+    unit = "CUDA peak MB" if args.device == "cuda" else "saved-for-backward MB"
+
+    print(f"draft-path reconstruction, K={K}, top-{TOPK}, head H=256 V=4096, device={args.device}")
+    print(f"{'cycles':>7} {'chain-by-chain s':>17} {'batched s':>10} {'speed-up':>9} {'max|dlogq|':>11} "
+          f"{'max|dgrad|':>11} {'max|grad|':>10}")
+    rows = []
+    for cycles in args.cycles:
+        row = compare(head, make_record(cycles), args.device)
+        rows.append(row)
+        print(f"{cycles:>7} {row['serial_s']:>17.2f} {row['batched_s']:>10.3f} {row['speedup']:>8.1f}x "
+              f"{row['max_abs_diff']:>11.2e} {row['grad_max_abs_diff']:>11.2e} {row['grad_max_abs']:>10.2e}")
+
+    largest = max(args.cycles)
+    rec = make_record(largest)
+    print(f"\nmemory per chunk size ({largest} cycles, {rec.token_ids.numel()} tokens; {unit})")
+    chunk_memory = {}
+    for chunk in (64, 256, 1024):
+        chunk_memory[chunk] = peak_memory_mb(head, rec, chunk, args.device)
+        print(f"  chunk {chunk:>5}: {chunk_memory[chunk]:8.1f}")
+
+    print(f"\nmemory per response length at chunk 256 ({unit})")
+    length_memory = {}
+    for cycles in (512, 1024, 2048, 4096):
+        long_rec = make_record(cycles, seed=1)
+        length_memory[cycles] = peak_memory_mb(head, long_rec, 256, args.device)
+        print(f"  {cycles:>5} cycles ({long_rec.token_ids.numel():>5} tokens): {length_memory[cycles]:8.1f}")
+
+    result = dict(rows[-1])
+    result.update({"device": args.device, "memory_unit": unit,
+                   "memory_mb_by_chunk": chunk_memory, "memory_mb_by_cycles_at_chunk_256": length_memory,
+                   "rows": rows})
+    if args.json:
+        print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
