@@ -239,6 +239,7 @@ def head_loss_backward(head: MTPHead, records: Sequence[SequenceRecord],
     then drop the head's gradients for this step (earlier chunks may have accumulated some).
     """
     backward = backward or (lambda loss: loss.backward())
+    validate_batch(head, records, hiddens)
     if teacher_forcing:
         return _teacher_forced_backward(head, records, hiddens, kind, backward)
     total = sum(rec.num_cycles for rec in records)
@@ -259,6 +260,22 @@ def head_loss_backward(head: MTPHead, records: Sequence[SequenceRecord],
         alpha_sum = alpha.sum(0) if alpha_sum is None else alpha_sum + alpha.sum(0)
     return HeadLossStats(loss=loss_sum, num_cycles=total, num_chunks=len(chunks),
                          alpha_mean=(alpha_sum / total).tolist())
+
+
+def validate_batch(head: MTPHead, records: Sequence[SequenceRecord],
+                   hiddens: Sequence[torch.Tensor] | None = None) -> None:
+    """Validate every record against the head before any model work; errors name the record and field."""
+    if hiddens is not None and len(hiddens) != len(records):
+        raise RecordError(f"hidden: {len(hiddens)} hidden tensors for {len(records)} records")
+    depth = records[0].k if records else None
+    for i, rec in enumerate(records):
+        try:
+            rec.validate(k=depth, vocab_size=head.config.vocab_size, hidden_size=head.config.hidden_size)
+            if hiddens is not None and tuple(hiddens[i].shape) != (rec.token_ids.shape[0], head.config.hidden_size):
+                raise RecordError(f"hidden: trainer hidden has shape {tuple(hiddens[i].shape)}, expected "
+                                  f"[{rec.token_ids.shape[0]}, {head.config.hidden_size}]")
+        except RecordError as err:
+            raise RecordError(f"record {i}: {err}") from None
 
 
 def _backward_if_finite(chunk_loss: torch.Tensor, backward: Callable[[torch.Tensor], None]) -> bool:

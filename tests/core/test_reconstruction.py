@@ -150,3 +150,15 @@ def test_transport_free_records_need_hidden_from_the_trainer():
         reconstruct_draft_logits(head, records)
     with torch.no_grad():
         assert reconstruct_draft_logits(head, records, hiddens=hiddens).isfinite().all()
+
+
+def test_a_malformed_record_fails_before_any_model_work_naming_record_and_field():
+    head = make_head("qwen3")
+    records = make_records(k=4)
+    records[2].drafts[0, 0] = 97  # out of the head's vocabulary
+    with pytest.raises(RecordError, match=r"^record 2: drafts:"):
+        head_loss_backward(head, records)
+    assert all(p.grad is None for p in head.parameters())
+    mixed = make_records(k=4)[:2] + make_records(k=3)[2:]
+    with pytest.raises(RecordError, match=r"^record 2: drafts: K = 3"):
+        head_loss_backward(head, mixed)
