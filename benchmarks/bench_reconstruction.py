@@ -22,7 +22,8 @@ import torch
 from torch import nn
 from transformers import Qwen3Config
 
-from openrlhf_growmtp.core import MTPHead, SequenceRecord, head_loss_backward, init_random_head_, make_head_config
+from openrlhf_growmtp.core import (MTPHead, SequenceRecord, head_loss_backward, init_random_head_, make_head_config,
+                                   reconstruct_draft_logits)
 from openrlhf_growmtp.core.families import get_family
 from openrlhf_growmtp.core.head import HeadKVCache
 from openrlhf_growmtp.core.objectives import head_loss_per_cycle
@@ -101,7 +102,6 @@ def compare(head: MTPHead, rec: SequenceRecord, device: str) -> dict:
     batched_s = time.perf_counter() - t0
     batched_grad = grads_of(head)
     with torch.no_grad():
-        from openrlhf_growmtp.core import reconstruct_draft_logits
         batched_logq = reconstruct_draft_logits(head, [rec]).log_softmax(-1)
     return {"cycles": rec.num_cycles, "k": K, "serial_s": serial_s, "batched_s": batched_s,
             "speedup": serial_s / batched_s,

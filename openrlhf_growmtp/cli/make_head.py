@@ -11,8 +11,8 @@ import sys
 
 import torch
 
-from openrlhf_growmtp.core.checkpoint import (HeadCheckpointError, load_native_head, materialize_random_head,
-                                              save_head)
+from openrlhf_growmtp.core.checkpoint import (HeadCheckpointError, export_head, load_native_head,
+                                              materialize_random_head)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.native:
-            out = save_head(load_native_head(args.backbone, dtype=DTYPES[args.dtype]), args.out)
+            out = export_head(load_native_head(args.backbone, dtype=DTYPES[args.dtype]), args.out)
         else:
             out = materialize_random_head(args.backbone, args.out, seed=args.seed, dtype=DTYPES[args.dtype])
     except (HeadCheckpointError, ValueError) as err:

@@ -1,7 +1,6 @@
 """The GrowMTP core: pure torch (+ transformers decoder layers). Imports neither openrlhf nor vllm."""
 
-from .checkpoint import (export_head, init_random_head_, load_head, load_native_head, materialize_random_head,
-                         save_head)
+from .checkpoint import export_head, init_random_head_, load_head, load_native_head, materialize_random_head
 from .families import FAMILIES, HeadFamily, family_for_backbone, get_family
 from .head import HeadKVCache, HeadOutput, MTPHead, make_head_config
 from .metrics import AcceptanceSummary, acceptance_summary
@@ -15,5 +14,5 @@ __all__ = [
     "RecordError", "SequenceRecord", "acceptance_rates", "acceptance_summary", "chain_loss", "export_head",
     "family_for_backbone", "get_family", "head_loss_backward", "init_random_head_", "load_head", "load_native_head",
     "log_acceptance_rates", "make_head_config", "materialize_random_head", "position_loss",
-    "reconstruct_draft_logits", "save_head", "teacher_forced_chains", "validate_record",
+    "reconstruct_draft_logits", "teacher_forced_chains", "validate_record",
 ]

@@ -56,15 +56,12 @@ def head_config_for(backbone: str | Path | PretrainedConfig) -> PretrainedConfig
     return make_head_config(text, family)
 
 
-def native_head_layers(backbone: str | Path | PretrainedConfig) -> int:
-    """How many native MTP layers the backbone's config declares (0 when it ships none)."""
-    family, text, raw = resolve_backbone(backbone)
+def native_head_layers(family: HeadFamily, raw_config: dict) -> int:
+    """How many native MTP layers a backbone's raw config declares (0 when it ships none)."""
     if family.native_layers_field is None:
         return 0
-    value = raw.get(family.native_layers_field, (raw.get("text_config") or {}).get(family.native_layers_field))
-    if value is None:
-        value = getattr(text, family.native_layers_field, 0)
-    return int(value or 0)
+    field_name = family.native_layers_field
+    return int(raw_config.get(field_name, (raw_config.get("text_config") or {}).get(field_name)) or 0)
 
 
 # ---- random heads ------------------------------------------------------------------------------------
@@ -94,11 +91,11 @@ def materialize_random_head(backbone: str | Path | PretrainedConfig, out_dir: st
     """Write a from-scratch head for `backbone` to out_dir once; trainer and engine both load it."""
     config = head_config_for(backbone)
     head = init_random_head_(MTPHead(config), seed=seed).to(dtype)
-    return save_head(head, out_dir)
+    return export_head(head, out_dir)
 
 
 # ---- head directories ----------------------------------------------------------------------------------
-def save_head(head: MTPHead, out_dir: str | Path, native: bool = False) -> Path:
+def export_head(head: MTPHead, out_dir: str | Path, native: bool = False) -> Path:
     """Write the head as a standalone directory (config.json + model.safetensors).
 
     native=True writes the family's full-checkpoint names (with its prefix) and fc order instead.
@@ -116,8 +113,6 @@ def save_head(head: MTPHead, out_dir: str | Path, native: bool = False) -> Path:
     (out / HEAD_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     return out
 
-
-export_head = save_head
 
 
 def read_head_config(head_dir: str | Path) -> PretrainedConfig:
@@ -189,12 +184,12 @@ def from_native_state_dict(state: dict[str, torch.Tensor], family: HeadFamily) -
 def load_native_head(model_dir: str | Path, embed_tokens: nn.Module | None = None,
                      lm_head: nn.Module | None = None, dtype: torch.dtype | None = None) -> MTPHead:
     """The native MTP head shipped inside a full model checkpoint (Qwen3.5 `mtp.*`, MiMo `model.mtp_layers.0.*`)."""
-    family, _, _ = resolve_backbone(model_dir)
-    if family.native_prefix is None or native_head_layers(model_dir) < 1:
+    family, text, raw = resolve_backbone(model_dir)
+    if family.native_prefix is None or native_head_layers(family, raw) < 1:
         raise HeadCheckpointError(
             f"{model_dir}: --growmtp_head native needs a model that ships an MTP head, but this {family.name} "
             f"checkpoint declares none ({family.native_layers_field or 'no native layout'}); use 'random'")
-    head = MTPHead(head_config_for(model_dir), embed_tokens, lm_head)
+    head = MTPHead(make_head_config(text, family), embed_tokens, lm_head)
     state = {}
     for shard in _weight_files(Path(model_dir)):
         state.update(_read_safetensors(shard, family.native_prefix))

@@ -95,8 +95,8 @@ def reconstruct_chunk(head: MTPHead, records: Sequence[SequenceRecord], pieces: 
     # ---- the chunk's cycles, flattened ----------------------------------------------------------------
     seq_local = torch.cat([torch.full((pc.hi - pc.lo,), i, dtype=torch.long) for i, pc in enumerate(pieces)])
     seq_local = seq_local.to(device)
-    start = torch.cat([records[pc.seq].start[pc.lo:pc.hi] for pc in pieces]).to(device)
-    drafts = torch.cat([records[pc.seq].drafts[pc.lo:pc.hi] for pc in pieces]).to(device)
+    start = _cat_cycles(records, pieces, "start").to(device)
+    drafts = _cat_cycles(records, pieces, "drafts").to(device)
     temperature = torch.cat([torch.full((pc.hi - pc.lo,), float(records[pc.seq].temperature)) for pc in pieces])
     num_cycles = int(start.shape[0])
 
