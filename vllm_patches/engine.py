@@ -13,6 +13,7 @@ a one-hot q are refused here, and a cycle vLLM verified without q at run time ra
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from dataclasses import dataclass, field
@@ -30,6 +31,7 @@ from .capture import dump_blob, load_blob
 
 check_vllm_version()
 
+logger = logging.getLogger(__name__)
 WORKER_EXTENSION = "vllm_patches.worker_ext.GrowMTPWorkerExtension"
 HEAD_WEIGHTS_FILE = "model.safetensors"
 
@@ -201,6 +203,7 @@ class SpecEngine:
         from vllm import LLM
 
         self.k, self.capture, self.head_dir = int(k), capture, Path(head_dir)
+        self.capture_hidden = capture and capture_hidden
         self.head_family = head_config.growmtp_family
         self.hidden_dtype = getattr(torch, logprob_dtype)
         llm_kwargs.setdefault("disable_log_stats", False)
@@ -229,6 +232,12 @@ class SpecEngine:
                                   RolloutMetrics(summary, generated, wall, vllm_counters=counters))
         payload = load_blob(self.llm.collective_rpc("growmtp_drain_records")[0])  # TP ranks agree; rank 0
         entries = entries_by_request(payload)
+        if counters.get("num_preemptions", 0) > 0 and self.capture_hidden:
+            # Measured: after a preemption's recompute some captured hidden rows are off (q still matches the
+            # records with recomputed hiddens to 5e-7). Fall back to transport-free records, never wrong ones.
+            logger.warning("GrowMTP: %d preemption(s) in this generate; dropping engine-captured hidden states "
+                           "(the trainer recomputes them)", counters["num_preemptions"])
+            entries = {rid: {k: v for k, v in e.items() if not k.startswith("hidden")} for rid, e in entries.items()}
         records = join_records(outputs, entries, [p.temperature for p in params], self.k, self.hidden_dtype)
         draft_probs = [entries.get(o.request_id, {}).get("q") for o in outputs]
         accepted = torch.cat([r.accepted for r in records]) if records else torch.zeros(0)

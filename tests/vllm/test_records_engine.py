@@ -25,23 +25,27 @@ def rollout(engine):
     return prompts, params, engine.generate(prompts, params)
 
 
-def test_records_rebuild_each_response_and_match_vllm_counters(rollout):
-    prompts, params, result = rollout
-    for prompt, param, output, rec in zip(prompts, params, result.outputs, result.records):
+def assert_records_rebuild_responses(prompts, result, steps_without_drafts: int = 0) -> None:
+    """Each response = first (prefill) token + per cycle: accepted drafts + one recovered/bonus token;
+    cycles start right after the previous one, except after up to `steps_without_drafts` engine steps
+    that sampled a token without drafting (e.g. the recompute after a preemption); vLLM's own
+    spec-decode counters agree with the records."""
+    gaps = 0
+    for prompt, output, rec in zip(prompts, result.outputs, result.records):
         response = list(output.outputs[0].token_ids)
         assert rec.token_ids.tolist() == prompt + response and rec.prompt_len == len(prompt)
-        assert rec.temperature == param.temperature
-        # the prefill samples the first token; every later token comes from a cycle: a accepted drafts + 1
-        rebuilt = [response[0]]
+        rebuilt = response[:1]
         for r in range(rec.num_cycles):
+            gap = int(rec.start[r]) - (len(prompt) + len(rebuilt) - 2)
+            assert gap >= 0, "cycles never overlap"
+            gaps += gap
+            rebuilt += response[len(rebuilt): len(rebuilt) + gap]
             a = int(rec.accepted[r])
-            assert int(rec.start[r]) == len(prompt) - 1 + len(rebuilt) - 1, "cycles start right after the last"
-            rebuilt += rec.drafts[r, :a].tolist() + [response[len(rebuilt) + a] if len(rebuilt) + a < len(response)
-                                                     else None]
-        rebuilt = [t for t in rebuilt if t is not None]
-        # responses cut by max_tokens or a stop token end inside the last cycle
-        assert response == rebuilt[: len(response)]
-        assert len(rebuilt) >= len(response) and len(rebuilt) - len(response) <= K
+            rebuilt += rec.drafts[r, :a].tolist()
+            rebuilt += response[len(rebuilt): len(rebuilt) + 1] or [-1]  # recovered/bonus, unless cut off
+        # a response cut by max_tokens or a stop token ends inside its last cycle
+        assert rebuilt[: len(response)] == response and len(rebuilt) - len(response) <= K
+    assert gaps <= steps_without_drafts
     counters = result.metrics.vllm_counters
     accepted = torch.cat([r.accepted for r in result.records])
     assert counters["spec_decode_num_drafts"] == accepted.numel() == result.metrics.acceptance.cycles
@@ -50,6 +54,12 @@ def test_records_rebuild_each_response_and_match_vllm_counters(rollout):
     per_position = [int((accepted >= k).sum()) for k in range(1, K + 1)]
     assert counters["spec_decode_num_accepted_tokens_per_pos"] == per_position
     assert result.metrics.acceptance.tau == pytest.approx(1 + accepted.float().mean().item())
+
+
+def test_records_rebuild_each_response_and_match_vllm_counters(rollout):
+    prompts, params, result = rollout
+    assert [r.temperature for r in result.records] == [p.temperature for p in params]
+    assert_records_rebuild_responses(prompts, result)
 
 
 def test_some_responses_end_inside_a_cycle(rollout):

@@ -1,0 +1,42 @@
+"""Records stay exact when the scheduler reuses cached prefixes or preempts requests."""
+
+from conftest import close_engine, core_head, make_engine
+from test_records_engine import assert_records_rebuild_responses, engine_q_vs_reconstruction
+from vllm import SamplingParams
+
+from openrlhf_growmtp.toy import random_prompts
+
+PARAMS = SamplingParams(temperature=1.0, max_tokens=40, ignore_eos=True)
+
+
+def test_prefix_cache_hits_keep_records_exact(world):
+    """Transport-free mode: cached prefix positions are never recomputed, yet q is reconstructed exactly."""
+    engine = make_engine(world, capture_q=True, enable_prefix_caching=True, block_size=32)
+    try:
+        prompts = random_prompts(4, 128, min_len=150, max_len=300, seed=21)
+        engine.generate(prompts, PARAMS)
+        result = engine.generate(prompts, PARAMS)  # same prompts: full prefix blocks come from the cache
+        assert result.metrics.vllm_counters["prefix_cache_hits"] > 0
+        assert_records_rebuild_responses(prompts, result)
+        assert engine_q_vs_reconstruction(core_head(world), world["policy"], result, exact=False).max() <= 1e-4
+    finally:
+        close_engine(engine)
+
+
+def test_preemption_keeps_records_exact(world):
+    """A KV cache too small for the batch forces preemption and recompute mid-generation."""
+    engine = make_engine(world, capture_q=True, capture_hidden=True, block_size=32, num_gpu_blocks_override=12,
+                         max_model_len=256)
+    try:
+        prompts = random_prompts(8, 128, min_len=20, max_len=60, seed=22)
+        result = engine.generate(prompts, SamplingParams(temperature=1.0, max_tokens=120, ignore_eos=True))
+        preemptions = result.metrics.vllm_counters["num_preemptions"]
+        assert preemptions > 0
+        # each recompute samples one token without drafting, so the next cycle starts one later
+        assert_records_rebuild_responses(prompts, result, steps_without_drafts=preemptions)
+        # exact mode falls back to transport-free records after a preemption (engine hidden rows dropped)
+        assert all(rec.hidden is None for rec in result.records)
+        per_depth = engine_q_vs_reconstruction(core_head(world), world["policy"], result, exact=False)
+        assert per_depth.max() <= 1e-4, per_depth
+    finally:
+        close_engine(engine)
