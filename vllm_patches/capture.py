@@ -40,16 +40,7 @@ def _host(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tenso
     return tensor.detach().to("cpu", dtype=dtype, copy=True)
 
 
-@dataclass
-class _Cycles:
-    start: list[int] = field(default_factory=list)
-    drafts: list[torch.Tensor] = field(default_factory=list)
-    topk_ids: list[torch.Tensor] = field(default_factory=list)
-    topk_logprobs: list[torch.Tensor] = field(default_factory=list)
-    accepted: list[int] = field(default_factory=list)
-    q: list[torch.Tensor] = field(default_factory=list)
-    hidden_positions: list[torch.Tensor] = field(default_factory=list)
-    hidden: list[torch.Tensor] = field(default_factory=list)
+CYCLE_FIELDS = ("start", "drafts", "topk_ids", "topk_logprobs", "accepted", "q")
 
 
 @dataclass
@@ -61,21 +52,28 @@ class CaptureState:
     logprob_dtype: torch.dtype = torch.bfloat16
     capture_q: bool = False
     capture_hidden: bool = False
-    requests: dict[str, _Cycles] = field(default_factory=dict)
+    # one entry per verification step: {"req_ids": [...], field: tensor with one row per request}
+    steps: list[dict] = field(default_factory=list)
+    # exact mode: request id -> [(positions [n], hidden [n, H]), ...]
+    hidden: dict[str, list] = field(default_factory=dict)
     errors: list[str] = field(default_factory=list)
     verify: dict | None = None  # what rejection_sample saw in the current step
     proposal: tuple | None = None  # what propose saw in the current step (exact mode)
 
-    def cycles(self, req_id: str) -> _Cycles:
-        return self.requests.setdefault(req_id, _Cycles())
+    def clear(self) -> None:
+        self.steps.clear()
+        self.hidden.clear()
+        self.errors.clear()
 
 
 STATE = CaptureState()
 
 
-def enable(topk: int = 64, logprob_dtype: str = "bfloat16", capture_q: bool = False,
-           capture_hidden: bool = False) -> None:
-    STATE.enabled, STATE.topk = True, int(topk)
+def configure(enabled: bool, topk: int = 64, logprob_dtype: str = "bfloat16", capture_q: bool = False,
+              capture_hidden: bool = False) -> None:
+    """Switch capture on or off for this process and drop anything captured before (a previous engine's)."""
+    STATE.clear()
+    STATE.enabled, STATE.topk = bool(enabled), int(topk)
     STATE.logprob_dtype = getattr(torch, logprob_dtype)
     STATE.capture_q, STATE.capture_hidden = bool(capture_q), bool(capture_hidden)
 
@@ -128,26 +126,33 @@ def _sample_hook(original):
 
 
 def _record_verification(req_ids, computed, metadata, sampled: torch.Tensor, verify: dict) -> None:
-    drafts = _host(metadata.draft_token_ids, torch.int32)
-    offset = 0
-    for row, (req_id, num_drafts) in enumerate(zip(req_ids, metadata.num_draft_tokens)):
-        if num_drafts == 0:
-            continue
-        rows = slice(offset, offset + num_drafts)
-        offset += num_drafts
-        if not verify["has_q"]:
-            STATE.errors.append(f"request {req_id}: drafts verified without draft probabilities (vLLM fell back "
-                                "to one-hot q), so its outputs are not samples of the target")
-            continue
-        cycles = STATE.cycles(req_id)
-        valid = int((sampled[row] != PLACEHOLDER_TOKEN_ID).sum())
-        cycles.start.append(int(computed[row]) - 1)
-        cycles.drafts.append(drafts[rows])
-        cycles.topk_ids.append(verify["topk_ids"][rows])
-        cycles.topk_logprobs.append(verify["topk_logprobs"][rows])
-        cycles.accepted.append(valid - 1)
-        if verify["q"] is not None:
-            cycles.q.append(verify["q"][rows])
+    """Store one verification step, vectorised: one row per request that had drafts verified."""
+    counts = torch.tensor(metadata.num_draft_tokens)
+    rows = counts.nonzero().flatten()
+    if rows.numel() == 0:
+        return
+    names = [req_ids[i] for i in rows.tolist()]
+    if not verify["has_q"]:
+        STATE.errors.append(f"requests {names}: drafts verified without draft probabilities (vLLM fell back to "
+                            "one-hot q), so their outputs are not samples of the target")
+        return
+    depth = int(counts[rows[0]])
+    if not bool((counts[rows] == depth).all()):
+        STATE.errors.append(f"requests {names}: different numbers of drafts verified in one step "
+                            f"({counts[rows].tolist()}); records need K per cycle")
+        return
+    n = rows.numel()
+    step = {
+        "req_ids": names,
+        "start": torch.as_tensor(computed, dtype=torch.int64)[rows] - 1,
+        "drafts": _host(metadata.draft_token_ids, torch.int32).view(n, depth),
+        "topk_ids": verify["topk_ids"].view(n, depth, -1),
+        "topk_logprobs": verify["topk_logprobs"].view(n, depth, -1),
+        "accepted": (sampled[rows] != PLACEHOLDER_TOKEN_ID).sum(dim=1) - 1,
+    }
+    if verify["q"] is not None:
+        step["q"] = verify["q"].view(n, depth, -1)
+    STATE.steps.append(step)
 
 
 def _propose_hook(original):
@@ -181,9 +186,7 @@ def _propose_draft_token_ids_hook(original):
             for row, req_id in enumerate(self.input_batch.req_ids[: len(starts) - 1]):
                 # slots up to the sampled index are committed; later ones held drafts rejected just now
                 committed = slice(int(starts[row]), int(last[row]) + 1)
-                cycles = STATE.cycles(req_id)
-                cycles.hidden_positions.append(positions[committed])
-                cycles.hidden.append(hidden[committed])
+                STATE.hidden.setdefault(req_id, []).append((positions[committed], hidden[committed]))
         return result
 
     setattr(propose_draft_token_ids, _HOOK_MARK, True)
@@ -207,24 +210,25 @@ def install_hooks() -> None:
 
 # ---- transport --------------------------------------------------------------------------------------
 def drain() -> bytes:
-    """Everything captured since the last drain, as one blob (tensors do not survive vLLM's RPC otherwise)."""
-    payload = {"errors": list(STATE.errors), "requests": {}}
-    for req_id, c in STATE.requests.items():
-        entry = {}
-        if c.start:
-            entry.update(start=torch.tensor(c.start, dtype=torch.int64), drafts=torch.stack(c.drafts),
-                         topk_ids=torch.stack(c.topk_ids), topk_logprobs=torch.stack(c.topk_logprobs),
-                         accepted=torch.tensor(c.accepted, dtype=torch.int64))
-            if c.q:
-                entry["q"] = torch.stack(c.q)
-        if c.hidden:
-            entry.update(hidden_positions=torch.cat(c.hidden_positions), hidden=torch.cat(c.hidden))
-        payload["requests"][req_id] = entry
-    STATE.requests.clear()
-    STATE.errors.clear()
-    buffer = io.BytesIO()
-    torch.save(payload, buffer)
-    return buffer.getvalue()
+    """Everything captured since the last drain, as one blob (tensors do not survive vLLM's RPC otherwise).
+
+    Cycles are grouped by request: `req_ids[i]` owns the next `counts[i]` rows of every cycle field.
+    """
+    payload: dict = {"errors": list(STATE.errors), "req_ids": [], "counts": torch.zeros(0, dtype=torch.int64)}
+    if STATE.steps:
+        owners = [req_id for step in STATE.steps for req_id in step["req_ids"]]
+        req_ids = list(dict.fromkeys(owners))
+        index = {req_id: i for i, req_id in enumerate(req_ids)}
+        owner = torch.tensor([index[r] for r in owners])
+        order = torch.sort(owner, stable=True).indices  # cycles of a request stay in step order
+        payload.update(req_ids=req_ids, counts=torch.bincount(owner, minlength=len(req_ids)))
+        for name in CYCLE_FIELDS:
+            if name in STATE.steps[0]:
+                payload[name] = torch.cat([step[name] for step in STATE.steps])[order]
+    payload["hidden"] = {req_id: (torch.cat([p for p, _ in chunks]), torch.cat([h for _, h in chunks]))
+                         for req_id, chunks in STATE.hidden.items()}
+    STATE.clear()
+    return dump_blob(payload)
 
 
 def load_blob(blob: bytes) -> dict:

@@ -27,7 +27,7 @@ from openrlhf_growmtp.core.metrics import AcceptanceSummary, acceptance_summary
 from openrlhf_growmtp.core.records import DEFAULT_TOPK, SequenceRecord
 
 from . import check_vllm_version
-from .capture import dump_blob, load_blob
+from .capture import CYCLE_FIELDS, dump_blob, load_blob
 
 check_vllm_version()
 
@@ -135,11 +135,17 @@ def entries_by_request(payload: dict) -> dict[str, dict]:
     """A drained capture payload keyed by the caller's request ids; raises on engine-side errors."""
     if payload["errors"]:
         raise RuntimeError("speculative verification went wrong in the engine: " + "; ".join(payload["errors"]))
+    counts = payload["counts"].tolist()
+    split = {name: torch.split(payload[name], counts) for name in CYCLE_FIELDS if name in payload}
     by_request: dict[str, dict] = {}
-    for internal_id, entry in payload["requests"].items():
+    internal_ids = list(payload["req_ids"]) + [r for r in payload["hidden"] if r not in set(payload["req_ids"])]
+    for i, internal_id in enumerate(internal_ids):
         external_id = internal_id.rsplit("-", 1)[0]  # vLLM appends "-<random suffix>" to the caller's id
         if external_id in by_request:
             raise RuntimeError(f"two engine requests map to request {external_id!r}")
+        entry = {name: parts[i] for name, parts in split.items()} if i < len(counts) else {}
+        if internal_id in payload["hidden"]:
+            entry["hidden_positions"], entry["hidden"] = payload["hidden"][internal_id]
         by_request[external_id] = entry
     return by_request
 
@@ -211,8 +217,9 @@ class SpecEngine:
                        **llm_kwargs)
         self._head_state: dict[str, torch.Tensor] | None = None
         self._slept_level = 0
-        if capture:
-            self.llm.collective_rpc("growmtp_enable_capture", args=(topk, logprob_dtype, capture_q, capture_hidden))
+        # always configured: in-process engines share the worker module state with earlier engines
+        self.llm.collective_rpc("growmtp_configure_capture",
+                                args=(capture, topk, logprob_dtype, capture_q, capture_hidden))
 
     # ---- generation -------------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], sampling_params) -> GenerateResult:
@@ -241,7 +248,7 @@ class SpecEngine:
         records = join_records(outputs, entries, [p.temperature for p in params], self.k, self.hidden_dtype)
         draft_probs = [entries.get(o.request_id, {}).get("q") for o in outputs]
         accepted = torch.cat([r.accepted for r in records]) if records else torch.zeros(0)
-        record_bytes = sum(len(r.pack()) for r in records)
+        record_bytes = sum(r.nbytes for r in records)
         metrics = RolloutMetrics(acceptance_summary(accepted, self.k), generated, wall, record_bytes, counters)
         return GenerateResult(outputs, records, metrics, draft_probs)
 

