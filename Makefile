@@ -27,6 +27,7 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_reconstruction.py
+	$(PY) benchmarks/bench_rollout.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info
