@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from openrlhf_growmtp.core.checkpoint import read_head_config
+from openrlhf_growmtp.core.checkpoint import HEAD_WEIGHTS, read_head_config
 from openrlhf_growmtp.core.metrics import AcceptanceSummary, acceptance_summary
 from openrlhf_growmtp.core.records import DEFAULT_TOPK, SequenceRecord
 
@@ -33,7 +33,6 @@ check_vllm_version()
 
 logger = logging.getLogger(__name__)
 WORKER_EXTENSION = "vllm_patches.worker_ext.GrowMTPWorkerExtension"
-HEAD_WEIGHTS_FILE = "model.safetensors"
 
 
 class SpecConfigError(ValueError):
@@ -197,7 +196,7 @@ class SpecEngine:
                  capture_hidden: bool = False, **llm_kwargs):
         if "speculative_config" in llm_kwargs:
             raise SpecConfigError("pass head_dir and k; SpecEngine builds the speculative_config itself")
-        head_config = read_head_config(head_dir)  # raises a clear error for a directory that is not a head
+        read_head_config(head_dir)  # a clear error for a directory that is not a head, before vLLM starts
         if capture_hidden:  # exact mode records hidden states the engine computes; cache hits skip them
             if llm_kwargs.setdefault("enable_prefix_caching", False):
                 raise SpecConfigError("capture_hidden (exact mode) needs enable_prefix_caching=False: prefix-cache "
@@ -210,7 +209,6 @@ class SpecEngine:
 
         self.k, self.capture, self.head_dir = int(k), capture, Path(head_dir)
         self.capture_hidden = capture and capture_hidden
-        self.head_family = head_config.growmtp_family
         self.hidden_dtype = getattr(torch, logprob_dtype)
         llm_kwargs.setdefault("disable_log_stats", False)
         self.llm = LLM(model=str(model), speculative_config=config, worker_extension_cls=WORKER_EXTENSION,
@@ -255,7 +253,7 @@ class SpecEngine:
     # ---- weights ------------------------------------------------------------------------------------
     def load_head(self, head: str | Path | dict[str, torch.Tensor]) -> list[str]:
         """Load head weights (a head directory or a core-head state dict) into the running engine."""
-        state = load_file(str(Path(head) / HEAD_WEIGHTS_FILE)) if isinstance(head, (str, Path)) else head
+        state = load_file(str(Path(head) / HEAD_WEIGHTS)) if isinstance(head, (str, Path)) else head
         state = {name: tensor.detach().to("cpu").contiguous() for name, tensor in state.items()}
         loaded = self.llm.collective_rpc("growmtp_load_head_weights", args=(dump_blob(state),))[0]
         self._head_state = state
