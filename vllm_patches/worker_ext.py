@@ -53,3 +53,14 @@ class GrowMTPWorkerExtension(WorkerWrap):
         weights = capture.load_blob(blob)
         self.model_runner.reload_weights(weights_iterator=iter(weights.items()))
         return len(weights)
+
+    def growmtp_head_state(self) -> bytes:
+        """The live draft head's parameters that are readable, under core-head names, as a blob.
+
+        On CPU, vLLM repacks Linear weights into its GEMM backend after loading and leaves the original
+        parameters empty; those are skipped (the names list says which were compared).
+        """
+        model = self.model_runner.get_draft_model()
+        state = {name.removeprefix("model."): p.detach().cpu().clone() for name, p in model.named_parameters()
+                 if p.numel() > 0 and not any(part in name for part in ("embed_tokens", "lm_head"))}
+        return capture.dump_blob(state)

@@ -72,8 +72,9 @@ def prepare(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> None:
         from openrlhf_growmtp.trainer.actors import make_rollout_actor
 
         setattr(ns, "growmtp.head_dir", resolve_head_dir(flat))
-        installer.install_driver(make_rollout_actor(
-            {"k": flat["growmtp.k"], "head_dir": flat["growmtp.head_dir"], "topk": flat["growmtp.topk"]}))
+        options = {"k": flat["growmtp.k"], "head_dir": flat["growmtp.head_dir"], "topk": flat["growmtp.topk"]}
+        # upstream's module is running as __main__ and already holds its imported names
+        installer.install_driver(make_rollout_actor(options), launcher=sys.modules["__main__"])
     elif cpu:
         installer.install_cpu_support()
     if cpu:

@@ -48,6 +48,7 @@ HEAD_EXPORT_DIR = "growmtp_head"  # next to an HF export
 RECORD_KEY = "growmtp_record"  # packed SequenceRecord, per sample, in response dicts and Experience.info
 ACCEPTED_KEY = "growmtp_accepted"  # per-cycle accepted counts, per sample (rollout metrics)
 METRICS_FILE = "growmtp_metrics.jsonl"
+SNAPSHOT_FILE = "growmtp_head_snapshot.pt"  # head weights, rank-0 head Adam moments and head LR
 
 
 def _head_of(hf_model):
@@ -251,10 +252,24 @@ class GrowMTPActorTrainer(ActorPPOTrainer):
 @ray.remote(num_gpus=1)
 class GrowMTPPolicyActor(PolicyModelActor.__ray_actor_class__):
     def init_model_from_pretrained(self, strategy, pretrain, max_steps=None, vllm_engines=None):
-        installer.install_worker()
+        installer.install_worker(super().init_model_from_pretrained.__func__.__globals__)
         g = strategy.args.growmtp
         GrowMTPActor.attach_next(g.head_dir if g.mode != "frozen" else None)
         super().init_model_from_pretrained(strategy, pretrain, max_steps, vllm_engines)
+        if self.checkpoint_states and _head_of(self.actor.model.module) is not None:
+            # an audit trail of what resume restored, next to what the checkpoint saved (SNAPSHOT_FILE)
+            self._write_snapshot(Path(strategy.args.ckpt.path) / "_actor" / f"resumed_{SNAPSHOT_FILE}")
+
+    def save_checkpoint(self, tag, client_states=None, metric_value=None, metric_key=None):
+        super().save_checkpoint(tag, client_states, metric_value, metric_key)
+        if _head_of(self.actor.model.module) is not None and not self.disable_ds_ckpt:
+            self._write_snapshot(Path(self.strategy.args.ckpt.path) / "_actor" / tag / SNAPSHOT_FILE)
+
+    def _write_snapshot(self, path: Path) -> None:
+        snapshot = self.growmtp_head_snapshot()
+        if snapshot["rank"] == 0:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            torch.save(snapshot, path)
 
     def growmtp_head_snapshot(self) -> dict:
         """Gathered head weights (rank 0), this rank's head Adam moments and the head LR (tests, debugging)."""
@@ -334,6 +349,11 @@ class GrowMTPRolloutActor(RolloutRayActor.__ray_actor_class__):
     async def growmtp_load_head(self, blob: bytes) -> list[str]:
         return (await self.llm.collective_rpc("growmtp_load_head_weights", args=(blob,)))[0]
 
+    async def growmtp_head_state(self) -> dict[str, torch.Tensor]:
+        from vllm_patches.capture import load_blob
+
+        return load_blob((await self.llm.collective_rpc("growmtp_head_state"))[0])
+
     async def growmtp_load_target(self, blob: bytes) -> int:
         loaded = (await self.llm.collective_rpc("growmtp_load_target_weights", args=(blob,)))[0]
         await self.llm.reset_prefix_cache()
@@ -383,9 +403,22 @@ class GrowMTPPPOTrainer(PPOTrainer.__ray_actor_class__):
         rollout["growmtp/rollout_s"] = self.samples_generator.last_rollout_s
         rollout["growmtp/train_step_s"] = time.perf_counter() - began
         rollout["growmtp/step_s"] = rollout["growmtp/rollout_s"] + rollout["growmtp/train_step_s"]
+        if self.args.growmtp.check_sync and self.args.growmtp.mode != "frozen":
+            rollout.update(self._check_head_sync())
         status.update(rollout)
         self._report(next_step, status)
         return status, next_step
+
+    def _check_head_sync(self) -> dict[str, float]:
+        """Max |engine - trainer| over the head parameters every engine exposes (after this step's sync)."""
+        snapshots = ray.get(self.actor_model_group.async_run_method(method_name="growmtp_head_snapshot"))
+        trainer = next(s["weights"] for s in snapshots if s["weights"] is not None)
+        worst, compared = 0.0, 0
+        for state in ray.get([engine.growmtp_head_state.remote() for engine in self.vllm_engines]):
+            for name, tensor in state.items():
+                worst = max(worst, float((tensor.float() - trainer[name]).abs().max()))
+                compared += 1
+        return {"growmtp/head_sync_max_diff": worst, "growmtp/head_sync_params": float(compared)}
 
     def _rollout_metrics(self, samples) -> dict[str, float]:
         k = self.args.growmtp.k

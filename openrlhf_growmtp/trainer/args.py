@@ -61,6 +61,10 @@ def add_growmtp_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--growmtp_teacher_forcing", "--growmtp.teacher_forcing", dest="growmtp.teacher_forcing",
                        action="store_true", default=False,
                        help="train on the committed response instead of the recorded draft paths (ablation)")
+    group.add_argument("--growmtp_check_sync", "--growmtp.check_sync", dest="growmtp.check_sync",
+                       action="store_true", default=False,
+                       help="after every sync, compare the engines' head parameters with the trainer's and log "
+                            "growmtp/head_sync_max_diff (gathers the head each step; for debugging and tests)")
 
 
 def growmtp_options(flat: dict) -> dict:

@@ -18,6 +18,7 @@ is not the one this module was written against.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import inspect
 from typing import Callable
@@ -59,8 +60,8 @@ CONTRACT = [
      ("response",)),
     ("openrlhf.trainer.ppo_utils.samples_generator.SamplesGenerator", "generate_samples", ()),
     ("deepspeed.runtime.zero.stage3.DeepSpeedZeroOptimizer_Stage3", "_get_norm_groups", ()),
-    ("deepspeed.runtime.zero.stage3.DeepSpeedZeroOptimizer_Stage3", "unscale_and_clip_grads",
-     ("sub_group_id", "total_norm")),
+    # decorated with DeepSpeed's nvtx wrapper (signature *args, **kwargs): existence only
+    ("deepspeed.runtime.zero.stage3.DeepSpeedZeroOptimizer_Stage3", "unscale_and_clip_grads", None),
     ("deepspeed.runtime.zero.stage3.DeepSpeedZeroOptimizer_Stage3", "clear_backward_seen_flag", ()),
 ]
 
@@ -84,12 +85,15 @@ def _resolve(path: str):
 
 def check_upstream_contract() -> None:
     """Raise UpstreamContractError listing every rebind target or signature that is not as expected."""
-    import openrlhf
+    from importlib.metadata import PackageNotFoundError, version
 
     problems = []
-    if openrlhf.__version__ != OPENRLHF_VERSION:
-        problems.append(f"openrlhf {openrlhf.__version__} is installed; this integration is pinned to "
-                        f"{OPENRLHF_VERSION}")
+    try:
+        installed = version("openrlhf")
+    except PackageNotFoundError:
+        installed = None
+    if installed != OPENRLHF_VERSION:
+        problems.append(f"openrlhf {installed} is installed; this integration is pinned to {OPENRLHF_VERSION}")
     for owner, name, params in CONTRACT:
         try:
             obj = getattr(_resolve(owner), name)
@@ -124,6 +128,7 @@ def install_cpu_support() -> bool:
 
     upstream_config = ds_module.get_train_ds_config
 
+    @functools.wraps(upstream_config)
     def train_ds_config_torch_adam(*args, **kwargs):
         # DeepSpeed's fused Adam is a C++ JIT build on CPU; torch's AdamW needs none.
         config = upstream_config(*args, **kwargs)
@@ -156,8 +161,12 @@ def setup_cpu_worker() -> None:
 
 
 # ---- class rebinds -------------------------------------------------------------------------------------
-def install_driver(rollout_actor_cls) -> None:
-    """Driver side, before upstream's train() runs: make it build GrowMTP's classes."""
+def install_driver(rollout_actor_cls, launcher=None) -> None:
+    """Driver side, before upstream's train() runs: make it build GrowMTP's classes.
+
+    `launcher` is the running `openrlhf.cli.train_ppo_ray` module (run as __main__): it imported
+    PolicyModelActor and get_strategy by name before its parser ran, so those names are rebound there too.
+    """
     check_upstream_contract()
     install_cpu_support()
     import openrlhf.utils
@@ -170,18 +179,27 @@ def install_driver(rollout_actor_cls) -> None:
     ppo_actor.PolicyModelActor = actors.GrowMTPPolicyActor
     ppo_trainer.PPOTrainer = actors.GrowMTPPPOTrainer
     vllm_engine.RolloutRayActor = rollout_actor_cls
+    if launcher is not None:
+        launcher.PolicyModelActor = actors.GrowMTPPolicyActor
+        launcher.get_strategy = actors.get_strategy
 
 
-def install_worker() -> None:
-    """Policy-actor side, before upstream's init_model_from_pretrained builds the Actor and its trainer."""
+def install_worker(upstream_globals: dict) -> None:
+    """Policy-actor side, before upstream's init_model_from_pretrained builds the Actor and its trainer.
+
+    `upstream_globals` is that method's `__globals__`. Ray ships the actor class by value (its module
+    name points at the Ray wrapper, not the class), so the method looks names up in its own copy of the
+    module's globals: the rebind has to land there, not only on the module.
+    """
     check_upstream_contract()
     install_cpu_support()
     from openrlhf.trainer.ray import ppo_actor
 
     from . import actors
 
-    ppo_actor.Actor = actors.GrowMTPActor
-    ppo_actor.ActorPPOTrainer = actors.GrowMTPActorTrainer
+    for namespace in (upstream_globals, vars(ppo_actor)):
+        namespace["Actor"] = actors.GrowMTPActor
+        namespace["ActorPPOTrainer"] = actors.GrowMTPActorTrainer
 
 
 # ---- DeepSpeed ZeRO-3: the head's param group next to the policy's ------------------------------------

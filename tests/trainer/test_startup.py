@@ -1,0 +1,86 @@
+"""Flags, aliases and startup checks (before any Ray actor starts), and the upstream contract."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from trainer_helpers import train_args
+
+from openrlhf_growmtp.trainer import installer
+from openrlhf_growmtp.trainer.args import check_args, parse_train_args
+
+GOOD = ["--ds.zero_stage", "3", "--vllm.num_engines", "1", "--rollout.batch_size", "2",
+        "--rollout.n_samples_per_prompt", "4", "--train.batch_size", "8"]
+
+
+def errors_for(policy_dir, *argv):
+    ns = parse_train_args(["--actor.model_name_or_path", str(policy_dir), *GOOD, *argv])
+    return check_args(vars(ns))
+
+
+def test_underscore_and_dotted_flags_are_the_same_option(policy_dir, tmp_path):
+    a = train_args(policy_dir, tmp_path, "--growmtp_k", "5", "--growmtp_head_lr", "1e-3", "--growmtp_no_vgm",
+                   "--growmtp_mode", "joint", "--growmtp_loss", "tv", "--growmtp_teacher_forcing")
+    b = train_args(policy_dir, tmp_path, "--growmtp.k", "5", "--growmtp.head_lr", "1e-3", "--growmtp.no_vgm",
+                   "--growmtp.mode", "joint", "--growmtp.loss", "tv", "--growmtp.teacher_forcing")
+    assert vars(a.growmtp) == vars(b.growmtp)
+    assert (a.growmtp.k, a.growmtp.vgm, a.growmtp.mode, a.growmtp.loss) == (5, False, "joint", "tv")
+    defaults = train_args(policy_dir, tmp_path).growmtp
+    assert (defaults.k, defaults.vgm, defaults.mode, defaults.topk, defaults.chunk_cycles, defaults.warmup_steps,
+            defaults.min_lr_ratio, defaults.head) == (0, True, "detached", 64, 1024, 10, 0.1, "random")
+
+
+def test_valid_configuration_has_no_errors(policy_dir):
+    assert errors_for(policy_dir, "--growmtp_k", "3") == []
+    assert errors_for(policy_dir, "--growmtp_k", "0", "--ds.zero_stage", "2") == []  # off: upstream's rules only
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--growmtp_k", "-1"], "--growmtp_k must be >= 0"),
+    (["--growmtp_k", "3", "--growmtp_head", "native"], "ships no native MTP layer"),
+    (["--growmtp_k", "17"], "deeper than this head supports (max 16)"),
+    (["--growmtp_k", "3", "--rollout.temperature", "0"], "greedy drafting is not supported"),
+    (["--growmtp_k", "3", "--rollout.top_p", "0.7"], "full target distribution"),
+    (["--growmtp_k", "3", "--vllm.num_engines", "0"], "--vllm.num_engines >= 1"),
+    (["--growmtp_k", "3", "--ds.zero_stage", "2"], "--ds.zero_stage 3"),
+    (["--growmtp_k", "3", "--train.batch_size", "4"], "one policy step per RL step"),
+    (["--growmtp_k", "3", "--growmtp_head", "/no/such/head"], "not a head directory"),
+])
+def test_bad_combinations_are_refused(policy_dir, argv, message):
+    errors = errors_for(policy_dir, *argv)
+    assert any(message in e for e in errors), errors
+
+
+def test_head_directory_depth_limit_and_shape_mismatch(policy_dir, head_dir, tmp_path):
+    shallow = tmp_path / "shallow"
+    shallow.mkdir()
+    config = json.loads((head_dir / "config.json").read_text())
+    (shallow / "config.json").write_text(json.dumps({**config, "max_draft_depth": 2}))
+    assert any("max 2" in e for e in errors_for(policy_dir, "--growmtp_k", "3", "--growmtp_head", str(shallow)))
+    (shallow / "config.json").write_text(json.dumps({**config, "hidden_size": 64}))
+    assert any("hidden_size/vocab_size" in e for e in errors_for(policy_dir, "--growmtp_k", "3",
+                                                                  "--growmtp_head", str(shallow)))
+
+
+def test_cli_fails_fast_before_ray(policy_dir, tmp_path):
+    cmd = [sys.executable, "-m", "openrlhf_growmtp.cli.train_ppo_ray", "--actor.model_name_or_path", str(policy_dir),
+           *GOOD, "--growmtp_k", "3", "--rollout.temperature", "0", "--ckpt.path", str(tmp_path / "ckpt")]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2
+    assert "invalid GrowMTP configuration" in result.stderr and "greedy drafting" in result.stderr
+    assert "Ray instance" not in result.stdout + result.stderr  # never got as far as starting Ray
+    assert not (tmp_path / "ckpt").exists()  # and wrote nothing
+
+
+def test_upstream_contract_holds_and_breaks_loudly(monkeypatch):
+    installer.check_upstream_contract()
+    from openrlhf.trainer.ray import ppo_actor
+
+    monkeypatch.delattr(ppo_actor.ActorPPOTrainer, "_init_vllm_sync_group")
+    monkeypatch.setattr("importlib.metadata.version", lambda name: "0.12.0")
+    with pytest.raises(installer.UpstreamContractError) as err:
+        installer.check_upstream_contract()
+    assert "_init_vllm_sync_group is missing" in str(err.value) and "pinned to 0.11.2" in str(err.value)
