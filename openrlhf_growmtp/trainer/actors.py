@@ -119,16 +119,12 @@ class GrowMTPStrategy(DeepspeedStrategy):
 
 
 def get_strategy(args):
-    """`openrlhf.utils.get_strategy` with our strategy class (same constructor arguments as upstream)."""
-    return GrowMTPStrategy(
-        seed=getattr(args.train, "seed", 42),
-        full_determinism=getattr(args.train, "full_determinism_enable", False),
-        max_norm=getattr(args, "max_norm", 1.0),
-        micro_train_batch_size=getattr(args.train, "micro_batch_size", 1),
-        train_batch_size=getattr(args.train, "batch_size", 128),
-        zero_stage=args.ds.zero_stage,
-        args=args,
-    )
+    """Upstream's `get_strategy`, returning our subclass (it adds methods only, no state)."""
+    from openrlhf.utils.utils import get_strategy as upstream_get_strategy
+
+    strategy = upstream_get_strategy(args)
+    strategy.__class__ = GrowMTPStrategy
+    return strategy
 
 
 # ---- the policy model and its trainer ------------------------------------------------------------------
