@@ -52,13 +52,20 @@ def activate() -> bool:
         return _active
     for name, value in CPU_ENV.items():
         os.environ.setdefault(name, value)
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(SHIM_DIR), os.environ.get("PYTHONPATH")) if p)
+    os.environ["PYTHONPATH"] = _pythonpath_with_shims()
     if importlib.util.find_spec("flash_attn") is None:
         sys.path.insert(0, str(SHIM_DIR))
     _patch_torch_cuda()
     _disable_deepspeed_jit_ops()
     _active = True
     return True
+
+
+def _pythonpath_with_shims() -> str:
+    current = os.environ.get("PYTHONPATH", "")
+    if str(SHIM_DIR) in current.split(os.pathsep):
+        return current
+    return os.pathsep.join(p for p in (str(SHIM_DIR), current) if p)
 
 
 def _patch_torch_cuda() -> None:
@@ -92,7 +99,7 @@ def ray_init_kwargs(num_gpus: int, setup_hook: str = f"{__name__}.activate", num
                     temp_dir: str | None = None) -> dict:
     """ray.init arguments for a CPU run: `num_gpus` logical GPUs, no dashboard, `setup_hook` in every worker."""
     env = {name: os.environ.get(name, value) for name, value in CPU_ENV.items()}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(SHIM_DIR), os.environ.get("PYTHONPATH")) if p)
+    env["PYTHONPATH"] = _pythonpath_with_shims()
     env["GROWMTP_CPU"] = "1"
     kwargs = dict(num_gpus=num_gpus, num_cpus=num_cpus or max(4, 2 * num_gpus), include_dashboard=False,
                   object_store_memory=512 * 1024**2,

@@ -385,7 +385,6 @@ class GrowMTPPPOTrainer(PPOTrainer.__ray_actor_class__):
     """Upstream's controller with GrowMTP's samples generator and per-step GrowMTP metrics."""
 
     def __init__(self, pretrain, strategy, *args, **kwargs):
-        installer.install_cpu_support()
         super().__init__(pretrain, strategy, *args, **kwargs)
         self.samples_generator = GrowMTPSamplesGenerator(
             strategy=strategy, prompts_dataloader=self.prompts_dataloader, eval_dataloader=self.eval_dataloader,

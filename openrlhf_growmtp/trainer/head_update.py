@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..core.head import MTPHead
-from ..core.reconstruction import count_chunks, head_loss_backward, validate_batch
+from ..core.reconstruction import DEFAULT_CHUNK_CYCLES, count_chunks, head_loss_backward, validate_batch
 from ..core.records import RecordError, SequenceRecord
 
 
@@ -33,7 +33,7 @@ from ..core.records import RecordError, SequenceRecord
 class HeadUpdateConfig:
     kind: str = "dca"
     vgm: bool = True
-    chunk_cycles: int = 1024
+    chunk_cycles: int = DEFAULT_CHUNK_CYCLES
     teacher_forcing: bool = False
     joint: bool = False  # the head loss also reaches the backbone (through the hidden states)
     hidden_batch_size: int = 8  # sequences per backbone forward when recomputing hidden states
@@ -116,16 +116,15 @@ def update_head(head: MTPHead, backbone: nn.Module, records: Sequence[SequenceRe
     local_cycles = sum(rec.num_cycles for rec in records)
     local_chunks = count_chunks(records, chunk_cycles, cfg.teacher_forcing) if records else 0
     local_batches = math.ceil(len(records) / cfg.hidden_batch_size)
-    max_chunks, max_batches = _all_reduce([local_chunks, local_batches], dist.ReduceOp.MAX)
+    local_k = records[0].k if records else 0
+    max_chunks, max_batches, k = _all_reduce([local_chunks, local_batches, local_k], dist.ReduceOp.MAX)
     (total_cycles,) = _all_reduce([float(local_cycles)], dist.ReduceOp.SUM)
     metrics = {"head_cycles": total_cycles, "head_finite": 1.0}
     if max_chunks == 0:
         metrics.update(head_loss=0.0, head_update_s=time.perf_counter() - began)
         return metrics
 
-    k = records[0].k if records else None
-    (k_max,) = _all_reduce([float(k or 0)], dist.ReduceOp.MAX)
-    k = k or int(k_max)
+    k, dtype = int(k), next(head.parameters()).dtype
     topk = int(records[0].topk_ids.shape[2]) if records else head.config.vocab_size
     hiddens = backbone_hidden_states(backbone, records, int(max_batches), cfg.hidden_batch_size, grad=joint)
     scale = _world_size() * gradient_accumulation * local_cycles / max(total_cycles, 1.0)
@@ -135,7 +134,7 @@ def update_head(head: MTPHead, backbone: nn.Module, records: Sequence[SequenceRe
 
     finite, stats = True, None
     if records:
-        hiddens = [h.to(next(head.parameters()).dtype) for h in hiddens]
+        hiddens = [h.to(dtype) for h in hiddens]
         stats = head_loss_backward(head, records, hiddens, kind=cfg.kind, vgm=cfg.vgm, chunk_cycles=chunk_cycles,
                                    teacher_forcing=cfg.teacher_forcing, backward=weighted(scale), agree=agree_finite)
         finite = stats.finite
@@ -143,7 +142,7 @@ def update_head(head: MTPHead, backbone: nn.Module, records: Sequence[SequenceRe
     for _ in range(int(max_chunks) - local_chunks):
         if not finite:
             break
-        hidden = filler.hidden.to(next(head.parameters()).dtype).to(_device())
+        hidden = filler.hidden.to(dtype).to(_device())
         if joint:  # the filler must reach the backbone too, like the real chunk on other ranks
             hidden = backbone_hidden_states(backbone, [filler], 1, 1, grad=True)[0] * 0 + hidden
         filled = head_loss_backward(head, [filler], [hidden], kind=cfg.kind, vgm=cfg.vgm,
