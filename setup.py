@@ -27,10 +27,12 @@ setup(
                 "jsonlines", "loralib", "tensorboard", "torchmetrics", "torchdata", "optree>=0.15", "wandb"],
         "gpu": [STACK["vllm"], STACK["openrlhf"], STACK["deepspeed"], STACK["ray"], "datasets"],
         "test": ["pytest>=8", "numpy"],
+        "demo": ["matplotlib"],
     },
     entry_points={
         "console_scripts": [
             "growmtp-make-head = openrlhf_growmtp.cli.make_head:main",
+            "growmtp-demo = openrlhf_growmtp.cli.demo:main",
         ],
         # vLLM loads general plugins in every process it starts (engine core, workers)
         "vllm.general_plugins": ["growmtp = vllm_patches.plugin:register"],

@@ -4,10 +4,15 @@ Every upstream `openrlhf.cli.train_ppo_ray` flag works unchanged; the `--growmtp
 dotted aliases `--growmtp.*`) are added to upstream's own parser. Upstream's module then runs as
 `__main__`: its checks, its `train()`. What differs is decided right after parsing, before Ray starts:
 
-- `--growmtp_k 0` (default): nothing is rebound; the run is upstream's (on CPU plus the CPU layer);
+- `--growmtp_k 0` (default): nothing is rebound; the run is upstream's. Without CUDA the CPU layer also
+  sends weights to the engines through Ray, and `--growmtp_neg_adv_weight w != 1` rebinds the policy
+  actor to apply it;
 - `--growmtp_k K`: the startup checks run, the initial head directory is resolved (materialised once
   for `random`, extracted for `native`), and `installer.install_driver` makes upstream's `train()`
   build GrowMTP's strategy, policy actor, controller and speculative rollout actors.
+
+With GROWMTP_DRY_RUN=1 every check (ours, then upstream's) runs and the process exits 0 before Ray,
+head materialisation or any file is touched: example scripts are validated this way.
 
 On a machine without CUDA the CPU support layer is switched on and Ray is started here with logical
 GPUs (upstream's `train()` then reuses it).
@@ -25,6 +30,7 @@ from openrlhf_growmtp import cpu_support
 
 UPSTREAM = "openrlhf.cli.train_ppo_ray"
 INITIAL_HEAD_DIR = "growmtp_initial_head"  # under --ckpt.path
+DRY_RUN_ENV = "GROWMTP_DRY_RUN"  # =1: parse and check everything, then exit 0 without starting Ray
 
 
 def resolve_head_dir(flat: dict) -> str:
@@ -65,6 +71,10 @@ def prepare(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> None:
     errors = check_args(flat)
     if errors:
         parser.error("invalid GrowMTP configuration:\n  - " + "\n  - ".join(errors))
+    if os.environ.get(DRY_RUN_ENV) == "1":
+        # upstream's own checks run after parsing; its train() is then replaced by a report
+        sys.modules["__main__"].train = dry_run_report
+        return
     cpu = cpu_support.needed()
     if cpu and "flash_attention" in (flat.get("ds.attn_implementation") or ""):
         setattr(ns, "ds.attn_implementation", "sdpa")  # flash-attn kernels need CUDA
@@ -75,14 +85,25 @@ def prepare(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> None:
         options = {"k": flat["growmtp.k"], "head_dir": flat["growmtp.head_dir"], "topk": flat["growmtp.topk"]}
         # upstream's module is running as __main__ and already holds its imported names
         installer.install_driver(make_rollout_actor(options), launcher=sys.modules["__main__"])
-    elif cpu:
-        installer.install_cpu_support()
+    elif cpu or flat["growmtp.neg_adv_weight"] != 1.0:
+        installer.install_base_driver(launcher=sys.modules["__main__"], rollout_via_ray=cpu)
     if cpu:
         import ray
 
         if not ray.is_initialized():
             ray.init(**cpu_support.ray_init_kwargs(logical_gpus(flat), setup_hook=f"{installer.__name__}.setup_cpu_worker",
                                                   temp_dir=os.environ.get("GROWMTP_RAY_TMP")))
+
+
+def dry_run_report(args) -> None:
+    """`train()` under GROWMTP_DRY_RUN=1: every check passed; say what would run, start nothing."""
+    g = args.growmtp
+    what = (f"GrowMTP K={g.k}, head {g.head}, mode {g.mode}, loss {g.loss}{'' if g.vgm else ' (no VGM)'}"
+            if g.k else "autoregressive (GrowMTP off)")
+    print(f"{DRY_RUN_ENV}=1: the configuration passed every startup check; not starting Ray.\n"
+          f"  model {args.actor.model_name_or_path}; {what}; negative-advantage weight {g.neg_adv_weight}; "
+          f"rollout {args.rollout.batch_size} prompts x {args.rollout.n_samples_per_prompt} samples, "
+          f"max {args.rollout.max_new_tokens} new tokens")
 
 
 def main() -> None:

@@ -154,7 +154,60 @@ class GrowMTPActor(Actor):
         hf_model.add_module(HEAD_ATTR, head)
 
 
-class GrowMTPActorTrainer(ActorPPOTrainer):
+class NegativeAdvantageWeightedLoss(torch.nn.Module):
+    """Upstream's policy loss with the terms of negative-advantage tokens weighted by `weight`.
+
+    Every branch of the PPO loss (clipped, dual-clipped, IS-corrected) is positively homogeneous in the
+    advantage: scaling A by w > 0 scales that token's loss by w and changes no min/max/clip decision.
+    So weighting the negative branch is exactly scaling negative advantages before upstream's loss.
+    """
+
+    def __init__(self, loss_fn: torch.nn.Module, weight: float):
+        super().__init__()
+        if not weight > 0:
+            raise ValueError(f"the negative-advantage weight must be > 0, got {weight}")
+        self.loss_fn, self.weight = loss_fn, weight
+
+    def forward(self, log_probs, old_log_probs, advantages, *args, **kwargs):
+        weighted = torch.where(advantages < 0, advantages * self.weight, advantages)
+        return self.loss_fn(log_probs, old_log_probs, weighted, *args, **kwargs)
+
+
+class BaseActorTrainer(ActorPPOTrainer):
+    """Upstream's actor-side PPO trainer with what any run of this CLI may add to it: the
+    negative-advantage weight (`--growmtp_neg_adv_weight`), and, without CUDA (no NCCL), the policy's
+    weights sent to the engines through Ray. With CUDA and weight 1 it is upstream's, unchanged."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        weight = getattr(getattr(self.args, "growmtp", None), "neg_adv_weight", 1.0)
+        if weight != 1.0:
+            self.actor_loss_fn = NegativeAdvantageWeightedLoss(self.actor_loss_fn, weight)
+
+    def _init_vllm_sync_group(self, backend: str):
+        if cpu_support.needed():
+            return
+        super()._init_vllm_sync_group(backend)
+
+    def broadcast_to_vllm(self):
+        if not cpu_support.needed():
+            return super().broadcast_to_vllm()
+        params = dict(self.actor.model.module.named_parameters())
+        with deepspeed.zero.GatheredParameters(list(params.values())):
+            state = {name: p.detach().cpu().clone() for name, p in params.items()} if dist.get_rank() == 0 else None
+        self._send_to_engines("growmtp_load_target", state)
+
+    def _send_to_engines(self, method: str, state: dict[str, torch.Tensor] | None) -> None:
+        """Rank 0 sends `state` to every engine's `method` (RaySyncRolloutActor); all ranks meet after."""
+        if state is not None:
+            from vllm_patches.capture import dump_blob
+
+            blob = ray.put(dump_blob(state))
+            ray.get([getattr(engine, method).remote(blob) for engine in self.vllm_engines])
+        torch_dist_barrier_and_cuda_sync()
+
+
+class GrowMTPActorTrainer(BaseActorTrainer):
     """Upstream's actor-side PPO trainer plus the head update and the head sync."""
 
     def __init__(self, *args, **kwargs):
@@ -162,11 +215,6 @@ class GrowMTPActorTrainer(ActorPPOTrainer):
         self._records: list[SequenceRecord] | None = None
         self._head_metrics: dict[str, float] = {}
         self._skip_head_step = False
-
-    def _init_vllm_sync_group(self, backend: str):
-        if cpu_support.needed():
-            return  # no NCCL on CPU: weights go to the engines through Ray (broadcast_to_vllm)
-        super()._init_vllm_sync_group(backend)
 
     # ---- one RL step ----------------------------------------------------------------------------------
     def ppo_train(self, kl_ctl: float):
@@ -219,36 +267,30 @@ class GrowMTPActorTrainer(ActorPPOTrainer):
     # ---- weight sync --------------------------------------------------------------------------------
     def broadcast_to_vllm(self):
         hf_model = self.actor.model.module
-        if cpu_support.needed():
-            self._send_to_engines("growmtp_load_target", self._gathered_policy_state(hf_model))
-        else:
-            with without_head(hf_model):
-                super().broadcast_to_vllm()
+        with without_head(hf_model):  # the policy's weights only, by upstream's path or through Ray
+            super().broadcast_to_vllm()
         head = _head_of(hf_model)
         if head is not None:
             self._send_to_engines("growmtp_load_head", gathered_head_state(head))
 
-    def _gathered_policy_state(self, hf_model) -> dict[str, torch.Tensor] | None:
-        with without_head(hf_model):
-            params = dict(hf_model.named_parameters())
-        with deepspeed.zero.GatheredParameters(list(params.values())):
-            if dist.get_rank() != 0:
-                return None
-            return {name: p.detach().cpu().clone() for name, p in params.items()}
 
-    def _send_to_engines(self, method: str, state: dict[str, torch.Tensor] | None) -> None:
-        if state is not None:  # rank 0
-            from vllm_patches.capture import dump_blob
+class BasePolicyActor(PolicyModelActor.__ray_actor_class__):
+    """Upstream's policy actor building `trainer_cls` (and `actor_cls`, when set) instead of upstream's."""
 
-            blob = ray.put(dump_blob(state))
-            ray.get([getattr(engine, method).remote(blob) for engine in self.vllm_engines])
-        torch_dist_barrier_and_cuda_sync()
+    trainer_cls: type = BaseActorTrainer
+    actor_cls: type | None = None
 
-
-@ray.remote(num_gpus=1)
-class GrowMTPPolicyActor(PolicyModelActor.__ray_actor_class__):
     def init_model_from_pretrained(self, strategy, pretrain, max_steps=None, vllm_engines=None):
-        installer.install_worker(super().init_model_from_pretrained.__func__.__globals__)
+        upstream = super().init_model_from_pretrained
+        installer.install_worker(upstream.__func__.__globals__, self.trainer_cls, self.actor_cls)
+        upstream(strategy, pretrain, max_steps, vllm_engines)
+
+
+class GrowMTPPolicyActor(BasePolicyActor):
+    trainer_cls = GrowMTPActorTrainer
+    actor_cls = GrowMTPActor
+
+    def init_model_from_pretrained(self, strategy, pretrain, max_steps=None, vllm_engines=None):
         g = strategy.args.growmtp
         GrowMTPActor.attach_next(g.head_dir if g.mode != "frozen" else None)
         super().init_model_from_pretrained(strategy, pretrain, max_steps, vllm_engines)
@@ -278,7 +320,25 @@ class GrowMTPPolicyActor(PolicyModelActor.__ray_actor_class__):
 
 
 # ---- rollouts ------------------------------------------------------------------------------------------
-class GrowMTPRolloutActor(RolloutRayActor.__ray_actor_class__):
+class RaySyncRolloutActor(RolloutRayActor.__ray_actor_class__):
+    """Upstream's vLLM rollout actor with GrowMTP's worker extension (a subclass of upstream's), so that it
+    can also load the policy's weights sent through Ray (`BaseActorTrainer` on CPU). fp32 on CPU."""
+
+    async def __init__(self, *args, **kwargs):
+        from vllm_patches.engine import WORKER_EXTENSION
+
+        if cpu_support.activate():
+            kwargs["dtype"] = "float32"
+        kwargs["worker_extension_cls"] = WORKER_EXTENSION
+        await super().__init__(*args, **kwargs)
+
+    async def growmtp_load_target(self, blob: bytes) -> int:
+        loaded = (await self.llm.collective_rpc("growmtp_load_target_weights", args=(blob,)))[0]
+        await self.llm.reset_prefix_cache()
+        return loaded
+
+
+class GrowMTPRolloutActor(RaySyncRolloutActor):
     """Upstream's vLLM rollout actor with speculative decoding by the GrowMTP head and record capture.
 
     `make_rollout_actor(options)` returns the configured Ray actor class the installer rebinds.
@@ -287,16 +347,14 @@ class GrowMTPRolloutActor(RolloutRayActor.__ray_actor_class__):
     growmtp: dict = {}
 
     async def __init__(self, *args, **kwargs):
-        from vllm_patches.engine import WORKER_EXTENSION, check_speculative_config, speculative_config
+        from vllm_patches.engine import check_speculative_config, speculative_config
 
         g = self.growmtp
-        if cpu_support.activate():
-            kwargs["dtype"] = "float32"
         # The capture hooks target the V1 model runner (vLLM picks V2 where Triton works).
         os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
         config = speculative_config(g["head_dir"], g["k"])
         check_speculative_config(config)
-        kwargs.update(speculative_config=config, worker_extension_cls=WORKER_EXTENSION)
+        kwargs["speculative_config"] = config
         await super().__init__(*args, **kwargs)
         await self.llm.collective_rpc("growmtp_configure_capture", args=(True, g["topk"], "bfloat16", False, False))
         self._finished: dict[tuple, list] = defaultdict(list)  # committed tokens -> finished RequestOutputs
@@ -349,11 +407,6 @@ class GrowMTPRolloutActor(RolloutRayActor.__ray_actor_class__):
         from vllm_patches.capture import load_blob
 
         return load_blob((await self.llm.collective_rpc("growmtp_head_state"))[0])
-
-    async def growmtp_load_target(self, blob: bytes) -> int:
-        loaded = (await self.llm.collective_rpc("growmtp_load_target_weights", args=(blob,)))[0]
-        await self.llm.reset_prefix_cache()
-        return loaded
 
 
 def make_rollout_actor(options: dict):

@@ -61,6 +61,9 @@ def add_growmtp_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--growmtp_teacher_forcing", "--growmtp.teacher_forcing", dest="growmtp.teacher_forcing",
                        action="store_true", default=False,
                        help="train on the committed response instead of the recorded draft paths (ablation)")
+    flag("neg_adv_weight", type=float, default=1.0,
+         help="weight of the policy loss on tokens with a negative advantage (the paper's GRPO uses 0.5); "
+              "applies to every run, --growmtp_k 0 included; 1.0 is upstream's loss")
     group.add_argument("--growmtp_check_sync", "--growmtp.check_sync", dest="growmtp.check_sync",
                        action="store_true", default=False,
                        help="after every sync, compare the engines' head parameters with the trainer's and log "
@@ -78,9 +81,11 @@ def check_args(flat: dict) -> list[str]:
     k = g.get("k", 0)
     if k < 0:
         return [f"--growmtp_k must be >= 0 (0 = off), got {k}"]
-    if k == 0:
-        return []
     errors = []
+    if not g.get("neg_adv_weight", 1.0) > 0:
+        errors.append(f"--growmtp_neg_adv_weight must be > 0, got {g.get('neg_adv_weight')}")
+    if k == 0:
+        return errors
     get = flat.get
     if g["mode"] not in MODES:
         errors.append(f"--growmtp_mode must be one of {MODES}, got {g['mode']!r}")

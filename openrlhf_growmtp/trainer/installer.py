@@ -50,6 +50,8 @@ CONTRACT = [
     ("openrlhf.trainer.ray.ppo_actor.PolicyModelActor.__ray_actor_class__", "init_model_from_pretrained",
      ("strategy", "pretrain", "max_steps", "vllm_engines")),
     ("openrlhf.trainer.ray.vllm_engine", "RolloutRayActor", None),
+    # NegativeAdvantageWeightedLoss wraps the trainer's actor_loss_fn, called with advantages third
+    ("openrlhf.models.loss.PolicyLoss", "forward", ("log_probs", "old_log_probs", "advantages")),
     ("openrlhf.trainer.ray.vllm_engine.RolloutRayActor.__ray_actor_class__", "generate",
      ("prompt_token_ids", "sampling_params", "multi_modal_data")),
     ("openrlhf.trainer.ray.vllm_engine.RolloutRayActor.__ray_actor_class__", "generate_responses",
@@ -162,7 +164,7 @@ def setup_cpu_worker() -> None:
 
 # ---- class rebinds -------------------------------------------------------------------------------------
 def install_driver(rollout_actor_cls, launcher=None) -> None:
-    """Driver side, before upstream's train() runs: make it build GrowMTP's classes.
+    """Driver side of a GrowMTP run (K > 0), before upstream's train() runs: make it build GrowMTP's classes.
 
     `launcher` is the running `openrlhf.cli.train_ppo_ray` module (run as __main__): it imported
     PolicyModelActor and get_strategy by name before its parser ran, so those names are rebound there too.
@@ -171,20 +173,43 @@ def install_driver(rollout_actor_cls, launcher=None) -> None:
     install_cpu_support()
     import openrlhf.utils
     from openrlhf.trainer import ppo_trainer
-    from openrlhf.trainer.ray import ppo_actor, vllm_engine
 
     from . import actors
 
+    _rebind_actors(actors.GrowMTPPolicyActor, rollout_actor_cls, launcher)
     openrlhf.utils.get_strategy = actors.get_strategy
-    ppo_actor.PolicyModelActor = actors.GrowMTPPolicyActor
     ppo_trainer.PPOTrainer = actors.GrowMTPPPOTrainer
-    vllm_engine.RolloutRayActor = rollout_actor_cls
     if launcher is not None:
-        launcher.PolicyModelActor = actors.GrowMTPPolicyActor
         launcher.get_strategy = actors.get_strategy
 
 
-def install_worker(upstream_globals: dict) -> None:
+def install_base_driver(launcher=None, rollout_via_ray: bool = False) -> None:
+    """Driver side of a plain run (K = 0) that needs more than upstream: the policy actor builds
+    `BaseActorTrainer` (negative-advantage weight, Ray weight path without CUDA), and without CUDA the
+    engines take weights through Ray (upstream's weight sync is NCCL/CUDA only)."""
+    check_upstream_contract()
+    install_cpu_support()
+    import ray
+    from openrlhf.trainer.ray import vllm_engine
+
+    from . import actors
+
+    rollout = ray.remote(actors.RaySyncRolloutActor) if rollout_via_ray else vllm_engine.RolloutRayActor
+    _rebind_actors(actors.BasePolicyActor, rollout, launcher)
+
+
+def _rebind_actors(policy_actor_cls, rollout_actor_cls, launcher) -> None:
+    import ray
+    from openrlhf.trainer.ray import ppo_actor, vllm_engine
+
+    policy_actor = ray.remote(num_gpus=1)(policy_actor_cls)  # upstream's PolicyModelActor asks for one GPU
+    ppo_actor.PolicyModelActor = policy_actor
+    vllm_engine.RolloutRayActor = rollout_actor_cls
+    if launcher is not None:
+        launcher.PolicyModelActor = policy_actor
+
+
+def install_worker(upstream_globals: dict, trainer_cls, actor_cls=None) -> None:
     """Policy-actor side, before upstream's init_model_from_pretrained builds the Actor and its trainer.
 
     `upstream_globals` is that method's `__globals__`. Ray ships the actor class by value (its module
@@ -195,11 +220,10 @@ def install_worker(upstream_globals: dict) -> None:
     install_cpu_support()
     from openrlhf.trainer.ray import ppo_actor
 
-    from . import actors
-
     for namespace in (upstream_globals, vars(ppo_actor)):
-        namespace["Actor"] = actors.GrowMTPActor
-        namespace["ActorPPOTrainer"] = actors.GrowMTPActorTrainer
+        namespace["ActorPPOTrainer"] = trainer_cls
+        if actor_cls is not None:
+            namespace["Actor"] = actor_cls
 
 
 # ---- DeepSpeed ZeRO-3: the head's param group next to the policy's ------------------------------------

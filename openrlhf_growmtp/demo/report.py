@@ -1,0 +1,164 @@
+"""The demo's per-step metrics (read from each arm's TensorBoard log), summary, table and plots.
+
+Both arms are measured by the same clocks: upstream's own `timing/generation` (the rollout) and
+`timing/step_total` (rollout + experience + training + weight sync), logged by upstream's TensorBoard
+logger; the GrowMTP arm adds its `growmtp/*` metrics to the same log.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from statistics import mean
+
+FINAL_WINDOW = 5  # "final" values are means over the last steps (one step's τ or reward is noisy)...
+
+
+def final_window(steps: int) -> int:
+    """...over at most the last quarter of the run, so that a short run's "final" is not its start."""
+    return max(1, min(FINAL_WINDOW, steps // 4))
+TAGS = {  # row field -> TensorBoard tag written by upstream's TensorboardLogger (train/<status key>)
+    "reward": "train/reward",
+    "rollout_s": "train/timing/generation",
+    "step_s": "train/timing/step_total",
+    "response_length": "train/response_length",
+    "tau": "train/growmtp/tau",
+    "cycles": "train/growmtp/cycles",
+    "head_loss": "train/growmtp/head_loss",
+    "head_update_s": "train/growmtp/head_update_s",
+}
+
+
+def read_arm(tensorboard_dir: str | Path, arm: str, k: int) -> list[dict]:
+    """One row per step: {"arm", "step", reward, rollout_s, step_s, ... , "alpha": [α_1..α_K] (K > 0)}."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    files = sorted(Path(tensorboard_dir).rglob("events.out.tfevents.*"))
+    if not files:
+        raise FileNotFoundError(f"no TensorBoard events under {tensorboard_dir}")
+    events = EventAccumulator(str(files[-1].parent), size_guidance={"scalars": 0})
+    events.Reload()
+    available = set(events.Tags()["scalars"])
+    series = {field: {e.step: e.value for e in events.Scalars(tag)} for field, tag in TAGS.items() if tag in available}
+    alphas = [{e.step: e.value for e in events.Scalars(f"train/growmtp/alpha_{i}")} for i in range(1, k + 1)]
+    rows = []
+    for step in sorted(series["reward"]):
+        row = {"arm": arm, "step": step, **{field: values[step] for field, values in series.items() if step in values}}
+        if k:
+            row["alpha"] = [alpha[step] for alpha in alphas]
+        rows.append(row)
+    return rows
+
+
+def _final(rows: list[dict], field: str) -> float:
+    return mean(row[field] for row in rows[-final_window(len(rows)):])
+
+
+def _ratio(numerator: list[dict], denominator: list[dict], field: str, skip_first: bool) -> float:
+    start = 1 if skip_first and min(len(numerator), len(denominator)) > 1 else 0
+    return mean(r[field] for r in numerator[start:]) / mean(r[field] for r in denominator[start:])
+
+
+def summarize(growmtp: list[dict], ar: list[dict], k: int, extra: dict) -> dict:
+    """summary.json. Time ratios are GrowMTP / autoregressive, mean per step, first step excluded (it holds
+    each engine's one-off warm-up); the all-steps ratios are kept next to them."""
+    return {
+        "k": k,
+        "steps": len(growmtp),
+        "tau_first": growmtp[0]["tau"],
+        "tau_final": _final(growmtp, "tau"),
+        "tau_max": max(row["tau"] for row in growmtp),
+        "alpha_first": growmtp[0]["alpha"],
+        "alpha_final": [mean(row["alpha"][i] for row in growmtp[-final_window(len(growmtp)):]) for i in range(k)],
+        "reward_first_growmtp": growmtp[0]["reward"],
+        "reward_first_ar": ar[0]["reward"],
+        "reward_final_growmtp": _final(growmtp, "reward"),
+        "reward_final_ar": _final(ar, "reward"),
+        "reward_mean_growmtp": mean(row["reward"] for row in growmtp),
+        "reward_mean_ar": mean(row["reward"] for row in ar),
+        "rollout_time_ratio": _ratio(growmtp, ar, "rollout_s", skip_first=True),
+        "step_time_ratio": _ratio(growmtp, ar, "step_s", skip_first=True),
+        "rollout_time_ratio_all_steps": _ratio(growmtp, ar, "rollout_s", skip_first=False),
+        "step_time_ratio_all_steps": _ratio(growmtp, ar, "step_s", skip_first=False),
+        "rollout_s_mean_growmtp": mean(row["rollout_s"] for row in growmtp[1:] or growmtp),
+        "rollout_s_mean_ar": mean(row["rollout_s"] for row in ar[1:] or ar),
+        "head_update_s_mean": mean(row["head_update_s"] for row in growmtp),
+        "final_window": final_window(len(growmtp)),
+        **extra,
+    }
+
+
+def table(growmtp: list[dict], ar: list[dict], k: int) -> str:
+    """The per-step table, both arms side by side."""
+    alpha_heads = "".join(f"{f'α{i}':>6}" for i in range(1, k + 1))
+    lines = [f"{'':5}{'GrowMTP K=' + str(k):<{7 + 6 * k + 25}}| autoregressive",
+             f"{'step':>5}{'τ':>7}{alpha_heads}{'reward':>8}{'roll s':>8}{'head s':>8}{'step s':>8} |"
+             f"{'reward':>8}{'roll s':>8}{'step s':>8}"]
+    by_step = {row["step"]: row for row in ar}
+    for row in growmtp:
+        other = by_step.get(row["step"])
+        alphas = "".join(f"{a:6.2f}" for a in row["alpha"])
+        right = (f"{other['reward']:8.3f}{other['rollout_s']:8.2f}{other['step_s']:8.2f}" if other else "")
+        lines.append(f"{row['step']:5d}{row['tau']:7.3f}{alphas}{row['reward']:8.3f}{row['rollout_s']:8.2f}"
+                     f"{row['head_update_s']:8.2f}{row['step_s']:8.2f} |{right}")
+    return "\n".join(lines)
+
+
+def write_metrics(path: Path, rows: list[dict]) -> None:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+
+
+def plot(out_dir: Path, growmtp: list[dict], ar: list[dict], k: int) -> list[Path]:
+    """tau.png, alpha.png, time.png, reward.png and overview.png (the four panels in one figure)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [row["step"] for row in growmtp]
+    ar_steps = [row["step"] for row in ar]
+
+    def tau(ax):
+        ax.plot(steps, [row["tau"] for row in growmtp], marker=".", color="C0", label="GrowMTP")
+        ax.axhline(1.0, color="grey", lw=0.8, ls=":")
+        ax.axhline(k + 1.0, color="grey", lw=0.8, ls="--", label=f"K+1 = {k + 1}")
+        ax.set(title="τ: tokens per target forward (from a random head)", xlabel="RL step", ylabel="τ")
+        ax.legend(loc="lower right")
+
+    def alpha(ax):
+        for i in range(k):
+            ax.plot(steps, [row["alpha"][i] for row in growmtp], marker=".", label=f"α{i + 1}")
+        ax.set(title="per-position acceptance α_k = P(accepted ≥ k)", xlabel="RL step", ylabel="α", ylim=(0, 1))
+        ax.legend(loc="upper left")
+
+    def times(ax):
+        ax.plot(steps, [row["rollout_s"] for row in growmtp], color="C0", label="GrowMTP rollout")
+        ax.plot(ar_steps, [row["rollout_s"] for row in ar], color="C1", label="autoregressive rollout")
+        ax.plot(steps, [row["step_s"] for row in growmtp], color="C0", ls="--", label="GrowMTP step")
+        ax.plot(ar_steps, [row["step_s"] for row in ar], color="C1", ls="--", label="autoregressive step")
+        ax.set(title="wall time per RL step (first step: engine warm-up)", xlabel="RL step", ylabel="seconds",
+               yscale="log")
+        ax.legend(loc="upper right", fontsize="small")
+
+    def reward(ax):
+        ax.plot(steps, [row["reward"] for row in growmtp], color="C0", label="GrowMTP")
+        ax.plot(ar_steps, [row["reward"] for row in ar], color="C1", label="autoregressive")
+        ax.set(title="reward (answer correct)", xlabel="RL step", ylabel="mean reward", ylim=(0, 1.02))
+        ax.legend(loc="lower right")
+
+    written = []
+    for name, draw in (("tau", tau), ("alpha", alpha), ("time", times), ("reward", reward)):
+        fig, ax = plt.subplots(figsize=(6, 4))
+        draw(ax)
+        fig.tight_layout()
+        written.append(out_dir / f"{name}.png")
+        fig.savefig(written[-1], dpi=100)
+        plt.close(fig)
+    fig, axes = plt.subplots(2, 2, figsize=(12, 8))
+    for ax, draw in zip(axes.flat, (tau, alpha, times, reward)):
+        draw(ax)
+    fig.tight_layout()
+    written.append(out_dir / "overview.png")
+    fig.savefig(written[-1], dpi=90)
+    plt.close(fig)
+    return written

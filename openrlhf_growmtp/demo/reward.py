@@ -1,0 +1,15 @@
+"""The demo's reward function for OpenRLHF (`--reward.remote_url <this file>`): 1 for a correct final answer.
+
+OpenRLHF passes the decoded prompt+response (`queries`), the prompts and the labels (the answers).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from openrlhf_growmtp.demo.task import score
+
+
+def reward_func(queries: list[str], prompts: list[str], labels: list[str]) -> dict:
+    rewards = torch.tensor([score(query[len(prompt):], label) for query, prompt, label in zip(queries, prompts, labels)])
+    return {"rewards": rewards, "scores": rewards}

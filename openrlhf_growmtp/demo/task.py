@@ -1,0 +1,72 @@
+"""The demo's synthetic reasoning task: multi-digit addition with worked steps, and its checker.
+
+A prompt is the two numbers' digits and `=`; a solution adds column by column from the right, writing
+each column's digit sum (with the carry as `+ 1`), then `A` and the answer's digits, then `<eos>`:
+
+    prompt:   3 4 7 + 5 8 9 =
+    solution: 7 + 9 = 1 6 , 4 + 8 + 1 = 1 3 , 3 + 5 + 1 = 9 , A 9 3 6 <eos>
+
+Most of a solution is predictable from what came before (digits copied from the prompt, `+`, `=`, `,`),
+which is what makes reasoning traces good material for a draft head; the column sums and the answer
+are where the policy can go wrong, and the answer is checkable.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+SPECIAL = ["<pad>", "<eos>", "<unk>"]
+SYMBOLS = [str(d) for d in range(10)] + ["+", "=", ",", "A"]
+# NOTE: the vocabulary is padded with never-used words to 32 so that every id decodes to a word.
+VOCAB = SPECIAL + SYMBOLS + [f"w{i}" for i in range(32 - len(SPECIAL) - len(SYMBOLS))]
+PAD_ID, EOS_ID = 0, 1
+ANSWER = re.compile(r"(?:^|\s)A((?:\s+\d)+)")
+
+
+def make_tokenizer() -> PreTrainedTokenizerFast:
+    """Word-level tokenizer over VOCAB: text is whitespace-separated symbols."""
+    backend = Tokenizer(models.WordLevel({word: i for i, word in enumerate(VOCAB)}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>",
+                                   unk_token="<unk>")
+
+
+def sample_problem(rng: random.Random, min_digits: int, max_digits: int) -> tuple[int, int]:
+    digits = rng.randint(min_digits, max_digits)
+    low = 10 ** (digits - 1)
+    return rng.randint(low, 10 * low - 1), rng.randint(low, 10 * low - 1)
+
+
+def prompt_text(a: int, b: int) -> str:
+    return " ".join(str(a)) + " + " + " ".join(str(b)) + " ="
+
+
+def solution_text(a: int, b: int) -> str:
+    """The worked solution (without `<eos>`); a and b have the same number of digits."""
+    xs, ys = str(a)[::-1], str(b)[::-1]
+    assert len(xs) == len(ys), "operands must have the same number of digits"
+    steps, carry = [], 0
+    for x, y in zip(xs, ys):
+        column = int(x) + int(y) + carry
+        terms = f"{x} + {y}" + (" + 1" if carry else "")
+        steps.append(f"{terms} = {' '.join(str(column))}")
+        carry = column // 10
+    return " , ".join(steps) + " , A " + " ".join(str(a + b))
+
+
+def extract_answer(response: str) -> int | None:
+    """The number after the last `A` marker, or None when the response has none."""
+    found = ANSWER.findall(response)
+    if not found:
+        return None
+    return int("".join(found[-1].split()))
+
+
+def score(response: str, label: str) -> float:
+    """1.0 when the response's answer equals the label (an integer as text), else 0.0."""
+    answer = extract_answer(response)
+    return float(answer is not None and str(answer) == label.strip())
