@@ -1,0 +1,97 @@
+# Shared block of the example scripts: cluster layout, the paper's GRPO settings, model presets, data.
+# Source it, then call `run_growmtp <model> <domain> [extra flags...]` (see README "Running on GPUs").
+#
+# Environment (every default is the public name; point them at local copies on an offline cluster):
+#   QWEN3_4B, QWEN3_5_4B_BASE, MIMO_7B_SFT   model directories (default: the hub ids)
+#   MATH_SOURCE, CODE_SOURCE                 dataset source for prepare_data (default: the hub ids)
+#   MATH_DATA, CODE_DATA                     prepared prompt files (default: data/<name>.jsonl, made once)
+#   K, HEAD                                  override the preset's depth / head ("random", "native", a dir)
+#   ACTOR_GPUS, VLLM_ENGINES, VLLM_TP        layout of one 8-GPU node (default 4 training GPUs + 4 engines)
+#   RUN_ROOT                                 checkpoints, logs and exports (default runs/<run name>)
+#   PYTHON                                   interpreter (default python)
+#   GROWMTP_DRY_RUN=1                        build the command, run every startup check, exit 0 before Ray
+set -euo pipefail
+
+PYTHON=${PYTHON:-python}
+ACTOR_GPUS=${ACTOR_GPUS:-4}
+VLLM_ENGINES=${VLLM_ENGINES:-4}
+VLLM_TP=${VLLM_TP:-1}
+PROMPT_TOKENS=1024  # prompts are capped at 1024 tokens: --data.max_len is prompt + response
+
+# The paper's policy optimisation: GRPO (group-normalised advantages), negative-advantage weight 0.5,
+# dual clip, token-level averaging, KL 0.01 as a loss against the fixed initial policy, AdamW at a
+# constant 1e-6, clip 0.2; 64 prompts x 8 samples and one policy step per RL step; temperature 1,
+# top-p 1; data order seed 1.
+GRPO=(
+  --algo.advantage.estimator group_norm
+  --growmtp_neg_adv_weight 0.5
+  --actor.eps_clip 0.2 --actor.dual_clip 3.0
+  --actor.loss_agg_mode token-mean
+  --algo.kl.use_loss --algo.kl.init_coef 0.01 --algo.kl.estimator k3
+  --actor.adam.lr 1e-6 --actor.lr_scheduler constant --actor.lr_warmup_ratio 0
+  --rollout.batch_size 64 --rollout.n_samples_per_prompt 8 --train.batch_size 512 --train.max_epochs 1
+  --rollout.temperature 1.0 --rollout.top_p 1.0
+  --train.seed 1
+)
+
+CLUSTER=(
+  --actor.num_nodes 1 --actor.num_gpus_per_node "$ACTOR_GPUS"
+  --ref.num_nodes 1 --ref.num_gpus_per_node "$ACTOR_GPUS" --train.colocate_actor_ref
+  --vllm.num_engines "$VLLM_ENGINES" --vllm.tensor_parallel_size "$VLLM_TP" --vllm.gpu_memory_utilization 0.8
+  --ds.zero_stage 3 --ds.param_dtype bf16 --actor.gradient_checkpointing_enable
+  --train.micro_batch_size 4 --rollout.micro_batch_size 8
+)
+
+# preset <model>: MODEL_PATH, the head, its depth K and the response cap, as in the paper
+preset() {
+  case "$1" in
+    qwen3_4b)        MODEL_PATH=${QWEN3_4B:-Qwen/Qwen3-4B};              PRESET_HEAD=random; PRESET_K=5; MAX_NEW=8192 ;;
+    qwen3_5_4b_base) MODEL_PATH=${QWEN3_5_4B_BASE:-Qwen/Qwen3.5-4B-Base}; PRESET_HEAD=native; PRESET_K=3; MAX_NEW=16384 ;;
+    mimo_7b_sft)     MODEL_PATH=${MIMO_7B_SFT:-XiaomiMiMo/MiMo-7B-SFT};   PRESET_HEAD=native; PRESET_K=5; MAX_NEW=8192 ;;
+    *) echo "unknown model preset '$1' (qwen3_4b, qwen3_5_4b_base, mimo_7b_sft)" >&2; return 2 ;;
+  esac
+}
+
+# data <domain>: the prepared prompt file and the reward function (made once from the source)
+data() {
+  local name source
+  case "$1" in
+    math) name=dapo-math;     source=${MATH_SOURCE:-BytedTsinghua-SIA/DAPO-Math-17k}
+          PROMPT_DATA=${MATH_DATA:-data/dapo-math-17k.jsonl}; REWARD=openrlhf_growmtp/rewards/math_reward.py ;;
+    code) name=taco-verified; source=${CODE_SOURCE:-likaixin/TACO-verified}
+          PROMPT_DATA=${CODE_DATA:-data/taco-verified.jsonl}; REWARD=openrlhf_growmtp/rewards/code_reward.py ;;
+    *) echo "unknown domain '$1' (math, code)" >&2; return 2 ;;
+  esac
+  REWARD=$("$PYTHON" -c "import openrlhf_growmtp, pathlib; print(pathlib.Path(openrlhf_growmtp.__file__).parent.parent / '$REWARD')")
+  if [[ "${GROWMTP_DRY_RUN:-0}" != 1 && ! -f "$PROMPT_DATA" ]]; then
+    mkdir -p "$(dirname "$PROMPT_DATA")"
+    "$PYTHON" -m openrlhf_growmtp.cli.prepare_data "$name" "$source" "$PROMPT_DATA"
+  fi
+}
+
+# run_growmtp <model> <domain> [extra flags]: K and HEAD from the preset unless set in the environment;
+# K=0 is the autoregressive baseline (no head at all).
+run_growmtp() {
+  local model=$1 domain=$2
+  shift 2
+  preset "$model"
+  data "$domain"
+  local k=${K:-$PRESET_K} head=${HEAD:-$PRESET_HEAD}
+  local run=${RUN_NAME:-${model}_${domain}_k${k}}
+  local root=${RUN_ROOT:-runs/$run}
+  local cmd=("$PYTHON" -m openrlhf_growmtp.cli.train_ppo_ray
+    --actor.model_name_or_path "$MODEL_PATH"
+    "${CLUSTER[@]}" "${GRPO[@]}"
+    --data.prompt_dataset "$PROMPT_DATA" --data.input_key prompt --data.label_key label --data.apply_chat_template
+    --data.max_len $((PROMPT_TOKENS + MAX_NEW)) --rollout.max_new_tokens "$MAX_NEW"
+    --reward.remote_url "$REWARD"
+    --ckpt.path "$root/ckpt" --ckpt.save_steps 50 --ckpt.output_dir "$root/final"
+    --logger.tensorboard_dir "$root/tensorboard"
+    --growmtp_k "$k")
+  if [[ "$k" != 0 ]]; then
+    cmd+=(--growmtp_head "$head")
+  fi
+  cmd+=("$@")
+  echo "+ ${cmd[*]}"
+  "${cmd[@]}"
+}

@@ -1,0 +1,530 @@
+"""Turn the paper's datasets into OpenRLHF prompt rows, and read held-out benchmarks the same way.
+
+Output row (every converter): `{"id": str, "prompt": [{"role": "user", "content": str}], "label": str}`.
+Math labels are the reference answer; code labels are `json.dumps({"inputs": [str], "outputs": [str]})`
+with stdin/stdout tests only. Converters take any iterable of mapping rows (from `load_rows`/`iter_rows`,
+a `datasets.Dataset`, or a list) and raise `MissingFieldError` naming the field and the row index when a
+required column is absent.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import math
+import pickletools
+import re
+import zlib
+from collections.abc import Iterable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+# The instruction DAPO-Math-17k wraps around every problem; the benchmarks reuse it so eval prompts match training.
+DAPO_MATH_PREFIX = ("Solve the following math problem step by step. The last line of your response should be of "
+                    "the form Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n")
+DAPO_MATH_SUFFIX = '\n\nRemember to put your answer on its own line after "Answer:".'
+
+# Appended to every stdin/stdout coding problem (TACO-Verified for training, LiveCodeBench for evaluation).
+CODE_STDIN_INSTRUCTION = ("Write a complete Python 3 program that solves the problem above. The program must read "
+                          "its input from standard input and write its answer to standard output. Put the whole "
+                          "program in a single ```python code block.")
+
+DEFAULT_MAX_TESTS = 20
+LCB_PLATFORMS = ("atcoder", "leetcode", "codeforces")
+
+DATA_SUFFIXES = (".parquet", ".jsonl", ".json")
+_METADATA_FILES = {"dataset_info.json", "state.json", "dataset_dict.json"}
+
+# Column aliases the public copies of the math benchmarks use (HuggingFaceH4/aime_2024: problem/answer/id;
+# Maxwell-Jia/AIME_2024: Problem/Answer/ID; math-ai/amc23: question/answer/id; MathArena: problem/answer/problem_idx).
+PROBLEM_KEYS = ("problem", "question", "Problem", "Question")
+ANSWER_KEYS = ("answer", "Answer")
+ID_KEYS = ("id", "ID", "problem_idx", "idx", "unique_id")
+
+
+class RowFormatError(ValueError):
+    """A row that a converter cannot read."""
+
+
+class MissingFieldError(RowFormatError):
+    """A required column is absent (or null) in a row; names the field and the row's index."""
+
+    def __init__(self, field: str, index: int, dataset: str):
+        self.field, self.index, self.dataset = field, index, dataset
+        super().__init__(f"{dataset}: row {index} has no {field!r} field")
+
+
+class DataSourceError(RuntimeError):
+    """A source that is neither a readable local path nor a loadable hub dataset."""
+
+
+# ---------------------------------------------------------------------------------------------- reading sources
+
+
+def _is_save_to_disk_dir(path: Path) -> bool:
+    """A directory written by `Dataset.save_to_disk` (state.json) or `DatasetDict.save_to_disk` (dataset_dict.json)."""
+    return (path / "state.json").is_file() or (path / "dataset_dict.json").is_file()
+
+
+def _data_files(directory: Path, split: str) -> list[Path]:
+    """Data files under `directory` (recursive, hidden folders skipped), those named after `split` if any are.
+
+    A file counts as the split's when its stem is the split name or starts with it followed by `-`, `_` or `.`
+    (the hub's `data/train-00000-of-00001.parquet` layout); when no file is named so, all files are read.
+    """
+    files = sorted(p for p in directory.rglob("*")
+                   if p.is_file() and p.suffix in DATA_SUFFIXES and p.name not in _METADATA_FILES
+                   and not any(part.startswith(".") for part in p.relative_to(directory).parts))
+    pattern = re.compile(rf"^{re.escape(split)}([-_.].*)?$")
+    named = [p for p in files if pattern.match(p.stem)]
+    return named or files
+
+
+def _iter_parquet(path: Path) -> Iterator[dict]:
+    """Rows of a parquet file as plain Python values, read batch by batch (structs -> dicts, lists -> lists)."""
+    import pyarrow.parquet as pq
+
+    for batch in pq.ParquetFile(path).iter_batches(batch_size=4096):
+        yield from batch.to_pylist()
+
+
+def _iter_jsonl(path: Path) -> Iterator[dict]:
+    """Rows of a JSON-lines file; blank lines are skipped, a broken line raises with its line number."""
+    with path.open(encoding="utf-8") as handle:
+        for number, line in enumerate(handle, 1):
+            if line.strip():
+                try:
+                    yield json.loads(line)
+                except json.JSONDecodeError as err:
+                    raise DataSourceError(f"{path}:{number}: not valid JSON ({err})") from err
+
+
+def _iter_json(path: Path, split: str) -> Iterator[dict]:
+    """Rows of a .json file: a list of rows, an object mapping split names to lists, or JSON lines."""
+    try:
+        with path.open(encoding="utf-8") as handle:
+            data = json.load(handle)
+    except json.JSONDecodeError:
+        yield from _iter_jsonl(path)
+        return
+    if isinstance(data, list):
+        yield from data
+    elif isinstance(data, dict) and isinstance(data.get(split), list):
+        yield from data[split]
+    else:
+        raise DataSourceError(f"{path}: expected a list of rows or an object with a {split!r} list")
+
+
+def _iter_file(path: Path, split: str) -> Iterator[dict]:
+    """Rows of one local data file, by suffix."""
+    if path.suffix == ".parquet":
+        return _iter_parquet(path)
+    if path.suffix == ".jsonl":
+        return _iter_jsonl(path)
+    if path.suffix == ".json":
+        return _iter_json(path, split)
+    raise DataSourceError(f"{path}: unsupported file type (use {', '.join(DATA_SUFFIXES)})")
+
+
+def _iter_saved(path: Path, split: str) -> Iterator[dict]:
+    """Rows of a `save_to_disk` directory; for a DatasetDict, those of `split`."""
+    import datasets
+
+    loaded = datasets.load_from_disk(str(path))
+    if isinstance(loaded, datasets.DatasetDict):
+        if split not in loaded:
+            raise DataSourceError(f"{path}: no split {split!r} (has {', '.join(loaded)})")
+        loaded = loaded[split]
+    yield from loaded
+
+
+def _looks_like_path(source: str) -> bool:
+    """Whether a missing `source` was meant as a local path rather than an `owner/name` hub id."""
+    return source.startswith((".", "/", "~")) or source.endswith(DATA_SUFFIXES) or source.count("/") > 1
+
+
+def _iter_hub(source: str, split: str) -> Iterator[dict]:
+    """Rows of a hub dataset through `datasets.load_dataset`; any failure becomes a DataSourceError."""
+    import datasets
+
+    try:
+        loaded = datasets.load_dataset(source, split=split)
+    except Exception as err:  # network, auth, missing script: all mean "give me a local copy"
+        raise DataSourceError(
+            f"could not load {source!r} (split {split!r}) from the Hugging Face hub: {type(err).__name__}: {err}. "
+            f"Without hub access, download it elsewhere and pass a local path instead: a .parquet/.jsonl/.json "
+            f"file, a folder of them, or a folder written by datasets' save_to_disk.") from err
+    yield from loaded
+
+
+def iter_rows(source: str, split: str = "train") -> Iterator[dict]:
+    """Rows of `source`, lazily: a local file or folder (see `load_rows`), else a hub dataset id."""
+    path = Path(source).expanduser()
+    if path.is_file():
+        return _iter_file(path, split)
+    if path.is_dir():
+        if _is_save_to_disk_dir(path):
+            return _iter_saved(path, split)
+        files = _data_files(path, split)
+        if not files:
+            raise DataSourceError(f"{path}: no {', '.join(DATA_SUFFIXES)} files in this folder")
+        return (row for file in files for row in _iter_file(file, split))
+    if _looks_like_path(source):
+        raise DataSourceError(f"{source}: no such file or folder")
+    return _iter_hub(source, split)
+
+
+def load_rows(source: str, split: str = "train") -> list[dict]:
+    """All rows of `source` as plain dicts.
+
+    `source` is a local .parquet / .jsonl / .json file; a folder of such files (those named after `split`
+    when there are any, e.g. `data/train-00000-of-00001.parquet`); a folder written by `save_to_disk`
+    (`split` picks from a DatasetDict); or else a hub id read with `datasets.load_dataset(source, split=split)`,
+    which raises `DataSourceError` naming the source when the hub cannot be reached.
+    """
+    return list(iter_rows(source, split))
+
+
+# ---------------------------------------------------------------------------------------------- shared helpers
+
+
+def _as_mapping(row: Any, index: int, dataset: str) -> Mapping:
+    """The row itself, checked to be a mapping."""
+    if not isinstance(row, Mapping):
+        raise RowFormatError(f"{dataset}: row {index} is a {type(row).__name__}, not an object")
+    return row
+
+
+def _require(row: Mapping, field: str, index: int, dataset: str) -> Any:
+    """`row[field]`, raising MissingFieldError when it is absent or null."""
+    value = row.get(field)
+    if value is None:
+        raise MissingFieldError(field, index, dataset)
+    return value
+
+
+def _first_of(row: Mapping, keys: tuple[str, ...]) -> Any:
+    """The value of the first of `keys` present and non-null in `row`, else None."""
+    for key in keys:
+        if row.get(key) is not None:
+            return row[key]
+    return None
+
+
+def _user(content: str) -> list[dict]:
+    """A one-message chat prompt."""
+    return [{"role": "user", "content": content}]
+
+
+def _answer_text(value: Any) -> str:
+    """A reference answer as a string: integral floats lose their `.0` (some copies store 27.0 for 27)."""
+    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+        return str(int(value))
+    return str(value).strip()
+
+
+def _test_text(value: Any) -> str | None:
+    """One test's input or output as text: a string, or a list of line strings joined by newlines; else None."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and all(isinstance(line, str) for line in value):
+        return "\n".join(value)
+    return None
+
+
+def code_label(inputs: list[str], outputs: list[str]) -> str:
+    """The label of a stdin/stdout problem: `{"inputs": [...], "outputs": [...]}` as a JSON string."""
+    return json.dumps({"inputs": inputs, "outputs": outputs}, ensure_ascii=False)
+
+
+def code_prompt(question: str) -> list[dict]:
+    """A coding problem statement followed by the stdin/stdout instruction, as a chat prompt."""
+    return _user(f"{question.strip()}\n\n{CODE_STDIN_INSTRUCTION}")
+
+
+def math_prompt(problem: str) -> list[dict]:
+    """A math problem wrapped in DAPO-Math-17k's own instruction, as a chat prompt."""
+    return _user(f"{DAPO_MATH_PREFIX}{problem.strip()}{DAPO_MATH_SUFFIX}")
+
+
+# ---------------------------------------------------------------------------------------------- DAPO-Math-17k
+
+
+def _dapo_messages(prompt: Any, index: int) -> list[dict]:
+    """DAPO's `prompt` as chat messages: a list of `{"role", "content"}` dicts (a string is one user turn)."""
+    if isinstance(prompt, str):
+        return _user(prompt)
+    if isinstance(prompt, list) and prompt and all(isinstance(m, Mapping) and isinstance(m.get("content"), str)
+                                                   for m in prompt):
+        return [{"role": str(m.get("role") or "user"), "content": m["content"]} for m in prompt]
+    raise RowFormatError(f"dapo-math: row {index} has a 'prompt' that is neither text nor a list of messages")
+
+
+def dapo_math_rows(rows: Iterable[Mapping]) -> list[dict]:
+    """DAPO-Math-17k (`BytedTsinghua-SIA/DAPO-Math-17k`) as prompt rows, one per distinct problem.
+
+    Expected row layout:
+        data_source: str                       ("math_dapo")
+        prompt: [{"role": "user", "content": str}]   content already holds DAPO's "Answer: $Answer" instruction
+        ability: str                           ("MATH")
+        reward_model: {"ground_truth": str, "style": "rule-lm"}
+        extra_info: {"index": str}             a uuid per problem
+    The published parquet repeats every problem (~1.79M rows for ~17k problems): rows are de-duplicated by
+    `extra_info.index` (by the prompt text when there is no index), keeping first-seen order. The prompt
+    is kept as given; the label is `reward_model.ground_truth`; the id is the index.
+    """
+    out: list[dict] = []
+    seen: set[str] = set()
+    for index, row in enumerate(rows):
+        row = _as_mapping(row, index, "dapo-math")
+        messages = _dapo_messages(_require(row, "prompt", index, "dapo-math"), index)
+        reward_model = _require(row, "reward_model", index, "dapo-math")
+        truth = reward_model.get("ground_truth") if isinstance(reward_model, Mapping) else None
+        if truth is None:
+            raise MissingFieldError("reward_model.ground_truth", index, "dapo-math")
+        extra = row.get("extra_info")
+        problem_index = extra.get("index") if isinstance(extra, Mapping) else None
+        key = str(problem_index) if problem_index is not None else "\n".join(m["content"] for m in messages)
+        if key in seen:
+            continue
+        seen.add(key)
+        ident = str(problem_index) if problem_index is not None else f"dapo-{index}"
+        out.append({"id": ident, "prompt": messages, "label": _answer_text(truth)})
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- TACO-Verified
+
+
+def _stdin_tests(spec: Any, max_tests: int | None) -> tuple[list[str], list[str]] | str:
+    """Tests from a parsed TACO `input_output`, or the reason they are unusable.
+
+    `spec` is `{"inputs": [...], "outputs": [...]}` (call-based problems add `"fn_name"`); inputs and
+    outputs are strings, or lists of line strings which are joined with newlines. Returns
+    (inputs, outputs) capped at `max_tests`, or "call_based" / "no_tests" / "malformed".
+    """
+    if not isinstance(spec, Mapping):
+        return "malformed"
+    if spec.get("fn_name"):
+        return "call_based"
+    inputs, outputs = spec.get("inputs") or [], spec.get("outputs") or []
+    if not isinstance(inputs, list) or not isinstance(outputs, list) or len(inputs) != len(outputs):
+        return "malformed"
+    if not inputs:
+        return "no_tests"
+    ins, outs = [_test_text(v) for v in inputs], [_test_text(v) for v in outputs]
+    if any(v is None for v in ins + outs):
+        return "malformed"
+    if max_tests is not None:
+        ins, outs = ins[:max_tests], outs[:max_tests]
+    return ins, outs
+
+
+def taco_verified_rows(rows: Iterable[Mapping], max_tests: int | None = DEFAULT_MAX_TESTS
+                       ) -> tuple[list[dict], dict]:
+    """TACO-Verified (`likaixin/TACO-verified`, BAAI/TACO's schema) as stdin/stdout prompt rows, plus counts.
+
+    Expected row layout (all strings):
+        question: the statement          input_output: JSON `{"inputs": [...], "outputs": [...]}`, with
+        solutions: JSON list of code         `"fn_name"` for call-based problems; may be empty
+        starter_code, difficulty, source, url, time_limit, memory_limit, date, ... (unused); `id` if present
+    Kept: problems without `fn_name` that have at least one test whose input and output are strings (or lists
+    of lines, joined with "\\n"), capped at `max_tests` tests (None: all). Skipped rows are counted in the
+    returned stats `{"kept", "call_based", "no_tests", "malformed"}`; unparsable `input_output` JSON is
+    "malformed", never an exception. The id is the row's `id` when present, else `taco-<row index>`.
+    """
+    stats = {"kept": 0, "call_based": 0, "no_tests": 0, "malformed": 0}
+    out: list[dict] = []
+    for index, row in enumerate(rows):
+        row = _as_mapping(row, index, "taco-verified")
+        question = _require(row, "question", index, "taco-verified")
+        if "input_output" not in row:
+            raise MissingFieldError("input_output", index, "taco-verified")
+        raw = row["input_output"]
+        if raw is None or (isinstance(raw, str) and not raw.strip()):
+            stats["no_tests"] += 1
+            continue
+        try:
+            spec = json.loads(raw) if isinstance(raw, str) else raw
+        except (json.JSONDecodeError, RecursionError):
+            stats["malformed"] += 1
+            continue
+        tests = _stdin_tests(spec, max_tests)
+        if isinstance(tests, str):
+            stats[tests] += 1
+            continue
+        ident = str(row["id"]) if row.get("id") is not None else f"taco-{index}"
+        out.append({"id": ident, "prompt": code_prompt(str(question)), "label": code_label(*tests)})
+        stats["kept"] += 1
+    return out, stats
+
+
+# ---------------------------------------------------------------------------------------------- math benchmarks
+
+
+def math_benchmark_rows(rows: Iterable[Mapping], name: str) -> list[dict]:
+    """A problem/answer math benchmark as prompt rows with DAPO's instruction and the answer as label.
+
+    Expected row layout: the statement in one of `problem` / `question` / `Problem` / `Question`, the answer
+    in `answer` / `Answer` (string or number), an optional id in `id` / `ID` / `problem_idx` / `idx` /
+    `unique_id` (else `<name>-<row index>`). Other columns (solution, url, year) are ignored.
+    """
+    out = []
+    for index, row in enumerate(rows):
+        row = _as_mapping(row, index, name)
+        problem = _first_of(row, PROBLEM_KEYS)
+        if problem is None:
+            raise MissingFieldError(" / ".join(PROBLEM_KEYS), index, name)
+        answer = _first_of(row, ANSWER_KEYS)
+        if answer is None:
+            raise MissingFieldError(" / ".join(ANSWER_KEYS), index, name)
+        ident = _first_of(row, ID_KEYS)
+        out.append({"id": f"{name}-{index}" if ident is None else str(ident),
+                    "prompt": math_prompt(str(problem)), "label": _answer_text(answer)})
+    return out
+
+
+def amc23_rows(rows: Iterable[Mapping]) -> list[dict]:
+    """AMC 2023 (e.g. `math-ai/amc23`: id, question, answer, url) as prompt rows; see `math_benchmark_rows`."""
+    return math_benchmark_rows(rows, "amc23")
+
+
+def aime24_rows(rows: Iterable[Mapping]) -> list[dict]:
+    """AIME 2024 (e.g. `HuggingFaceH4/aime_2024`: id, problem, solution, answer, url, year) as prompt rows."""
+    return math_benchmark_rows(rows, "aime24")
+
+
+def aime25_rows(rows: Iterable[Mapping]) -> list[dict]:
+    """AIME 2025 (e.g. `math-ai/aime25`: problem, answer, id; `opencompass/AIME2025`: question, answer)."""
+    return math_benchmark_rows(rows, "aime25")
+
+
+# ---------------------------------------------------------------------------------------------- LiveCodeBench
+
+_PICKLE_STR_OPS = {"UNICODE", "SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8"}
+_PICKLE_BOOKKEEPING_OPS = {"PROTO", "FRAME", "MEMOIZE", "PUT", "BINPUT", "LONG_BINPUT"}
+
+
+def read_pickled_str(data: bytes) -> str | None:
+    """The text of a pickle whose whole content is one str, read opcode by opcode and never unpickled.
+
+    `pickletools.genops` only parses the opcode stream; nothing is imported, constructed or called. Any
+    opcode other than protocol/framing/memo bookkeeping, one string and STOP (at the very end) gives None.
+    """
+    text = None
+    try:
+        for opcode, arg, position in pickletools.genops(data):
+            if opcode.name in _PICKLE_STR_OPS and text is None:
+                text = arg
+            elif opcode.name == "STOP":
+                return text if position == len(data) - 1 else None
+            elif opcode.name not in _PICKLE_BOOKKEEPING_OPS:
+                return None
+    except Exception:  # a truncated or corrupt opcode stream: not a readable string
+        return None
+    return None
+
+
+def decode_lcb_private_tests(field: Any, allow_pickled_str: bool = False) -> list | None:
+    """LiveCodeBench `private_test_cases` as a list of test dicts, or None when it cannot be read safely.
+
+    Accepted encodings: an already-decoded list; plain JSON text; base64(zlib(JSON text)). LiveCodeBench
+    itself ships base64(zlib(pickle(JSON text))); that is never unpickled, and is read only when
+    `allow_pickled_str` is set and the pickle holds nothing but one string (see `read_pickled_str`).
+    An empty field is an empty list.
+    """
+    if isinstance(field, list):
+        return field
+    if field is None or (isinstance(field, str) and not field.strip()):
+        return []
+    if not isinstance(field, str):
+        return None
+    try:
+        parsed = json.loads(field)
+        return parsed if isinstance(parsed, list) else None
+    except json.JSONDecodeError:
+        pass
+    try:
+        raw = zlib.decompress(base64.b64decode(field.strip(), validate=True))
+    except (binascii.Error, ValueError, zlib.error):
+        return None
+    text: str | None
+    if raw[:1] == b"\x80":  # a pickle's PROTO opcode
+        text = read_pickled_str(raw) if allow_pickled_str else None
+    else:
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            text = None
+    if text is None:
+        return None
+    try:
+        parsed = json.loads(text)
+    except json.JSONDecodeError:
+        return None
+    return parsed if isinstance(parsed, list) else None
+
+
+def _lcb_stdin_pairs(tests: list) -> list[tuple[str, str]]:
+    """(input, output) of the tests with `testtype == "stdin"` and string input and output."""
+    return [(t["input"], t["output"]) for t in tests
+            if isinstance(t, Mapping) and t.get("testtype") == "stdin"
+            and isinstance(t.get("input"), str) and isinstance(t.get("output"), str)]
+
+
+def livecodebench_rows_and_stats(rows: Iterable[Mapping], platform: str | None = None,
+                                 max_tests: int | None = None, allow_pickled_str: bool = False
+                                 ) -> tuple[list[dict], dict]:
+    """LiveCodeBench code_generation_lite (e.g. release v6) as stdin/stdout prompt rows, plus counts.
+
+    Expected row layout (all strings; the prompt is `question_content`, as in LiveCodeBench's own prompts):
+        question_title, question_content, platform ("atcoder" | "leetcode" | "codeforces"), question_id,
+        contest_id, contest_date, starter_code, difficulty, metadata,
+        public_test_cases: JSON list of {"input": str, "output": str, "testtype": "stdin" | "functional"}
+        private_test_cases: the same list, plain JSON or compressed (see `decode_lcb_private_tests`)
+    Only `testtype == "stdin"` tests are kept (public first, then private, capped at `max_tests`; None: all);
+    LeetCode problems are all "functional", so they end up in "no_stdin_tests". Rows of other platforms
+    than `platform` (when given) are skipped. Stats: {"kept", "other_platform", "no_stdin_tests",
+    "malformed" (public tests unreadable), "private_undecoded" (kept on public tests only)}.
+    """
+    if platform is not None and platform not in LCB_PLATFORMS:
+        raise ValueError(f"unknown LiveCodeBench platform {platform!r} (one of {', '.join(LCB_PLATFORMS)})")
+    stats = {"kept": 0, "other_platform": 0, "no_stdin_tests": 0, "malformed": 0, "private_undecoded": 0}
+    out: list[dict] = []
+    for index, row in enumerate(rows):
+        row = _as_mapping(row, index, "livecodebench")
+        content = _require(row, "question_content", index, "livecodebench")
+        row_platform = str(_require(row, "platform", index, "livecodebench")).lower()
+        ident = _require(row, "question_id", index, "livecodebench")
+        public_raw = _require(row, "public_test_cases", index, "livecodebench")
+        if platform is not None and row_platform != platform:
+            stats["other_platform"] += 1
+            continue
+        try:
+            public = json.loads(public_raw) if isinstance(public_raw, str) else public_raw
+        except json.JSONDecodeError:
+            public = None
+        if not isinstance(public, list):
+            stats["malformed"] += 1
+            continue
+        private = decode_lcb_private_tests(row.get("private_test_cases"), allow_pickled_str)
+        if private is None:
+            stats["private_undecoded"] += 1
+            private = []
+        pairs = _lcb_stdin_pairs(public) + _lcb_stdin_pairs(private)
+        if max_tests is not None:
+            pairs = pairs[:max_tests]
+        if not pairs:
+            stats["no_stdin_tests"] += 1
+            continue
+        out.append({"id": str(ident), "prompt": code_prompt(str(content)),
+                    "label": code_label([i for i, _ in pairs], [o for _, o in pairs])})
+        stats["kept"] += 1
+    return out, stats
+
+
+def livecodebench_rows(rows: Iterable[Mapping], platform: str | None = None, max_tests: int | None = None,
+                       allow_pickled_str: bool = False) -> list[dict]:
+    """LiveCodeBench rows without the counts; see `livecodebench_rows_and_stats`."""
+    return livecodebench_rows_and_stats(rows, platform, max_tests, allow_pickled_str)[0]

@@ -1,0 +1,107 @@
+"""Every example script under GROWMTP_DRY_RUN=1: it builds its full command, the training CLI runs every
+startup check (ours, then upstream's), and it exits 0 without starting Ray or writing anything.
+
+The models are config-only directories of the real families (the checks read only config.json)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from tiny import tiny_backbone_config
+
+SCRIPTS = Path(__file__).resolve().parents[2] / "examples" / "scripts"
+MODELS = {"QWEN3_4B": "qwen3", "QWEN3_5_4B_BASE": "qwen3_5", "MIMO_7B_SFT": "mimo"}
+ABLATIONS = ["ce", "kl", "tv", "no_vgm", "teacher_forcing", "joint", "frozen"]
+# (script, args, extra env, flags its command line must carry)
+CASES = {
+    "qwen3_4b_math": ("qwen3_4b_math.sh", [], {}, ["--growmtp_k 5", "--growmtp_head random",
+                                                   "--rollout.max_new_tokens 8192", "math_reward.py"]),
+    "qwen3_4b_code": ("qwen3_4b_code.sh", [], {}, ["--growmtp_k 5", "code_reward.py"]),
+    "qwen3_5_math": ("qwen3_5_4b_base_math.sh", [], {}, ["--growmtp_k 3", "--growmtp_head native",
+                                                         "--rollout.max_new_tokens 16384"]),
+    "qwen3_5_code": ("qwen3_5_4b_base_code.sh", [], {}, ["--growmtp_k 3", "--growmtp_head native"]),
+    "mimo_math": ("mimo_7b_sft_math.sh", [], {}, ["--growmtp_k 5", "--growmtp_head native"]),
+    "mimo_code": ("mimo_7b_sft_code.sh", [], {}, ["--growmtp_k 5"]),
+    "mimo_math_k3": ("mimo_7b_sft_math.sh", [], {"K": "3"}, ["--growmtp_k 3"]),
+    "mimo_math_k7": ("mimo_7b_sft_math.sh", [], {"K": "7"}, ["--growmtp_k 7"]),
+    "ar_qwen3_4b_math": ("baseline_ar.sh", ["qwen3_4b", "math"], {}, ["--growmtp_k 0"]),
+    "ar_mimo_code": ("baseline_ar.sh", ["mimo_7b_sft", "code"], {}, ["--growmtp_k 0"]),
+    "frozen_k1_math": ("baseline_frozen_k1.sh", ["math"], {}, ["--growmtp_k 1", "--growmtp_mode frozen"]),
+    **{f"ablation_{arm}": ("ablation.sh", [arm], {}, []) for arm in ABLATIONS},
+}
+ABLATION_FLAGS = {"ce": "--growmtp_loss ce", "kl": "--growmtp_loss kl", "tv": "--growmtp_loss tv",
+                  "no_vgm": "--growmtp_no_vgm", "teacher_forcing": "--growmtp_teacher_forcing",
+                  "joint": "--growmtp_mode joint", "frozen": "--growmtp_mode frozen"}
+PAPER_GRPO = ["--growmtp_neg_adv_weight 0.5", "--actor.dual_clip 3.0", "--actor.loss_agg_mode token-mean",
+              "--algo.kl.use_loss --algo.kl.init_coef 0.01", "--actor.adam.lr 1e-6 --actor.lr_scheduler constant",
+              "--actor.eps_clip 0.2", "--rollout.batch_size 64 --rollout.n_samples_per_prompt 8",
+              "--rollout.temperature 1.0 --rollout.top_p 1.0", "--train.seed 1"]
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("models")
+    variables = {"PYTHON": sys.executable, "GROWMTP_DRY_RUN": "1"}
+    for variable, family in MODELS.items():
+        raw = tiny_backbone_config(family).to_dict()
+        if family == "mimo":
+            raw["model_type"] = "mimo"
+        (tmp / family).mkdir()
+        (tmp / family / "config.json").write_text(json.dumps(raw))
+        variables[variable] = str(tmp / family)
+    return {**os.environ, **variables}
+
+
+def run_script(script: str, args: list[str], env: dict, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(SCRIPTS / script), *args], capture_output=True, text=True, env=env, cwd=cwd,
+                          timeout=300)
+
+
+@pytest.fixture(scope="module")
+def results(env, tmp_path_factory):
+    cwd = tmp_path_factory.mktemp("cwd")
+    with ThreadPoolExecutor(2) as pool:  # two at a time: each is mostly upstream's imports
+        futures = {name: pool.submit(run_script, script, args, {**env, **extra}, cwd)
+                   for name, (script, args, extra, _) in CASES.items()}
+        out = {name: future.result() for name, future in futures.items()}
+    return out, cwd
+
+
+def test_every_script_is_covered():
+    covered = {script for script, *_ in CASES.values()}
+    assert covered == {p.name for p in SCRIPTS.glob("*.sh")} - {"common.sh"}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_dry_run_passes_every_check_and_starts_nothing(results, name):
+    out, cwd = results
+    result = out[name]
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    assert "passed every startup check; not starting Ray" in result.stdout
+    command = next(line for line in result.stdout.splitlines() if line.startswith("+ "))
+    expected = CASES[name][3] + ([ABLATION_FLAGS[name.removeprefix("ablation_")]] if name.startswith("ablation") else [])
+    for flag in expected + PAPER_GRPO:
+        assert flag in command, (flag, command)
+    assert "Started a local Ray instance" not in result.stdout + result.stderr
+    assert not list(cwd.iterdir())  # no data prepared, no run directory, no head materialised
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({"K": "99"}, "deeper than this head supports"),
+    ({"HEAD": "native"}, "ships no native MTP layer"),
+])
+def test_dry_run_reports_a_bad_override(env, tmp_path, extra, message):
+    result = run_script("qwen3_4b_math.sh", [], {**env, **extra}, tmp_path)
+    assert result.returncode == 2 and message in result.stderr
+
+
+def test_unknown_ablation_arm_is_refused(env, tmp_path):
+    result = run_script("ablation.sh", ["dropout"], env, tmp_path)
+    assert result.returncode == 2 and "unknown ablation arm 'dropout'" in result.stderr
