@@ -114,6 +114,7 @@ class GrowMTPStrategy(DeepspeedStrategy):
             params = list(head.parameters())
             with deepspeed.zero.GatheredParameters(params):
                 if self.is_rank_0():
+                    head.config.growmtp_trained_k = self.args.growmtp.k  # the evaluation CLI's default depth
                     export_head(head, Path(output_dir) / HEAD_EXPORT_DIR)
             torch_dist_barrier_and_cuda_sync()
 

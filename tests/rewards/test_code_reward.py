@@ -1,0 +1,349 @@
+"""The code-execution reward: judging, limits, and that sandboxed programs leave nothing behind."""
+
+from __future__ import annotations
+
+import dis
+import importlib.util
+import json
+import os
+import socket
+import time
+import uuid
+from dataclasses import replace
+
+import pytest
+import torch
+
+from openrlhf_growmtp.rewards import code_sandbox as sandbox
+from openrlhf_growmtp.rewards.code_reward import TIME_LIMIT_ENV, reward_func
+from openrlhf_growmtp.rewards.code_sandbox import (SandboxLimits, compare_output, extract_program, run_program,
+                                                   score_program)
+
+FAST = SandboxLimits(time_limit_s=5.0)  # generous, for programs that should finish (the machine may be busy)
+TIGHT = SandboxLimits(time_limit_s=1.0)  # for programs that should not
+HOOK_ONLY = replace(FAST, isolate_namespaces=False)  # the audit hook without the namespaces behind it
+SUM = "a, b = map(int, input().split())\nprint(a + b)\n"
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie nobody reaped counts as dead)."""
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            state = handle.read().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state not in ("Z", "X")
+
+
+def _wait_dead(pid: int, within_s: float = 2.0) -> bool:
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        if not _alive(pid):
+            return True
+        time.sleep(0.02)
+    return not _alive(pid)
+
+
+# ----------------------------------------------------------------------------- extraction, comparison
+
+def test_extract_program_takes_last_python_block():
+    response = ("Try this:\n```python\nprint(1)\n```\nbetter:\n```py\nprint(2)\n```\n"
+                "sample output:\n```\n2\n```\nand in C:\n```cpp\nint main(){}\n```\n")
+    assert extract_program(response) == "print(2)"
+    assert extract_program("```\nprint(3)\n```") == "print(3)"
+    assert extract_program("no code here") is None
+    assert extract_program("```python\nprint(4)\n") is None  # truncated, never closed
+    assert extract_program("```cpp\nint main(){}\n```") is None
+
+
+def test_compare_output_tolerances():
+    assert compare_output("5  \n\n\n", "5")
+    assert compare_output("1 2\r\n3\n", "1 2\n3")
+    assert compare_output("0.3333333333\n", "0.333333")
+    assert compare_output("1e-9", "0.0")
+    assert not compare_output("0.3334", "0.3333")
+    assert not compare_output("123456789012345678", "123456789012345679")  # integers stay exact
+    assert not compare_output("5\n6", "5")
+    assert not compare_output("", "5")
+    assert not compare_output("abc", "abd")
+
+
+# ----------------------------------------------------------------------------- judging
+
+def test_correct_program_scores_one():
+    assert score_program(SUM, [("2 3\n", "5\n"), ("10 -4", "6")], FAST) == 1.0
+
+
+def test_wrong_output_scores_zero():
+    assert score_program(SUM, [("2 3\n", "5\n"), ("1 1\n", "3\n")], FAST) == 0.0
+    assert score_program("print(42)", [("", "41")], FAST) == 0.0
+
+
+def test_float_output_within_tolerance():
+    program = "print(1 / 3)\n"
+    assert score_program(program, [("", "0.333333333")], FAST) == 1.0
+    assert score_program(program, [("", "0.3334")], FAST) == 0.0
+
+
+def test_trailing_whitespace_and_newlines_are_ignored():
+    assert score_program("print('1 2   ')\nprint()\nprint()", [("", "1 2\n")], FAST) == 1.0
+
+
+def test_large_stdin_and_stdout_flow_without_deadlock():
+    result = run_program("import sys\ndata = sys.stdin.read()\nprint(len(data))\nprint('y' * 500000)",
+                         "x" * (3 << 20), FAST)
+    assert result.status == "ok"
+    assert result.stdout.splitlines()[0] == str(3 << 20)
+
+
+def test_output_cap():
+    result = run_program("import sys\nsys.stdout.write('x' * (4 << 20))", "", FAST)
+    assert result.status == "output_limit"
+    assert len(result.stdout) == FAST.max_output_bytes
+
+
+# ----------------------------------------------------------------------------- time, crashes, memory
+
+@pytest.mark.parametrize("program", ["while True:\n    pass\n", "import time\ntime.sleep(100)\n"])
+def test_slow_program_times_out_quickly(program):
+    started = time.monotonic()
+    result = run_program(program, "", TIGHT)
+    assert result.status == "timeout"
+    assert time.monotonic() - started < 3.0
+    assert score_program(program, [("", "")], TIGHT) == 0.0
+
+
+@pytest.mark.parametrize("leader", ["time.sleep(100)", "pass"])
+def test_whole_process_group_is_killed(tmp_path, leader):
+    """The group kill on its own (no guard, so fork is allowed): a forked child sleeping forever dies
+    whether the leader times out or exits at once while the child still holds the pipes."""
+    program = ("import os, sys, time\nchild = os.fork()\nif child == 0:\n    time.sleep(100)\n"
+               f"print(child, flush=True)\n{leader}\n")
+    run = sandbox._execute([sandbox._python(), "-c", program], b"", cwd=str(tmp_path), env={},
+                           time_limit_s=1.0, max_output_bytes=1 << 16)
+    child = int(run.stdout.split()[0])
+    assert run.wall_time_s < 3.0
+    assert _wait_dead(child)
+
+
+def test_fork_is_blocked_in_the_sandbox():
+    result = run_program("import os\npid = os.fork()\nprint('forked', pid)", "", HOOK_ONLY)
+    assert result.status == "blocked"
+    assert "forked" not in result.stdout
+
+
+@pytest.mark.parametrize("program", ["raise ValueError('boom')", "import sys\nprint(5)\nsys.exit(3)",
+                                     "def f(:\n    pass"])
+def test_crashing_program_scores_zero(program):
+    assert run_program(program, "", FAST).status == "runtime_error"
+    assert score_program(program, [("", "5")], FAST) == 0.0
+
+
+def test_memory_hungry_program_is_stopped():
+    started = time.monotonic()
+    result = run_program("buffer = bytearray(4 * 1024 ** 3)\nprint(len(buffer))", "", FAST)
+    assert result.status in ("memory", "runtime_error")
+    assert result.stdout == ""
+    assert time.monotonic() - started < 3.0
+
+
+# ----------------------------------------------------------------------------- files
+
+@pytest.mark.parametrize("limits", [FAST, HOOK_ONLY], ids=["all-layers", "hook-only"])
+def test_writing_outside_is_blocked(tmp_path, limits):
+    target = tmp_path / "escaped.txt"
+    program = f"open({str(target)!r}, 'w').write('x')\nprint(open({str(target)!r}).read())"
+    result = run_program(program, "", limits)
+    assert result.status == "blocked"
+    assert not target.exists()
+    assert score_program(program, [("", "x")], limits) == 0.0
+
+
+@pytest.mark.parametrize("action", [
+    "os.remove(SENTINEL)",
+    "os.rename(SENTINEL, SENTINEL + '.moved')",
+    "os.rename(SENTINEL, 'stolen')",
+    "os.chmod(SENTINEL, 0o777)",
+    "os.truncate(SENTINEL, 0)",
+    "shutil.rmtree(os.path.dirname(SENTINEL))",
+    "os.mkdir(os.path.join(os.path.dirname(SENTINEL), 'new'))",
+    "os.symlink(SENTINEL, 'link')",
+    "os.link(SENTINEL, 'hard')",
+    "os.chdir(os.path.dirname(SENTINEL)); open('new', 'w')",
+    "fd = os.open(os.path.dirname(SENTINEL), os.O_RDONLY); os.open('new', os.O_WRONLY | os.O_CREAT, dir_fd=fd)",
+    "open('../' * 12 + SENTINEL.lstrip('/'), 'a').write('x')",
+])
+def test_touching_files_outside_is_blocked(tmp_path, action):
+    sentinel = tmp_path / "sentinel.txt"
+    sentinel.write_text("keep")
+    mode = sentinel.stat().st_mode
+    program = f"import os, shutil\nSENTINEL = {str(sentinel)!r}\n{action}\nprint('done')"
+    result = run_program(program, "", HOOK_ONLY)
+    assert result.status == "blocked", result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["sentinel.txt"]
+    assert sentinel.read_text() == "keep" and sentinel.stat().st_mode == mode
+
+
+def test_writing_inside_its_directory_is_allowed():
+    program = ("import os, shutil, tempfile\nos.makedirs('d/e')\nwith open('d/e/f.txt', 'w') as out:\n"
+               "    out.write('hi')\nos.chdir('d')\nos.rename('e/f.txt', 'g.txt')\nos.chdir('..')\n"
+               "with tempfile.NamedTemporaryFile('w') as tmp:\n    tmp.write('t')\n"
+               "print(open('d/g.txt').read())\nshutil.rmtree('d')\nprint(sorted(os.listdir('.')))")
+    result = run_program(program, "", FAST)
+    assert result.status == "ok", result.stderr
+    assert result.stdout.split() == ["hi", "['solution.py']"]
+
+
+def test_sandbox_directory_is_removed(monkeypatch):
+    made = []
+    real_mkdtemp = sandbox.tempfile.mkdtemp
+    monkeypatch.setattr(sandbox.tempfile, "mkdtemp", lambda **kw: made.append(real_mkdtemp(**kw)) or made[-1])
+    assert run_program("open('left.txt', 'w').write('x')\nprint(1)", "", FAST).status == "ok"
+    assert made and not os.path.exists(made[0])
+
+
+# ----------------------------------------------------------------------------- network, processes
+
+@pytest.mark.parametrize("limits", [FAST, HOOK_ONLY], ids=["all-layers", "hook-only"])
+def test_network_is_unreachable(limits):
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1)
+        port = listener.getsockname()[1]
+        program = ("import socket\ns = socket.socket(socket.AF_INET, socket.SOCK_STREAM)\n"
+                   f"s.connect(('127.0.0.1', {port}))\ns.sendall(b'leak')\nprint('sent')")
+        result = run_program(program, "", limits)
+        assert result.status == "blocked"
+        assert score_program(program, [("", "sent")], limits) == 0.0
+        listener.settimeout(0.3)
+        with pytest.raises(socket.timeout):
+            listener.accept()
+
+
+@pytest.mark.skipif(not sandbox.network_isolation_available(), reason="no network namespace here")
+def test_namespaces_and_capabilities_hold_without_the_hook():
+    """The kernel layers on their own: no route to the host's loopback, PID 1 of a fresh pid namespace,
+    no capabilities."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1)
+        program = ("import os, socket\ntry:\n"
+                   f"    socket.create_connection(('127.0.0.1', {listener.getsockname()[1]}), timeout=0.5)\n"
+                   "    print('connected')\nexcept OSError:\n    print('unreachable')\n"
+                   "print(os.getpid())\n"
+                   "print(open('/proc/self/status').read().split('CapEff:')[1].split()[0])")
+        result = sandbox._run_guarded(program, "", FAST, audit_hook=False)
+        listener.settimeout(0.3)
+        with pytest.raises(socket.timeout):
+            listener.accept()
+    assert result.status == "ok", result.stderr
+    assert result.stdout.split() == ["unreachable", "1", "0000000000000000"]
+
+
+def test_shell_and_subprocess_are_blocked(tmp_path):
+    marker = tmp_path / f"touched-{uuid.uuid4().hex}"
+    shell = run_program(f"import os\nos.system('touch {marker}')\nprint('ran')", "", HOOK_ONLY)
+    assert shell.status == "blocked"
+    spawned = run_program(f"import subprocess\nsubprocess.run(['touch', {str(marker)!r}])", "", HOOK_ONLY)
+    assert spawned.status in ("blocked", "runtime_error")
+    assert "ImportError" in spawned.stderr or spawned.status == "blocked"
+    posix_spawn = run_program(f"import os\nos.posix_spawn('/usr/bin/touch', ['touch', {str(marker)!r}], {{}})",
+                              "", HOOK_ONLY)
+    assert posix_spawn.status == "blocked"
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("program", [
+    "import os\nos.kill(os.getppid() or 1, 0)\nos.kill(2, 0)",
+    "import sys\nsys.settrace(lambda *a: None)",
+    "import gc\ngc.get_objects()",
+    "f = lambda: 0\nf.__code__.replace(co_name='g')",
+])
+def test_hook_escape_hatches_are_blocked(program):
+    assert run_program(program, "", HOOK_ONLY).status == "blocked"
+
+
+def test_ctypes_import_fails_softly():
+    program = "try:\n    import ctypes\nexcept ImportError:\n    print('no ctypes')\n"
+    result = run_program(program, "", HOOK_ONLY)
+    assert result.status == "ok" and result.stdout == "no ctypes\n"
+
+
+def test_hook_functions_cannot_be_patched_from_a_signal_handler():
+    """A signal handler can see the hook's frames; rebinding the defaults of what it finds ends the run."""
+    program = (
+        "import signal, types\nfound = []\n"
+        "def handler(sig, frame):\n    while frame is not None:\n"
+        "        found.extend(v for v in list(frame.f_locals.values())\n"
+        "                     if isinstance(v, types.FunctionType) and v.__name__ in ('decide', 'check_open'))\n"
+        "        frame = frame.f_back\n"
+        "signal.signal(signal.SIGALRM, handler)\nsignal.setitimer(signal.ITIMER_REAL, 1e-4, 1e-4)\n"
+        "for _ in range(200000):\n    open('solution.py').close()\n    if found:\n        break\n"
+        "signal.setitimer(signal.ITIMER_REAL, 0)\n"
+        "if found:\n    found[0].__defaults__ = found[0].__defaults__\nprint('patched' if found else 'none found')\n")
+    result = run_program(program, "", HOOK_ONLY)
+    assert result.status == "blocked" and "blocked object.__setattr__" in result.stderr, result.stdout
+
+
+def test_hook_reads_no_globals():
+    """Everything the hook uses is bound at creation, so a program cannot monkeypatch its behaviour."""
+    namespace = {"__name__": "guard_under_test"}
+    exec(compile(sandbox._GUARD_SOURCE, "<guard>", "exec"), namespace)
+    hook = namespace["make_hook"]("/sandbox", sandbox.BLOCKED_EXIT)
+    functions, seen = [hook], set()
+    while functions:
+        function = functions.pop()
+        if id(function) in seen:
+            continue
+        seen.add(id(function))
+        loads = {i.argval for i in dis.get_instructions(function) if i.opname in ("LOAD_GLOBAL", "LOAD_NAME",
+                                                                                  "LOAD_DEREF", "LOAD_CLASSDEREF")}
+        assert not loads, (function.__name__, loads)
+        functions += [d for d in function.__defaults__ or () if callable(d) and hasattr(d, "__code__")]
+    assert len(seen) == 8
+
+
+# ----------------------------------------------------------------------------- reward_func
+
+def _label(inputs, outputs, **extra) -> str:
+    return json.dumps({"inputs": inputs, "outputs": outputs, **extra})
+
+
+def test_reward_func_batch(monkeypatch):
+    monkeypatch.setenv(TIME_LIMIT_ENV, "1")
+    prompt = "Read two integers and print their sum.\n"
+    good = prompt + "Here you go:\n```python\n" + SUM + "```"
+    wrong = prompt + "```python\nprint(0)\n```"
+    label = _label(["1 2\n", "5 5\n"], ["3\n", "10\n"])
+    out = reward_func([good, wrong, good, prompt + "I don't know.", good],
+                      [prompt] * 5, [label, label, "{not json", label, json.dumps({"inputs": ["1 2"]})])
+    assert out["rewards"].dtype == torch.float32
+    assert out["rewards"].tolist() == [1.0, 0.0, 0.0, 0.0, 0.0]
+    assert torch.equal(out["rewards"], out["scores"])
+
+
+def test_reward_func_survives_odd_inputs():
+    assert reward_func(["```python\nprint(1)\n```"], [None], [None])["rewards"].tolist() == [0.0]
+    assert reward_func([], [], [])["rewards"].tolist() == []
+    assert reward_func(["x", "y"], ["x"], [])["rewards"].tolist() == [0.0, 0.0]
+
+
+def test_time_limit_from_env_and_label(monkeypatch):
+    program = "import time\ntime.sleep(0.7)\nprint('late')"
+    query = "p```python\n" + program + "\n```"
+    monkeypatch.setenv(TIME_LIMIT_ENV, "0.3")
+    started = time.monotonic()
+    assert reward_func([query], ["p"], [_label([""], ["late"])])["rewards"].tolist() == [0.0]
+    assert time.monotonic() - started < 0.7 + 0.5
+    assert reward_func([query], ["p"], [_label([""], ["late"], time_limit_s=3)])["rewards"].tolist() == [1.0]
+    monkeypatch.setenv(TIME_LIMIT_ENV, "3")
+    assert reward_func([query], ["p"], [_label([""], ["late"])])["rewards"].tolist() == [1.0]
+
+
+def test_reward_file_loads_the_way_openrlhf_loads_it():
+    path = os.path.join(os.path.dirname(sandbox.__file__), "code_reward.py")
+    spec = importlib.util.spec_from_file_location("reward_module", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out = module.reward_func(["q```python\nprint(input()[::-1])\n```"], ["q"], [_label(["abc"], ["cba"])])
+    assert out["rewards"].tolist() == [1.0]

