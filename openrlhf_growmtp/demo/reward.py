@@ -8,8 +8,10 @@ from __future__ import annotations
 import torch
 
 from openrlhf_growmtp.demo.task import score
+from openrlhf_growmtp.rewards.common import response_of
 
 
 def reward_func(queries: list[str], prompts: list[str], labels: list[str]) -> dict:
-    rewards = torch.tensor([score(query[len(prompt):], label) for query, prompt, label in zip(queries, prompts, labels)])
+    rewards = torch.tensor([score(response_of(query, prompt), label)
+                            for query, prompt, label in zip(queries, prompts, labels)])
     return {"rewards": rewards, "scores": rewards}
