@@ -3,14 +3,16 @@
     python -m openrlhf_growmtp.cli.evaluate --model runs/qwen3_4b_math_k5/final \\
         --head runs/qwen3_4b_math_k5/final/growmtp_head \\
         --math aime24=data/aime24.jsonl --math aime25=data/aime25.jsonl --math amc23=data/amc23.jsonl \\
-        --code lcb_atcoder=data/lcb_v6_atcoder.jsonl --out runs/qwen3_4b_math_k5/eval
+        --code lcb_atcoder=data/lcb_v6_atcoder.jsonl --code lcb_leetcode=data/lcb_v6_leetcode.jsonl \\
+        --out runs/qwen3_4b_math_k5/eval
 
 Benchmarks are prompt files written by `python -m openrlhf_growmtp.cli.prepare_data` (rows `id`, `prompt`,
 `label`). Every problem is sampled on the speculative engine with the trained head at the run's depth
 (the head directory records it; `--k` overrides), at temperature 1.0 and top-p 0.7, up to 16384 tokens:
 - math: Mean@16, the mean accuracy over 16 samples per problem (`rewards.math_verify.math_score`);
 - code: Pass@4, the fraction of problems where one of 4 samples passes every test (6 s per test case,
-  in the sandbox of `rewards.code_sandbox`).
+  in the sandbox of `rewards.code_sandbox`; a LeetCode problem's tests call its function, see
+  `rewards.code_reward`).
 τ per benchmark is the engine's own: vLLM's spec-decode counters (drafts, accepted tokens, accepted per
 position) over that benchmark's generate call. The table is printed; `eval.json` and
 `generations.jsonl` are written to `--out`.
@@ -92,13 +94,12 @@ def scorer(kind: str, time_limit_s: float):
 
         return math_score
     from openrlhf_growmtp.rewards.code_reward import parse_label
-    from openrlhf_growmtp.rewards.code_sandbox import SandboxLimits, extract_program, score_program
+    from openrlhf_growmtp.rewards.code_sandbox import SandboxLimits, extract_program
 
     limits = SandboxLimits(time_limit_s=time_limit_s)  # the evaluation's limit, not a label's own
 
     def code_score(response: str, label: str) -> float:
-        program = extract_program(response)
-        return 0.0 if program is None else score_program(program, parse_label(label)[0], limits)
+        return parse_label(label).score(extract_program(response), limits)
 
     return code_score
 

@@ -2,9 +2,9 @@
 
 Output row (every converter): `{"id": str, "prompt": [{"role": "user", "content": str}], "label": str}`.
 Math labels are the reference answer; code labels are `json.dumps({"inputs": [str], "outputs": [str]})`
-with stdin/stdout tests only. Converters take any iterable of mapping rows (from `load_rows`/`iter_rows`,
-a `datasets.Dataset`, or a list) and raise `MissingFieldError` naming the field and the row index when a
-required column is absent.
+with stdin/stdout tests, plus `"fn_name"` for LeetCode's call-based tests (see `rewards.code_reward`).
+Converters take any iterable of mapping rows (from `load_rows`/`iter_rows`, a `datasets.Dataset`, or a
+list) and raise `MissingFieldError` naming the field and the row index when a required column is absent.
 """
 
 from __future__ import annotations
@@ -29,6 +29,11 @@ DAPO_MATH_SUFFIX = '\n\nRemember to put your answer on its own line after "Answe
 CODE_STDIN_INSTRUCTION = ("Write a complete Python 3 program that solves the problem above. The program must read "
                           "its input from standard input and write its answer to standard output. Put the whole "
                           "program in a single ```python code block.")
+
+# Follows a LeetCode problem, whose tests call a method of the starter code's class instead of using stdin.
+CODE_CALL_INSTRUCTION = ("Complete the starter code below so that it solves the problem above. Put the whole "
+                         "solution, including the class and method signature of the starter code, in a single "
+                         "```python code block.")
 
 DEFAULT_MAX_TESTS = 20
 LCB_PLATFORMS = ("atcoder", "leetcode", "codeforces")
@@ -233,14 +238,22 @@ def _test_text(value: Any) -> str | None:
     return None
 
 
-def code_label(inputs: list[str], outputs: list[str]) -> str:
-    """The label of a stdin/stdout problem: `{"inputs": [...], "outputs": [...]}` as a JSON string."""
-    return json.dumps({"inputs": inputs, "outputs": outputs}, ensure_ascii=False)
+def code_label(inputs: list[str], outputs: list[str], fn_name: str | None = None) -> str:
+    """The label of a stdin/stdout problem, `{"inputs": [...], "outputs": [...]}` as a JSON string; with
+    `fn_name`, of a call-based one (each input one JSON argument per line, each output a JSON value)."""
+    label = {"inputs": inputs, "outputs": outputs} if fn_name is None else {
+        "fn_name": fn_name, "inputs": inputs, "outputs": outputs}
+    return json.dumps(label, ensure_ascii=False)
 
 
 def code_prompt(question: str) -> list[dict]:
     """A coding problem statement followed by the stdin/stdout instruction, as a chat prompt."""
     return _user(f"{question.strip()}\n\n{CODE_STDIN_INSTRUCTION}")
+
+
+def code_call_prompt(question: str, starter_code: str) -> list[dict]:
+    """A call-based coding problem followed by the instruction and its starter code, as a chat prompt."""
+    return _user(f"{question.strip()}\n\n{CODE_CALL_INSTRUCTION}\n\n```python\n{starter_code.rstrip()}\n```")
 
 
 def math_prompt(problem: str) -> list[dict]:
@@ -466,35 +479,77 @@ def decode_lcb_private_tests(field: Any, allow_pickled_str: bool = False) -> lis
     return parsed if isinstance(parsed, list) else None
 
 
-def _lcb_stdin_pairs(tests: list) -> list[tuple[str, str]]:
-    """(input, output) of the tests with `testtype == "stdin"` and string input and output."""
+def _lcb_pairs(tests: list, testtype: str) -> list[tuple[str, str]]:
+    """(input, output) of the tests of `testtype` ("stdin" or "functional") with string input and output."""
     return [(t["input"], t["output"]) for t in tests
-            if isinstance(t, Mapping) and t.get("testtype") == "stdin"
+            if isinstance(t, Mapping) and t.get("testtype") == testtype
             and isinstance(t.get("input"), str) and isinstance(t.get("output"), str)]
+
+
+def _lcb_function_name(metadata: Any) -> str | None:
+    """`func_name` from a LiveCodeBench row's `metadata` (JSON text such as '{"func_name": "maxSum"}')."""
+    try:
+        parsed = json.loads(metadata) if isinstance(metadata, str) else metadata
+    except json.JSONDecodeError:
+        return None
+    name = parsed.get("func_name") if isinstance(parsed, Mapping) else None
+    return name if isinstance(name, str) and name.isidentifier() else None
+
+
+def _lcb_row(row: Mapping, tests: list, max_tests: int | None) -> dict | str:
+    """A LiveCodeBench problem's prompt and label, or why it has none: "no_tests" / "malformed".
+
+    A problem with functional tests and a `func_name` becomes a call-based row whose prompt shows the
+    starter code (its label must pass `code_reward.parse_label`); any other keeps its stdin tests.
+    Functional tests without a function name, and no stdin tests, are "malformed".
+    """
+    from openrlhf_growmtp.rewards.code_reward import parse_label
+
+    fn_name = _lcb_function_name(row.get("metadata"))
+    functional, stdin = _lcb_pairs(tests, "functional"), _lcb_pairs(tests, "stdin")
+    call_based = bool(functional) and fn_name is not None
+    pairs = (functional if call_based else stdin)[:max_tests]
+    if not pairs:
+        return "malformed" if functional else "no_tests"
+    label = code_label([i for i, _ in pairs], [o for _, o in pairs], fn_name if call_based else None)
+    content = str(row["question_content"])
+    if not call_based:
+        return {"prompt": code_prompt(content), "label": label}
+    try:
+        parse_label(label)
+    except ValueError:
+        return "malformed"
+    return {"prompt": code_call_prompt(content, str(row.get("starter_code") or "")), "label": label}
 
 
 def livecodebench_rows_and_stats(rows: Iterable[Mapping], platform: str | None = None,
                                  max_tests: int | None = None, allow_pickled_str: bool = False
                                  ) -> tuple[list[dict], dict]:
-    """LiveCodeBench code_generation_lite (e.g. release v6) as stdin/stdout prompt rows, plus counts.
+    """LiveCodeBench code_generation_lite (e.g. release v6) as prompt rows, plus counts.
 
     Expected row layout (all strings; the prompt is `question_content`, as in LiveCodeBench's own prompts):
         question_title, question_content, platform ("atcoder" | "leetcode" | "codeforces"), question_id,
-        contest_id, contest_date, starter_code, difficulty, metadata,
+        contest_id, contest_date, difficulty,
+        starter_code: LeetCode's class and method signature ("" elsewhere),
+        metadata: JSON text, '{"func_name": "..."}' for LeetCode problems,
         public_test_cases: JSON list of {"input": str, "output": str, "testtype": "stdin" | "functional"}
         private_test_cases: the same list, plain JSON or compressed (see `decode_lcb_private_tests`)
-    Only `testtype == "stdin"` tests are kept (public first, then private, capped at `max_tests`; None: all);
-    LeetCode problems are all "functional", so they end up in "no_stdin_tests". Rows of other platforms
-    than `platform` (when given) are skipped. Stats: {"kept", "other_platform", "no_stdin_tests",
-    "malformed" (public tests unreadable), "private_undecoded" (kept on public tests only)}.
+    AtCoder and Codeforces problems keep their `stdin` tests; LeetCode problems are `functional`: each input
+    is one JSON argument per line, each output the JSON return value, and their rows are call-based (the
+    label names `func_name`, the prompt shows the starter code). Public tests come first, then private,
+    capped at `max_tests` (None: all). Rows of other platforms than `platform` (when given) are skipped.
+    Stats: {"kept", "call_based" (of those kept), "other_platform", "no_tests", "malformed" (public tests
+    unreadable, or only functional tests but no function name, or non-JSON values), "private_undecoded"
+    (kept on public tests only)}.
     """
     if platform is not None and platform not in LCB_PLATFORMS:
         raise ValueError(f"unknown LiveCodeBench platform {platform!r} (one of {', '.join(LCB_PLATFORMS)})")
-    stats = {"kept": 0, "other_platform": 0, "no_stdin_tests": 0, "malformed": 0, "private_undecoded": 0}
+    stats = {"kept": 0, "call_based": 0, "other_platform": 0, "no_tests": 0, "malformed": 0,
+             "private_undecoded": 0}
     out: list[dict] = []
     for index, row in enumerate(rows):
         row = _as_mapping(row, index, "livecodebench")
-        content = _require(row, "question_content", index, "livecodebench")
+        _require(row, "question_content", index, "livecodebench")
         row_platform = str(_require(row, "platform", index, "livecodebench")).lower()
         ident = _require(row, "question_id", index, "livecodebench")
         public_raw = _require(row, "public_test_cases", index, "livecodebench")
@@ -512,15 +567,13 @@ def livecodebench_rows_and_stats(rows: Iterable[Mapping], platform: str | None =
         if private is None:
             stats["private_undecoded"] += 1
             private = []
-        pairs = _lcb_stdin_pairs(public) + _lcb_stdin_pairs(private)
-        if max_tests is not None:
-            pairs = pairs[:max_tests]
-        if not pairs:
-            stats["no_stdin_tests"] += 1
+        converted = _lcb_row(row, public + private, max_tests)
+        if isinstance(converted, str):
+            stats[converted] += 1
             continue
-        out.append({"id": str(ident), "prompt": code_prompt(str(content)),
-                    "label": code_label([i for i, _ in pairs], [o for _, o in pairs])})
+        out.append({"id": str(ident), **converted})
         stats["kept"] += 1
+        stats["call_based"] += int("fn_name" in json.loads(converted["label"]))
     return out, stats
 
 

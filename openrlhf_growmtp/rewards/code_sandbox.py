@@ -1,4 +1,5 @@
-"""Run an untrusted Python program on stdin and judge its stdout (the code-RL reward's executor).
+"""Run an untrusted Python program on stdin and judge its stdout, or call one of its functions and
+judge the return value (LeetCode-style tests); the code-RL reward's executor.
 
 Each run gets its own interpreter process (`python -I -B -X utf8`) in a fresh temporary directory that
 is its cwd, HOME and TMPDIR, with a minimal environment, and the directory is deleted afterwards.
@@ -177,6 +178,47 @@ def compare_output(actual: str, expected: str) -> bool:
         if not all(_tokens_match(a, e) for a, e in zip(tokens, reference_tokens)):
             return False
     return True
+
+
+def _values_match(actual, expected) -> bool:
+    """JSON values equal, lists and objects element by element; floats within 1e-6 rel/abs of a number;
+    a bool equals only a bool (LeetCode prints `true`, never `1`)."""
+    if isinstance(expected, bool) or isinstance(actual, bool):
+        return type(actual) is type(expected) and actual == expected
+    if isinstance(expected, list):
+        return (isinstance(actual, list) and len(actual) == len(expected)
+                and all(_values_match(a, e) for a, e in zip(actual, expected)))
+    if isinstance(expected, dict):
+        return (isinstance(actual, dict) and actual.keys() == expected.keys()
+                and all(_values_match(actual[key], expected[key]) for key in expected))
+    numbers = (int, float)
+    if isinstance(actual, numbers) and isinstance(expected, numbers) and float in (type(actual), type(expected)):
+        return math.isfinite(actual) and math.isfinite(expected) and math.isclose(
+            actual, expected, rel_tol=_FLOAT_TOL, abs_tol=_FLOAT_TOL)
+    return type(actual) is type(expected) and actual == expected
+
+
+def compare_json(actual: str, expected: str) -> bool:
+    """Whether two JSON texts hold matching values (see `_values_match`); unparsable text never matches."""
+    try:
+        return _values_match(json.loads(actual), json.loads(expected))
+    except (ValueError, RecursionError, OverflowError):  # OverflowError: an int too large for a float
+        return False
+
+
+# Names a call-based program may use without importing them, as on LeetCode's judge (its starter code
+# uses `List[int]` and the like without an import). Not `from math import *`: math.pow would shadow
+# the built-in three-argument pow.
+CALL_PREAMBLE = """\
+from typing import *
+from collections import *
+from heapq import *
+from bisect import *
+from itertools import *
+from functools import *
+from math import inf, gcd, lcm, sqrt, isqrt, ceil, floor, comb, perm, factorial, log, log2
+import bisect, collections, functools, heapq, itertools, math, operator, re, string
+"""
 
 
 # ----------------------------------------------------------------------------- the child's guard
@@ -407,22 +449,49 @@ def make_hook(root, blocked_exit):
     return hook
 
 
+def write_all(fd, data):
+    import os
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def call_function(module, name, arguments):
+    """`Solution().<name>(*arguments)` when the program defines class Solution, else `<name>(*arguments)`."""
+    solution = module.__dict__.get("Solution")
+    function = getattr(solution(), name, None) if isinstance(solution, type) else module.__dict__.get(name)
+    if not callable(function):
+        raise NameError("the program defines no callable %r" % name)
+    return function(*arguments)
+
+
 def run_program(config):
-    import builtins, os, types
+    """Run the program as __main__ on stdin; in call mode, import it as a module (its __main__ block
+    does not run), call config["call"] with the JSON argument list read from stdin before the program
+    starts (the program sees an empty stdin), and write the return value as JSON to the original
+    stdout, while the program's own prints go to stderr."""
+    import builtins, json, os, types
     root = os.getcwd()
-    name = config["program"]
+    name, call = config["program"], config["call"]
     with open(name, "rb") as handle:
         source = handle.read()
     code = compile(source, name, "exec", dont_inherit=True)
-    module = types.ModuleType("__main__")
+    module = types.ModuleType("__main__" if call is None else "solution")
     module.__file__ = root + "/" + name
     module.__builtins__ = builtins
-    sys.modules["__main__"] = module
+    sys.modules[module.__name__] = module
     sys.argv = [name]
+    if call is not None:
+        arguments = json.loads(sys.stdin.buffer.read())
+        result_fd = os.dup(1)
+        os.dup2(2, 1)
+        exec(config["preamble"], module.__dict__)
     if config["audit_hook"]:
         sys.addaudithook(make_hook(root, config["blocked_exit"]))
     try:
         exec(code, module.__dict__)
+        if call is not None:
+            write_all(result_fd, json.dumps(call_function(module, call, arguments)).encode())
     except MemoryError:
         os.write(2, b"MemoryError\n")
         os._exit(config["memory_exit"])
@@ -670,13 +739,15 @@ def _classify(run: _Execution) -> str:
     return {0: "ok", BLOCKED_EXIT: "blocked", MEMORY_EXIT: "memory"}.get(run.returncode, "runtime_error")
 
 
-def _run_guarded(program: str, stdin: str, limits: SandboxLimits, *, audit_hook: bool = True) -> RunResult:
+def _run_guarded(program: str, stdin: str, limits: SandboxLimits, *, call: str | None = None,
+                 audit_hook: bool = True) -> RunResult:
     """run_program's body; `audit_hook=False` exists only to test the other layers on their own."""
     workdir = tempfile.mkdtemp(prefix="growmtp-sbx-")
     try:
         with open(os.path.join(workdir, PROGRAM_NAME), "w", encoding="utf-8", errors="replace") as handle:
             handle.write(program)
         config = {"program": PROGRAM_NAME, "rlimits": _rlimits(limits), "audit_hook": audit_hook,
+                  "call": call, "preamble": CALL_PREAMBLE,
                   "unshare": namespace_flags() if limits.isolate_namespaces else 0,
                   "blocked_exit": BLOCKED_EXIT, "memory_exit": MEMORY_EXIT, "setup_exit": SETUP_EXIT}
         argv = [_python(), "-I", "-B", "-X", "utf8", "-c", _GUARD_SOURCE, json.dumps(config)]
@@ -692,27 +763,35 @@ def _run_guarded(program: str, stdin: str, limits: SandboxLimits, *, audit_hook:
                      wall_time_s=run.wall_time_s, returncode=run.returncode)
 
 
-def run_program(program: str, stdin: str, limits: SandboxLimits | None = None) -> RunResult:
+def run_program(program: str, stdin: str, limits: SandboxLimits | None = None, *, call: str | None = None
+                ) -> RunResult:
     """Run `program` as __main__ with `stdin`, inside the sandbox described in the module docstring.
 
-    Guarantees: the call returns within about the time limit plus interpreter start-up (the process
+    With `call` (a function name; LeetCode's call-based tests), `stdin` is a JSON array of arguments:
+    the program is imported as a module after CALL_PREAMBLE, `Solution().<call>(*arguments)` is called
+    (`<call>(*arguments)` when there is no class Solution) and `stdout` is the JSON of its return value
+    (tuples become lists); the program's own prints go to stderr, and a value JSON cannot encode is a
+    runtime error. Guarantees: the call returns within about the time limit plus interpreter start-up (the process
     group is SIGKILLed at the deadline), the temporary directory is removed, and every process of the
     group is killed before returning. Raises only if the sandbox cannot be started at all (OSError
     from creating the directory or the process); `score_program` turns that into 0.0.
     """
-    return _run_guarded(program, stdin, limits or SandboxLimits())
+    return _run_guarded(program, stdin, limits or SandboxLimits(), call=call)
 
 
-def score_program(program: str | None, tests: list[tuple[str, str]], limits: SandboxLimits | None = None) -> float:
+def score_program(program: str | None, tests: list[tuple[str, str]], limits: SandboxLimits | None = None,
+                  *, call: str | None = None) -> float:
     """1.0 when the program's run on every (stdin, expected stdout) test is "ok" and its output matches
-    (`compare_output`), else 0.0; stops at the first failure. No program or no tests scores 0.0.
-    Never raises (an unexpected error is logged and scores 0.0)."""
+    (`compare_output`), else 0.0; stops at the first failure. With `call`, each test is (JSON argument
+    array, JSON of the expected return value), judged by `compare_json` (see `run_program`). No program
+    or no tests scores 0.0. Never raises (an unexpected error is logged and scores 0.0)."""
+    compare = compare_output if call is None else compare_json
     try:
         if not program or not tests:
             return 0.0
         for stdin, expected in tests:
-            result = run_program(program, stdin, limits)
-            if not result.ok or not compare_output(result.stdout, expected):
+            result = run_program(program, stdin, limits, call=call)
+            if not result.ok or not compare(result.stdout, expected):
                 return 0.0
         return 1.0
     except Exception:

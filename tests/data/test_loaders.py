@@ -16,6 +16,7 @@ import pytest
 
 from openrlhf_growmtp.cli import prepare_data
 from openrlhf_growmtp.data import loaders
+from openrlhf_growmtp.rewards.code_reward import code_score
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -70,18 +71,24 @@ def lcb_compress(tests: list[dict]) -> str:
     return base64.b64encode(zlib.compress(json.dumps(tests).encode())).decode()
 
 
-def lcb_row(qid: str, platform: str, public: list[dict], private: str = "") -> dict:
+def lcb_row(qid: str, platform: str, public: list[dict], private: str = "", metadata: str = "{}",
+            starter_code: str = "") -> dict:
     """One LiveCodeBench code_generation_lite row."""
     return {"question_title": f"Title {qid}", "question_content": f"Statement of {qid}.", "platform": platform,
             "question_id": qid, "contest_id": "abc400", "contest_date": "2025-04-05T00:00:00",
-            "starter_code": "", "difficulty": "easy", "public_test_cases": json.dumps(public),
-            "private_test_cases": private, "metadata": "{}"}
+            "starter_code": starter_code, "difficulty": "easy", "public_test_cases": json.dumps(public),
+            "private_test_cases": private, "metadata": metadata}
 
 
 STDIN = {"input": "1 2\n", "output": "3\n", "testtype": "stdin"}
-FUNCTIONAL = {"input": "[1, 2]", "output": "3", "testtype": "functional"}
 PRIVATE = [{"input": "5 5\n", "output": "10\n", "testtype": "stdin"},
            {"input": "0 0\n", "output": "0\n", "testtype": "stdin"}]
+# LeetCode: one JSON argument per input line, the JSON return value as output
+FUNCTIONAL = {"input": "[1, 2]\n10", "output": "13", "testtype": "functional"}
+PRIVATE_FUNCTIONAL = [{"input": "[]\n0", "output": "0", "testtype": "functional"},
+                      {"input": "[-5, 5, 7]\n-1", "output": "6", "testtype": "functional"}]
+ADD_ALL = '{"func_name": "addAll"}'
+STARTER = "class Solution:\n    def addAll(self, nums: List[int], extra: int) -> int:\n        "
 
 
 @pytest.fixture
@@ -89,9 +96,11 @@ def lcb_rows() -> list[dict]:
     pickled = base64.b64encode(zlib.compress(pickle.dumps(json.dumps(PRIVATE)))).decode()
     return [
         lcb_row("abc400_a", "atcoder", [STDIN, FUNCTIONAL], lcb_compress(PRIVATE)),
-        lcb_row("3500", "leetcode", [FUNCTIONAL], lcb_compress([FUNCTIONAL])),
+        lcb_row("3500", "leetcode", [FUNCTIONAL], lcb_compress(PRIVATE_FUNCTIONAL), ADD_ALL, STARTER),
         lcb_row("2050A", "codeforces", [STDIN], pickled),
         lcb_row("abc400_b", "atcoder", [STDIN], json.dumps(PRIVATE)),
+        lcb_row("3501", "leetcode", [FUNCTIONAL]),  # no func_name in its metadata
+        lcb_row("3502", "leetcode", [{**FUNCTIONAL, "input": "[1, 2\n10"}], metadata=ADD_ALL),  # not JSON
     ]
 
 
@@ -214,8 +223,10 @@ def test_math_benchmarks_accept_the_common_layouts():
 
 def test_livecodebench_keeps_stdin_tests_and_decodes_compressed_json(lcb_rows: list[dict]):
     rows, stats = loaders.livecodebench_rows_and_stats(lcb_rows)
-    assert stats == {"kept": 3, "other_platform": 0, "no_stdin_tests": 1, "malformed": 0, "private_undecoded": 1}
+    assert stats == {"kept": 4, "call_based": 1, "other_platform": 0, "no_tests": 0, "malformed": 2,
+                     "private_undecoded": 1}
     by_id = {r["id"]: json.loads(r["label"]) for r in rows}
+    # a stray functional test without a function name leaves the stdin tests
     assert by_id["abc400_a"] == {"inputs": ["1 2\n", "5 5\n", "0 0\n"], "outputs": ["3\n", "10\n", "0\n"]}
     assert by_id["abc400_b"]["inputs"] == ["1 2\n", "5 5\n", "0 0\n"]  # plain-JSON private tests
     assert by_id["2050A"] == {"inputs": ["1 2\n"], "outputs": ["3\n"]}  # pickled private tests: public only
@@ -224,11 +235,26 @@ def test_livecodebench_keeps_stdin_tests_and_decodes_compressed_json(lcb_rows: l
 
 def test_livecodebench_platform_filter_and_test_cap(lcb_rows: list[dict]):
     rows, stats = loaders.livecodebench_rows_and_stats(lcb_rows, platform="atcoder", max_tests=2)
-    assert [r["id"] for r in rows] == ["abc400_a", "abc400_b"] and stats["other_platform"] == 2
+    assert [r["id"] for r in rows] == ["abc400_a", "abc400_b"] and stats["other_platform"] == 4
     assert all(len(json.loads(r["label"])["inputs"]) == 2 for r in rows)
-    assert loaders.livecodebench_rows(lcb_rows, platform="leetcode") == []
+    assert [r["id"] for r in loaders.livecodebench_rows(lcb_rows, platform="leetcode")] == ["3500"]
     with pytest.raises(ValueError, match="unknown LiveCodeBench platform"):
         loaders.livecodebench_rows(lcb_rows, platform="topcoder")
+
+
+def test_leetcode_problems_become_call_based_rows_the_code_reward_runs(lcb_rows: list[dict]):
+    [row] = loaders.livecodebench_rows(lcb_rows, platform="leetcode")
+    label = json.loads(row["label"])
+    assert label == {"fn_name": "addAll", "inputs": ["[1, 2]\n10", "[]\n0", "[-5, 5, 7]\n-1"],
+                     "outputs": ["13", "0", "6"]}
+    prompt = row["prompt"][0]["content"]
+    assert prompt.startswith("Statement of 3500.") and f"```python\n{STARTER.rstrip()}\n```" in prompt
+    right = "```python\nclass Solution:\n    def addAll(self, nums, extra):\n        return sum(nums) + extra\n```"
+    wrong = right.replace("+ extra", "+ abs(extra)")  # fails only the last (private) test
+    assert code_score(right, None, row["label"]) == 1.0
+    assert code_score(wrong, None, row["label"]) == 0.0
+    [capped] = loaders.livecodebench_rows(lcb_rows[1:2], max_tests=2)
+    assert code_score(wrong, None, capped["label"]) == 1.0
 
 
 def test_pickled_private_tests_are_read_only_as_a_bare_string_when_allowed(lcb_rows: list[dict]):

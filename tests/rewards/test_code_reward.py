@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from openrlhf_growmtp.rewards import code_sandbox as sandbox
-from openrlhf_growmtp.rewards.code_reward import TIME_LIMIT_ENV, reward_func
+from openrlhf_growmtp.rewards.code_reward import TIME_LIMIT_ENV, parse_label, reward_func
 from openrlhf_growmtp.rewards.code_sandbox import (SandboxLimits, compare_output, extract_program, run_program,
                                                    score_program)
 
@@ -301,6 +301,111 @@ def test_hook_reads_no_globals():
         assert not loads, (function.__name__, loads)
         functions += [d for d in function.__defaults__ or () if callable(d) and hasattr(d, "__code__")]
     assert len(seen) == 8
+
+
+# ----------------------------------------------------------------------------- call-based (LeetCode) tests
+
+TWO_SUM = """
+class Solution:
+    def twoSum(self, nums: List[int], target: int) -> List[int]:
+        print("debugging output that must not count")
+        seen = {}
+        for i, x in enumerate(nums):
+            if target - x in seen:
+                return (seen[target - x], i)  # a tuple: judged as the list it serialises to
+            seen[x] = i
+
+if __name__ == "__main__":
+    input()  # would fail on the empty stdin if this block ran: an imported module's does not
+"""
+TWO_SUM_TESTS = [(json.dumps([[2, 7, 11, 15], 9]), "[0, 1]"), (json.dumps([[3, 2, 4], 6]), "[1,2]")]
+
+
+@pytest.mark.parametrize("actual, expected, same", [
+    ("[0, 1]", "[0,1]", True), ("[1, 0]", "[0, 1]", False), ("[[1], [2, 3]]", "[[1],[2,3]]", True),
+    ("0.30000000000000004", "0.3", True), ("2", "2.0", True), ("0.3334", "0.3333", False),
+    ("123456789012345678", "123456789012345679", False), ("true", "true", True), ("1", "true", False),
+    ("false", "0", False), ('"abc"', '"abc"', True), ('"1"', "1", False), ("null", "null", True),
+    ('{"a": [1.0]}', '{"a": [1]}', True), ('{"a": 1}', '{"a": 1, "b": 2}', False), ("NaN", "NaN", False),
+    ("1" + "0" * 400, "1e400", False), ("", "1", False), ("[1, 2", "[1, 2]", False),
+])
+def test_compare_json(actual, expected, same):
+    assert sandbox.compare_json(actual, expected) is same
+
+
+def test_call_based_program_is_judged_on_its_return_value():
+    result = run_program(TWO_SUM, TWO_SUM_TESTS[0][0], FAST, call="twoSum")
+    assert result.ok and result.stdout == "[0, 1]"
+    assert "debugging output" in result.stderr  # prints go to stderr, not into the judged value
+    assert score_program(TWO_SUM, TWO_SUM_TESTS, FAST, call="twoSum") == 1.0
+    assert score_program(TWO_SUM, [(json.dumps([[3, 2, 4], 6]), "[2, 1]")], FAST, call="twoSum") == 0.0
+    function = "def twoSum(nums, target):\n    return [nums.index(target - nums[-1]), len(nums) - 1]\n"
+    assert score_program(function, [(json.dumps([[3, 2, 4], 6]), "[1, 2]")], FAST, call="twoSum") == 1.0
+
+
+def test_call_based_preamble_matches_leetcodes_judge():
+    program = """
+class Solution:
+    def f(self, words: List[str], k: int) -> Optional[int]:
+        counts = Counter(words)
+        heap = [-c for c in counts.values()]
+        heapify(heap)
+        best = -heappop(heap)
+        return pow(best, 3, k) + bisect_left([1, 5, 9], 6) + (inf > 10**9) + len(list(accumulate([1, 2])))
+"""
+    # Counter 3 -> 27 % 5 = 2 (three-argument built-in pow, not math.pow), bisect 2, inf True, accumulate 2
+    assert score_program(program, [(json.dumps([["a", "b", "a", "a"], 5]), "7")], FAST, call="f") == 1.0
+
+
+@pytest.mark.parametrize("program, status", [
+    ("class Solution:\n    def other(self):\n        return 1\n", "runtime_error"),  # no such method
+    ("def f(x):\n    return {x}\n", "runtime_error"),  # a set is not JSON
+    ("def f(x):\n    raise ValueError(x)\n", "runtime_error"),
+    ("def f(x):\n    while True:\n        pass\n", "timeout"),
+    ("def f(x):\n    return bytearray(4 << 30)\n", "memory"),
+    ("import socket\ndef f(x):\n    return socket.create_connection(('127.0.0.1', 9))\n", "blocked"),
+    ("import os\ndef f(x):\n    return os.system('true')\n", "blocked"),
+])
+def test_call_based_failures_and_the_sandbox_still_holds(program, status):
+    name = "other_name" if program.startswith("class") else "f"
+    result = run_program(program, "[1]", TIGHT, call=name)
+    assert result.status == status, result.stderr
+
+
+def test_call_based_write_outside_is_blocked(tmp_path):
+    target = tmp_path / "escaped.txt"
+    program = f"def f():\n    open({str(target)!r}, 'w').write('x')\n    return 1\n"
+    assert run_program(program, "[]", FAST, call="f").status == "blocked"
+    assert not target.exists()
+
+
+def test_call_based_program_sees_an_empty_stdin():
+    program = "import sys\nAT_IMPORT = sys.stdin.read()\ndef f(x):\n    return [AT_IMPORT, sys.stdin.read(), x]\n"
+    assert json.loads(run_program(program, "[41]", FAST, call="f").stdout) == ["", "", 41]
+
+
+def test_call_based_labels_parse_in_livecodebenchs_layout():
+    label = parse_label(json.dumps({"fn_name": "twoSum", "inputs": ["[2, 7, 11, 15]\n9\n", ""],
+                                    "outputs": ["[0, 1]", "null"]}))
+    assert label.fn_name == "twoSum"
+    assert label.tests == [("[[2, 7, 11, 15], 9]", "[0, 1]"), ("[]", "null")]
+    stdin = parse_label({"fn_name": "", "inputs": ["1 2"], "outputs": ["3"]})  # TACO's empty fn_name: stdin
+    assert stdin.fn_name is None and stdin.tests == [("1 2", "3")]
+    for bad, message in [({"fn_name": "f", "inputs": [[1]], "outputs": [1]}, "must be text"),
+                         ({"fn_name": "f", "inputs": ["[1,"], "outputs": ["1"]}, "not JSON"),
+                         ({"fn_name": "f", "inputs": ["1"], "outputs": ["x y"]}, "not JSON"),
+                         ({"fn_name": "no such", "inputs": ["1"], "outputs": ["1"]}, "identifier"),
+                         ({"fn_name": 3, "inputs": ["1"], "outputs": ["1"]}, "identifier")]:
+        with pytest.raises(ValueError, match=message):
+            parse_label(bad)
+
+
+def test_reward_func_runs_call_based_labels(monkeypatch):
+    monkeypatch.setenv(TIME_LIMIT_ENV, "5")
+    label = json.dumps({"fn_name": "twoSum", "inputs": ["[2,7,11,15]\n9", "[3,2,4]\n6"], "outputs": ["[0,1]", "[1,2]"]})
+    good = "p```python" + TWO_SUM + "```"
+    wrong = "p```python\nclass Solution:\n    def twoSum(self, nums, target):\n        return [0, 1]\n```"
+    assert reward_func([good, wrong], ["p", "p"], [label, label])["rewards"].tolist() == [1.0, 0.0]
 
 
 # ----------------------------------------------------------------------------- reward_func

@@ -41,9 +41,10 @@ def test_evaluate_reports_the_engines_own_tau_and_recomputable_quality(world, tr
     text = lambda ids: " ".join(f"t{i}" for i in ids)  # noqa: E731
     math = write(tmp_path / "math.jsonl", [{"id": i, "prompt": [{"role": "user", "content": text(p)}], "label": "7"}
                                            for i, p in enumerate(prompts[:3])])
+    labels = [{"inputs": ["1\n"], "outputs": ["1\n"]}, {"fn_name": "f", "inputs": ["[1]\n2"], "outputs": ["3"]}]
     code = write(tmp_path / "code.jsonl", [{"id": i, "prompt": [{"role": "user", "content": text(p)}],
-                                           "label": json.dumps({"inputs": ["1\n"], "outputs": ["1\n"]})}
-                                          for i, p in enumerate(prompts[3:])])
+                                           "label": json.dumps(label)}
+                                          for i, (p, label) in enumerate(zip(prompts[3:], labels))])
     engines = []
 
     def factory(model, head, k, **kwargs):
@@ -116,7 +117,18 @@ def test_bad_invocations_fail_before_the_engine_starts(world, tmp_path):
                        "--out", str(tmp_path / "o")], engine_factory=lambda *a, **k: pytest.fail("engine started"))
     call_based = write(tmp_path / "c.jsonl", [{"prompt": "t3", "label": json.dumps({"fn_name": "f", "inputs": [[1]],
                                                                                    "outputs": [1]})}])
-    with pytest.raises(SystemExit, match="row 0 label: call-based"):
+    with pytest.raises(SystemExit, match="row 0 label: call-based test 0: input and output must be text"):
         evaluate.main(["--model", str(world["policy_dir"]), "--head", str(head), "--k", "3", "--code",
                        f"c={call_based}", "--out", str(tmp_path / "o")],
                       engine_factory=lambda *a, **k: pytest.fail("engine started"))
+
+
+def test_code_scorer_runs_stdin_and_call_based_labels():
+    score = evaluate.scorer("code", time_limit_s=5.0)
+    call = json.dumps({"fn_name": "total", "inputs": ["[1, 2]\n3", "[]\n0"], "outputs": ["6", "0"]})
+    stdin = json.dumps({"inputs": ["1 2\n"], "outputs": ["3\n"]})
+    right = "```python\nclass Solution:\n    def total(self, nums, extra):\n        return sum(nums) + extra\n```"
+    assert score(right, call) == 1.0
+    assert score(right.replace("+ extra", "- extra"), call) == 0.0
+    assert score("no code", call) == 0.0
+    assert score("```python\nprint(sum(map(int, input().split())))\n```", stdin) == 1.0
