@@ -4,7 +4,8 @@
 # Environment (every default is the public name; point them at local copies on an offline cluster):
 #   QWEN3_4B, QWEN3_5_4B_BASE, MIMO_7B_SFT   model directories (default: the hub ids)
 #   MATH_SOURCE, CODE_SOURCE                 dataset source for prepare_data (default: the hub ids)
-#   MATH_DATA, CODE_DATA                     prepared prompt files (default: data/<name>.jsonl, made once)
+#   MATH_DATA, CODE_DATA                     prepared prompt files (default: data/<name>.<model>.jsonl, made once
+#                                            per model: prompts over PROMPT_TOKENS of its tokenizer are dropped)
 #   K, HEAD                                  override the preset's depth / head ("random", "native", a dir)
 #   ACTOR_GPUS, VLLM_ENGINES, VLLM_TP        layout of one 8-GPU node (default 4 training GPUs + 4 engines)
 #   RUN_ROOT                                 checkpoints, logs and exports (default runs/<run name>)
@@ -16,7 +17,7 @@ PYTHON=${PYTHON:-python}
 ACTOR_GPUS=${ACTOR_GPUS:-4}
 VLLM_ENGINES=${VLLM_ENGINES:-4}
 VLLM_TP=${VLLM_TP:-1}
-PROMPT_TOKENS=1024  # prompts are capped at 1024 tokens: --data.max_len is prompt + response
+PROMPT_TOKENS=1024  # prompts over 1024 tokens are dropped by prepare_data; --data.max_len is prompt + response
 
 # The paper's policy optimisation: GRPO (group-normalised advantages), negative-advantage weight 0.5,
 # dual clip, token-level averaging, KL 0.01 as a loss against the fixed initial policy, AdamW at a
@@ -52,20 +53,22 @@ preset() {
   esac
 }
 
-# data <domain>: the prepared prompt file and the reward function (made once from the source)
+# data <domain> <model>: the prepared prompt file and the reward function. The file is made once per model
+# from the source (after `preset`, which sets MODEL_PATH): the prompt cap counts with the model's tokenizer.
 data() {
   local name source
   case "$1" in
     math) name=dapo-math;     source=${MATH_SOURCE:-BytedTsinghua-SIA/DAPO-Math-17k}
-          PROMPT_DATA=${MATH_DATA:-data/dapo-math-17k.jsonl}; REWARD=openrlhf_growmtp/rewards/math_reward.py ;;
+          PROMPT_DATA=${MATH_DATA:-data/dapo-math-17k.$2.jsonl}; REWARD=openrlhf_growmtp/rewards/math_reward.py ;;
     code) name=taco-verified; source=${CODE_SOURCE:-likaixin/TACO-verified}
-          PROMPT_DATA=${CODE_DATA:-data/taco-verified.jsonl}; REWARD=openrlhf_growmtp/rewards/code_reward.py ;;
+          PROMPT_DATA=${CODE_DATA:-data/taco-verified.$2.jsonl}; REWARD=openrlhf_growmtp/rewards/code_reward.py ;;
     *) echo "unknown domain '$1' (math, code)" >&2; return 2 ;;
   esac
   REWARD=$("$PYTHON" -c "import openrlhf_growmtp, pathlib; print(pathlib.Path(openrlhf_growmtp.__file__).parent.parent / '$REWARD')")
   if [[ "${GROWMTP_DRY_RUN:-0}" != 1 && ! -f "$PROMPT_DATA" ]]; then
     mkdir -p "$(dirname "$PROMPT_DATA")"
-    "$PYTHON" -m openrlhf_growmtp.cli.prepare_data "$name" "$source" "$PROMPT_DATA"
+    "$PYTHON" -m openrlhf_growmtp.cli.prepare_data "$name" "$source" "$PROMPT_DATA" \
+      --max-prompt-tokens "$PROMPT_TOKENS" --tokenizer "$MODEL_PATH"
   fi
 }
 
@@ -75,7 +78,7 @@ run_growmtp() {
   local model=$1 domain=$2
   shift 2
   preset "$model"
-  data "$domain"
+  data "$domain" "$model"
   local k=${K:-$PRESET_K} head=${HEAD:-$PRESET_HEAD}
   local run=${RUN_NAME:-${model}_${domain}_k${k}}
   local root=${RUN_ROOT:-runs/$run}

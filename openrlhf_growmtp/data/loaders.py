@@ -217,9 +217,20 @@ def _first_of(row: Mapping, keys: tuple[str, ...]) -> Any:
     return None
 
 
+# OpenRLHF's PromptDataset turns every "<image>" in a chat message into an image part (its VLM path), and a
+# text-only chat template such as Qwen3's then renders the whole message as "". TACO's Codeforces statements
+# keep "<image>" where a formula picture was, so prompts write it as "[image]".
+IMAGE_TAG, IMAGE_STANDIN = "<image>", "[image]"
+
+
+def _text_only(content: str) -> str:
+    """`content` with OpenRLHF's image tag replaced by a plain-text stand-in."""
+    return content.replace(IMAGE_TAG, IMAGE_STANDIN)
+
+
 def _user(content: str) -> list[dict]:
     """A one-message chat prompt."""
-    return [{"role": "user", "content": content}]
+    return [{"role": "user", "content": _text_only(content)}]
 
 
 def _answer_text(value: Any) -> str:
@@ -270,7 +281,7 @@ def _dapo_messages(prompt: Any, index: int) -> list[dict]:
         return _user(prompt)
     if isinstance(prompt, list) and prompt and all(isinstance(m, Mapping) and isinstance(m.get("content"), str)
                                                    for m in prompt):
-        return [{"role": str(m.get("role") or "user"), "content": m["content"]} for m in prompt]
+        return [{"role": str(m.get("role") or "user"), "content": _text_only(m["content"])} for m in prompt]
     raise RowFormatError(f"dapo-math: row {index} has a 'prompt' that is neither text nor a list of messages")
 
 
@@ -285,7 +296,8 @@ def dapo_math_rows(rows: Iterable[Mapping]) -> list[dict]:
         extra_info: {"index": str}             a uuid per problem
     The published parquet repeats every problem (~1.79M rows for ~17k problems): rows are de-duplicated by
     `extra_info.index` (by the prompt text when there is no index), keeping first-seen order. The prompt
-    is kept as given; the label is `reward_model.ground_truth`; the id is the index.
+    is kept as given (OpenRLHF's image tag aside, see `IMAGE_TAG`); the label is `reward_model.ground_truth`;
+    the id is the index.
     """
     out: list[dict] = []
     seen: set[str] = set()

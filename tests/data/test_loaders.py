@@ -195,6 +195,20 @@ def test_taco_keeps_stdin_problems_and_counts_the_rest(taco_rows: list[dict]):
     assert json.loads(rows[1]["label"]) == {"inputs": ["3\n1 2 3"], "outputs": ["6"]}
 
 
+def test_image_tags_never_reach_openrlhfs_vlm_path():
+    """Upstream's PromptDataset would turn "<image>" into an image part, which Qwen3's template renders as ""."""
+    from openrlhf.datasets.prompts_dataset import _str_to_content_list
+
+    statement = "Given <image>, print the value of <image> modulo 7."
+    [taco], _ = loaders.taco_verified_rows([taco_row(statement, {"inputs": ["1\n"], "outputs": ["1\n"]})])
+    [dapo] = loaders.dapo_math_rows([dapo_row("i", statement, "3")])
+    [lcb] = loaders.livecodebench_rows([{**lcb_row("q", "atcoder", [STDIN]), "question_content": statement}])
+    for row in (taco, dapo, lcb):
+        content = row["prompt"][0]["content"]
+        assert "Given [image], print the value of [image] modulo 7." in content
+        assert _str_to_content_list(content) == content  # stays text under --data.apply_chat_template
+
+
 def test_taco_caps_tests_per_problem(taco_rows: list[dict]):
     rows, _ = loaders.taco_verified_rows(taco_rows[:1], max_tests=2)
     assert json.loads(rows[0]["label"])["inputs"] == ["1\n", "2\n"]
