@@ -65,10 +65,16 @@ data() {
     *) echo "unknown domain '$1' (math, code)" >&2; return 2 ;;
   esac
   REWARD=$("$PYTHON" -c "import openrlhf_growmtp, pathlib; print(pathlib.Path(openrlhf_growmtp.__file__).parent.parent / '$REWARD')")
-  if [[ "${GROWMTP_DRY_RUN:-0}" != 1 && ! -f "$PROMPT_DATA" ]]; then
-    mkdir -p "$(dirname "$PROMPT_DATA")"
-    "$PYTHON" -m openrlhf_growmtp.cli.prepare_data "$name" "$source" "$PROMPT_DATA" \
-      --max-prompt-tokens "$PROMPT_TOKENS" --tokenizer "$MODEL_PATH"
+  prepare "$name" "$source" "$PROMPT_DATA" --max-prompt-tokens "$PROMPT_TOKENS" --tokenizer "$MODEL_PATH"
+}
+
+# prepare <dataset> <source> <out> [prepare_data flags]: write <out> once; skipped under GROWMTP_DRY_RUN=1
+prepare() {
+  local dataset=$1 source=$2 out=$3
+  shift 3
+  if [[ "${GROWMTP_DRY_RUN:-0}" != 1 && ! -f "$out" ]]; then
+    mkdir -p "$(dirname "$out")"
+    "$PYTHON" -m openrlhf_growmtp.cli.prepare_data "$dataset" "$source" "$out" "$@"
   fi
 }
 

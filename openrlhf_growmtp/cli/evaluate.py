@@ -15,18 +15,22 @@ Benchmarks are prompt files written by `python -m openrlhf_growmtp.cli.prepare_d
   `rewards.code_reward`).
 τ per benchmark is the engine's own: vLLM's spec-decode counters (drafts, accepted tokens, accepted per
 position) over that benchmark's generate call. The table is printed; `eval.json` and
-`generations.jsonl` are written to `--out`.
+`generations.jsonl` are written to `--out`. With GROWMTP_DRY_RUN=1 every check runs (flags, the model
+and head directories, the trained depth, every benchmark row) and the process exits 0 before the engine
+starts or anything is written (`examples/scripts/evaluate.sh` is tested this way).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from openrlhf_growmtp.cli.train_ppo_ray import DRY_RUN_ENV
 from openrlhf_growmtp.core.checkpoint import read_head_config
 
 METRICS = {"math": "Mean@{n}", "code": "Pass@{n}"}
@@ -172,6 +176,9 @@ def main(argv: list[str] | None = None, engine_factory=None) -> int:
     benchmarks = parse_benchmarks(args.math, "math") + parse_benchmarks(args.code, "code")
     if not benchmarks:
         parser.error("give at least one --math or --code benchmark")
+    model = Path(args.model)
+    if model.exists() and not (model / "config.json").is_file():
+        parser.error(f"--model {args.model}: not a model directory (no config.json)")
     try:
         head_config = read_head_config(args.head)
     except ValueError as err:
@@ -182,6 +189,11 @@ def main(argv: list[str] | None = None, engine_factory=None) -> int:
     if args.temperature <= 0:
         parser.error("speculative decoding here verifies by rejection sampling: --temperature must be > 0")
     rows = {name: read_rows(path, kind) for name, kind, path in benchmarks}
+    if os.environ.get(DRY_RUN_ENV) == "1":
+        print(f"{DRY_RUN_ENV}=1: K={k}, " + ", ".join(f"{name} ({len(rows[name])} {kind} problems)"
+                                                    for name, kind, _ in benchmarks)
+              + ": passed every startup check; not starting the engine.")
+        return 0
 
     import torch
     from transformers import AutoTokenizer

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from tiny import tiny_backbone_config
+from openrlhf_growmtp.core.checkpoint import export_head
+from tiny import make_head, tiny_backbone_config
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "examples" / "scripts"
 MODELS = {"QWEN3_4B": "qwen3", "QWEN3_5_4B_BASE": "qwen3_5", "MIMO_7B_SFT": "mimo"}
@@ -75,7 +76,7 @@ def results(env, tmp_path_factory):
 
 
 def test_every_script_is_covered():
-    covered = {script for script, *_ in CASES.values()}
+    covered = {script for script, *_ in CASES.values()} | {"evaluate.sh"}  # evaluate.sh: tests at the end
     assert covered == {p.name for p in SCRIPTS.glob("*.sh")} - {"common.sh"}
 
 
@@ -105,3 +106,64 @@ def test_dry_run_reports_a_bad_override(env, tmp_path, extra, message):
 def test_unknown_ablation_arm_is_refused(env, tmp_path):
     result = run_script("ablation.sh", ["dropout"], env, tmp_path)
     assert result.returncode == 2 and "unknown ablation arm 'dropout'" in result.stderr
+
+
+# ----------------------------------------------------------------------------- evaluate.sh
+
+EVAL_FLAGS = ["--math-samples 16", "--code-samples 4", "--temperature 1.0 --top-p 0.7", "--max-tokens 16384",
+              "--time-limit-s 6"]
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> str:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    """A run directory as training leaves it (a config-only final export, its head trained at K=5) and
+    prepared benchmark files, named through the script's environment variables."""
+    run = tmp_path_factory.mktemp("run")
+    (run / "final").mkdir()
+    (run / "final" / "config.json").write_text(json.dumps(tiny_backbone_config("qwen3").to_dict()))
+    head = make_head("qwen3")
+    head.config.growmtp_trained_k = 5
+    export_head(head, run / "final" / "growmtp_head")
+    prompt = [{"role": "user", "content": "2 + 5?"}]
+    math = [{"id": str(i), "prompt": prompt, "label": "7"} for i in range(3)]
+    stdin = {"id": "a", "prompt": prompt, "label": json.dumps({"inputs": ["1 2\n"], "outputs": ["3\n"]})}
+    call = {"id": "l", "prompt": prompt, "label": json.dumps({"fn_name": "f", "inputs": ["[1]\n2"], "outputs": ["3"]})}
+    data = {"AIME24_DATA": write_jsonl(run / "aime24.jsonl", math),
+            "AIME25_DATA": write_jsonl(run / "aime25.jsonl", math),
+            "AMC23_DATA": write_jsonl(run / "amc23.jsonl", math[:2]),
+            "LCB_ATCODER_DATA": write_jsonl(run / "atcoder.jsonl", [stdin]),
+            "LCB_LEETCODE_DATA": write_jsonl(run / "leetcode.jsonl", [call, call])}
+    return run, data
+
+
+def test_evaluate_script_dry_run_checks_the_run_and_every_benchmark(env, finished_run, tmp_path):
+    run, data = finished_run
+    result = run_script("evaluate.sh", [str(run)], {**env, **data}, tmp_path)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    command = next(line for line in result.stdout.splitlines() if line.startswith("+ "))
+    for flag in EVAL_FLAGS + [f"--model {run}/final", f"--head {run}/final/growmtp_head"]:
+        assert flag in command, (flag, command)
+    assert ("K=5, aime24 (3 math problems), aime25 (3 math problems), amc23 (2 math problems), lcb_atcoder "
+            "(1 code problems), lcb_leetcode (2 code problems): passed every startup check") in result.stdout
+    assert not list(tmp_path.iterdir()) and not (run / "eval").exists()  # nothing prepared, nothing written
+
+    math_only = run_script("evaluate.sh", [str(run), "math"], {**env, **data}, tmp_path)
+    assert math_only.returncode == 0 and "--code " not in math_only.stdout and "amc23 (2 math" in math_only.stdout
+    assert "lcb_" not in math_only.stdout
+
+
+def test_evaluate_script_refuses_a_bad_benchmark_or_head(env, finished_run, tmp_path):
+    run, data = finished_run
+    broken = write_jsonl(tmp_path / "broken.jsonl", [{"prompt": "p", "label": json.dumps(
+        {"fn_name": "f", "inputs": ["[1,"], "outputs": ["3"]})}])
+    result = run_script("evaluate.sh", [str(run), "code"], {**env, **data, "LCB_LEETCODE_DATA": broken}, tmp_path)
+    assert result.returncode != 0 and "row 0 label: call-based test 0: not JSON" in result.stderr
+    result = run_script("evaluate.sh", [str(tmp_path / "no_run"), "math"], {**env, **data}, tmp_path)
+    assert result.returncode != 0 and "not a head directory" in result.stderr
+    result = run_script("evaluate.sh", [str(run), "vision"], {**env, **data}, tmp_path)
+    assert result.returncode == 2 and "unknown domain 'vision'" in result.stderr
