@@ -771,7 +771,9 @@ def run_program(program: str, stdin: str, limits: SandboxLimits | None = None, *
     the program is imported as a module after CALL_PREAMBLE, `Solution().<call>(*arguments)` is called
     (`<call>(*arguments)` when there is no class Solution) and `stdout` is the JSON of its return value
     (tuples become lists); the program's own prints go to stderr, and a value JSON cannot encode is a
-    runtime error. Guarantees: the call returns within about the time limit plus interpreter start-up (the process
+    runtime error.
+
+    Guarantees: the call returns within about the time limit plus interpreter start-up (the process
     group is SIGKILLed at the deadline), the temporary directory is removed, and every process of the
     group is killed before returning. Raises only if the sandbox cannot be started at all (OSError
     from creating the directory or the process); `score_program` turns that into 0.0.
