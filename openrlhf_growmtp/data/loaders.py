@@ -2,7 +2,7 @@
 
 Output row (every converter): `{"id": str, "prompt": [{"role": "user", "content": str}], "label": str}`.
 Math labels are the reference answer; code labels are `json.dumps({"inputs": [str], "outputs": [str]})`
-with stdin/stdout tests, plus `"fn_name"` for LeetCode's call-based tests (see `rewards.code_reward`).
+with stdin/stdout tests, plus `"fn_name"` for LeetCode's call-based tests (see `rewards.code.label`).
 Converters take any iterable of mapping rows (from `load_rows`/`iter_rows`, a `datasets.Dataset`, or a
 list) and raise `MissingFieldError` naming the field and the row index when a required column is absent.
 """
@@ -19,6 +19,8 @@ import zlib
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
+
+from openrlhf_growmtp.rewards.code.label import code_label, parse_label
 
 # The instruction DAPO-Math-17k wraps around every problem; the benchmarks reuse it so eval prompts match training.
 DAPO_MATH_PREFIX = ("Solve the following math problem step by step. The last line of your response should be of "
@@ -247,14 +249,6 @@ def _test_text(value: Any) -> str | None:
     if isinstance(value, list) and all(isinstance(line, str) for line in value):
         return "\n".join(value)
     return None
-
-
-def code_label(inputs: list[str], outputs: list[str], fn_name: str | None = None) -> str:
-    """The label of a stdin/stdout problem, `{"inputs": [...], "outputs": [...]}` as a JSON string; with
-    `fn_name`, of a call-based one (each input one JSON argument per line, each output a JSON value)."""
-    label = {"inputs": inputs, "outputs": outputs} if fn_name is None else {
-        "fn_name": fn_name, "inputs": inputs, "outputs": outputs}
-    return json.dumps(label, ensure_ascii=False)
 
 
 def code_prompt(question: str) -> list[dict]:
@@ -512,11 +506,9 @@ def _lcb_row(row: Mapping, tests: list, max_tests: int | None) -> dict | str:
     """A LiveCodeBench problem's prompt and label, or why it has none: "no_tests" / "malformed".
 
     A problem with functional tests and a `func_name` becomes a call-based row whose prompt shows the
-    starter code (its label must pass `code_reward.parse_label`); any other keeps its stdin tests.
+    starter code (its label must pass `parse_label`); any other keeps its stdin tests.
     Functional tests without a function name, and no stdin tests, are "malformed".
     """
-    from openrlhf_growmtp.rewards.code_reward import parse_label
-
     fn_name = _lcb_function_name(row.get("metadata"))
     functional, stdin = _lcb_pairs(tests, "functional"), _lcb_pairs(tests, "stdin")
     call_based = bool(functional) and fn_name is not None

@@ -1,6 +1,2 @@
-"""Rule-based rewards for the paper's domains, in OpenRLHF's reward-function form.
-
-`--reward.remote_url <file>` loads a Python file defining `reward_func(queries, prompts, labels)`;
-OpenRLHF calls it per sample with the decoded prompt+response, the prompt text and the dataset label,
-and reads `{"rewards": tensor, "scores": tensor}` back. `math_reward.py` and `code_reward.py` are such files.
-"""
+"""Rule-based rewards in OpenRLHF's reward-file form (`--reward.remote_url <file>.py`, a file defining
+`reward_func(queries, prompts, labels)`): `math_reward.py` (package `math`) and `code_reward.py` (`code`)."""

@@ -2,22 +2,28 @@
 
 from __future__ import annotations
 
+import ast
 import dis
 import importlib.util
 import json
 import os
 import socket
+import sys
 import time
+import types
 import uuid
 from dataclasses import replace
 
 import pytest
 import torch
 
-from openrlhf_growmtp.rewards import code_sandbox as sandbox
-from openrlhf_growmtp.rewards.code_reward import TIME_LIMIT_ENV, parse_label, reward_func
-from openrlhf_growmtp.rewards.code_sandbox import (SandboxLimits, compare_output, extract_program, run_program,
-                                                   score_program)
+import openrlhf_growmtp.rewards
+from openrlhf_growmtp.data import loaders
+from openrlhf_growmtp.rewards.code import sandbox, sandbox_child
+from openrlhf_growmtp.rewards.code.judge import compare_json, compare_output, extract_program
+from openrlhf_growmtp.rewards.code.label import code_label, parse_label
+from openrlhf_growmtp.rewards.code.sandbox import SandboxLimits, run_program, score_program
+from openrlhf_growmtp.rewards.code_reward import TIME_LIMIT_ENV, reward_func
 
 FAST = SandboxLimits(time_limit_s=5.0)  # generous, for programs that should finish (the machine may be busy)
 TIGHT = SandboxLimits(time_limit_s=1.0)  # for programs that should not
@@ -287,9 +293,7 @@ def test_hook_functions_cannot_be_patched_from_a_signal_handler():
 
 def test_hook_reads_no_globals():
     """Everything the hook uses is bound at creation, so a program cannot monkeypatch its behaviour."""
-    namespace = {"__name__": "guard_under_test"}
-    exec(compile(sandbox._GUARD_SOURCE, "<guard>", "exec"), namespace)
-    hook = namespace["make_hook"]("/sandbox", sandbox.BLOCKED_EXIT)
+    hook = sandbox_child.make_hook("/sandbox", sandbox_child.BLOCKED_EXIT)
     functions, seen = [hook], set()
     while functions:
         function = functions.pop()
@@ -301,6 +305,86 @@ def test_hook_reads_no_globals():
         assert not loads, (function.__name__, loads)
         functions += [d for d in function.__defaults__ or () if callable(d) and hasattr(d, "__code__")]
     assert len(seen) == 8
+
+
+# ----------------------------------------------------------------------------- the child module itself
+
+def test_child_imports_only_the_standard_library():
+    """It runs under `python -I`, where neither this package nor site-packages may be importable."""
+    tree = ast.parse(open(sandbox_child.__file__).read())
+    names = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
+             for alias in node.names}
+    names |= {node.module.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    assert names and names <= sys.stdlib_module_names, names - sys.stdlib_module_names
+
+
+def test_call_function_prefers_class_solution():
+    module = types.ModuleType("solution")
+    exec("class Solution:\n    def f(self, a, b):\n        return a - b\ndef f(a, b):\n    return a + b\n",
+         module.__dict__)
+    assert sandbox_child.call_function(module, "f", [5, 3]) == 2
+    del module.Solution
+    assert sandbox_child.call_function(module, "f", [5, 3]) == 8
+    with pytest.raises(NameError, match="no callable 'g'"):
+        sandbox_child.call_function(module, "g", [])
+
+
+@pytest.fixture
+def decide(tmp_path, monkeypatch):
+    """The hook's decisions for a sandbox at tmp_path, the cwd as in a run."""
+    root = os.path.realpath(tmp_path)
+    monkeypatch.chdir(root)
+    return sandbox_child.make_judge(root)[0]
+
+
+WRITE = os.O_WRONLY | os.O_CREAT
+
+
+@pytest.mark.parametrize("event, args", [
+    ("open", ("out.txt", "w", WRITE)), ("open", ("d/../out.txt", "a", WRITE)), ("open", ("/etc/hostname", "r", 0)),
+    ("open", ("/dev/null", "w", WRITE)), ("os.remove", ("out.txt", -1)), ("os.rename", ("a", "b", -1, -1)),
+    ("os.mkdir", ("d", 0o777, -1)), ("os.chdir", (".",)), ("os.kill", (os.getpid(), 0)),
+    ("resource.prlimit", (0, 7, (1, 1))), ("compile", (b"1", "<string>")),
+])
+def test_judge_allows_work_inside_the_sandbox(decide, event, args):
+    assert decide(event, args) is None
+
+
+@pytest.mark.parametrize("event, args", [
+    ("open", ("/tmp/escaped.txt", "w", WRITE)), ("open", ("../escaped.txt", "a", WRITE)),
+    ("open", ("d/../../escaped.txt", "w", WRITE)), ("open", ("/", None, os.O_RDONLY)),
+    ("os.remove", ("/etc/hostname", -1)), ("os.rename", ("mine", "/tmp/stolen", -1, -1)), ("os.chdir", ("..",)),
+    ("os.kill", (1, 9)), ("resource.prlimit", (1, 7, (1, 1))), ("os.system", (b"ls",)), ("os.fork", ()),
+    ("socket.connect", (None, ("127.0.0.1", 9))), ("os.symlink", ("/etc", "link", -1)), ("code.__new__", ()),
+])
+def test_judge_refuses_work_outside_the_sandbox(decide, event, args):
+    with pytest.raises(PermissionError, match=event.replace(".", r"\.")):
+        decide(event, args)
+
+
+@pytest.mark.parametrize("name, filename, refusal", [
+    ("json", "/usr/lib/python3/json/__init__.py", None), ("solution_helper", "helper.py", None),
+    ("ctypes", None, "cannot be imported"), ("_posixsubprocess", None, "cannot be imported"),
+    ("evil", "evil.so", "only .py modules"),
+])
+def test_judge_refuses_some_imports_softly(decide, name, filename, refusal):
+    verdict = decide("import", (name, filename, [], [], []))
+    assert verdict is None if refusal is None else refusal in verdict
+
+
+# ----------------------------------------------------------------------------- labels
+
+def test_code_labels_have_one_owner_and_round_trip():
+    assert loaders.code_label is code_label and loaders.parse_label is parse_label
+    stdin = parse_label(code_label(["1 2\n", "3 4\n"], ["3\n", "7\n"]))
+    assert stdin.fn_name is None and stdin.tests == [("1 2\n", "3\n"), ("3 4\n", "7\n")]
+    call = parse_label(code_label(["[1, 2]\n3"], ["[4, 5]"], fn_name="shift"))
+    assert call.fn_name == "shift" and call.tests == [("[[1, 2], 3]", "[4, 5]")]
+    assert parse_label(json.dumps({"inputs": ["x"], "outputs": ["y"], "time_limit_s": 2})).time_limit_s == 2.0
+    for bad in [json.dumps({"inputs": ["x"], "outputs": ["y"], "time_limit_s": 0}), "[1, 2]", "{not json",
+                json.dumps({"inputs": [], "outputs": []}), json.dumps({"inputs": ["a"], "outputs": ["b", "c"]})]:
+        with pytest.raises(ValueError):
+            parse_label(bad)
 
 
 # ----------------------------------------------------------------------------- call-based (LeetCode) tests
@@ -330,7 +414,7 @@ TWO_SUM_TESTS = [(json.dumps([[2, 7, 11, 15], 9]), "[0, 1]"), (json.dumps([[3, 2
     ("1" + "0" * 400, "1e400", False), ("", "1", False), ("[1, 2", "[1, 2]", False),
 ])
 def test_compare_json(actual, expected, same):
-    assert sandbox.compare_json(actual, expected) is same
+    assert compare_json(actual, expected) is same
 
 
 def test_call_based_program_is_judged_on_its_return_value():
@@ -446,7 +530,7 @@ def test_time_limit_from_env_and_label(monkeypatch):
 
 
 def test_reward_file_loads_the_way_openrlhf_loads_it():
-    path = os.path.join(os.path.dirname(sandbox.__file__), "code_reward.py")
+    path = os.path.join(os.path.dirname(openrlhf_growmtp.rewards.__file__), "code_reward.py")
     spec = importlib.util.spec_from_file_location("reward_module", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -1,0 +1,1 @@
+"""Code answers: `label` is the test format, `judge` compares outputs, `sandbox` runs programs."""
