@@ -58,7 +58,7 @@ def make_head(family: str, seed: int = 0, std: float = 0.1) -> MTPHead:
 def make_records(k: int = 4, topk: int = 8, seed: int = 0) -> list[SequenceRecord]:
     """Three sequences of different lengths, with full accepts, early rejections and a mixed temperature."""
     layouts = [(5, [2, 0, k, 1, 0]), (3, [0, 0]), (9, [k, k, 1, 3])]
-    records = [SequenceRecord.make_dummy(prompt_len=p, accepted=[min(a, k) for a in acc], k=k, topk=topk,
+    records = [SequenceRecord.make_dummy(prompt_len=p, accepted=[min(a, k) for a in acc], depth=k, topk=topk,
                                          vocab_size=VOCAB, hidden_size=HIDDEN, seed=seed + i)
                for i, (p, acc) in enumerate(layouts)]
     records[1].temperature = 0.7
@@ -73,7 +73,7 @@ def chain_by_chain_logits(head: MTPHead, records) -> torch.Tensor:
             s = int(rec.start[r])
             cache = HeadKVCache()
             prefix = head.prefill(rec.hidden[None, :s + 1], rec.token_ids[None, 1:s + 2], 0, cache)
-            _, logits = head.draft_chain(prefix.last(), s, rec.drafts[r:r + 1], rec.k, cache,
+            _, logits = head.draft_chain(prefix.last(), s, rec.drafts[r:r + 1], rec.depth, cache,
                                          temperature=rec.temperature)
             out.append(logits[0])
     return torch.stack(out)

@@ -28,7 +28,7 @@ import torch
 
 from .head import HeadKVCache, MTPHead, additive_mask
 from .objectives import head_loss_per_cycle
-from .records import RecordError, SequenceRecord
+from .records import RecordError, SequenceRecord, check_fits
 
 DEFAULT_CHUNK_CYCLES = 1024
 
@@ -42,8 +42,10 @@ class Piece:
     hi: int
 
 
-def plan_chunks(records: Sequence[SequenceRecord], chunk_cycles: int) -> list[list[Piece]]:
-    """Split the batch's cycles, in order, into chunks of at most chunk_cycles cycles."""
+def plan_chunks(records: Sequence[SequenceRecord], chunk_cycles: int | None) -> list[list[Piece]]:
+    """Split the batch's cycles, in order, into chunks of at most chunk_cycles cycles (None: one chunk)."""
+    if chunk_cycles is None:
+        chunk_cycles = max(1, sum(rec.num_cycles for rec in records))
     if chunk_cycles < 1:
         raise ValueError(f"chunk_cycles must be >= 1, got {chunk_cycles}")
     chunks, current, room = [], [], chunk_cycles
@@ -76,7 +78,7 @@ def reconstruct_chunk(head: MTPHead, records: Sequence[SequenceRecord], pieces: 
     """Draft logits [N, K, V] (divided by each request's temperature) for the cycles of `pieces`, in order."""
     param = next(head.parameters())
     device, dtype = param.device, param.dtype
-    depth = records[pieces[0].seq].k
+    depth = records[pieces[0].seq].depth
     num_seqs = len(pieces)
     prefix_lens = [int(records[pc.seq].start[pc.hi - 1]) + 1 for pc in pieces]  # positions 0..max start
     lmax = max(prefix_lens)
@@ -161,7 +163,7 @@ class TeacherForcedBatch:
 
 def _teacher_forcing_targets(rec: SequenceRecord):
     """(starts [M], token_index [M, K], lengths [M], target_ids [T, k], target_lp [T, k]) or None. No model work."""
-    length, depth, width = int(rec.token_ids.shape[0]), rec.k, int(rec.topk_ids.shape[2])
+    length, depth, width = int(rec.token_ids.shape[0]), rec.depth, int(rec.topk_ids.shape[2])
     target_ids = torch.zeros(length, width, dtype=torch.long)
     target_lp = torch.zeros(length, width, dtype=torch.float32)
     has_target = torch.zeros(length, dtype=torch.bool)
@@ -197,7 +199,7 @@ def teacher_forced_chains(head: MTPHead, rec: SequenceRecord, hidden: torch.Tens
     starts, token_index, lengths, target_ids, target_lp = targets
     param = next(head.parameters())
     device, dtype = param.device, param.dtype
-    length, depth = int(rec.token_ids.shape[0]), rec.k
+    length, depth = int(rec.token_ids.shape[0]), rec.depth
     offsets = torch.arange(1, depth + 1)
 
     # ---- K causal forwards ---------------------------------------------------------------------------
@@ -230,20 +232,22 @@ class HeadLossStats:
 
 def head_loss_backward(head: MTPHead, records: Sequence[SequenceRecord],
                        hiddens: Sequence[torch.Tensor] | None = None, *, kind: str = "dca", vgm: bool = True,
-                       chunk_cycles: int = DEFAULT_CHUNK_CYCLES, teacher_forcing: bool = False,
+                       chunk_cycles: int | None = DEFAULT_CHUNK_CYCLES, teacher_forcing: bool = False,
                        backward: Callable[[torch.Tensor], None] | None = None,
-                       agree: Callable[[bool], bool] | None = None) -> HeadLossStats:
+                       agree: Callable[[bool], bool] | None = None, check: bool = True) -> HeadLossStats:
     """Reconstruct, score and backpropagate the head loss over a batch of records, chunk by chunk.
 
     Gradients accumulate into the head's .grad (via `backward`, default loss.backward()). If a chunk's
     loss is not finite, it is not backpropagated and the returned stats say finite=False: the caller must
     then drop the head's gradients for this step (earlier chunks may have accumulated some).
     `agree(local_finite) -> global_finite` is asked before every chunk's backward; data-parallel callers
-    pass an all-reduce so that every rank stops at the same chunk.
+    pass an all-reduce so that every rank stops at the same chunk. `check=False` skips `check_batch`
+    for a caller that ran it already (the trainer agrees on it across ranks first).
     """
     backward = backward or (lambda loss: loss.backward())
     agree = agree or (lambda finite: finite)
-    validate_batch(head, records, hiddens)
+    if check:
+        check_batch(head, records, hiddens)
     if teacher_forcing:
         return _teacher_forced_backward(head, records, hiddens, kind, backward, agree)
     total = sum(rec.num_cycles for rec in records)
@@ -266,7 +270,7 @@ def head_loss_backward(head: MTPHead, records: Sequence[SequenceRecord],
                          alpha_mean=(alpha_sum / total).tolist())
 
 
-def count_chunks(records: Sequence[SequenceRecord], chunk_cycles: int = DEFAULT_CHUNK_CYCLES,
+def count_chunks(records: Sequence[SequenceRecord], chunk_cycles: int | None = DEFAULT_CHUNK_CYCLES,
                  teacher_forcing: bool = False) -> int:
     """How many forward/backward chunks `head_loss_backward` runs for this batch (no model work)."""
     if teacher_forcing:
@@ -274,15 +278,17 @@ def count_chunks(records: Sequence[SequenceRecord], chunk_cycles: int = DEFAULT_
     return len(plan_chunks(records, chunk_cycles))
 
 
-def validate_batch(head: MTPHead, records: Sequence[SequenceRecord],
-                   hiddens: Sequence[torch.Tensor] | None = None) -> None:
-    """Validate every record against the head before any model work; errors name the record and field."""
+def check_batch(head: MTPHead, records: Sequence[SequenceRecord],
+                hiddens: Sequence[torch.Tensor] | None = None) -> None:
+    """Check that every record fits the head (`records.check_fits`: one depth, the head's vocabulary and
+    width) before any model work; errors name the record and field. Records are validated in full once,
+    where they are made (the engine boundary): this is not that validation again."""
     if hiddens is not None and len(hiddens) != len(records):
         raise RecordError(f"hidden: {len(hiddens)} hidden tensors for {len(records)} records")
-    depth = records[0].k if records else None
+    depth = records[0].depth if records else None
     for i, rec in enumerate(records):
         try:
-            rec.validate(k=depth, vocab_size=head.config.vocab_size, hidden_size=head.config.hidden_size)
+            check_fits(rec, depth=depth, vocab_size=head.config.vocab_size, hidden_size=head.config.hidden_size)
             if hiddens is not None and tuple(hiddens[i].shape) != (rec.token_ids.shape[0], head.config.hidden_size):
                 raise RecordError(f"hidden: trainer hidden has shape {tuple(hiddens[i].shape)}, expected "
                                   f"[{rec.token_ids.shape[0]}, {head.config.hidden_size}]")

@@ -63,17 +63,18 @@ class SequenceRecord:
         return int(self.start.shape[0])
 
     @property
-    def k(self) -> int:
+    def depth(self) -> int:
+        """K, the drafting depth (drafts per cycle); `k` stays reserved for the top-k width."""
         return int(self.drafts.shape[1])
 
     @property
     def num_generated(self) -> int:
         return int(self.token_ids.shape[0]) - self.prompt_len
 
-    def validate(self, k: int | None = None, vocab_size: int | None = None, hidden_size: int | None = None,
+    def validate(self, depth: int | None = None, vocab_size: int | None = None, hidden_size: int | None = None,
                  topk: int | None = None) -> "SequenceRecord":
         """Check every field; raise RecordError naming the first bad one. Returns self."""
-        validate_record(self, k=k, vocab_size=vocab_size, hidden_size=hidden_size, topk=topk)
+        validate_record(self, depth=depth, vocab_size=vocab_size, hidden_size=hidden_size, topk=topk)
         return self
 
     # ---- transport ----------------------------------------------------------------------------
@@ -117,7 +118,7 @@ class SequenceRecord:
         return len(self.pack()) / max(1, self.num_generated)
 
     @classmethod
-    def make_dummy(cls, prompt_len: int = 5, accepted: list[int] | tuple[int, ...] = (2, 0, 3), k: int = 3,
+    def make_dummy(cls, prompt_len: int = 5, accepted: list[int] | tuple[int, ...] = (2, 0, 3), depth: int = 3,
                    topk: int = 4, vocab_size: int = 50, hidden_size: int | None = 8, seed: int = 0,
                    trailing_tokens: int = 1) -> "SequenceRecord":
         """A valid record with the given accepted counts (random tokens and log-probs), for tests."""
@@ -127,13 +128,13 @@ class SequenceRecord:
         starts = (prompt_len - 1 + torch.cumsum(torch.cat([torch.zeros(1, dtype=torch.long), acc[:-1] + 1]), 0))
         length = int(starts[-1]) + int(acc[-1]) + 1 + trailing_tokens + 1
         token_ids = torch.randint(0, vocab_size, (length,), generator=g)
-        drafts = torch.randint(0, vocab_size, (num_cycles, k), generator=g)
+        drafts = torch.randint(0, vocab_size, (num_cycles, depth), generator=g)
         for r in range(num_cycles):
             s, a = int(starts[r]), int(acc[r])
             token_ids[s + 2:s + 2 + a] = drafts[r, :a]
-            if a < k:  # the recovered token differs from the rejected draft
+            if a < depth:  # the recovered token differs from the rejected draft
                 token_ids[s + 2 + a] = (drafts[r, a] + 1) % vocab_size
-        scores = torch.randn(num_cycles, k, vocab_size, generator=g)
+        scores = torch.randn(num_cycles, depth, vocab_size, generator=g)
         logprobs = torch.log_softmax(scores, dim=-1)
         top = logprobs.topk(topk, dim=-1)
         hidden = None if hidden_size is None else torch.randn(length, hidden_size, generator=g)
@@ -158,26 +159,30 @@ def _check_int(tensor, field_name: str, ndim: int) -> None:
              field_name, f"expected an integer dtype, got {tensor.dtype}")
 
 
-def validate_record(rec: SequenceRecord, k: int | None = None, vocab_size: int | None = None,
-                    hidden_size: int | None = None, topk: int | None = None) -> None:
-    """Reject every malformed record with a RecordError naming the field. Cheap: no model work."""
+def check_fits(rec: SequenceRecord, depth: int | None = None, vocab_size: int | None = None,
+               hidden_size: int | None = None, topk: int | None = None) -> None:
+    """The shapes, dtypes and index ranges model work relies on (RecordError naming the field).
+
+    The trainer runs only this on records the engine boundary already validated: it is what a head of
+    this depth, vocabulary and width needs to reconstruct them without indexing out of range.
+    """
     _check_int(rec.token_ids, "token_ids", 1)
     _check_int(rec.start, "start", 1)
     _check_int(rec.drafts, "drafts", 2)
     _check_int(rec.topk_ids, "topk_ids", 3)
     _check_int(rec.accepted, "accepted", 1)
     length = int(rec.token_ids.shape[0])
-    num_cycles, depth = int(rec.drafts.shape[0]), int(rec.drafts.shape[1])
+    num_cycles, found_depth = int(rec.drafts.shape[0]), int(rec.drafts.shape[1])
     _require(isinstance(rec.prompt_len, int) and 1 <= rec.prompt_len <= length, "prompt_len",
              f"must be an int in 1..{length} (len(token_ids)), got {rec.prompt_len!r}")
-    _require(depth >= 1, "drafts", "K (second dim) must be at least 1")
-    if k is not None:
-        _require(depth == k, "drafts", f"K = {depth} drafts per cycle, expected K = {k}")
+    _require(found_depth >= 1, "drafts", "K (second dim) must be at least 1")
+    if depth is not None:
+        _require(found_depth == depth, "drafts", f"K = {found_depth} drafts per cycle, expected K = {depth}")
     _require(rec.start.shape[0] == num_cycles, "start", f"{rec.start.shape[0]} cycles, drafts has {num_cycles}")
     _require(rec.accepted.shape[0] == num_cycles, "accepted",
              f"{rec.accepted.shape[0]} cycles, drafts has {num_cycles}")
-    _require(rec.topk_ids.shape[:2] == (num_cycles, depth), "topk_ids",
-             f"shape {tuple(rec.topk_ids.shape)} does not start with [R={num_cycles}, K={depth}]")
+    _require(rec.topk_ids.shape[:2] == (num_cycles, found_depth), "topk_ids",
+             f"shape {tuple(rec.topk_ids.shape)} does not start with [R={num_cycles}, K={found_depth}]")
     width = int(rec.topk_ids.shape[2])
     _require(width >= 1, "topk_ids", "top-k width must be at least 1")
     if topk is not None:
@@ -187,36 +192,19 @@ def validate_record(rec: SequenceRecord, k: int | None = None, vocab_size: int |
              f"expected a floating tensor, got {getattr(lp, 'dtype', type(lp).__name__)}")
     _require(tuple(lp.shape) == tuple(rec.topk_ids.shape), "topk_logprobs",
              f"shape {tuple(lp.shape)} differs from topk_ids {tuple(rec.topk_ids.shape)}")
-    _require(bool(torch.isfinite(lp).all()), "topk_logprobs", "non-finite log-probs")
-    _require(bool((lp <= LOGPROB_ROUNDING).all()), "topk_logprobs",
-             f"positive log-probs (max {float(lp.max()):.4g}); they must be full-vocab log p <= 0")
-    mass = torch.logsumexp(lp.float(), dim=-1)
-    _require(bool((mass <= LOGPROB_ROUNDING).all()), "topk_logprobs",
-             f"top-k probabilities sum to {float(mass.exp().max()):.4g} > 1: not normalised over the full vocabulary")
-    if num_cycles and width > 1:
-        ids_sorted = rec.topk_ids.sort(dim=-1).values
-        _require(bool((ids_sorted[..., 1:] != ids_sorted[..., :-1]).all()), "topk_ids", "repeated ids within a row")
     if vocab_size is not None:
         for name, ids in (("token_ids", rec.token_ids), ("drafts", rec.drafts), ("topk_ids", rec.topk_ids)):
             if ids.numel():
                 _require(int(ids.min()) >= 0 and int(ids.max()) < vocab_size, name,
                          f"token ids must lie in [0, {vocab_size}), got [{int(ids.min())}, {int(ids.max())}]")
     if num_cycles:
-        _require(int(rec.accepted.min()) >= 0 and int(rec.accepted.max()) <= depth, "accepted",
-                 f"must lie in 0..K={depth}, got [{int(rec.accepted.min())}, {int(rec.accepted.max())}]")
+        _require(int(rec.accepted.min()) >= 0 and int(rec.accepted.max()) <= found_depth, "accepted",
+                 f"must lie in 0..K={found_depth}, got [{int(rec.accepted.min())}, {int(rec.accepted.max())}]")
         _require(int(rec.start[0]) >= rec.prompt_len - 1, "start",
                  f"first cycle starts at {int(rec.start[0])}, before the last prompt position {rec.prompt_len - 1}")
         _require(int(rec.start[-1]) + 1 < length, "start",
                  f"last cycle starts at {int(rec.start[-1])}: its next token x_(s+1) is past the sequence "
                  f"(len(token_ids) = {length})")
-        # A cycle commits accepted + 1 tokens, so the next one starts at least that far on.
-        earliest_next = rec.start[:-1] + rec.accepted[:-1] + 1
-        bad = (rec.start[1:] < earliest_next).nonzero()
-        if bad.numel():
-            r = int(bad[0, 0])
-            raise RecordError(f"start: starts are not monotone: cycle {r + 1} starts at {int(rec.start[r + 1])}, "
-                              f"before {int(earliest_next[r])} = previous start + accepted + 1")
-        _check_committed_prefix(rec)
     if rec.hidden is not None:
         h = rec.hidden
         _require(isinstance(h, torch.Tensor) and h.is_floating_point() and h.ndim == 2, "hidden",
@@ -225,14 +213,49 @@ def validate_record(rec: SequenceRecord, k: int | None = None, vocab_size: int |
         _require(h.shape[0] == length, "hidden", f"{h.shape[0]} rows, token_ids has T = {length}")
         if hidden_size is not None:
             _require(h.shape[1] == hidden_size, "hidden", f"width {h.shape[1]}, expected H = {hidden_size}")
-        _require(bool(torch.isfinite(h).all()), "hidden", "non-finite hidden states")
+
+
+def validate_record(rec: SequenceRecord, depth: int | None = None, vocab_size: int | None = None,
+                    hidden_size: int | None = None, topk: int | None = None) -> None:
+    """Reject every malformed record with a RecordError naming the field. Cheap: no model work.
+
+    `check_fits`, plus what makes a record true to its rollout: finite, normalised log-probs, distinct
+    top-k ids, monotone starts, committed tokens that equal the accepted drafts, finite hidden states.
+    """
+    check_fits(rec, depth=depth, vocab_size=vocab_size, hidden_size=hidden_size, topk=topk)
+    if rec.num_cycles:
+        _check_cycles(rec)
+    if rec.hidden is not None:
+        _require(bool(torch.isfinite(rec.hidden).all()), "hidden", "non-finite hidden states")
     _require(isinstance(rec.temperature, (int, float)) and rec.temperature > 0, "temperature",
              f"must be > 0 (greedy drafting has no q to learn from), got {rec.temperature!r}")
 
 
+def _check_cycles(rec: SequenceRecord) -> None:
+    """Normalised, finite, distinct top-k rows; monotone starts; committed tokens equal accepted drafts."""
+    lp = rec.topk_logprobs
+    _require(bool(torch.isfinite(lp).all()), "topk_logprobs", "non-finite log-probs")
+    _require(bool((lp <= LOGPROB_ROUNDING).all()), "topk_logprobs",
+             f"positive log-probs (max {float(lp.max()):.4g}); they must be full-vocab log p <= 0")
+    mass = torch.logsumexp(lp.float(), dim=-1)
+    _require(bool((mass <= LOGPROB_ROUNDING).all()), "topk_logprobs",
+             f"top-k probabilities sum to {float(mass.exp().max()):.4g} > 1: not normalised over the full vocabulary")
+    if rec.topk_ids.shape[2] > 1:
+        ids_sorted = rec.topk_ids.sort(dim=-1).values
+        _require(bool((ids_sorted[..., 1:] != ids_sorted[..., :-1]).all()), "topk_ids", "repeated ids within a row")
+    # A cycle commits accepted + 1 tokens, so the next one starts at least that far on.
+    earliest_next = rec.start[:-1] + rec.accepted[:-1] + 1
+    bad = (rec.start[1:] < earliest_next).nonzero()
+    if bad.numel():
+        r = int(bad[0, 0])
+        raise RecordError(f"start: starts are not monotone: cycle {r + 1} starts at {int(rec.start[r + 1])}, "
+                          f"before {int(earliest_next[r])} = previous start + accepted + 1")
+    _check_committed_prefix(rec)
+
+
 def _check_committed_prefix(rec: SequenceRecord) -> None:
     """token_ids[s+2 .. s+1+a] must equal the accepted drafts d_1..d_a (where the sequence reaches)."""
-    length, depth = int(rec.token_ids.shape[0]), rec.k
+    length, depth = int(rec.token_ids.shape[0]), rec.depth
     offsets = torch.arange(depth)
     positions = rec.start[:, None] + 2 + offsets[None, :]  # [R, K] position of draft k
     in_accepted = offsets[None, :] < rec.accepted[:, None]

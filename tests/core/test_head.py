@@ -34,14 +34,14 @@ def test_incremental_drafting_with_a_cropped_cache_equals_a_fresh_cache_per_cycl
             s = int(rec.start[r])
             out = head.prefill(rec.hidden[None, written:s + 1], rec.token_ids[None, written + 1:s + 2], written, cache)
             written = s + 1
-            _, logits = head.draft_chain(out.last(), s, rec.drafts[r:r + 1], rec.k, cache)
+            _, logits = head.draft_chain(out.last(), s, rec.drafts[r:r + 1], rec.depth, cache)
             cache.crop(written)
             incremental.append(logits[0])
         fresh = []
         for r in range(rec.num_cycles):
             s, cache = int(rec.start[r]), HeadKVCache()
             out = head.prefill(rec.hidden[None, :s + 1], rec.token_ids[None, 1:s + 2], 0, cache)
-            fresh.append(head.draft_chain(out.last(), s, rec.drafts[r:r + 1], rec.k, cache)[1][0])
+            fresh.append(head.draft_chain(out.last(), s, rec.drafts[r:r + 1], rec.depth, cache)[1][0])
     assert (torch.stack(incremental) - torch.stack(fresh)).abs().max() <= 1e-5
 
 

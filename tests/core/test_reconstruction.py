@@ -117,7 +117,7 @@ def test_teacher_forcing_agrees_with_reconstruction_only_at_depth_one():
     rows = [tf_starts.index(s) for s in starts]
     assert (tf.logits[rows, 0] - recon[:, 0]).abs().max() <= 1e-5
     # cycle 0 accepted all K drafts, so both paths feed the same tokens; only the caches differ at depth >= 2
-    assert torch.equal(rec.drafts[0], rec.token_ids[starts[0] + 2:starts[0] + 2 + rec.k])
+    assert torch.equal(rec.drafts[0], rec.token_ids[starts[0] + 2:starts[0] + 2 + rec.depth])
     assert (tf.logits[rows[0], 1:] - recon[0, 1:]).abs().max() > 1e-3
     # targets: depth 1 of the chain at s is verified by row 1 of the cycle starting at s
     assert torch.equal(tf.topk_ids[rows, 0], rec.topk_ids[:, 0])

@@ -9,12 +9,12 @@ from tiny import HIDDEN, VOCAB
 
 
 def _valid(**kw):
-    return SequenceRecord.make_dummy(prompt_len=5, accepted=[2, 0, 3, 1], k=3, topk=4, vocab_size=VOCAB,
+    return SequenceRecord.make_dummy(prompt_len=5, accepted=[2, 0, 3, 1], depth=3, topk=4, vocab_size=VOCAB,
                                      hidden_size=HIDDEN, **kw)
 
 
 def test_dummy_record_is_valid_and_its_committed_tokens_follow_the_cycles():
-    rec = _valid().validate(k=3, vocab_size=VOCAB, hidden_size=HIDDEN, topk=4)
+    rec = _valid().validate(depth=3, vocab_size=VOCAB, hidden_size=HIDDEN, topk=4)
     # each cycle commits accepted + 1 tokens, so starts advance by exactly that
     assert (rec.start[1:] - rec.start[:-1]).tolist() == (rec.accepted[:-1] + 1).tolist()
     assert rec.start[0].item() == rec.prompt_len - 1
@@ -30,7 +30,7 @@ def test_record_roundtrip():
     assert torch.equal(back.topk_logprobs, rec.topk_logprobs.to(torch.bfloat16))
     assert torch.equal(back.hidden, rec.hidden.to(torch.bfloat16))
     assert (back.prompt_len, back.temperature, back.meta) == (rec.prompt_len, 0.7, rec.meta)
-    back.validate(k=3, vocab_size=VOCAB, hidden_size=HIDDEN)
+    back.validate(depth=3, vocab_size=VOCAB, hidden_size=HIDDEN)
 
 
 def test_bytes_per_token_counts_the_packed_size_and_hidden_dominates():
@@ -74,8 +74,8 @@ def _break_accepted_draft(rec):
 
 
 MALFORMED = [
-    ("wrong K", _set("drafts", lambda d: d[:, :2]), "drafts", dict(k=3)),
-    ("K expected differs", lambda rec: None, "drafts", dict(k=5)),
+    ("wrong K", _set("drafts", lambda d: d[:, :2]), "drafts", dict(depth=3)),
+    ("K expected differs", lambda rec: None, "drafts", dict(depth=5)),
     ("start count", _set("start", lambda s: s[:-1]), "start", {}),
     ("accepted count", _set("accepted", lambda a: a[:-1]), "accepted", {}),
     ("topk shape", _set("topk_logprobs", lambda t: t[..., :3]), "topk_logprobs", {}),
@@ -117,7 +117,7 @@ def test_malformed_record_raises_naming_the_field(case, mutate, field_name, kwar
 
 def test_cycle_cut_short_by_the_end_of_the_sequence_is_valid():
     # EOS inside a cycle: accepted drafts past the last committed token were never committed
-    rec = SequenceRecord.make_dummy(prompt_len=4, accepted=[1, 3], k=3, topk=4, vocab_size=VOCAB, hidden_size=None,
+    rec = SequenceRecord.make_dummy(prompt_len=4, accepted=[1, 3], depth=3, topk=4, vocab_size=VOCAB, hidden_size=None,
                                     trailing_tokens=0)
     s = int(rec.start[-1])
     rec.token_ids = rec.token_ids[:s + 3]  # keeps x_{s+1} and the first accepted draft only
