@@ -53,7 +53,7 @@ def make_record(num_cycles: int, seed: int = 0) -> SequenceRecord:
     g = torch.Generator().manual_seed(seed)
     accepted = torch.multinomial(torch.tensor([0.25, 0.25, 0.2, 0.12, 0.08, 0.1]), num_cycles, replacement=True,
                                  generator=g).tolist()
-    return SequenceRecord.make_dummy(prompt_len=128, accepted=accepted, k=K, topk=TOPK, vocab_size=4096,
+    return SequenceRecord.make_dummy(prompt_len=128, accepted=accepted, depth=K, topk=TOPK, vocab_size=4096,
                                      hidden_size=256, seed=seed)
 
 

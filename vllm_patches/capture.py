@@ -1,15 +1,34 @@
 """Record capture: hooks on vLLM 0.29's V1 model runner (shared by the CPU and GPU workers).
 
-Per draft-then-verify cycle of every request this records, in the worker process:
-- start s (the cycle's first head slot; at verification the runner has computed s + 1 tokens),
-- the K drafts that were verified, the accepted count (valid sampled tokens - 1),
-- the target's top-k log-probs at each draft position, from the very logits the rejection sampler
-  turns into p (logits processors and temperature applied), normalised over the full vocabulary,
-- optionally (debug) the full q rows the rejection sampler received,
-- optionally (exact mode) the target's final-norm hidden states of committed positions, as fed to the
-  head's first pass.
+Terms, defined once (the record's own terms -- cycle, draft path, accepted -- are in core/records.py):
 
-Hooks (installed once per process, inert until `enable` is called in that process):
+- *internal request id*: the id a worker sees, `"<caller's id>-<8 random chars>"` (vLLM's
+  `InputProcessor.assign_request_id`). Everything here is keyed by it; the driver's collector maps it
+  back to the caller's id.
+- *verification step*: one `GPUModelRunner._sample` call with spec-decode metadata: a single target
+  forward that verified the drafts of every request in the batch. N = requests with drafts in the step.
+- *cycle row*: one request's share of one verification step (one cycle of its record): start s (the
+  runner had computed s + 1 tokens), its K drafts, the target's top-k log-probs at each draft position
+  (from the very logits the rejection sampler turns into p: logits processors and temperature applied,
+  normalised over the full vocabulary), and `accepted` (valid sampled tokens - 1).
+- *q rows* (debug, `capture_q`): the full draft distribution the rejection sampler received.
+- *committed hidden rows* (exact mode, `capture_hidden`): per propose call and request, the target's
+  final-norm hidden states of the positions committed so far, exactly as the head's first pass consumed them.
+- *payload*: what `drain` returns (as a `transport.dump_blob`), with C = total cycle rows and
+  k = the recorded top-k width (`min(topk, V)`):
+      errors         list[str]      engine-side failures; the driver raises on any
+      req_ids        list[str]      internal ids that own cycle rows, first-seen order
+      counts         [len(req_ids)] int64, cycle rows per request; req_ids[i] owns the next counts[i] rows
+      start          [C] int64
+      drafts         [C, K] int32
+      topk_ids       [C, K, k] int32
+      topk_logprobs  [C, K, k] the configured log-prob dtype
+      accepted       [C] int64 in 0..K
+      q              [C, K, V] float32 (capture_q only)
+      hidden         {internal id: (positions [n] int64, rows [n, H] float32)} (capture_hidden only)
+  A request's rows keep their step order.
+
+Hooks (installed once per process by the plugin, inert until `configure` enables them):
 - `rejection_sampler.rejection_sample`: sees q and the processed target logits;
 - `GPUModelRunner._sample`: maps rows to request ids, reads starts and accepted counts;
 - `SpecDecodeBaseProposer.propose` + `GPUModelRunner.propose_draft_token_ids`: hidden states (exact mode).
@@ -18,12 +37,13 @@ Hooks (installed once per process, inert until `enable` is called in that proces
 from __future__ import annotations
 
 import functools
-import io
 from dataclasses import dataclass, field
 
 import torch
 
 from . import check_vllm_version
+from .settings import CaptureConfig
+from .transport import dump_blob
 
 check_vllm_version()
 
@@ -33,6 +53,8 @@ from vllm.v1.worker.gpu_model_runner import GPUModelRunner  # noqa: E402
 
 PLACEHOLDER_TOKEN_ID = -1  # rejected slots in the sampler's output (vLLM's PLACEHOLDER_TOKEN_ID)
 _HOOK_MARK = "__growmtp_hook__"
+# the per-cycle tensors of a payload (q only with capture_q), in the order the collector reads them
+CYCLE_FIELDS = ("start", "drafts", "topk_ids", "topk_logprobs", "accepted", "q")
 
 
 def _host(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -40,22 +62,15 @@ def _host(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tenso
     return tensor.detach().to("cpu", dtype=dtype, copy=True)
 
 
-CYCLE_FIELDS = ("start", "drafts", "topk_ids", "topk_logprobs", "accepted", "q")
-
-
 @dataclass
 class CaptureState:
-    """Per-process capture state (one per vLLM worker)."""
+    """Per-process capture state (one per vLLM worker; in-process engines share it)."""
 
-    enabled: bool = False
-    topk: int = 64
-    logprob_dtype: torch.dtype = torch.bfloat16
-    capture_q: bool = False
-    capture_hidden: bool = False
-    # one entry per verification step: {"req_ids": [...], field: tensor with one row per request}
+    config: CaptureConfig = field(default_factory=lambda: CaptureConfig(enabled=False))
+    # one entry per verification step: {"req_ids": [N names], field: tensor with N rows}
     steps: list[dict] = field(default_factory=list)
-    # exact mode: request id -> [(positions [n], hidden [n, H]), ...]
-    hidden: dict[str, list] = field(default_factory=dict)
+    # exact mode: internal id -> [(positions [n], hidden [n, H]), ...] per propose call
+    hidden: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=dict)
     errors: list[str] = field(default_factory=list)
     verify: dict | None = None  # what rejection_sample saw in the current step
     proposal: tuple | None = None  # what propose saw in the current step (exact mode)
@@ -69,13 +84,12 @@ class CaptureState:
 STATE = CaptureState()
 
 
-def configure(enabled: bool, topk: int = 64, logprob_dtype: str = "bfloat16", capture_q: bool = False,
-              capture_hidden: bool = False) -> None:
+def configure(config: CaptureConfig) -> None:
     """Switch capture on or off for this process and drop anything captured before (a previous engine's)."""
+    if not isinstance(config, CaptureConfig):
+        raise TypeError(f"configure takes a CaptureConfig, got {type(config).__name__}")
     STATE.clear()
-    STATE.enabled, STATE.topk = bool(enabled), int(topk)
-    STATE.logprob_dtype = getattr(torch, logprob_dtype)
-    STATE.capture_q, STATE.capture_hidden = bool(capture_q), bool(capture_hidden)
+    STATE.config = config
 
 
 def hooks_active(runner) -> bool:
@@ -89,14 +103,16 @@ def _rejection_sample_hook(original):
     @functools.wraps(original)
     def rejection_sample(draft_token_ids, num_draft_tokens, max_spec_len, cu_num_draft_tokens, draft_probs,
                          target_logits, *args, **kwargs):
-        if STATE.enabled:
-            logprobs = torch.log_softmax(target_logits.float(), dim=-1)
-            top = logprobs.topk(min(STATE.topk, logprobs.shape[-1]), dim=-1)
+        # draft_token_ids: [num_tokens]; draft_probs: [num_tokens, V] or None; target_logits: [num_tokens, V]
+        config = STATE.config
+        if config.enabled:
+            logprobs = torch.log_softmax(target_logits.float(), dim=-1)  # [num_tokens, V]
+            top = logprobs.topk(min(config.topk, logprobs.shape[-1]), dim=-1)  # [num_tokens, k]
             STATE.verify = {
                 "topk_ids": _host(top.indices, torch.int32),
-                "topk_logprobs": _host(top.values, STATE.logprob_dtype),
+                "topk_logprobs": _host(top.values, getattr(torch, config.logprob_dtype)),
                 "has_q": draft_probs is not None,
-                "q": _host(draft_probs, torch.float32) if STATE.capture_q and draft_probs is not None else None,
+                "q": _host(draft_probs, torch.float32) if config.capture_q and draft_probs is not None else None,
             }
         return original(draft_token_ids, num_draft_tokens, max_spec_len, cu_num_draft_tokens, draft_probs,
                         target_logits, *args, **kwargs)
@@ -108,26 +124,34 @@ def _rejection_sample_hook(original):
 def _sample_hook(original):
     @functools.wraps(original)
     def _sample(self, logits, spec_decode_metadata):
-        if not STATE.enabled or spec_decode_metadata is None:
+        if not STATE.config.enabled or spec_decode_metadata is None:
             return original(self, logits, spec_decode_metadata)
         req_ids = list(self.input_batch.req_ids)
-        computed = self.input_batch.num_computed_tokens_cpu[: len(req_ids)].tolist()
+        computed = self.input_batch.num_computed_tokens_cpu[: len(req_ids)].tolist()  # per batch row
         STATE.verify = None
         output = original(self, logits, spec_decode_metadata)
         verify, STATE.verify = STATE.verify, None
         if verify is None:
             STATE.errors.append("a verification step bypassed rejection_sample (hook not reached)")
             return output
-        _record_verification(req_ids, computed, spec_decode_metadata, _host(output.sampled_token_ids), verify)
+        # sampled_token_ids: [batch, max_spec_len + 1], PLACEHOLDER_TOKEN_ID after the first rejection
+        record_verification(req_ids, computed, spec_decode_metadata, _host(output.sampled_token_ids), verify)
         return output
 
     setattr(_sample, _HOOK_MARK, True)
     return _sample
 
 
-def _record_verification(req_ids, computed, metadata, sampled: torch.Tensor, verify: dict) -> None:
-    """Store one verification step, vectorised: one row per request that had drafts verified."""
-    counts = torch.tensor(metadata.num_draft_tokens)
+def record_verification(req_ids: list[str], computed: list[int], metadata, sampled: torch.Tensor,
+                        verify: dict) -> None:
+    """Store one verification step, vectorised: one cycle row per request that had drafts verified.
+
+    req_ids, computed: per batch row; metadata: vLLM's SpecDecodeMetadata (num_draft_tokens per row,
+    draft_token_ids [num_tokens]); sampled: [batch, max_spec_len + 1]; verify: what the
+    rejection_sample hook saw (topk_ids / topk_logprobs [num_tokens, k], q [num_tokens, V] or None).
+    """
+    assert sampled.ndim == 2, sampled.shape
+    counts = torch.tensor(metadata.num_draft_tokens)  # [batch]
     rows = counts.nonzero().flatten()
     if rows.numel() == 0:
         return
@@ -142,16 +166,17 @@ def _record_verification(req_ids, computed, metadata, sampled: torch.Tensor, ver
                             f"({counts[rows].tolist()}); records need K per cycle")
         return
     n = rows.numel()
+    # the sampler's token rows are the concatenation of each request's K draft positions
     step = {
         "req_ids": names,
-        "start": torch.as_tensor(computed, dtype=torch.int64)[rows] - 1,
-        "drafts": _host(metadata.draft_token_ids, torch.int32).view(n, depth),
-        "topk_ids": verify["topk_ids"].view(n, depth, -1),
-        "topk_logprobs": verify["topk_logprobs"].view(n, depth, -1),
-        "accepted": (sampled[rows] != PLACEHOLDER_TOKEN_ID).sum(dim=1) - 1,
+        "start": torch.as_tensor(computed, dtype=torch.int64)[rows] - 1,  # [N]
+        "drafts": _host(metadata.draft_token_ids, torch.int32).view(n, depth),  # [N, K]
+        "topk_ids": verify["topk_ids"].view(n, depth, -1),  # [N, K, k]
+        "topk_logprobs": verify["topk_logprobs"].view(n, depth, -1),  # [N, K, k]
+        "accepted": (sampled[rows] != PLACEHOLDER_TOKEN_ID).sum(dim=1) - 1,  # [N]
     }
     if verify["q"] is not None:
-        step["q"] = verify["q"].view(n, depth, -1)
+        step["q"] = verify["q"].view(n, depth, -1)  # [N, K, V]
     STATE.steps.append(step)
 
 
@@ -159,9 +184,11 @@ def _propose_hook(original):
     @functools.wraps(original)
     def propose(self, num_speculative_tokens, target_token_ids, target_positions, target_hidden_states,
                 next_token_ids, token_indices_to_sample, common_attn_metadata, *args, **kwargs):
-        if STATE.enabled and STATE.capture_hidden:
-            starts = _host(common_attn_metadata.query_start_loc_cpu, torch.int64)
-            last = token_indices_to_sample
+        # target_positions: [num_tokens] (or [3, num_tokens] with M-RoPE); target_hidden_states: [num_tokens, H]
+        config = STATE.config
+        if config.enabled and config.capture_hidden:
+            starts = _host(common_attn_metadata.query_start_loc_cpu, torch.int64)  # [batch + 1]
+            last = token_indices_to_sample  # [batch], the slot each request samples from
             if last is None:
                 last = common_attn_metadata.query_start_loc[1:] - 1
             positions = target_positions if target_positions.dim() == 1 else target_positions[0]
@@ -208,19 +235,15 @@ def install_hooks() -> None:
     _INSTALLED = True
 
 
-# ---- transport --------------------------------------------------------------------------------------
 def drain() -> bytes:
-    """Everything captured since the last drain, as one blob (tensors do not survive vLLM's RPC otherwise).
-
-    Cycles are grouped by request: `req_ids[i]` owns the next `counts[i]` rows of every cycle field.
-    """
+    """Everything captured since the last drain, as one payload blob (see the module docstring)."""
     payload: dict = {"errors": list(STATE.errors), "req_ids": [], "counts": torch.zeros(0, dtype=torch.int64)}
     if STATE.steps:
-        owners = [req_id for step in STATE.steps for req_id in step["req_ids"]]
+        owners = [req_id for step in STATE.steps for req_id in step["req_ids"]]  # [C], step-major
         req_ids = list(dict.fromkeys(owners))
         index = {req_id: i for i, req_id in enumerate(req_ids)}
         owner = torch.tensor([index[r] for r in owners])
-        order = torch.sort(owner, stable=True).indices  # cycles of a request stay in step order
+        order = torch.sort(owner, stable=True).indices  # group rows by request; a request's rows stay in step order
         payload.update(req_ids=req_ids, counts=torch.bincount(owner, minlength=len(req_ids)))
         for name in CYCLE_FIELDS:
             if name in STATE.steps[0]:
@@ -229,13 +252,3 @@ def drain() -> bytes:
                          for req_id, chunks in STATE.hidden.items()}
     STATE.clear()
     return dump_blob(payload)
-
-
-def load_blob(blob: bytes) -> dict:
-    return torch.load(io.BytesIO(blob), weights_only=True)
-
-
-def dump_blob(obj) -> bytes:
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    return buffer.getvalue()

