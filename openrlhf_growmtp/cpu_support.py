@@ -9,8 +9,9 @@ active where CUDA exists (`needed()` is False there):
   empty_cache, current_stream) become no-ops or point at the CPU;
 - a pure-torch `flash_attn` padding shim on sys.path (openrlhf.models imports it at module level);
   attention runs through sdpa;
-- Ray started with logical GPUs, so upstream's `num_gpus=1` actors schedule, and with this module's
-  `activate` as the worker setup hook, so every Ray worker has the layer, not only the driver.
+- Ray started with logical GPUs, so upstream's `num_gpus=1` actors schedule, and with a worker setup
+  hook (the training CLI passes `trainer.installer.setup_cpu_worker`: `activate` plus the OpenRLHF CPU
+  rebinds), so every Ray worker has the layer, not only the driver.
 
 OpenRLHF-specific CPU rebinds (device mesh, replay-buffer device) live with all other upstream
 rebinds in `openrlhf_growmtp.trainer.installer`.
@@ -46,7 +47,8 @@ def needed() -> bool:
 
 
 def activate() -> bool:
-    """Install the layer in this process (idempotent). Returns whether it is active."""
+    """Install the torch/DeepSpeed-level layer in this process (idempotent); a no-op where CUDA exists.
+    Returns whether the layer is active. The OpenRLHF-level rebinds are `installer.install_cpu_support`."""
     global _active
     if _active or not needed():
         return _active

@@ -9,7 +9,8 @@ dotted aliases `--growmtp.*`) are added to upstream's own parser. Upstream's mod
   actor to apply it;
 - `--growmtp_k K`: the startup checks run, the initial head directory is resolved (materialised once
   for `random`, extracted for `native`), and `installer.install_driver` makes upstream's `train()`
-  build GrowMTP's strategy, policy actor, controller and speculative rollout actors.
+  build GrowMTP's strategy, policy actor, controller and speculative rollout actors (the classes are
+  chosen here and handed to the installer).
 
 With GROWMTP_DRY_RUN=1 every check (ours, then upstream's) runs and the process exits 0 before Ray,
 head materialisation or any file is touched: example scripts are validated this way.
@@ -62,6 +63,34 @@ def logical_gpus(flat: dict) -> int:
     return count
 
 
+def growmtp_classes(flat: dict):
+    """What upstream's `train()` builds in a GrowMTP run (K > 0)."""
+    from openrlhf_growmtp.trainer.installer import RunClasses
+    from openrlhf_growmtp.trainer.ppo_actor import GrowMTPPolicyActor
+    from openrlhf_growmtp.trainer.ppo_trainer import GrowMTPPPOTrainer
+    from openrlhf_growmtp.trainer.rollout_actor import RolloutOptions, growmtp_rollout_actor
+    from openrlhf_growmtp.trainer.strategy import get_strategy
+
+    options = RolloutOptions(k=flat["growmtp.k"], head_dir=flat["growmtp.head_dir"], topk=flat["growmtp.topk"])
+    return RunClasses(policy_actor=GrowMTPPolicyActor, rollout_actor=growmtp_rollout_actor(options),
+                      get_strategy=get_strategy, controller=GrowMTPPPOTrainer)
+
+
+def plain_classes(cpu: bool):
+    """A plain run (K = 0) that needs more than upstream: the actor-side trainer applies the
+    negative-advantage weight, and without CUDA the engines take weights through Ray (upstream's
+    weight sync is NCCL/CUDA only)."""
+    import ray
+    from openrlhf.trainer.ray import vllm_engine
+
+    from openrlhf_growmtp.trainer.installer import RunClasses
+    from openrlhf_growmtp.trainer.ppo_actor import PolicyActor
+    from openrlhf_growmtp.trainer.rollout_actor import RaySyncRolloutActor
+
+    rollout = ray.remote(RaySyncRolloutActor) if cpu else vllm_engine.RolloutRayActor
+    return RunClasses(policy_actor=PolicyActor, rollout_actor=rollout)
+
+
 def prepare(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> None:
     """Checks, head resolution, rebinds and (CPU) Ray start; runs right after upstream parses its flags."""
     from openrlhf_growmtp.trainer import installer
@@ -79,14 +108,10 @@ def prepare(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> None:
     if cpu and "flash_attention" in (flat.get("ds.attn_implementation") or ""):
         setattr(ns, "ds.attn_implementation", "sdpa")  # flash-attn kernels need CUDA
     if flat["growmtp.k"] > 0:
-        from openrlhf_growmtp.trainer.actors import make_rollout_actor
-
         setattr(ns, "growmtp.head_dir", resolve_head_dir(flat))
-        options = {"k": flat["growmtp.k"], "head_dir": flat["growmtp.head_dir"], "topk": flat["growmtp.topk"]}
-        # upstream's module is running as __main__ and already holds its imported names
-        installer.install_driver(make_rollout_actor(options), launcher=sys.modules["__main__"])
+        installer.install_driver(growmtp_classes(flat), launcher=sys.modules["__main__"])
     elif cpu or flat["growmtp.neg_adv_weight"] != 1.0:
-        installer.install_base_driver(launcher=sys.modules["__main__"], rollout_via_ray=cpu)
+        installer.install_driver(plain_classes(cpu), launcher=sys.modules["__main__"])
     if cpu:
         import ray
 

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..core.head import MTPHead
-from ..core.reconstruction import DEFAULT_CHUNK_CYCLES, count_chunks, head_loss_backward, validate_batch
+from ..core.reconstruction import DEFAULT_CHUNK_CYCLES, check_batch, count_chunks, head_loss_backward
 from ..core.records import RecordError, SequenceRecord
 
 
@@ -89,7 +89,7 @@ def backbone_hidden_states(backbone: nn.Module, records: Sequence[SequenceRecord
 def filler_record(head: MTPHead, k: int, topk: int) -> SequenceRecord:
     """A one-cycle record in the head's shapes; its loss is multiplied by zero (rank padding only)."""
     config = head.config
-    return SequenceRecord.make_dummy(prompt_len=2, accepted=(0,), k=k, topk=min(topk, config.vocab_size),
+    return SequenceRecord.make_dummy(prompt_len=2, accepted=(0,), depth=k, topk=min(topk, config.vocab_size),
                                      vocab_size=config.vocab_size, hidden_size=config.hidden_size)
 
 
@@ -98,25 +98,26 @@ def update_head(head: MTPHead, backbone: nn.Module, records: Sequence[SequenceRe
     """Accumulate this step's head gradients on every rank; returns step metrics (identical on all ranks).
 
     `backward(loss)` must run DeepSpeed's engine backward (which divides by `gradient_accumulation`).
-    If any rank has a malformed record, every rank raises before any model work; if a chunk loss is not
-    finite on any rank, every rank stops backpropagating and the result has finite=0.
+    Records arrive validated from the engine boundary; here they are only checked to fit the head
+    (`check_batch`). If a record on any rank does not, every rank raises before any model work; if a
+    chunk loss is not finite on any rank, every rank stops backpropagating and the result has finite=0.
     """
     began = time.perf_counter()
     error = ""
     try:
-        validate_batch(head, records)
+        check_batch(head, records)
     except RecordError as err:
         error = str(err)
     if _all_reduce([1.0 if error else 0.0], dist.ReduceOp.MAX)[0] > 0.5:
         raise RecordError(error or "a malformed record on another data-parallel rank (see its log)")
 
     joint = cfg.joint
-    # Joint mode backpropagates through the backbone once per rank: one chunk, one graph.
-    chunk_cycles = 1 << 62 if joint else cfg.chunk_cycles
+    # Joint mode backpropagates through the backbone once per rank: one chunk (None), one graph.
+    chunk_cycles = None if joint else cfg.chunk_cycles
     local_cycles = sum(rec.num_cycles for rec in records)
     local_chunks = count_chunks(records, chunk_cycles, cfg.teacher_forcing) if records else 0
     local_batches = math.ceil(len(records) / cfg.hidden_batch_size)
-    local_k = records[0].k if records else 0
+    local_k = records[0].depth if records else 0
     max_chunks, max_batches, k = _all_reduce([local_chunks, local_batches, local_k], dist.ReduceOp.MAX)
     (total_cycles,) = _all_reduce([float(local_cycles)], dist.ReduceOp.SUM)
     metrics = {"head_cycles": total_cycles, "head_finite": 1.0}
@@ -136,7 +137,8 @@ def update_head(head: MTPHead, backbone: nn.Module, records: Sequence[SequenceRe
     if records:
         hiddens = [h.to(dtype) for h in hiddens]
         stats = head_loss_backward(head, records, hiddens, kind=cfg.kind, vgm=cfg.vgm, chunk_cycles=chunk_cycles,
-                                   teacher_forcing=cfg.teacher_forcing, backward=weighted(scale), agree=agree_finite)
+                                   teacher_forcing=cfg.teacher_forcing, backward=weighted(scale), agree=agree_finite,
+                                   check=False)
         finite = stats.finite
     filler = filler_record(head, k, topk)
     for _ in range(int(max_chunks) - local_chunks):
@@ -147,7 +149,7 @@ def update_head(head: MTPHead, backbone: nn.Module, records: Sequence[SequenceRe
             hidden = backbone_hidden_states(backbone, [filler], 1, 1, grad=True)[0] * 0 + hidden
         filled = head_loss_backward(head, [filler], [hidden], kind=cfg.kind, vgm=cfg.vgm,
                                     chunk_cycles=chunk_cycles, teacher_forcing=cfg.teacher_forcing,
-                                    backward=weighted(0.0), agree=agree_finite)
+                                    backward=weighted(0.0), agree=agree_finite, check=False)
         finite = filled.finite
 
     local_sum = stats.loss * local_cycles if stats is not None and stats.finite else 0.0

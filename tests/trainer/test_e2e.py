@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from openrlhf_growmtp import toy
+import toy
 
 REWARD = '''
 import torch

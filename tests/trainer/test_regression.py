@@ -11,7 +11,7 @@ import deepspeed
 import pytest
 import torch
 
-from openrlhf_growmtp import toy
+import toy
 from openrlhf_growmtp.core.checkpoint import load_head
 from openrlhf_growmtp.core.records import SequenceRecord
 from openrlhf_growmtp.core.schedule import DEFAULT_HEAD_LR
@@ -41,7 +41,7 @@ def make_experience(policy_dir, records):
 
 
 def make_records():
-    return [SequenceRecord.make_dummy(prompt_len=4, accepted=acc, k=K, topk=TOPK, vocab_size=128, hidden_size=None,
+    return [SequenceRecord.make_dummy(prompt_len=4, accepted=acc, depth=K, topk=TOPK, vocab_size=128, hidden_size=None,
                                       seed=i) for i, acc in enumerate([(0, 1, 3), (2, 0), (3, 3, 1, 0), (1,)])]
 
 
@@ -51,34 +51,35 @@ def gathered(module) -> dict[str, torch.Tensor]:
         return {name: p.detach().float().clone() for name, p in params.items()}
 
 
-def one_step(args, policy_dir, ours: bool, head_dir=None, records=None):
+def one_step(args, policy_dir, ours: bool, records=None):
     """Build strategy, actor and actor trainer as PolicyModelActor does, append one experience, train."""
     from openrlhf.models import Actor
     from openrlhf.trainer.ray.ppo_actor import ActorPPOTrainer
     from openrlhf.utils import get_strategy
 
-    from openrlhf_growmtp.trainer import actors
+    from openrlhf_growmtp.trainer import ppo_actor, strategy as growmtp_strategy
 
-    strategy = actors.get_strategy(args) if ours else get_strategy(args)
+    strategy = growmtp_strategy.get_strategy(args) if ours else get_strategy(args)
     strategy.setup_distributed()
-    if ours:
-        actors.GrowMTPActor.attach_next(str(head_dir) if head_dir else None)
-    actor = (actors.GrowMTPActor if ours else Actor)(
-        str(policy_dir), attn_implementation="sdpa", param_dtype="bf16", ds_config=strategy.get_ds_train_config())
+    actor = Actor(str(policy_dir), attn_implementation="sdpa", param_dtype="bf16",
+                  ds_config=strategy.get_ds_train_config())
+    if args.actor.gradient_checkpointing_enable:  # where upstream enables it: after the Actor, before prepare
+        actor.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs={"use_reentrant": args.actor.gradient_checkpointing_reentrant})
     cfg = dict(optim="adam", muon=vars(args.actor.muon), adam=vars(args.actor.adam),
                lr_scheduler=args.actor.lr_scheduler, lr_warmup_ratio=args.actor.lr_warmup_ratio,
                min_lr_ratio=args.actor.min_lr_ratio, max_norm=args.actor.max_norm, scheduler_steps=10)
     actor, optimizer, scheduler = strategy.prepare((actor, cfg))
-    trainer = (actors.GrowMTPActorTrainer if ours else ActorPPOTrainer)(
+    trainer = (ppo_actor.GrowMTPActorTrainer if ours else ActorPPOTrainer)(
         strategy, actor, None, optimizer, scheduler, micro_train_batch_size=args.train.micro_batch_size,
         tokenizer=None, vllm_engines=None)
     trainer.replay_buffer.append(make_experience(policy_dir, records))
     status = trainer.ppo_train(0.0)
     hf_model = actor.model.module
-    head = getattr(hf_model, actors.HEAD_ATTR, None)
-    with actors.without_head(hf_model):
+    head = growmtp_strategy.head_of(hf_model)
+    with growmtp_strategy.without_head(hf_model):
         policy = gathered(hf_model)
-    return status, policy, (gathered(head) if head is not None else None), optimizer
+    return status, policy, (gathered(head) if head is not None else None), optimizer, hf_model
 
 
 @pytest.fixture(scope="module")
@@ -87,11 +88,11 @@ def upstream(single_rank, policy_dir, tmp_path_factory):
     return one_step(args, policy_dir, ours=False)  # upstream cannot carry records; the rest is identical
 
 
-def ours(policy_dir, head_dir, tmp_path, mode="detached", records=True):
-    args = train_args(policy_dir, tmp_path, "--growmtp_k", str(K), "--growmtp_mode", mode, "--growmtp_topk", str(TOPK))
-    args.growmtp.head_dir = str(head_dir)
-    return one_step(args, policy_dir, ours=True, head_dir=head_dir if records else None,
-                    records=make_records() if records else None)
+def ours(policy_dir, head_dir, tmp_path, mode="detached", records=True, extra=()):
+    args = train_args(policy_dir, tmp_path, "--growmtp_k", str(K), "--growmtp_mode", mode, "--growmtp_topk", str(TOPK),
+                      *extra)
+    args.growmtp.head_dir = str(head_dir) if records else None  # no records: the trainer holds no head
+    return one_step(args, policy_dir, ours=True, records=make_records() if records else None)
 
 
 def assert_identical(a: dict, b: dict):
@@ -102,8 +103,8 @@ def assert_identical(a: dict, b: dict):
 
 
 def test_k0_identical_to_upstream(upstream, single_rank, policy_dir, head_dir, tmp_path):
-    status, policy, head, _ = ours(policy_dir, head_dir, tmp_path, records=False)
-    up_status, up_policy, _, _ = upstream
+    status, policy, head, _, _ = ours(policy_dir, head_dir, tmp_path, records=False)
+    up_status, up_policy, _, _, _ = upstream
     assert head is None
     assert status["policy_loss"] == up_status["policy_loss"]
     assert status["actor_grad_norm"] == up_status["actor_grad_norm"]
@@ -113,8 +114,8 @@ def test_k0_identical_to_upstream(upstream, single_rank, policy_dir, head_dir, t
 
 
 def test_detached_policy_identical_head_moved(upstream, single_rank, policy_dir, head_dir, tmp_path):
-    status, policy, head, optimizer = ours(policy_dir, head_dir, tmp_path)
-    up_status, up_policy, _, _ = upstream
+    status, policy, head, optimizer, _ = ours(policy_dir, head_dir, tmp_path)
+    up_status, up_policy, _, _, _ = upstream
     assert_identical(policy, up_policy)
     assert status["policy_loss"] == up_status["policy_loss"]
     assert status["actor_grad_norm"] == up_status["actor_grad_norm"]  # the head's gradients are not in it
@@ -132,8 +133,8 @@ def test_detached_policy_identical_head_moved(upstream, single_rank, policy_dir,
 
 
 def test_joint_policy_differs(upstream, single_rank, policy_dir, head_dir, tmp_path):
-    _, policy, head, _ = ours(policy_dir, head_dir, tmp_path, mode="joint")
-    _, up_policy, _, _ = upstream
+    _, policy, head, _, _ = ours(policy_dir, head_dir, tmp_path, mode="joint")
+    _, up_policy, _, _, _ = upstream
     differ = [n for n in policy if not torch.equal(policy[n], up_policy[n])]
     assert "model.layers.1.mlp.down_proj.weight" in differ, differ
 
@@ -149,10 +150,24 @@ def test_nonfinite_head_loss_skips_head_update(upstream, single_rank, policy_dir
         return per_cycle * float("nan"), alpha
 
     monkeypatch.setattr(reconstruction, "head_loss_per_cycle", poisoned)
-    status, policy, head, _ = ours(policy_dir, head_dir, tmp_path)
-    _, up_policy, _, _ = upstream
+    status, policy, head, _, _ = ours(policy_dir, head_dir, tmp_path)
+    _, up_policy, _, _, _ = upstream
     assert status["growmtp/head_finite"] == 0.0
     assert "head update is skipped" in caplog.text
     assert_identical(policy, up_policy)
     initial = {n: p.to(torch.bfloat16).float() for n, p in load_head(head_dir).state_dict().items()}
     assert_identical(head, initial)
+
+
+def test_gradient_checkpointing_reaches_the_backbone_not_the_head(upstream, single_rank, policy_dir, head_dir,
+                                                                  tmp_path):
+    # The paper scripts pass --actor.gradient_checkpointing_enable. A checkpointed head layer drops the KV
+    # cache its prefix pass fills, so K >= 2 would crash; the head is attached after upstream enables it.
+    plain_status, _, plain_head, _, _ = ours(policy_dir, head_dir, tmp_path / "plain")
+    status, _, head, _, hf_model = ours(policy_dir, head_dir, tmp_path / "gc",
+                                        extra=("--actor.gradient_checkpointing_enable",))
+    assert all(layer.gradient_checkpointing for layer in hf_model.model.layers)
+    assert not any(getattr(m, "gradient_checkpointing", False) for m in hf_model.mtp_head.modules())
+    assert status["growmtp/head_finite"] == 1.0 and status["growmtp/head_cycles"] == 10
+    assert status["growmtp/head_loss"] == plain_status["growmtp/head_loss"]
+    assert_identical(head, plain_head)

@@ -1,0 +1,4 @@
+"""Names under which a sample's GrowMTP data rides through upstream's response dicts and Experience.info."""
+
+RECORD_KEY = "growmtp_record"  # the packed SequenceRecord of the sample
+ACCEPTED_KEY = "growmtp_accepted"  # its per-cycle accepted counts (the controller's rollout metrics)

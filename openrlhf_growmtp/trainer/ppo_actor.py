@@ -1,0 +1,170 @@
+"""The policy actor and its actor-side PPO trainer (upstream: trainer/ray/ppo_actor.py).
+
+One RL step on each policy rank: `ppo_train` takes the step's records out of the replay buffer,
+`train_draft_head(records)` accumulates the head's gradients (before any policy micro-batch, in the
+same accumulation window), upstream's `ppo_train` runs the policy's micro-batches and the single
+optimizer step (which also steps the head's group), then `broadcast_to_vllm` sends the policy's weights
+by upstream's path and the head's through Ray.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from pathlib import Path
+
+import deepspeed
+import ray
+import torch
+import torch.distributed as dist
+from openrlhf.trainer.ray.ppo_actor import ActorPPOTrainer, PolicyModelActor
+from openrlhf.utils.distributed_util import torch_dist_barrier_and_cuda_sync
+
+from .. import cpu_support
+from ..core.records import SequenceRecord
+from . import installer, zero3_head_group
+from .head_update import HeadUpdateConfig, update_head
+from .keys import ACCEPTED_KEY, RECORD_KEY
+from .loss import NegativeAdvantageWeightedLoss
+from .strategy import gathered_head_state, head_of, without_head
+
+logger = logging.getLogger("growmtp")
+
+SNAPSHOT_FILE = "growmtp_head_snapshot.pt"  # head weights, rank-0 head Adam moments and head LR
+
+
+class ActorTrainer(ActorPPOTrainer):
+    """Upstream's actor-side PPO trainer with what any run of this CLI may add to it: the
+    negative-advantage weight (`--growmtp_neg_adv_weight`), and, without CUDA (no NCCL), the policy's
+    weights sent to the engines through Ray. With CUDA and weight 1 it is upstream's, unchanged."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        weight = getattr(getattr(self.args, "growmtp", None), "neg_adv_weight", 1.0)
+        if weight != 1.0:
+            self.actor_loss_fn = NegativeAdvantageWeightedLoss(self.actor_loss_fn, weight)
+
+    def _init_vllm_sync_group(self, backend: str):
+        if cpu_support.needed():
+            return
+        super()._init_vllm_sync_group(backend)
+
+    def broadcast_to_vllm(self):
+        if not cpu_support.needed():
+            return super().broadcast_to_vllm()
+        params = dict(self.actor.model.module.named_parameters())
+        with deepspeed.zero.GatheredParameters(list(params.values())):
+            state = {name: p.detach().cpu().clone() for name, p in params.items()} if dist.get_rank() == 0 else None
+        self._send_to_engines("growmtp_load_target", state)
+
+    def _send_to_engines(self, method: str, state: dict[str, torch.Tensor] | None) -> None:
+        """Rank 0 sends `state` to every engine's `method` (RaySyncRolloutActor); all ranks meet after."""
+        if state is not None:
+            from vllm_patches.transport import dump_blob
+
+            blob = ray.put(dump_blob(state))
+            ray.get([getattr(engine, method).remote(blob) for engine in self.vllm_engines])
+        torch_dist_barrier_and_cuda_sync()
+
+
+class GrowMTPActorTrainer(ActorTrainer):
+    """The actor-side trainer of a GrowMTP run: the head update in the policy's step, and the head sync."""
+
+    def ppo_train(self, kl_ctl: float):
+        records = self._take_records()
+        head = head_of(self.actor.model.module)
+        if head is None:  # a frozen head drafts in the engines only
+            return super().ppo_train(kl_ctl)
+        metrics = self.train_draft_head(records)
+        skip = contextlib.nullcontext()
+        if not metrics["head_finite"]:
+            logger.warning("GrowMTP: the head loss is not finite this step; the head update is skipped "
+                           "(the policy update is unaffected)")
+            skip = zero3_head_group.head_step_skipped(self.actor.model, self.actor_scheduler)
+        with skip:
+            status = super().ppo_train(kl_ctl)
+        status.update({f"growmtp/{key}": value for key, value in metrics.items()})
+        return status
+
+    def _take_records(self) -> list[SequenceRecord]:
+        # Records must leave `info` before upstream's training step turns every info list into a tensor.
+        records = []
+        for item in self.replay_buffer.items:
+            item.info.pop(ACCEPTED_KEY, None)
+            blob = item.info.pop(RECORD_KEY, None)
+            if blob is not None:
+                records.append(SequenceRecord.unpack(blob))
+        return records
+
+    def train_draft_head(self, records: list[SequenceRecord]) -> dict[str, float]:
+        """Accumulate the head loss of this RL step's records (this rank's share) into the head's gradients.
+
+        Runs before upstream's micro-batches, inside the same accumulation window: the optimizer step
+        that updates the policy also updates the head's group.
+        """
+        engine = self.actor.model
+        hf_model = engine.module
+        g = self.args.growmtp
+        cfg = HeadUpdateConfig(kind=g.loss, vgm=g.vgm, chunk_cycles=g.chunk_cycles,
+                               teacher_forcing=g.teacher_forcing, joint=g.mode == "joint",
+                               hidden_batch_size=max(1, self.micro_train_batch_size))
+        zero3_head_group.begin_head_window(engine)
+        # The head update draws no random numbers, but upstream's data order must not depend on that.
+        with torch.random.fork_rng(devices=[]):
+            metrics = update_head(head_of(hf_model), hf_model.model, records, cfg,
+                                  backward=zero3_head_group.head_backward(engine),
+                                  gradient_accumulation=engine.gradient_accumulation_steps())
+        optimizer = engine.optimizer
+        metrics["head_lr"] = optimizer.param_groups[zero3_head_group.head_group_index(optimizer)]["lr"]
+        return metrics
+
+    def broadcast_to_vllm(self):
+        hf_model = self.actor.model.module
+        with without_head(hf_model):  # the policy's weights only, by upstream's path or through Ray
+            super().broadcast_to_vllm()
+        head = head_of(hf_model)
+        if head is not None:
+            self._send_to_engines("growmtp_load_head", gathered_head_state(head))
+
+
+class PolicyActor(PolicyModelActor.__ray_actor_class__):
+    """Upstream's policy actor building `trainer_cls` as its actor-side trainer."""
+
+    trainer_cls: type = ActorTrainer
+
+    def init_model_from_pretrained(self, strategy, pretrain, max_steps=None, vllm_engines=None):
+        upstream = super().init_model_from_pretrained
+        installer.install_worker(upstream.__func__.__globals__, self.trainer_cls)
+        upstream(strategy, pretrain, max_steps, vllm_engines)
+
+
+class GrowMTPPolicyActor(PolicyActor):
+    """The policy actor of a GrowMTP run: its checkpoints carry a head snapshot (weights, Adam, LR)."""
+
+    trainer_cls = GrowMTPActorTrainer
+
+    def init_model_from_pretrained(self, strategy, pretrain, max_steps=None, vllm_engines=None):
+        super().init_model_from_pretrained(strategy, pretrain, max_steps, vllm_engines)
+        if self.checkpoint_states and head_of(self.actor.model.module) is not None:
+            # an audit trail of what resume restored, next to what the checkpoint saved (SNAPSHOT_FILE)
+            self._write_snapshot(Path(strategy.args.ckpt.path) / "_actor" / f"resumed_{SNAPSHOT_FILE}")
+
+    def save_checkpoint(self, tag, client_states=None, metric_value=None, metric_key=None):
+        super().save_checkpoint(tag, client_states, metric_value, metric_key)
+        if head_of(self.actor.model.module) is not None and not self.disable_ds_ckpt:
+            self._write_snapshot(Path(self.strategy.args.ckpt.path) / "_actor" / tag / SNAPSHOT_FILE)
+
+    def _write_snapshot(self, path: Path) -> None:
+        snapshot = self.growmtp_head_snapshot()
+        if snapshot["rank"] == 0:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            torch.save(snapshot, path)
+
+    def growmtp_head_snapshot(self) -> dict:
+        """Gathered head weights (rank 0), this rank's head Adam moments and the head LR (tests, debugging)."""
+        engine = self.actor.model
+        optimizer = engine.optimizer
+        return {"weights": gathered_head_state(head_of(engine.module)),
+                "adam": zero3_head_group.head_optimizer_state(engine),
+                "lr": optimizer.param_groups[zero3_head_group.head_group_index(optimizer)]["lr"],
+                "rank": dist.get_rank()}

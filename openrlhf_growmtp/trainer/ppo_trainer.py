@@ -1,0 +1,82 @@
+"""The controller of a GrowMTP run (upstream: trainer/ppo_trainer.py): GrowMTP's samples generator and
+the per-step GrowMTP metrics (console line, upstream's loggers, `<ckpt.path>/growmtp_metrics.jsonl`)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+import ray
+import torch
+from openrlhf.trainer.ppo_trainer import PPOTrainer
+
+from ..core.metrics import acceptance_summary
+from .keys import ACCEPTED_KEY, RECORD_KEY
+from .samples_generator import GrowMTPSamplesGenerator
+
+logger = logging.getLogger("growmtp")
+
+METRICS_FILE = "growmtp_metrics.jsonl"
+
+
+@ray.remote
+class GrowMTPPPOTrainer(PPOTrainer.__ray_actor_class__):
+    """Upstream's controller with GrowMTP's samples generator and per-step GrowMTP metrics."""
+
+    def __init__(self, pretrain, strategy, *args, **kwargs):
+        super().__init__(pretrain, strategy, *args, **kwargs)
+        self.samples_generator = GrowMTPSamplesGenerator(
+            strategy=strategy, prompts_dataloader=self.prompts_dataloader, eval_dataloader=self.eval_dataloader,
+            tokenizer=self.tokenizer, vllm_engines=self.vllm_engines)
+        self.metrics_path = Path(strategy.args.ckpt.path) / METRICS_FILE
+
+    def train_step(self, rollout_samples, global_step):
+        rollout = self._rollout_metrics(rollout_samples)
+        began = time.perf_counter()
+        status, next_step = super().train_step(rollout_samples, global_step)
+        rollout["growmtp/rollout_s"] = self.samples_generator.last_rollout_s
+        rollout["growmtp/train_step_s"] = time.perf_counter() - began
+        rollout["growmtp/step_s"] = rollout["growmtp/rollout_s"] + rollout["growmtp/train_step_s"]
+        if self.args.growmtp.check_sync and self.args.growmtp.mode != "frozen":
+            rollout.update(self._check_head_sync())
+        status.update(rollout)
+        self._report(next_step, status)
+        return status, next_step
+
+    def _check_head_sync(self) -> dict[str, float]:
+        """Max |engine - trainer| over the head parameters every engine exposes (after this step's sync)."""
+        snapshots = ray.get(self.actor_model_group.async_run_method(method_name="growmtp_head_snapshot"))
+        trainer = next(s["weights"] for s in snapshots if s["weights"] is not None)
+        worst, compared = 0.0, 0
+        for state in ray.get([engine.growmtp_head_state.remote() for engine in self.vllm_engines]):
+            for name, tensor in state.items():
+                worst = max(worst, float((tensor.float() - trainer[name]).abs().max()))
+                compared += 1
+        return {"growmtp/head_sync_max_diff": worst, "growmtp/head_sync_params": float(compared)}
+
+    def _rollout_metrics(self, samples) -> dict[str, float]:
+        k = self.args.growmtp.k
+        accepted = [torch.tensor(acc, dtype=torch.long) for s in samples for acc in s.info.get(ACCEPTED_KEY, [])]
+        summary = acceptance_summary(torch.cat(accepted) if accepted else torch.zeros(0, dtype=torch.long), k)
+        record_bytes = sum(len(blob) for s in samples for blob in s.info.get(RECORD_KEY, []))
+        generated = float(sum(s.response_length.sum().item() for s in samples))
+        metrics = summary.as_dict("growmtp/")
+        metrics["growmtp/record_bytes_per_token"] = record_bytes / max(generated, 1.0)
+        return metrics
+
+    def _report(self, step: int, status: dict) -> None:
+        row = {"step": step, **{key: value for key, value in status.items()
+                                if key.startswith(("growmtp/", "rollout/", "timing/"))
+                                or key in ("policy_loss", "reward", "actor_grad_norm", "actor_lr")}}
+        alpha = [row[key] for key in sorted(row) if key.startswith("growmtp/alpha_")]
+        logger.warning(
+            "GrowMTP step %d: tau=%.3f alpha=[%s] cycles=%d head_loss=%.4f head_lr=%.2e rollout=%.2fs "
+            "head_update=%.2fs step=%.2fs record_bytes/token=%.0f", step, row.get("growmtp/tau", 0.0),
+            " ".join(f"{a:.2f}" for a in alpha), row.get("growmtp/cycles", 0), row.get("growmtp/head_loss", 0.0),
+            row.get("growmtp/head_lr", 0.0), row.get("growmtp/rollout_s", 0.0), row.get("growmtp/head_update_s", 0.0),
+            row.get("growmtp/step_s", 0.0), row.get("growmtp/record_bytes_per_token", 0.0))
+        self.metrics_path.parent.mkdir(parents=True, exist_ok=True)
+        with self.metrics_path.open("a") as f:
+            f.write(json.dumps(row, default=float) + "\n")

@@ -1,0 +1,105 @@
+"""The rollout actors (upstream: trainer/ray/vllm_engine.py's RolloutRayActor).
+
+- `RaySyncRolloutActor`: upstream's vLLM actor with GrowMTP's worker extension, so it can also load
+  weights sent through Ray (no NCCL on CPU). fp32 on CPU.
+- `GrowMTPRolloutActor`: that, drafting with the GrowMTP head and capturing records. Each response
+  leaves with its sample's finished, validated `SequenceRecord` (packed), built by vllm_patches'
+  record collector: the adapter only matches responses to vLLM outputs.
+
+Upstream's `create_vllm_engines` builds engines as `RolloutRayActor.options(...).remote(**kwargs)` with
+its own fixed kwargs; `with_options` is what the installer rebinds `RolloutRayActor` to, adding this
+run's `RolloutOptions` to those kwargs.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
+
+import ray
+from openrlhf.trainer.ray.vllm_engine import RolloutRayActor
+
+from .. import cpu_support
+from .keys import ACCEPTED_KEY, RECORD_KEY
+
+
+@dataclass(frozen=True)
+class RolloutOptions:
+    """What a GrowMTP engine needs beyond upstream's kwargs."""
+
+    k: int  # drafting depth K
+    head_dir: str  # the head every engine starts from
+    topk: int  # target log-probs recorded per draft position
+
+
+@dataclass(frozen=True)
+class WithOptions:
+    """A Ray actor class whose `.options(...).remote(**kwargs)` also passes `kwargs` of ours."""
+
+    actor: Any  # a Ray actor class
+    kwargs: dict
+
+    def options(self, **ray_options):
+        return SimpleNamespace(remote=functools.partial(self.actor.options(**ray_options).remote, **self.kwargs))
+
+
+class RaySyncRolloutActor(RolloutRayActor.__ray_actor_class__):
+    """Upstream's vLLM rollout actor with GrowMTP's worker extension (a subclass of upstream's), so that it
+    can also load the policy's weights sent through Ray (`ppo_actor.ActorTrainer` on CPU). fp32 on CPU."""
+
+    async def __init__(self, *args, **kwargs):
+        from vllm_patches.settings import WORKER_EXTENSION
+
+        if cpu_support.activate():
+            kwargs["dtype"] = "float32"
+        kwargs["worker_extension_cls"] = WORKER_EXTENSION
+        await super().__init__(*args, **kwargs)
+
+    async def growmtp_load_target(self, blob: bytes) -> int:
+        loaded = (await self.llm.collective_rpc("growmtp_load_target_weights", args=(blob,)))[0]
+        await self.llm.reset_prefix_cache()
+        return loaded
+
+
+class GrowMTPRolloutActor(RaySyncRolloutActor):
+    """Upstream's vLLM rollout actor drafting with the GrowMTP head, every response with its record."""
+
+    async def __init__(self, *args, growmtp: RolloutOptions, **kwargs):
+        from vllm_patches.collector import RecordCollector
+        from vllm_patches.settings import CaptureConfig, spec_engine_kwargs
+
+        capture = CaptureConfig(enabled=True, topk=growmtp.topk)
+        await super().__init__(*args, **spec_engine_kwargs(growmtp.head_dir, growmtp.k, capture, **kwargs))
+        await self.llm.collective_rpc("growmtp_configure_capture", args=(capture.as_dict(),))
+        self.records = RecordCollector(growmtp.k, topk=capture.topk,
+                                       vocab_size=self.llm.model_config.get_vocab_size())
+
+    async def generate(self, prompt_token_ids, sampling_params, multi_modal_data=None):
+        output = await super().generate(prompt_token_ids, sampling_params, multi_modal_data)
+        self.records.add_output(output, sampling_params)
+        return output
+
+    async def generate_responses(self, *args, **kwargs):
+        responses = await super().generate_responses(*args, **kwargs)
+        # Other prompts' generates run concurrently: the drain may hold their cycles too (kept until claimed).
+        self.records.add_drained((await self.llm.collective_rpc("growmtp_drain_records"))[0])
+        for response in responses:
+            record = self.records.pop_by_tokens(response["observation_tokens"])
+            response[RECORD_KEY] = record.pack()
+            response[ACCEPTED_KEY] = record.accepted.tolist()
+        return responses
+
+    async def growmtp_load_head(self, blob: bytes) -> list[str]:
+        return (await self.llm.collective_rpc("growmtp_load_head_weights", args=(blob,)))[0]
+
+    async def growmtp_head_state(self) -> dict:
+        from vllm_patches.transport import load_blob
+
+        return load_blob((await self.llm.collective_rpc("growmtp_head_state"))[0])
+
+
+def growmtp_rollout_actor(options: RolloutOptions) -> WithOptions:
+    """The rollout actor class a GrowMTP run's `create_vllm_engines` builds engines from."""
+    return WithOptions(ray.remote(GrowMTPRolloutActor), {"growmtp": options})

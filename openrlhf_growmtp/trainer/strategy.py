@@ -1,0 +1,126 @@
+"""GrowMTP's strategy: upstream's DeepSpeed strategy plus the draft head (upstream: utils/deepspeed).
+
+The head becomes a submodule (`mtp_head`) of the policy's HF model when the strategy prepares the
+actor for training, right before DeepSpeed wraps it: ZeRO-3 then partitions it with the rest of the
+model, and it gets its own optimizer param group and LR schedule. Attaching it there, and not when the
+Actor is built, also keeps upstream's `gradient_checkpointing_enable` (called between the two) from
+reaching the head's decoder layer: a checkpointed layer drops the KV cache the head's prefix pass fills.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import deepspeed
+import torch
+import torch.distributed as dist
+from openrlhf.models import Actor
+from openrlhf.utils.deepspeed import DeepspeedStrategy
+from openrlhf.utils.distributed_util import torch_dist_barrier_and_cuda_sync
+
+from ..core.checkpoint import export_head, load_head
+from ..core.schedule import HeadLRSchedule
+from . import zero3_head_group
+from .args import resolve_head_lr
+
+HEAD_ATTR = "mtp_head"  # the head's name inside the HF model DeepSpeed wraps
+HEAD_EXPORT_DIR = "growmtp_head"  # next to an HF export
+
+
+def head_of(hf_model):
+    return getattr(hf_model, HEAD_ATTR, None)
+
+
+@contextlib.contextmanager
+def without_head(hf_model):
+    """Hide the head from module traversal (HF export, upstream's weight broadcast) for the duration."""
+    head = hf_model._modules.pop(HEAD_ATTR, None)
+    try:
+        yield head
+    finally:
+        if head is not None:
+            hf_model._modules[HEAD_ATTR] = head
+
+
+def gathered_head_state(head) -> dict[str, torch.Tensor] | None:
+    """Core-named head parameters, gathered from ZeRO-3 partitions; on rank 0 only (None elsewhere)."""
+    params = dict(head.named_parameters())
+    with deepspeed.zero.GatheredParameters(list(params.values())):
+        if dist.get_rank() != 0:
+            return None
+        return {name: p.detach().float().cpu().clone() for name, p in params.items()}
+
+
+def trained_head_dir(args) -> str | None:
+    """The head directory the trainer starts its head from; None when the trainer holds no head
+    (GrowMTP off, or a frozen head that only drafts in the engines)."""
+    g = getattr(args, "growmtp", None)
+    if g is None or not g.k or g.mode == "frozen":
+        return None
+    return g.head_dir
+
+
+class GrowMTPStrategy(DeepspeedStrategy):
+    """Upstream's strategy plus the head: attached before DeepSpeed wraps the actor, its own param group
+    and LR schedule, and an HF export without it (the head goes to its own directory)."""
+
+    def _ds_init_train_model(self, model, cfg):
+        head_dir = trained_head_dir(self.args)
+        if isinstance(model, Actor) and head_dir is not None and head_of(model.model) is None:
+            _attach_head(model.model, head_dir)
+        wrapped, optimizer, scheduler = super()._ds_init_train_model(model, cfg)
+        engine = wrapped.model if isinstance(wrapped, Actor) else wrapped
+        if head_of(engine.module) is not None:
+            g = self.args.growmtp
+            schedule = HeadLRSchedule(total_steps=max(1, int(cfg["scheduler_steps"])),
+                                      warmup_steps=g.warmup_steps, min_lr_ratio=g.min_lr_ratio)
+            zero3_head_group.attach_head_optimizer(engine, scheduler, schedule)
+        return wrapped, optimizer, scheduler
+
+    def _get_model_parameters(self, model, *, optim=None, weight_decay=0.0):
+        raw_model, groups = super()._get_model_parameters(model, optim=optim, weight_decay=weight_decay)
+        head = head_of(raw_model)
+        if head is None:
+            return raw_model, groups
+        if (optim or self.optim) == "muon":
+            raise ValueError("GrowMTP's head group needs the Adam path; --actor.optim muon is not supported")
+        head_ids = {id(p) for p in head.parameters()}
+        for group in groups:
+            group["params"] = [p for p in group["params"] if id(p) not in head_ids]
+        groups = [group for group in groups if group["params"]]
+        groups.append({"params": list(head.parameters()), "weight_decay": 0.0,
+                       "lr": resolve_head_lr(vars(self.args.growmtp)), "name": zero3_head_group.HEAD_GROUP})
+        return raw_model, groups
+
+    def save_model(self, model, tokenizer, output_dir, **kwargs) -> None:
+        """Upstream's HF export without the head, plus the head as a standalone directory the engine loads."""
+        hf_model = self._unwrap_model(model)
+        with without_head(hf_model) as head:
+            super().save_model(model, tokenizer, output_dir, **kwargs)
+        if head is not None:
+            params = list(head.parameters())
+            with deepspeed.zero.GatheredParameters(params):
+                if self.is_rank_0():
+                    head.config.growmtp_trained_k = self.args.growmtp.k  # the evaluation CLI's default depth
+                    export_head(head, Path(output_dir) / HEAD_EXPORT_DIR)
+            torch_dist_barrier_and_cuda_sync()
+
+
+def _attach_head(hf_model, head_dir: str) -> None:
+    """Build the head from `head_dir` on the backbone's own embedding and lm_head (never copies)."""
+    dtype = next(hf_model.parameters()).dtype
+    # NOTE: building the head's layers draws from torch's global RNG, which upstream's data order
+    # depends on (the replay-buffer shuffle); without fork_rng, detached runs drift from upstream's.
+    with torch.random.fork_rng(devices=[]):
+        head = load_head(head_dir, hf_model.get_input_embeddings(), hf_model.get_output_embeddings(), dtype=dtype)
+    hf_model.add_module(HEAD_ATTR, head)
+
+
+def get_strategy(args):
+    """Upstream's `get_strategy`, returning our subclass (it adds methods only, no state)."""
+    from openrlhf.utils.utils import get_strategy as upstream_get_strategy
+
+    strategy = upstream_get_strategy(args)
+    strategy.__class__ = GrowMTPStrategy
+    return strategy
