@@ -35,13 +35,15 @@ CPU_ENV = {
     "VLLM_CPU_KVCACHE_SPACE": "1",
     "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "0",
 }
+CPU_DECISION_ENV = "GROWMTP_CPU"  # "1"/"0": the launcher's decision, inherited by the processes it starts
 _active = False
 
 
 def needed() -> bool:
-    """True on a machine without CUDA (GROWMTP_CPU=0/1 overrides, for debugging only)."""
-    forced = os.environ.get("GROWMTP_CPU")
-    if forced is not None:
+    """True on a machine without CUDA, unless $GROWMTP_CPU says otherwise (the launcher exports its own
+    decision there, so a process that merely cannot see a GPU does not switch the layer on)."""
+    forced = os.environ.get(CPU_DECISION_ENV, "")
+    if forced in ("0", "1"):
         return forced == "1"
     return not torch.cuda.is_available()
 
@@ -102,7 +104,7 @@ def ray_init_kwargs(num_gpus: int, setup_hook: str = f"{__name__}.activate", num
     """ray.init arguments for a CPU run: `num_gpus` logical GPUs, no dashboard, `setup_hook` in every worker."""
     env = {name: os.environ.get(name, value) for name, value in CPU_ENV.items()}
     env["PYTHONPATH"] = _pythonpath_with_shims()
-    env["GROWMTP_CPU"] = "1"
+    env[CPU_DECISION_ENV] = "1"
     kwargs = dict(num_gpus=num_gpus, num_cpus=num_cpus or max(4, 2 * num_gpus), include_dashboard=False,
                   object_store_memory=512 * 1024**2,
                   runtime_env={"env_vars": env, "worker_process_setup_hook": setup_hook})

@@ -71,7 +71,8 @@ def growmtp_classes(flat: dict):
     from openrlhf_growmtp.trainer.rollout_actor import RolloutOptions, growmtp_rollout_actor
     from openrlhf_growmtp.trainer.strategy import get_strategy
 
-    options = RolloutOptions(k=flat["growmtp.k"], head_dir=flat["growmtp.head_dir"], topk=flat["growmtp.topk"])
+    options = RolloutOptions(k=flat["growmtp.k"], head_dir=flat["growmtp.head_dir"], topk=flat["growmtp.topk"],
+                             cpu=cpu_support.needed())
     return RunClasses(policy_actor=GrowMTPPolicyActor, rollout_actor=growmtp_rollout_actor(options),
                       get_strategy=get_strategy, controller=GrowMTPPPOTrainer)
 
@@ -80,14 +81,13 @@ def plain_classes(cpu: bool):
     """A plain run (K = 0) that needs more than upstream: the actor-side trainer applies the
     negative-advantage weight, and without CUDA the engines take weights through Ray (upstream's
     weight sync is NCCL/CUDA only)."""
-    import ray
     from openrlhf.trainer.ray import vllm_engine
 
     from openrlhf_growmtp.trainer.installer import RunClasses
     from openrlhf_growmtp.trainer.ppo_actor import PolicyActor
-    from openrlhf_growmtp.trainer.rollout_actor import RaySyncRolloutActor
+    from openrlhf_growmtp.trainer.rollout_actor import cpu_rollout_actor
 
-    rollout = ray.remote(RaySyncRolloutActor) if cpu else vllm_engine.RolloutRayActor
+    rollout = cpu_rollout_actor() if cpu else vllm_engine.RolloutRayActor
     return RunClasses(policy_actor=PolicyActor, rollout_actor=rollout)
 
 
@@ -105,6 +105,9 @@ def prepare(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> None:
         sys.modules["__main__"].train = dry_run_report
         return
     cpu = cpu_support.needed()
+    # The run's decision, for every process it starts: a Ray worker without a visible GPU (an actor of a
+    # TP > 1 engine has num_gpus=0) must not conclude on its own that the run is on CPU.
+    os.environ[cpu_support.CPU_DECISION_ENV] = "1" if cpu else "0"
     if cpu and "flash_attention" in (flat.get("ds.attn_implementation") or ""):
         setattr(ns, "ds.attn_implementation", "sdpa")  # flash-attn kernels need CUDA
     if flat["growmtp.k"] > 0:

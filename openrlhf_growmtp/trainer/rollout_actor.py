@@ -2,6 +2,10 @@
 
 - `RaySyncRolloutActor`: upstream's vLLM actor with GrowMTP's worker extension, so it can also load
   weights sent through Ray (no NCCL on CPU). fp32 on CPU.
+
+Whether the run is on CPU is the launcher's decision, handed to every rollout actor (`cpu=`), never the
+actor's own: upstream gives each actor of a TP > 1 engine `num_gpus=0`, so Ray hides every GPU from it
+and `torch.cuda.is_available()` is False there even on a GPU machine.
 - `GrowMTPRolloutActor`: that, drafting with the GrowMTP head and capturing records. Each response
   leaves with its sample's finished, validated `SequenceRecord` (packed), built by vllm_patches'
   record collector: the adapter only matches responses to vLLM outputs.
@@ -21,7 +25,6 @@ from typing import Any
 import ray
 from openrlhf.trainer.ray.vllm_engine import RolloutRayActor
 
-from .. import cpu_support
 from .keys import ACCEPTED_KEY, RECORD_KEY
 
 
@@ -32,6 +35,7 @@ class RolloutOptions:
     k: int  # drafting depth K
     head_dir: str  # the head every engine starts from
     topk: int  # target log-probs recorded per draft position
+    cpu: bool  # the launcher's CPU decision (cpu_support.needed() in the driver)
 
 
 @dataclass(frozen=True)
@@ -49,10 +53,10 @@ class RaySyncRolloutActor(RolloutRayActor.__ray_actor_class__):
     """Upstream's vLLM rollout actor with GrowMTP's worker extension (a subclass of upstream's), so that it
     can also load the policy's weights sent through Ray (`ppo_actor.ActorTrainer` on CPU). fp32 on CPU."""
 
-    async def __init__(self, *args, **kwargs):
+    async def __init__(self, *args, cpu: bool, **kwargs):
         from vllm_patches.settings import WORKER_EXTENSION
 
-        if cpu_support.activate():
+        if cpu:  # the CPU layer itself is on already: the run's Ray workers activate it at start-up
             kwargs["dtype"] = "float32"
         kwargs["worker_extension_cls"] = WORKER_EXTENSION
         await super().__init__(*args, **kwargs)
@@ -71,7 +75,8 @@ class GrowMTPRolloutActor(RaySyncRolloutActor):
         from vllm_patches.settings import CaptureConfig, spec_engine_kwargs
 
         capture = CaptureConfig(enabled=True, topk=growmtp.topk)
-        await super().__init__(*args, **spec_engine_kwargs(growmtp.head_dir, growmtp.k, capture, **kwargs))
+        await super().__init__(*args, cpu=growmtp.cpu, **spec_engine_kwargs(growmtp.head_dir, growmtp.k, capture,
+                                                                            **kwargs))
         await self.llm.collective_rpc("growmtp_configure_capture", args=(capture.as_dict(),))
         self.records = RecordCollector(growmtp.k, topk=capture.topk,
                                        vocab_size=self.llm.model_config.get_vocab_size())
@@ -103,3 +108,8 @@ class GrowMTPRolloutActor(RaySyncRolloutActor):
 def growmtp_rollout_actor(options: RolloutOptions) -> WithOptions:
     """The rollout actor class a GrowMTP run's `create_vllm_engines` builds engines from."""
     return WithOptions(ray.remote(GrowMTPRolloutActor), {"growmtp": options})
+
+
+def cpu_rollout_actor() -> WithOptions:
+    """The rollout actor class a plain (K = 0) CPU run builds engines from (weights through Ray)."""
+    return WithOptions(ray.remote(RaySyncRolloutActor), {"cpu": True})

