@@ -2,8 +2,8 @@
 
 - `spec_engine_kwargs(head_dir, depth, capture, **llm_kwargs)`: the vLLM engine keyword arguments
   (for `LLM` or `AsyncEngineArgs`): sampled drafting from the head, standard rejection sampling, our worker
-  extension, the V1 model runner the capture hooks need and, with capture, vLLM's per-request
-  spec-decode metrics (the collector checks every record against them).
+  extension, the V1 model runner the capture hooks need and, with capture, synchronous scheduling and
+  vLLM's per-request spec-decode metrics (the collector checks every record against them).
 - `CaptureConfig`: what each worker is told about record capture. It crosses `collective_rpc` as a plain
   dict (`as_dict`) and is rebuilt and checked on the worker (`from_dict`).
 - `check_speculative_config` / `check_sampling_params`: refuse what would break rejection sampling or
@@ -31,6 +31,11 @@ RUNNER_ENV, RUNNER_ENV_VALUE = "VLLM_USE_V2_MODEL_RUNNER", "0"
 # "detailed": per finished request, vLLM's own ordered accepted count per verify step
 # (CompletionOutput.spec_decode_metrics.per_step_accepted), which every record must equal.
 PER_REQUEST_METRICS = "detailed"
+# Records need synchronous scheduling. With async scheduling (vLLM's default for EAGLE on GPU; the CPU
+# platform forces it off) the scheduler plans step N+1 before step N's tokens are known, so a request that
+# finished at step N is verified once more: the capture hook would record a cycle after its EOS
+# (vllm/config/vllm.py:1262-1311 turns it on, vllm/platforms/cpu.py:269 off).
+ASYNC_SCHEDULING = False
 LOGPROB_DTYPES = ("bfloat16", "float16", "float32")
 
 
@@ -135,6 +140,10 @@ def spec_engine_kwargs(head_dir: str | Path, depth: int, capture: CaptureConfig,
     if capture.capture_hidden and llm_kwargs.setdefault("enable_prefix_caching", False):
         raise SpecConfigError("capture_hidden (exact mode) needs enable_prefix_caching=False: prefix-cache hits "
                               "skip computing the hidden states it records")
+    if capture.enabled and llm_kwargs.setdefault("async_scheduling", ASYNC_SCHEDULING) is not ASYNC_SCHEDULING:
+        raise SpecConfigError("async_scheduling=True: with record capture vLLM must schedule synchronously; "
+                              "async scheduling verifies a finished request once more and records a cycle "
+                              "after its end")
     if capture.enabled and llm_kwargs.setdefault("per_request_spec_decode_metrics",
                                                  PER_REQUEST_METRICS) != PER_REQUEST_METRICS:
         metrics = llm_kwargs["per_request_spec_decode_metrics"]

