@@ -24,6 +24,7 @@ Mean acceptance length (tau) counts the recovered/bonus token: tau = 1 + mean(ac
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -32,8 +33,21 @@ from safetensors.torch import save as st_save
 
 SCHEMA_VERSION = 1
 DEFAULT_TOPK = 64
-# bf16 log-probs near 0 round to small positive values; anything above this is not rounding.
-LOGPROB_ROUNDING = 1e-2
+# Unit roundoff (round to nearest) of the dtypes a record's log-probs may be stored in.
+UNIT_ROUNDOFF = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 2.0**-24}
+# The engine's fp32 log-softmax before the cast: a few fp32 ulps of |log p| (< 100 for any kept entry).
+FP32_SLACK = 1e-5
+
+
+def mass_tolerance(dtype: torch.dtype, width: int) -> float:
+    """How far above 0 the log of a row's stored top-`width` probability mass may be from rounding alone.
+
+    A stored log-prob is l(1 + e) with l = log p <= 0 and |e| <= u (the dtype's unit roundoff), so its
+    exp is at most p^(1 - u). Over `width` entries of a distribution normalised over the full vocabulary
+    (sum p <= 1), sum p^(1 - u) <= width^u (Hölder), i.e. log mass <= u ln(width). bf16 at width 64:
+    0.0163, larger than half a bf16 ulp of log-probs in [-8, -4] (0.0156); fp32: 1e-5.
+    """
+    return UNIT_ROUNDOFF[dtype] * math.log(max(width, 1)) + FP32_SLACK
 
 
 class RecordError(ValueError):
@@ -188,8 +202,8 @@ def check_fits(rec: SequenceRecord, depth: int | None = None, vocab_size: int | 
     if topk is not None:
         _require(width == topk, "topk_ids", f"top-k width {width}, expected {topk}")
     lp = rec.topk_logprobs
-    _require(isinstance(lp, torch.Tensor) and lp.is_floating_point(), "topk_logprobs",
-             f"expected a floating tensor, got {getattr(lp, 'dtype', type(lp).__name__)}")
+    _require(isinstance(lp, torch.Tensor) and lp.dtype in UNIT_ROUNDOFF, "topk_logprobs",
+             f"expected a {', '.join(map(str, UNIT_ROUNDOFF))} tensor, got {getattr(lp, 'dtype', type(lp).__name__)}")
     _require(tuple(lp.shape) == tuple(rec.topk_ids.shape), "topk_logprobs",
              f"shape {tuple(lp.shape)} differs from topk_ids {tuple(rec.topk_ids.shape)}")
     if vocab_size is not None:
@@ -235,11 +249,14 @@ def _check_cycles(rec: SequenceRecord) -> None:
     """Normalised, finite, distinct top-k rows; monotone starts; committed tokens equal accepted drafts."""
     lp = rec.topk_logprobs
     _require(bool(torch.isfinite(lp).all()), "topk_logprobs", "non-finite log-probs")
-    _require(bool((lp <= LOGPROB_ROUNDING).all()), "topk_logprobs",
+    tolerance = mass_tolerance(lp.dtype, lp.shape[-1])
+    _require(bool((lp <= tolerance).all()), "topk_logprobs",
              f"positive log-probs (max {float(lp.max()):.4g}); they must be full-vocab log p <= 0")
-    mass = torch.logsumexp(lp.float(), dim=-1)
-    _require(bool((mass <= LOGPROB_ROUNDING).all()), "topk_logprobs",
-             f"top-k probabilities sum to {float(mass.exp().max()):.4g} > 1: not normalised over the full vocabulary")
+    log_mass = torch.logsumexp(lp.float(), dim=-1)
+    _require(bool((log_mass <= tolerance).all()), "topk_logprobs",
+             f"top-k probabilities sum to {float(log_mass.exp().max()):.6g}, more than {lp.dtype} rounding of "
+             f"a normalised distribution allows (log mass <= {tolerance:.4g}): not normalised over the full "
+             "vocabulary")
     if rec.topk_ids.shape[2] > 1:
         ids_sorted = rec.topk_ids.sort(dim=-1).values
         _require(bool((ids_sorted[..., 1:] != ids_sorted[..., :-1]).all()), "topk_ids", "repeated ids within a row")

@@ -1,5 +1,7 @@
 """Verification records: round trip, size, and a precise error for every malformed field."""
 
+import math
+
 import pytest
 import torch
 
@@ -9,8 +11,8 @@ from tiny import HIDDEN, VOCAB
 
 
 def _valid(**kw):
-    return SequenceRecord.make_dummy(prompt_len=5, accepted=[2, 0, 3, 1], depth=3, topk=4, vocab_size=VOCAB,
-                                     hidden_size=HIDDEN, **kw)
+    return SequenceRecord.make_dummy(**{"prompt_len": 5, "accepted": [2, 0, 3, 1], "depth": 3, "topk": 4,
+                                        "vocab_size": VOCAB, "hidden_size": HIDDEN, **kw})
 
 
 def test_dummy_record_is_valid_and_its_committed_tokens_follow_the_cycles():
@@ -129,3 +131,36 @@ def test_cycle_cut_short_by_the_end_of_the_sequence_is_valid():
 
 def test_total_cycles_counts_every_sequence():
     assert total_cycles([_valid(), _valid(seed=1)]) == 8
+
+
+def _row_of(log_probs: list[float], width: int) -> torch.Tensor:
+    """A [width] fp64 row: the given log-probs, then entries at -60 (p ~ 1e-26) up to the width."""
+    return torch.tensor(log_probs + [-60.0] * (width - len(log_probs)), dtype=torch.float64)
+
+
+def test_bf16_rounding_of_a_normalised_row_is_accepted_and_real_excess_mass_is_not():
+    # 59 entries of p = 1/59: log p = -4.07754 sits just below the midpoint of the bf16 grid at [4, 8)
+    # (step 1/32), so bf16 stores -4.0625 and the stored mass is 1.0152: log mass 0.0150, over the old
+    # fixed 1e-2 but within bf16's bound for 64 entries, 2^-8 ln 64 = 0.0163.
+    rec = _valid(topk=64)
+    normalised = _row_of([-math.log(59) - 1e-9] * 59, 64)
+    assert torch.logsumexp(normalised, 0) <= 0  # the true row is normalised
+    rec.topk_logprobs = normalised.expand_as(rec.topk_logprobs).to(torch.bfloat16)
+    stored = float(torch.logsumexp(rec.topk_logprobs[0, 0].double(), 0))
+    assert 1e-2 < stored < 2.0**-8 * math.log(64)
+    rec.validate(topk=64)
+    # the same entries 0.05 above a normalised row: mass 1.05, more than any rounding explains
+    rec.topk_logprobs = (normalised + 0.05).expand_as(rec.topk_logprobs).to(torch.bfloat16)
+    with pytest.raises(RecordError, match="^topk_logprobs: .*rounding"):
+        rec.validate(topk=64)
+    # fp32 storage leaves no such room: 0.001 above normalised is refused
+    rec.topk_logprobs = (normalised + 1e-3).expand_as(rec.topk_logprobs).float()
+    with pytest.raises(RecordError, match="^topk_logprobs:"):
+        rec.validate(topk=64)
+
+
+def test_log_probs_stored_in_another_dtype_are_refused():
+    rec = _valid()
+    rec.topk_logprobs = rec.topk_logprobs.double()
+    with pytest.raises(RecordError, match="^topk_logprobs: expected a"):
+        rec.validate()
