@@ -26,7 +26,14 @@ Terms, defined once (the record's own terms -- cycle, draft path, accepted -- ar
       accepted       [C] int64 in 0..K
       q              [C, K, V] float32 (capture_q only)
       hidden         {internal id: (positions [n] int64, rows [n, H] float32)} (capture_hidden only)
+      dropped        {internal id: (start [d] int64, accepted [d] int64)}, cycles verified but not recorded
   A request's rows keep their step order.
+- *dropped cycle*: a verified cycle that cannot be a record's: its drafts were not K samples of the head's
+  q. vLLM 0.29 makes those near `max_model_len`: when a batch's next input would not fit the drafter it
+  drafts K zeros with no q for the whole batch (`gpu_model_runner.py:4777-4787`, verified against a
+  one-hot q, which still yields target samples), and the scheduler trims a request's drafts to what fits
+  (`core/sched/scheduler.py:596-603`). Its start and accepted count are kept, so that the collector can
+  still compare every verify step with vLLM's own counters.
 
 Hooks (installed once per process by the plugin, inert until `configure` enables them):
 - `rejection_sampler.rejection_sample`: sees q and the processed target logits;
@@ -71,6 +78,8 @@ class CaptureState:
     steps: list[dict] = field(default_factory=list)
     # exact mode: internal id -> [(positions [n], hidden [n, H]), ...] per propose call
     hidden: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=dict)
+    # internal id -> [(start, accepted), ...] of its dropped cycles, in step order
+    dropped: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
     errors: list[str] = field(default_factory=list)
     verify: dict | None = None  # what rejection_sample saw in the current step
     proposal: tuple | None = None  # what propose saw in the current step (exact mode)
@@ -78,6 +87,7 @@ class CaptureState:
     def clear(self) -> None:
         self.steps.clear()
         self.hidden.clear()
+        self.dropped.clear()
         self.errors.clear()
 
 
@@ -135,7 +145,8 @@ def _sample_hook(original):
             STATE.errors.append("a verification step bypassed rejection_sample (hook not reached)")
             return output
         # sampled_token_ids: [batch, max_spec_len + 1], PLACEHOLDER_TOKEN_ID after the first rejection
-        record_verification(req_ids, computed, spec_decode_metadata, _host(output.sampled_token_ids), verify)
+        record_verification(req_ids, computed, spec_decode_metadata, _host(output.sampled_token_ids), verify,
+                            depth=self.speculative_config.num_speculative_tokens)
         return output
 
     setattr(_sample, _HOOK_MARK, True)
@@ -143,8 +154,9 @@ def _sample_hook(original):
 
 
 def record_verification(req_ids: list[str], computed: list[int], metadata, sampled: torch.Tensor,
-                        verify: dict) -> None:
-    """Store one verification step, vectorised: one cycle row per request that had drafts verified.
+                        verify: dict, depth: int) -> None:
+    """Store one verification step, vectorised: one cycle row per request whose K = `depth` drafts were
+    sampled from q and verified; a request with fewer drafts, or a step without q, drops its cycle.
 
     req_ids, computed: per batch row; metadata: vLLM's SpecDecodeMetadata (num_draft_tokens per row,
     draft_token_ids [num_tokens]); sampled: [batch, max_spec_len + 1]; verify: what the
@@ -152,31 +164,31 @@ def record_verification(req_ids: list[str], computed: list[int], metadata, sampl
     """
     assert sampled.ndim == 2, sampled.shape
     counts = torch.tensor(metadata.num_draft_tokens)  # [batch]
-    rows = counts.nonzero().flatten()
+    rows = counts.nonzero().flatten()  # [N] batch rows with drafts
     if rows.numel() == 0:
         return
-    names = [req_ids[i] for i in rows.tolist()]
+    start = torch.as_tensor(computed, dtype=torch.int64)[rows] - 1  # [N]
+    accepted = (sampled[rows] != PLACEHOLDER_TOKEN_ID).sum(dim=1) - 1  # [N]
+    keep = counts[rows] == depth  # [N]
     if not verify["has_q"]:
-        STATE.errors.append(f"requests {names}: drafts verified without draft probabilities (vLLM fell back to "
-                            "one-hot q), so their outputs are not samples of the target")
+        keep[:] = False
+    for i in (~keep).nonzero().flatten().tolist():
+        STATE.dropped.setdefault(req_ids[int(rows[i])], []).append((int(start[i]), int(accepted[i])))
+    if not bool(keep.any()):
         return
-    depth = int(counts[rows[0]])
-    if not bool((counts[rows] == depth).all()):
-        STATE.errors.append(f"requests {names}: different numbers of drafts verified in one step "
-                            f"({counts[rows].tolist()}); records need K per cycle")
-        return
-    n = rows.numel()
-    # the sampler's token rows are the concatenation of each request's K draft positions
+    # flat draft positions of the kept rows: the sampler's rows are each request's drafts, concatenated
+    first = (torch.cumsum(counts, 0) - counts)[rows[keep]]  # [n]
+    flat = first[:, None] + torch.arange(depth)  # [n, K]
     step = {
-        "req_ids": names,
-        "start": torch.as_tensor(computed, dtype=torch.int64)[rows] - 1,  # [N]
-        "drafts": _host(metadata.draft_token_ids, torch.int32).view(n, depth),  # [N, K]
-        "topk_ids": verify["topk_ids"].view(n, depth, -1),  # [N, K, k]
-        "topk_logprobs": verify["topk_logprobs"].view(n, depth, -1),  # [N, K, k]
-        "accepted": (sampled[rows] != PLACEHOLDER_TOKEN_ID).sum(dim=1) - 1,  # [N]
+        "req_ids": [req_ids[i] for i in rows[keep].tolist()],
+        "start": start[keep],
+        "drafts": _host(metadata.draft_token_ids, torch.int32)[flat],  # [n, K]
+        "topk_ids": verify["topk_ids"][flat],  # [n, K, k]
+        "topk_logprobs": verify["topk_logprobs"][flat],  # [n, K, k]
+        "accepted": accepted[keep],
     }
     if verify["q"] is not None:
-        step["q"] = verify["q"].view(n, depth, -1)  # [N, K, V]
+        step["q"] = verify["q"][flat]  # [n, K, V]
     STATE.steps.append(step)
 
 
@@ -250,5 +262,7 @@ def drain() -> bytes:
                 payload[name] = torch.cat([step[name] for step in STATE.steps])[order]
     payload["hidden"] = {req_id: (torch.cat([p for p, _ in chunks]), torch.cat([h for _, h in chunks]))
                          for req_id, chunks in STATE.hidden.items()}
+    payload["dropped"] = {req_id: tuple(torch.tensor(column, dtype=torch.int64) for column in zip(*cycles))
+                          for req_id, cycles in STATE.dropped.items()}
     STATE.clear()
     return dump_blob(payload)

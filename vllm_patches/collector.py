@@ -15,6 +15,8 @@ Terms, defined once (capture.py defines the payload, core/records.py the record)
 - *pending cycles*: drained cycle rows (and exact-mode hidden rows) of a request not claimed yet. They
   are kept across drains until claimed: an async rollout drains after a whole batch, so a request's
   cycles may arrive in several payloads, some before its output.
+- *dropped cycles* (capture.py defines them): verified, but not K samples of q; left out of the record,
+  counted in `record.meta["dropped_cycles"]`, and still compared with vLLM's counters in step order.
 - *claim*: `pop` / `pop_by_tokens`. The record is built and validated once, here, and the request's
   output and pending cycles are forgotten.
 
@@ -42,6 +44,7 @@ from .transport import load_blob
 check_vllm_version()
 
 RECORD_FIELDS = ("start", "drafts", "topk_ids", "topk_logprobs", "accepted")  # CYCLE_FIELDS minus debug q
+DROPPED_META = "dropped_cycles"  # record.meta key: cycles vLLM verified that the record leaves out
 # vLLM appends "-" + 8 random characters to the caller's id unless this is set (vllm/envs.py).
 NO_SUFFIX_ENV = "VLLM_DISABLE_REQUEST_ID_RANDOMIZATION"
 
@@ -57,6 +60,7 @@ class _Pending:
     cycles: list[dict[str, torch.Tensor]] = field(default_factory=list)  # field -> [c, ...] per payload
     hidden: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (positions [n], rows [n, H])
     hidden_dropped: bool = False  # a payload's hidden rows were dropped (preemption): no hidden at all
+    dropped: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (start [d], accepted [d])
 
 
 @dataclass
@@ -122,6 +126,8 @@ class RecordCollector:
         for i, internal_id in enumerate(payload["req_ids"]):
             pending = self._pending.setdefault(self._caller_id(internal_id, seen), _Pending())
             pending.cycles.append({name: parts[i] for name, parts in split.items()})
+        for internal_id, (starts, accepted) in payload.get("dropped", {}).items():
+            self._pending.setdefault(self._caller_id(internal_id, seen), _Pending()).dropped.append((starts, accepted))
         for internal_id, (positions, rows) in payload["hidden"].items():
             pending = self._pending.setdefault(self._caller_id(internal_id, seen), _Pending())
             if not keep_hidden:
@@ -198,7 +204,10 @@ class RecordCollector:
                       "topk_ids": torch.zeros(0, self.depth, self.topk, dtype=torch.int32),
                       "topk_logprobs": torch.zeros(0, self.depth, self.topk, dtype=torch.bfloat16),
                       "accepted": torch.zeros(0, dtype=torch.int64)}
-        _check_against_vllm(request_id, output, cycles["accepted"])
+        dropped_start = torch.cat([d[0] for d in pending.dropped]) if pending.dropped else cycles["start"][:0]
+        dropped_accepted = torch.cat([d[1] for d in pending.dropped]) if pending.dropped else cycles["accepted"][:0]
+        order = torch.cat([cycles["start"], dropped_start]).argsort(stable=True)
+        _check_against_vllm(request_id, output, torch.cat([cycles["accepted"], dropped_accepted])[order])
         hidden = None
         if pending.hidden and not pending.hidden_dropped:
             hidden = _hidden_rows(pending.hidden, len(token_ids), cycles["start"], self.hidden_dtype)
@@ -206,7 +215,8 @@ class RecordCollector:
             raise RecordCollectionError(f"request {request_id!r}: exact mode, but the engine captured no hidden "
                                         "states for its cycles")
         return SequenceRecord(token_ids=token_ids, prompt_len=len(output.prompt_token_ids), hidden=hidden,
-                              temperature=finished.temperature, meta={"request_id": request_id}, **cycles)
+                              temperature=finished.temperature,
+                              meta={"request_id": request_id, DROPPED_META: len(dropped_start)}, **cycles)
 
 
 def _committed(output) -> tuple[int, ...]:

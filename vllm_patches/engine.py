@@ -26,7 +26,7 @@ from openrlhf_growmtp.core.metrics import AcceptanceSummary, acceptance_summary
 from openrlhf_growmtp.core.records import DEFAULT_TOPK, SequenceRecord
 
 from . import check_vllm_version
-from .collector import RecordCollector
+from .collector import DROPPED_META, RecordCollector
 from .settings import CaptureConfig, check_sampling_params, spec_engine_kwargs
 from .transport import dump_blob
 
@@ -42,6 +42,7 @@ class RolloutMetrics:
     wall_s: float
     record_bytes: int = 0
     vllm_counters: dict = field(default_factory=dict)
+    dropped_cycles: int = 0  # cycles vLLM verified that the records leave out (collector.DROPPED_META)
 
     @property
     def tokens_per_s(self) -> float:
@@ -54,7 +55,8 @@ class RolloutMetrics:
     def as_dict(self) -> dict[str, float]:
         out = self.acceptance.as_dict()
         out.update(generated_tokens=float(self.generated_tokens), rollout_s=self.wall_s,
-                   tokens_per_s=self.tokens_per_s, record_bytes_per_token=self.record_bytes_per_token)
+                   tokens_per_s=self.tokens_per_s, record_bytes_per_token=self.record_bytes_per_token,
+                   dropped_cycles=float(self.dropped_cycles))
         return out
 
 
@@ -143,7 +145,8 @@ class SpecEngine:
         records = collector.pop_all(outputs)
         accepted = torch.cat([r.accepted for r in records]) if records else torch.zeros(0)
         record_bytes = sum(r.nbytes for r in records)
-        metrics = RolloutMetrics(acceptance_summary(accepted, self.k), generated, wall, record_bytes, counters)
+        dropped = sum(r.meta[DROPPED_META] for r in records)
+        metrics = RolloutMetrics(acceptance_summary(accepted, self.k), generated, wall, record_bytes, counters, dropped)
         return GenerateResult(outputs, records, metrics, draft_probs)
 
     # ---- weights ------------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ from .. import cpu_support
 from ..core.records import SequenceRecord
 from . import installer, zero3_head_group
 from .head_update import HeadUpdateConfig, update_head
-from .keys import ACCEPTED_KEY, RECORD_KEY
+from .keys import ACCEPTED_KEY, DROPPED_KEY, RECORD_KEY
 from .loss import NegativeAdvantageWeightedLoss
 from .strategy import gathered_head_state, head_of, without_head
 
@@ -91,6 +91,7 @@ class GrowMTPActorTrainer(ActorTrainer):
         records = []
         for item in self.replay_buffer.items:
             item.info.pop(ACCEPTED_KEY, None)
+            item.info.pop(DROPPED_KEY, None)
             blob = item.info.pop(RECORD_KEY, None)
             if blob is not None:
                 records.append(SequenceRecord.unpack(blob))

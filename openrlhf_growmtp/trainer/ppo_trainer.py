@@ -13,7 +13,7 @@ import torch
 from openrlhf.trainer.ppo_trainer import PPOTrainer
 
 from ..core.metrics import acceptance_summary
-from .keys import ACCEPTED_KEY, RECORD_KEY
+from .keys import ACCEPTED_KEY, DROPPED_KEY, RECORD_KEY
 from .samples_generator import GrowMTPSamplesGenerator
 
 logger = logging.getLogger("growmtp")
@@ -64,6 +64,7 @@ class GrowMTPPPOTrainer(PPOTrainer.__ray_actor_class__):
         generated = float(sum(s.response_length.sum().item() for s in samples))
         metrics = summary.as_dict("growmtp/")
         metrics["growmtp/record_bytes_per_token"] = record_bytes / max(generated, 1.0)
+        metrics["growmtp/dropped_cycles"] = float(sum(n for s in samples for n in s.info.get(DROPPED_KEY, [])))
         return metrics
 
     def _report(self, step: int, status: dict) -> None:

@@ -25,7 +25,7 @@ from typing import Any
 import ray
 from openrlhf.trainer.ray.vllm_engine import RolloutRayActor
 
-from .keys import ACCEPTED_KEY, RECORD_KEY
+from .keys import ACCEPTED_KEY, DROPPED_KEY, RECORD_KEY
 
 
 @dataclass(frozen=True)
@@ -75,8 +75,8 @@ class GrowMTPRolloutActor(RaySyncRolloutActor):
         from vllm_patches.settings import CaptureConfig, spec_engine_kwargs
 
         capture = CaptureConfig(enabled=True, topk=growmtp.topk)
-        await super().__init__(*args, cpu=growmtp.cpu, **spec_engine_kwargs(growmtp.head_dir, growmtp.k, capture,
-                                                                            **kwargs))
+        kwargs = spec_engine_kwargs(growmtp.head_dir, growmtp.k, capture, **with_draft_headroom(kwargs, growmtp.k))
+        await super().__init__(*args, cpu=growmtp.cpu, **kwargs)
         await self.llm.collective_rpc("growmtp_configure_capture", args=(capture.as_dict(),))
         self.records = RecordCollector(growmtp.k, topk=capture.topk,
                                        vocab_size=self.llm.model_config.get_vocab_size())
@@ -87,6 +87,8 @@ class GrowMTPRolloutActor(RaySyncRolloutActor):
         return output
 
     async def generate_responses(self, *args, **kwargs):
+        from vllm_patches.collector import DROPPED_META
+
         responses = await super().generate_responses(*args, **kwargs)
         # Other prompts' generates run concurrently: the drain may hold their cycles too (kept until claimed).
         self.records.add_drained((await self.llm.collective_rpc("growmtp_drain_records"))[0])
@@ -94,6 +96,7 @@ class GrowMTPRolloutActor(RaySyncRolloutActor):
             record = self.records.pop_by_tokens(response["observation_tokens"])
             response[RECORD_KEY] = record.pack()
             response[ACCEPTED_KEY] = record.accepted.tolist()
+            response[DROPPED_KEY] = record.meta[DROPPED_META]
         return responses
 
     async def growmtp_load_head(self, blob: bytes) -> list[str]:
@@ -103,6 +106,26 @@ class GrowMTPRolloutActor(RaySyncRolloutActor):
         from vllm_patches.transport import load_blob
 
         return load_blob((await self.llm.collective_rpc("growmtp_head_state"))[0])
+
+
+def with_draft_headroom(kwargs: dict, depth: int) -> dict:
+    """Upstream's engine kwargs with max_model_len raised by 2K (within the model's position limit).
+
+    Upstream sets max_model_len to the longest prompt + response, L. A request's last verify step holds up
+    to L + K tokens, and vLLM drafts only while the longest sequence + K fits max_model_len
+    (gpu_model_runner.py:4612-4625); past that it drafts without q for the whole batch and the scheduler
+    trims drafts, and those cycles are dropped from the records. 2K of headroom keeps every request of
+    up to L tokens drafting K samples of q to its end.
+    """
+    if not kwargs.get("max_model_len"):
+        return kwargs
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(kwargs["model"], trust_remote_code=kwargs.get("trust_remote_code", False))
+    limit = getattr(config.get_text_config(), "max_position_embeddings", None)
+    length = kwargs["max_model_len"]
+    wanted = length + 2 * depth
+    return {**kwargs, "max_model_len": max(length, min(wanted, limit)) if limit else wanted}
 
 
 def growmtp_rollout_actor(options: RolloutOptions) -> WithOptions:

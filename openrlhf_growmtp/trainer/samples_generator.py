@@ -6,7 +6,7 @@ import time
 
 from openrlhf.trainer.ppo_utils.samples_generator import SamplesGenerator
 
-from .keys import ACCEPTED_KEY, RECORD_KEY
+from .keys import ACCEPTED_KEY, DROPPED_KEY, RECORD_KEY
 
 
 class GrowMTPSamplesGenerator(SamplesGenerator):
@@ -24,4 +24,5 @@ class GrowMTPSamplesGenerator(SamplesGenerator):
         experience = super()._process_response_into_experience(response, **generate_kwargs)
         experience.info[RECORD_KEY] = [response[RECORD_KEY]]
         experience.info[ACCEPTED_KEY] = [response[ACCEPTED_KEY]]
+        experience.info[DROPPED_KEY] = [response[DROPPED_KEY]]
         return experience

@@ -70,6 +70,7 @@ def test_records_arrive_head_learns_and_engine_gets_it(world):
     for r in steps:
         assert r["growmtp/cycles"] > 50 and r["growmtp/head_cycles"] == r["growmtp/cycles"]  # every record trained
         assert r["growmtp/head_finite"] == 1.0 and r["growmtp/record_bytes_per_token"] > 0
+        assert r["growmtp/dropped_cycles"] == 0  # within the run's lengths every cycle drafts K samples of q
         assert 1.0 <= r["growmtp/tau"] <= 4.0
         # the head the engines draft with after the sync equals the trainer's (all parameters the CPU engine
         # exposes: fc and the norms; its repacked linears are covered by tests/vllm's q-parity after load)

@@ -65,11 +65,14 @@ class Request:
         return RequestOutput(self.caller_id, None, self.prompt, None, [completion], finished=True)
 
 
-def verify(rows: list[tuple[Request, int] | tuple[str, None]], seed: int, has_q: bool = True) -> None:
+def verify(rows: list[tuple[Request, int] | tuple[str, None]], seed: int, has_q: bool = True,
+           trimmed: dict[int, int] | None = None) -> None:
     """One verification step through capture.record_verification; a row is (request, cycle index) or
-    (internal id, None) for a request with no drafts in this step (e.g. still in prefill)."""
+    (internal id, None) for a request with no drafts in this step (e.g. still in prefill). `trimmed`:
+    batch row -> the number of drafts the scheduler left it (fewer than K: that cycle is dropped)."""
     g = torch.Generator().manual_seed(seed)
-    drafts = [req.drafts[r] if r is not None else [] for req, r in rows]
+    trimmed = trimmed or {}
+    drafts = [req.drafts[r][: trimmed.get(i, K)] if r is not None else [] for i, (req, r) in enumerate(rows)]
     metadata = SpecDecodeMetadata.make_dummy(drafts, torch.device("cpu"))
     num_tokens = sum(len(d) for d in drafts)
     top = torch.log_softmax(torch.randn(num_tokens, VOCAB, generator=g), dim=-1).topk(WIDTH, dim=-1)
@@ -79,12 +82,12 @@ def verify(rows: list[tuple[Request, int] | tuple[str, None]], seed: int, has_q:
         if r is not None:
             sampled[i, : req.accepted[r] + 1] = 1
             req.topk_ids.append(top.indices[offset: offset + K].int())
-            offset += K
+            offset += len(drafts[i])
     req_ids = [req.internal_id if r is not None else req for req, r in rows]
     computed = [req.starts[r] + 1 if r is not None else 3 for req, r in rows]
     capture.record_verification(req_ids, computed, metadata, sampled,
                                 {"topk_ids": top.indices.int(), "topk_logprobs": top.values.bfloat16(),
-                                 "has_q": has_q, "q": None})
+                                 "has_q": has_q, "q": None}, depth=K)
 
 
 def assert_record_is(record: SequenceRecord, req: Request) -> None:
@@ -155,12 +158,32 @@ def test_pop_by_tokens_is_first_in_first_out_among_identical_sequences(capture_s
 
 
 # ---- unit: refusals -------------------------------------------------------------------------------------
+def test_cycles_without_q_or_with_fewer_than_k_drafts_are_dropped_and_counted(capture_state):
+    # near max_model_len vLLM drafts without q for a whole batch, and trims a request's drafts to what fits
+    a = Request("a", prompt_len=4, accepted=[1, 0, 2, 1], seed=6)
+    b = Request("b", prompt_len=5, accepted=[2, 0, 1], seed=7)
+    verify([(a, 0), (b, 0)], seed=40)
+    verify([(a, 1), (b, 1)], seed=41, has_q=False)  # the whole step: both cycles dropped
+    verify([(a, 2), (b, 2)], seed=42, trimmed={1: 2})  # b had 2 drafts left: only b's cycle dropped
+    verify([(a, 3)], seed=43)
+    collector = RecordCollector(K, topk=WIDTH, vocab_size=VOCAB)
+    outputs = [a.output(per_step_accepted=a.accepted), b.output(per_step_accepted=b.accepted)]
+    for output in outputs:
+        collector.add_output(output, PARAMS)
+    collector.add_drained(capture.drain())
+    record_a, record_b = collector.pop_all(outputs)
+    assert record_a.start.tolist() == [a.starts[i] for i in (0, 2, 3)]
+    assert record_a.accepted.tolist() == [1, 2, 1] and record_a.meta["dropped_cycles"] == 1
+    assert record_a.drafts.tolist() == [a.drafts[i] for i in (0, 2, 3)]
+    assert torch.equal(record_a.topk_ids, torch.stack([a.topk_ids[i] for i in (0, 2, 3)]))
+    assert record_b.start.tolist() == [b.starts[0]] and record_b.meta["dropped_cycles"] == 2
+    assert torch.equal(record_b.topk_ids[0], b.topk_ids[0])
+
+
 def test_engine_side_errors_in_the_payload_raise_with_their_text(capture_state):
-    a = Request("r", prompt_len=4, accepted=[1], seed=6)
-    verify([(a, 0)], seed=40, has_q=False)  # vLLM verified against a one-hot q
+    capture.STATE.errors.append("a verification step bypassed rejection_sample (hook not reached)")
     collector = RecordCollector(K, topk=WIDTH)
-    with pytest.raises(RecordCollectionError, match=r"went wrong in the engine: requests \['r-00000006'\]: "
-                                                    r"drafts verified without draft probabilities"):
+    with pytest.raises(RecordCollectionError, match=r"went wrong in the engine: a verification step bypassed"):
         collector.add_drained(capture.drain())
 
 

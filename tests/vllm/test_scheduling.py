@@ -40,3 +40,31 @@ def test_preemption_keeps_records_exact(world):
         assert per_depth.max() <= 1e-4, per_depth
     finally:
         close_engine(engine)
+
+
+def test_requests_that_reach_max_model_len_keep_the_rollout_and_count_dropped_cycles(world):
+    """Near max_model_len vLLM drafts without q for the whole batch and trims drafts: those cycles are
+    dropped (counted), every other cycle is recorded exactly, and the rollout goes on."""
+    length = 64
+    engine = make_engine(world, capture_q=True, max_model_len=length)
+    try:
+        prompts = random_prompts(4, 128, min_len=20, max_len=30, seed=5)
+        params = [SamplingParams(temperature=1.0, max_tokens=length - len(p), ignore_eos=True) for p in prompts]
+        result = engine.generate(prompts, params)
+        assert [len(p) + len(o.outputs[0].token_ids) for p, o in zip(prompts, result.outputs)] == [length] * 4
+        metrics = result.metrics
+        assert metrics.dropped_cycles > 0 and metrics.acceptance.cycles > 0
+        assert metrics.vllm_counters["spec_decode_num_drafts"] == metrics.acceptance.cycles + metrics.dropped_cycles
+        assert engine_q_vs_reconstruction(core_head(world), world["policy"], result, exact=False).max() <= 1e-4
+    finally:
+        close_engine(engine)
+
+
+def test_rollout_engines_get_headroom_for_k_drafts_within_the_models_limit(world):
+    from openrlhf_growmtp.trainer.rollout_actor import with_draft_headroom
+
+    limit = world["policy"].config.max_position_embeddings
+    kwargs = {"model": str(world["policy_dir"]), "max_model_len": 512}
+    assert with_draft_headroom(kwargs, 3)["max_model_len"] == 518  # a request's last step + the drafter's K
+    assert with_draft_headroom({**kwargs, "max_model_len": limit - 2}, 3)["max_model_len"] == limit
+    assert with_draft_headroom({**kwargs, "max_model_len": limit + 8}, 3)["max_model_len"] == limit + 8
