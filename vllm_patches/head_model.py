@@ -28,6 +28,7 @@ from . import check_vllm_version
 
 check_vllm_version()
 
+from vllm.compilation.decorators import support_torch_compile  # noqa: E402
 from vllm.config import VllmConfig  # noqa: E402
 from vllm.model_executor.layers.layernorm import RMSNorm  # noqa: E402
 from vllm.model_executor.layers.logits_processor import LogitsProcessor  # noqa: E402
@@ -70,11 +71,26 @@ def _vllm_norm(family: HeadFamily, hidden: int, eps: float) -> nn.Module:
     return RMSNorm(hidden, eps=eps)
 
 
-class _HeadModules(nn.Module):
-    """Holds the head's parameters under the core head's names (+ the target's embed_tokens, bound later)."""
+def _head_config(vllm_config: VllmConfig):
+    """The head directory's HF config and its family (refused when it is not a GrowMTP head)."""
+    config = vllm_config.speculative_config.draft_model_config.hf_config
+    family_name = getattr(config, HEAD_CONFIG_FIELD, None)
+    if family_name is None:
+        raise ValueError(f"draft model config has no {HEAD_CONFIG_FIELD!r}: not a GrowMTP head directory "
+                         "(write one with growmtp-make-head)")
+    return config, get_family(family_name)
 
-    def __init__(self, family: HeadFamily, config, vllm_config: VllmConfig):
+
+# the token dimension of every input is dynamic; positions are [T], or [3, T] with M-RoPE
+@support_torch_compile(dynamic_arg_dims={"input_ids": 0, "positions": -1, "hidden_states": 0, "inputs_embeds": 0})
+class _HeadModules(nn.Module):
+    """The head's parameters under the core head's names (+ the target's embed_tokens, bound later) and its
+    computation, compiled (and CUDA-graphed) by vLLM like its own draft heads unless enforce_eager."""
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__()
+        config, family = _head_config(vllm_config)
+        self.family = family
         hidden, eps = config.hidden_size, config.rms_norm_eps
         self.embed_tokens = None  # the target's, set by vLLM's proposer
         self.add_module(family.norm_embedding_name, _vllm_norm(family, hidden, eps))
@@ -92,27 +108,9 @@ class _HeadModules(nn.Module):
         self.__dict__["decoder_layer"] = layer
         self.add_module(family.final_norm_name, _vllm_norm(family, hidden, eps))
 
-
-class GrowMTPHeadModel(nn.Module):
-    def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
-        super().__init__()
-        config = vllm_config.speculative_config.draft_model_config.hf_config
-        family_name = getattr(config, HEAD_CONFIG_FIELD, None)
-        if family_name is None:
-            raise ValueError(f"draft model config has no {HEAD_CONFIG_FIELD!r}: not a GrowMTP head directory "
-                             "(write one with growmtp-make-head)")
-        self.family = get_family(family_name)
-        self.config = config
-        self.model = _HeadModules(self.family, config, vllm_config)
-        self.lm_head = None  # the target's, set by vLLM's proposer
-        self.logits_processor = LogitsProcessor(config.vocab_size)
-
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model.embed_tokens(input_ids)
-
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden_states: torch.Tensor,
                 inputs_embeds: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        fam, m = self.family, self.model
+        fam, m = self.family, self
         if inputs_embeds is None:
             inputs_embeds = m.embed_tokens(input_ids)
         if fam.zero_embed_at_position_0:
@@ -124,6 +122,22 @@ class GrowMTPHeadModel(nn.Module):
         o = out + residual
         normed = getattr(m, fam.final_norm_name)(o)
         return normed, (o if fam.feed_back == FEED_PRE_NORM else normed)
+
+
+class GrowMTPHeadModel(nn.Module):
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
+        super().__init__()
+        self.config, self.family = _head_config(vllm_config)
+        self.model = _HeadModules(vllm_config=vllm_config, prefix=prefix)
+        self.lm_head = None  # the target's, set by vLLM's proposer
+        self.logits_processor = LogitsProcessor(self.config.vocab_size)
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden_states: torch.Tensor,
+                inputs_embeds: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.model(input_ids, positions, hidden_states, inputs_embeds)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         return self.logits_processor(self.lm_head, hidden_states)
