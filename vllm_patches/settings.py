@@ -6,6 +6,7 @@
   vLLM's per-request spec-decode metrics (the collector checks every record against them).
 - `CaptureConfig`: what each worker is told about record capture. It crosses `collective_rpc` as a plain
   dict (`as_dict`) and is rebuilt and checked on the worker (`from_dict`).
+- `with_draft_headroom`: max_model_len with room for K drafts at the end of the longest request.
 - `check_speculative_config` / `check_sampling_params`: refuse what would break rejection sampling or
   what a record cannot represent, with the reason.
 """
@@ -156,3 +157,23 @@ def spec_engine_kwargs(head_dir: str | Path, depth: int, capture: CaptureConfig,
                               f"model runner; unset it or set {RUNNER_ENV}={RUNNER_ENV_VALUE}")
     os.environ[RUNNER_ENV] = RUNNER_ENV_VALUE
     return {**llm_kwargs, "speculative_config": config, "worker_extension_cls": WORKER_EXTENSION}
+
+
+def with_draft_headroom(kwargs: dict, depth: int) -> dict:
+    """Engine kwargs with max_model_len raised by 2K (within the model's position limit).
+
+    A caller (OpenRLHF's rollout) sets max_model_len to the longest prompt + response, L. A request's
+    last verify step holds up to L + K tokens, and vLLM drafts only while the longest sequence + K fits
+    max_model_len (gpu_model_runner.py:4612-4625); past that it drafts without q for the whole batch and
+    the scheduler trims drafts, and those cycles are dropped from the records. 2K of headroom keeps every
+    request of up to L tokens drafting K samples of q to its end.
+    """
+    if not kwargs.get("max_model_len"):
+        return kwargs
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(kwargs["model"], trust_remote_code=kwargs.get("trust_remote_code", False))
+    limit = getattr(config.get_text_config(), "max_position_embeddings", None)
+    length = kwargs["max_model_len"]
+    wanted = length + 2 * depth
+    return {**kwargs, "max_model_len": max(length, min(wanted, limit)) if limit else wanted}

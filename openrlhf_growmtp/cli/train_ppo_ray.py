@@ -119,7 +119,8 @@ def prepare(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> None:
         import ray
 
         if not ray.is_initialized():
-            ray.init(**cpu_support.ray_init_kwargs(logical_gpus(flat), setup_hook=f"{installer.__name__}.setup_cpu_worker",
+            hook = f"{installer.__name__}.setup_cpu_worker"
+            ray.init(**cpu_support.ray_init_kwargs(logical_gpus(flat), setup_hook=hook,
                                                   temp_dir=os.environ.get("GROWMTP_RAY_TMP")))
 
 

@@ -72,7 +72,7 @@ class GrowMTPRolloutActor(RaySyncRolloutActor):
 
     async def __init__(self, *args, growmtp: RolloutOptions, **kwargs):
         from vllm_patches.collector import RecordCollector
-        from vllm_patches.settings import CaptureConfig, spec_engine_kwargs
+        from vllm_patches.settings import CaptureConfig, spec_engine_kwargs, with_draft_headroom
 
         capture = CaptureConfig(enabled=True, topk=growmtp.topk)
         kwargs = spec_engine_kwargs(growmtp.head_dir, growmtp.k, capture, **with_draft_headroom(kwargs, growmtp.k))
@@ -106,26 +106,6 @@ class GrowMTPRolloutActor(RaySyncRolloutActor):
         from vllm_patches.transport import load_blob
 
         return load_blob((await self.llm.collective_rpc("growmtp_head_state"))[0])
-
-
-def with_draft_headroom(kwargs: dict, depth: int) -> dict:
-    """Upstream's engine kwargs with max_model_len raised by 2K (within the model's position limit).
-
-    Upstream sets max_model_len to the longest prompt + response, L. A request's last verify step holds up
-    to L + K tokens, and vLLM drafts only while the longest sequence + K fits max_model_len
-    (gpu_model_runner.py:4612-4625); past that it drafts without q for the whole batch and the scheduler
-    trims drafts, and those cycles are dropped from the records. 2K of headroom keeps every request of
-    up to L tokens drafting K samples of q to its end.
-    """
-    if not kwargs.get("max_model_len"):
-        return kwargs
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(kwargs["model"], trust_remote_code=kwargs.get("trust_remote_code", False))
-    limit = getattr(config.get_text_config(), "max_position_embeddings", None)
-    length = kwargs["max_model_len"]
-    wanted = length + 2 * depth
-    return {**kwargs, "max_model_len": max(length, min(wanted, limit)) if limit else wanted}
 
 
 def growmtp_rollout_actor(options: RolloutOptions) -> WithOptions:

@@ -61,7 +61,7 @@ def test_requests_that_reach_max_model_len_keep_the_rollout_and_count_dropped_cy
 
 
 def test_rollout_engines_get_headroom_for_k_drafts_within_the_models_limit(world):
-    from openrlhf_growmtp.trainer.rollout_actor import with_draft_headroom
+    from vllm_patches.settings import with_draft_headroom
 
     limit = world["policy"].config.max_position_embeddings
     kwargs = {"model": str(world["policy_dir"]), "max_model_len": 512}
