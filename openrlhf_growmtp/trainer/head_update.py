@@ -154,11 +154,15 @@ def update_head(head: MTPHead, backbone: nn.Module, records: Sequence[SequenceRe
 
     local_sum = stats.loss * local_cycles if stats is not None and stats.finite else 0.0
     alpha = stats.alpha_mean if stats is not None and stats.alpha_mean else [0.0] * k
-    sums = _all_reduce([local_sum] + [a * local_cycles for a in alpha], dist.ReduceOp.SUM)
+    # The recorded top-k's share of the target's mass: the sparse alpha estimate can exceed the true alpha
+    # by at most 1 minus it (objectives.py), so a small value says the alphas above are loose.
+    local_mass = sum(float(torch.logsumexp(rec.topk_logprobs.float(), dim=-1).exp().sum()) for rec in records)
+    sums = _all_reduce([local_sum, local_mass] + [a * local_cycles for a in alpha], dist.ReduceOp.SUM)
     metrics["head_finite"] = 1.0 if finite else 0.0
     metrics["head_loss"] = sums[0] / max(total_cycles, 1.0) if finite else float("nan")
+    metrics["head_topk_mass"] = sums[1] / max(total_cycles * k, 1.0)  # mean over cycles and draft positions
     if not cfg.teacher_forcing:
-        for position, value in enumerate(sums[1:], start=1):
+        for position, value in enumerate(sums[2:], start=1):
             metrics[f"head_alpha_{position}"] = value / max(total_cycles, 1.0)
     metrics["head_update_s"] = time.perf_counter() - began
     return metrics
