@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 export PIP_CONSTRAINT := $(CURDIR)/constraints.txt
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: test venv bench demo demo-quick clean
+.PHONY: test venv bench demo demo-quick rehearse clean
 
 venv: $(STAMP)
 
@@ -31,6 +31,10 @@ demo: $(STAMP)
 
 demo-quick: $(STAMP)
 	$(PY) -m openrlhf_growmtp.cli.demo --quick
+
+# every example script for 3 RL steps on this CPU at its model's real vocabulary (README, "Rehearsal"); ~1.5 h
+rehearse: $(STAMP)
+	PYTHON=$(CURDIR)/$(PY) bash examples/scripts/rehearse_all.sh
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_reconstruction.py

@@ -11,6 +11,8 @@
 #   RUN_ROOT                                 checkpoints, logs and exports (default runs/<run name>)
 #   PYTHON                                   interpreter (default python)
 #   GROWMTP_DRY_RUN=1                        build the command, run every startup check, exit 0 before Ray
+#   GROWMTP_REHEARSAL=1                      run the script's own command for 3 RL steps on this machine's CPU
+#                                            (below); GROWMTP_REHEARSAL_DIR holds its world and runs
 set -euo pipefail
 
 PYTHON=${PYTHON:-python}
@@ -18,6 +20,18 @@ ACTOR_GPUS=${ACTOR_GPUS:-4}
 VLLM_ENGINES=${VLLM_ENGINES:-4}
 VLLM_TP=${VLLM_TP:-1}
 PROMPT_TOKENS=1024  # prompts over 1024 tokens are dropped by prepare_data; --data.max_len is prompt + response
+
+# GROWMTP_REHEARSAL=1: the script's exact command on a tiny local stand-in of its model (the family's real
+# config fields, vocabulary size, special tokens and tokenizer length; `cli/rehearse.py`) and 6 raw rows of
+# its dataset in the source's schema, converted by prepare_data as usual. Only sizes shrink: one training
+# rank, one engine, 2 prompts x 4 samples per step (3 steps), 64-token responses. Every other flag is the
+# script's. Prints tau, alpha_k, reward and times per step; exits non-zero on any failure.
+REHEARSAL=${GROWMTP_REHEARSAL:-0}
+REHEARSAL_DIR=${GROWMTP_REHEARSAL_DIR:-runs/rehearsal}
+REHEARSAL_SIZES=(--rollout.batch_size 2 --rollout.n_samples_per_prompt 4 --train.batch_size 8)
+if [[ "$REHEARSAL" == 1 ]]; then
+  ACTOR_GPUS=1 VLLM_ENGINES=1 VLLM_TP=1
+fi
 
 # The paper's policy optimisation: GRPO (group-normalised advantages), negative-advantage weight 0.5,
 # dual clip, token-level averaging, KL 0.01 as a loss against the fixed initial policy, AdamW at a
@@ -84,10 +98,17 @@ run_growmtp() {
   local model=$1 domain=$2
   shift 2
   preset "$model"
-  data "$domain" "$model"
   local k=${K:-$PRESET_K} head=${HEAD:-$PRESET_HEAD}
   local run=${RUN_NAME:-${model}_${domain}_k${k}}
   local root=${RUN_ROOT:-runs/$run}
+  if [[ "$REHEARSAL" == 1 ]]; then
+    "$PYTHON" -m openrlhf_growmtp.cli.rehearse world "$REHEARSAL_DIR/world" "$model"
+    MODEL_PATH=$REHEARSAL_DIR/world/$model MAX_NEW=64 root=$REHEARSAL_DIR/runs/$run
+    MATH_SOURCE=$REHEARSAL_DIR/world/dapo-math.jsonl MATH_DATA=$REHEARSAL_DIR/world/dapo-math.$model.jsonl
+    CODE_SOURCE=$REHEARSAL_DIR/world/taco-verified.jsonl CODE_DATA=$REHEARSAL_DIR/world/taco-verified.$model.jsonl
+    rm -rf "$root" "$MATH_DATA" "$CODE_DATA"
+  fi
+  data "$domain" "$model"
   local cmd=("$PYTHON" -m openrlhf_growmtp.cli.train_ppo_ray
     --actor.model_name_or_path "$MODEL_PATH"
     "${CLUSTER[@]}" "${GRPO[@]}"
@@ -100,7 +121,32 @@ run_growmtp() {
   if [[ "$k" != 0 ]]; then
     cmd+=(--growmtp_head "$head")
   fi
+  if [[ "$REHEARSAL" == 1 ]]; then
+    cmd+=("${REHEARSAL_SIZES[@]}")
+  fi
   cmd+=("$@")
   echo "+ ${cmd[*]}"
   "${cmd[@]}"
+  if [[ "$REHEARSAL" == 1 ]]; then
+    local report=("$PYTHON" -m openrlhf_growmtp.cli.rehearse report "$root/tensorboard" --steps 3 --k "$k")
+    if frozen "${cmd[@]}"; then
+      report+=(--frozen)
+    fi
+    if [[ "$head" == random ]]; then
+      report+=(--random-head)
+    fi
+    "${report[@]}"
+  fi
+}
+
+# frozen <command...>: whether the command's last --growmtp_mode / --growmtp.mode is "frozen"
+frozen() {
+  local previous="" mode=""
+  for word in "$@"; do
+    if [[ "$previous" == --growmtp_mode || "$previous" == --growmtp.mode ]]; then
+      mode=$word
+    fi
+    previous=$word
+  done
+  [[ "$mode" == frozen ]]
 }

@@ -1,0 +1,62 @@
+"""`python -m openrlhf_growmtp.cli.rehearse`: the two halves of `GROWMTP_REHEARSAL=1` (examples/scripts/common.sh).
+
+    rehearse world ROOT MODEL          build (once) the tiny stand-in for MODEL and the raw dataset rows
+    rehearse report TB_DIR --steps N --k K [--frozen] [--random-head]
+                                       print tau, alpha_k, reward and times per step; exit 1 unless the
+                                       run logged steps 1..N, all finite, with a reward, and (K > 0) drafting
+                                       cycles, a finite head update (unless frozen) and, unless the head
+                                       started random, tau > 1 at the end
+
+An unsupported preset (Qwen3.5 on this machine) exits 2 with the reason, before anything is built.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="rehearse", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True)
+    world = commands.add_parser("world")
+    world.add_argument("root")
+    world.add_argument("model")
+    report = commands.add_parser("report")
+    report.add_argument("tensorboard_dir")
+    report.add_argument("--steps", type=int, required=True)
+    report.add_argument("--k", type=int, required=True)
+    report.add_argument("--frozen", action="store_true", help="the head is never updated (no head metrics)")
+    report.add_argument("--random-head", action="store_true", help="the head started from random weights")
+    args = parser.parse_args(argv)
+
+    if args.command == "world":
+        from openrlhf_growmtp.rehearsal import world as world_module
+
+        try:
+            world_module.build(args.root, args.model)
+        except world_module.UnsupportedPresetError as err:
+            print(f"rehearsal: {err}", file=sys.stderr)
+            return 2
+        return 0
+
+    from openrlhf_growmtp.rehearsal import report as report_module
+
+    try:
+        steps = report_module.read_steps(args.tensorboard_dir)
+    except report_module.RehearsalFailed as err:
+        print(f"rehearsal FAILED: {err}", file=sys.stderr)
+        return 1
+    print(report_module.table(steps, args.k))
+    problems = report_module.check(steps, args.steps, args.k, trains_head=not args.frozen,
+                                   random_head=args.random_head)
+    if problems:
+        print("rehearsal FAILED:\n  - " + "\n  - ".join(problems), file=sys.stderr)
+        return 1
+    print(f"rehearsal passed: {len(steps)} steps")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

