@@ -34,7 +34,7 @@ demo-quick: $(STAMP)
 
 # every example script for 3 RL steps on this CPU at its model's real vocabulary (README, "Rehearsal"); ~1.5 h
 rehearse: $(STAMP)
-	PYTHON=$(CURDIR)/$(PY) bash examples/scripts/rehearse_all.sh
+	PYTHON=$(CURDIR)/$(PY) bash examples/rehearse_all.sh
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_reconstruction.py

@@ -55,9 +55,11 @@ class GrowMTPWorkerExtension(WorkerWrap):
         return sorted(loaded)
 
     def growmtp_load_target_weights(self, blob: bytes) -> int:
-        """Load HF-named policy weights into the live target model."""
+        """Load HF-named policy weights into the live target model (vLLM's layerwise reload, which re-runs the
+        CPU backend's weight packing), and re-tie a tied lm_head to the new embedding."""
         weights = load_blob(blob)
         self.model_runner.reload_weights(weights_iterator=iter(weights.items()))
+        _retie_lm_head(self.model_runner.get_model())
         return len(weights)
 
     def growmtp_head_state(self) -> bytes:
@@ -70,3 +72,19 @@ class GrowMTPWorkerExtension(WorkerWrap):
         state = {name.removeprefix("model."): p.detach().cpu().clone() for name, p in model.named_parameters()
                  if p.numel() > 0 and not any(part in name for part in ("embed_tokens", "lm_head"))}
         return dump_blob(state)
+
+
+def _retie_lm_head(model) -> None:
+    """A tied model's lm_head after a reload: share the reloaded embedding again and re-run its processing.
+
+    The model's `load_weights` skips `lm_head.weight` when the embeddings are tied, so the layerwise reload
+    sees nothing loaded for the lm_head and puts its old tensor back without processing it again
+    (reload/layerwise.py, finalize_layerwise_processing). On CPU the logits then keep multiplying by the
+    packed copy of the old embedding (`layer.cpu_linear`, layers/utils.py dispatch_cpu_unquantized_gemm):
+    verification and drafting would score tokens with the previous policy's output embedding.
+    """
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    if not getattr(config, "tie_word_embeddings", False):
+        return
+    lm_head = model.lm_head.tie_weights(model.model.embed_tokens)
+    lm_head.quant_method.process_weights_after_loading(lm_head)

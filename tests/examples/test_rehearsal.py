@@ -1,0 +1,102 @@
+"""GROWMTP_REHEARSAL=1: the rehearsal world is true to the real models, the report's verdicts, and one
+example script rehearsed end to end (the others: `make rehearse`)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from safetensors import safe_open
+
+from openrlhf_growmtp.rehearsal import world
+from openrlhf_growmtp.rehearsal.report import Step, check
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+def test_every_training_script_is_rehearsed():
+    text = (EXAMPLES / "rehearse_all.sh").read_text()
+    listed = set(re.findall(r'="([a-z0-9_]+\.sh)', text))
+    scripts = {p.name for p in (EXAMPLES / "scripts").glob("*.sh")} - {"common.sh", "evaluate.sh"}
+    assert listed == scripts
+    for arm in ("ce", "kl", "tv", "no_vgm", "teacher_forcing", "joint", "frozen"):
+        assert f'"ablation.sh {arm}"' in text
+
+
+def test_qwen3_world_has_the_real_vocabulary_tokens_and_dtype(tmp_path):
+    from transformers import AutoConfig, AutoTokenizer
+
+    world.build(tmp_path, "qwen3_4b")
+    model_dir = tmp_path / "qwen3_4b"
+    config = AutoConfig.from_pretrained(model_dir)
+    # Qwen/Qwen3-4B: 151,936 embedding rows, tied output embedding, <|endoftext|> bos, <|im_end|> eos
+    assert (config.model_type, config.vocab_size, config.tie_word_embeddings) == ("qwen3", 151936, True)
+    assert (config.bos_token_id, config.eos_token_id) == (151643, 151645)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    assert len(tokenizer) == 151669  # the real tokenizer's length (the embedding is padded beyond it)
+    assert tokenizer.convert_tokens_to_ids(["<|endoftext|>", "<|im_start|>", "<|im_end|>"]) == [151643, 151644, 151645]
+    assert tokenizer.eos_token_id == 151645 and tokenizer.pad_token_id == 151643
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "What is $17 + 25$?"}], tokenize=False,
+                                         add_generation_prompt=True)
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert ids[0] == 151644 and 151645 in ids and tokenizer.decode(ids) == text
+    assert tokenizer.decode([151000]) == "<placeholder_151000>"  # every id below the length decodes
+    with safe_open(str(model_dir / "model.safetensors"), framework="pt") as f:
+        names = list(f.keys())
+        assert "lm_head.weight" not in names  # tied: stored once, as in the real checkpoint
+        assert {str(f.get_tensor(n).dtype) for n in names} == {"torch.bfloat16"}
+    rows = [json.loads(line) for line in (tmp_path / "dapo-math.jsonl").read_text().splitlines()]
+    assert len(rows) == 6 and rows[0]["reward_model"]["style"] == "rule-lm"  # 3 steps of 2 prompts
+
+
+def test_qwen3_5_is_refused_with_the_reason_before_anything_is_written(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "openrlhf_growmtp.cli.rehearse", "world", str(tmp_path / "w"),
+                             "qwen3_5_4b_base"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "torchvision" in result.stderr
+    assert not (tmp_path / "w").exists()
+
+
+def steps(*taus: float, **extra) -> list[Step]:
+    return [Step(i + 1, {"growmtp/tau": tau, "growmtp/cycles": 100.0, "growmtp/head_finite": 1.0,
+                         "rollout/reward_mean": 0.0, **extra}) for i, tau in enumerate(taus)]
+
+
+def test_report_verdicts():
+    assert check(steps(1.0, 1.1, 1.2), 3, k=5, trains_head=True, random_head=False) == []
+    # a native (trained) head that never gets a draft accepted: broken drafting or sync
+    assert "no draft was ever accepted" in " ".join(check(steps(1.2, 1.1, 1.0), 3, 5, True, False))
+    # a random head at the autoregressive floor is expected this early
+    assert check(steps(1.0, 1.0, 1.0), 3, 5, True, random_head=True) == []
+    assert "expected 1..3" in " ".join(check(steps(1.1, 1.2), 3, 5, True, False))
+    assert "non-finite" in " ".join(check(steps(1.1, 1.1, 1.1, **{"growmtp/head_loss": math.nan}), 3, 5, True, False))
+    assert "head update was skipped" in " ".join(check(steps(1.1, 1.1, 1.1, **{"growmtp/head_finite": 0.0}),
+                                                       3, 5, True, False))
+    frozen = [Step(s.step, {k: v for k, v in s.values.items() if k != "growmtp/head_finite"}) for s in steps(1.2, 1.2, 1.2)]
+    assert check(frozen, 3, 1, trains_head=False, random_head=False) == []
+    assert "head update was skipped" in " ".join(check(frozen, 3, 1, trains_head=True, random_head=False))
+    ar = [Step(i, {"rollout/reward_mean": 0.5}) for i in (1, 2, 3)]
+    assert check(ar, 3, k=0, trains_head=False, random_head=False) == []
+    assert "no reward" in " ".join(check([Step(i, {}) for i in (1, 2, 3)], 3, 0, False, False))
+
+
+def test_qwen3_4b_math_rehearses_with_the_scripts_own_flags(tmp_path):
+    env = {**os.environ, "PYTHON": sys.executable, "GROWMTP_REHEARSAL": "1",
+           "GROWMTP_REHEARSAL_DIR": str(tmp_path), "GROWMTP_RAY_TMP": str(tmp_path / "ray")}
+    result = subprocess.run(["bash", str(EXAMPLES / "scripts" / "qwen3_4b_math.sh")], capture_output=True, text=True,
+                            env=env, cwd=tmp_path, timeout=900)
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out[-6000:]
+    command = next(line for line in result.stdout.splitlines() if line.startswith("+ "))
+    for flag in ("--actor.gradient_checkpointing_enable", "--train.colocate_actor_ref", "--algo.kl.use_loss",
+                 "--actor.dual_clip 3.0", "--growmtp_neg_adv_weight 0.5", "--ds.param_dtype bf16",
+                 "--growmtp_k 5", "--growmtp_head random", "math_reward.py", "--rollout.max_new_tokens 64"):
+        assert flag in command, flag
+    table = [line for line in result.stdout.splitlines() if re.match(r"step \d: tau", line)]
+    assert len(table) == 3 and "rehearsal passed: 3 steps" in result.stdout
+    assert not (tmp_path / "ckpt").exists()  # nothing written outside the run directory
