@@ -32,7 +32,7 @@ demo: $(STAMP)
 demo-quick: $(STAMP)
 	$(PY) -m openrlhf_growmtp.cli.demo --quick
 
-# every example script for 3 RL steps on this CPU at its model's real vocabulary (README, "Rehearsal"); ~1.5 h
+# every example script for 3 RL steps on this CPU at its model's real vocabulary (README, "Rehearsal"); ~55 min
 rehearse: $(STAMP)
 	PYTHON=$(CURDIR)/$(PY) bash examples/rehearse_all.sh
 

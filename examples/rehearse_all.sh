@@ -32,12 +32,12 @@ for name in "${names[@]}"; do
   rc=$?
   case $rc in
     0) status="passed" ;;
-    2) status="not rehearsable here: $(grep -m1 -o 'cannot be rehearsed on this machine.*' "$logs/$name.log" | cut -c1-90)..." ;;
+    2) status="not rehearsable here: $(grep -m1 -o 'on this machine: .*' "$logs/$name.log" | cut -c18-100)..." ;;
     *) status="FAILED (exit $rc, see $logs/$name.log)"; failed=1 ;;
   esac
   summary+=("$(printf '%-30s %4ds  %s' "$name" $((SECONDS - began)) "$status")")
   echo "${summary[-1]}"
   grep -E '^step [0-9]+:' "$logs/$name.log" | tail -1 | sed 's/^/    last /'
 done
-printf '\n%s\n' "${summary[@]}"
+echo; printf '%s\n' "${summary[@]}"
 exit $failed

@@ -77,11 +77,14 @@ def table(steps: list[Step], k: int) -> str:
         if k:
             alpha = " ".join(f"{s.get(f'growmtp/alpha_{i}'):.2f}" for i in range(1, k + 1))
             parts += [f"tau {s.get('growmtp/tau'):.3f}", f"alpha [{alpha}]", f"cycles {s.get('growmtp/cycles'):.0f}",
-                      f"dropped {s.get('growmtp/dropped_cycles'):.0f}", f"head_loss {s.get('growmtp/head_loss'):.4f}"]
+                      f"dropped {s.get('growmtp/dropped_cycles'):.0f}"]
+        trained = "growmtp/head_loss" in s.values  # a frozen head is never updated: no head columns
+        if trained:
+            parts.append(f"head_loss {s.get('growmtp/head_loss'):.4f}")
         parts += [f"reward {s.get('rollout/reward_mean'):.3f}",
                   f"response_len {s.get('rollout/response_length_mean'):.0f}",
                   f"generation {s.get('timing/generation'):.1f}s", f"ppo_train {s.get('timing/ppo_train'):.1f}s"]
-        if k:
+        if trained:
             parts.append(f"head_update {s.get('growmtp/head_update_s'):.1f}s")
         parts.append(f"step {s.get('timing/step_total'):.1f}s")
         lines.append(" ".join(parts))
