@@ -7,8 +7,10 @@ import json
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -86,10 +88,14 @@ def test_report_verdicts():
 
 
 def test_qwen3_4b_math_rehearses_with_the_scripts_own_flags(tmp_path):
+    ray_tmp = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # Ray's socket paths must stay under 108 bytes
     env = {**os.environ, "PYTHON": sys.executable, "GROWMTP_REHEARSAL": "1",
-           "GROWMTP_REHEARSAL_DIR": str(tmp_path), "GROWMTP_RAY_TMP": str(tmp_path / "ray")}
-    result = subprocess.run(["bash", str(EXAMPLES / "scripts" / "qwen3_4b_math.sh")], capture_output=True, text=True,
-                            env=env, cwd=tmp_path, timeout=900)
+           "GROWMTP_REHEARSAL_DIR": str(tmp_path), "GROWMTP_RAY_TMP": ray_tmp}
+    try:
+        result = subprocess.run(["bash", str(EXAMPLES / "scripts" / "qwen3_4b_math.sh")], capture_output=True,
+                                text=True, env=env, cwd=tmp_path, timeout=900)
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
     out = result.stdout + result.stderr
     assert result.returncode == 0, out[-6000:]
     command = next(line for line in result.stdout.splitlines() if line.startswith("+ "))
