@@ -21,12 +21,16 @@ import copy
 from dataclasses import dataclass
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 from transformers import PretrainedConfig
 
 from .families import CONCAT_EH, FEED_PRE_NORM, HeadFamily, get_family
 
 HEAD_CONFIG_FIELD = "growmtp_family"
+# At most this many full-vocabulary logits (fp32) alive at once in `log_probs_at`: 128 MiB, i.e. 220 rows at
+# Qwen's 151,936 tokens.
+LOGIT_BLOCK_ELEMENTS = 2**25
 
 
 def make_head_config(backbone_config: PretrainedConfig, family: HeadFamily) -> PretrainedConfig:
@@ -133,6 +137,28 @@ class MTPHead(nn.Module):
         context = contextlib.nullcontext() if train_lm_head else _frozen(lm_head)
         with context:
             return lm_head(normed)
+
+    def log_probs_at(self, normed: torch.Tensor, ids: torch.Tensor, temperature: torch.Tensor,
+                     block_elements: int = LOGIT_BLOCK_ELEMENTS) -> torch.Tensor:
+        """log q(ids) [M, k] for states normed [M, H], q = softmax(lm_head(normed) / temperature [M]).
+
+        The same per-row arithmetic as the full-vocabulary log_softmax followed by a gather, but rows run
+        in blocks of at most `block_elements` logits, and under autograd each block is recomputed in the
+        backward instead of kept: at any time one block's [rows, V] logits are alive, never [M, V].
+        """
+        rows = max(1, block_elements // self.config.vocab_size)
+        out = []
+        for lo in range(0, normed.shape[0], rows):
+            args = (normed[lo:lo + rows], ids[lo:lo + rows], temperature[lo:lo + rows])
+            if torch.is_grad_enabled() and normed.requires_grad:
+                out.append(torch.utils.checkpoint.checkpoint(self._block_log_probs, *args, use_reentrant=False))
+            else:
+                out.append(self._block_log_probs(*args))
+        return torch.cat(out) if out else normed.new_zeros((0, ids.shape[1]), dtype=torch.float32)
+
+    def _block_log_probs(self, normed: torch.Tensor, ids: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+        logits = self.logits(normed).float() / temperature[:, None]
+        return logits.gather(-1, ids.long()) - torch.logsumexp(logits, dim=-1, keepdim=True)
 
     # ---- the head's computation -------------------------------------------------------------
     def fuse(self, hidden: torch.Tensor, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:

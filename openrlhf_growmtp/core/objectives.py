@@ -59,10 +59,14 @@ def log_acceptance_rates(draft_logits: torch.Tensor, topk_ids: torch.Tensor,
     Stays finite (with finite gradients) however small alpha gets.
     """
     _check(draft_logits, topk_ids, topk_logprobs)
+    return log_acceptance_rates_at(_gathered_logq(draft_logits, topk_ids), topk_logprobs)
+
+
+def log_acceptance_rates_at(logq: torch.Tensor, topk_logprobs: torch.Tensor) -> torch.Tensor:
+    """log alpha [..., ] from log q and log p at the same recorded ids ([..., k] each)."""
     logp = topk_logprobs.float()
-    logq = _gathered_logq(draft_logits, topk_ids)
-    log_min = torch.minimum(logp, logq)  # [N, K, k]
-    residual_p = _residual_logprob(logp)  # [N, K]
+    log_min = torch.minimum(logp, logq)  # [..., k]
+    residual_p = _residual_logprob(logp)
     residual = torch.where(residual_p > math.log(MIN_RESIDUAL_MASS),
                            torch.minimum(residual_p, _residual_logprob(logq)),
                            torch.full_like(residual_p, float("-inf")))
@@ -119,12 +123,17 @@ def position_loss(draft_logits: torch.Tensor, topk_ids: torch.Tensor, topk_logpr
 
 def position_loss_per_cycle(draft_logits: torch.Tensor, topk_ids: torch.Tensor, topk_logprobs: torch.Tensor,
                             accepted: torch.Tensor | None = None, kind: str = "kl") -> torch.Tensor:
+    _check(draft_logits, topk_ids, topk_logprobs)
+    return position_loss_per_cycle_at(_gathered_logq(draft_logits, topk_ids), topk_logprobs, accepted, kind)
+
+
+def position_loss_per_cycle_at(logq: torch.Tensor, topk_logprobs: torch.Tensor, accepted: torch.Tensor | None = None,
+                               kind: str = "kl") -> torch.Tensor:
+    """`position_loss_per_cycle` from log q at the recorded ids, logq [N, K, k]."""
     if kind not in POSITION_KINDS:
         raise ValueError(f"position loss kind must be one of {POSITION_KINDS}, got {kind!r}")
-    _check(draft_logits, topk_ids, topk_logprobs)
-    num_cycles, k = draft_logits.shape[:2]
+    num_cycles, k = logq.shape[:2]
     logp = topk_logprobs.float()
-    logq = _gathered_logq(draft_logits, topk_ids)
     logp_all = torch.cat([logp, _residual_logprob(logp).unsqueeze(-1)], dim=-1)  # [N, K, k+1]
     logq_all = torch.cat([logq, _residual_logprob(logq).unsqueeze(-1)], dim=-1)
     p = logp_all.exp()
@@ -135,19 +144,27 @@ def position_loss_per_cycle(draft_logits: torch.Tensor, topk_ids: torch.Tensor, 
         per_position = cross + entropy_term
     else:
         per_position = cross
-    lengths = chain_lengths(accepted, num_cycles, k, device=draft_logits.device)
-    keep = (torch.arange(k, device=draft_logits.device)[None, :] < lengths[:, None]).float()
+    lengths = chain_lengths(accepted, num_cycles, k, device=logq.device)
+    keep = (torch.arange(k, device=logq.device)[None, :] < lengths[:, None]).float()
     return (per_position * keep).sum(1) / lengths.float()
 
 
 def head_loss_per_cycle(draft_logits: torch.Tensor, topk_ids: torch.Tensor, topk_logprobs: torch.Tensor,
                         accepted: torch.Tensor | None, kind: str = "dca") -> tuple[torch.Tensor, torch.Tensor]:
     """(loss per cycle [N], alpha [N, K] detached) for any objective; `accepted` None disables VGM."""
+    _check(draft_logits, topk_ids, topk_logprobs)
+    return head_loss_per_cycle_at(_gathered_logq(draft_logits, topk_ids), topk_logprobs, accepted, kind)
+
+
+def head_loss_per_cycle_at(logq: torch.Tensor, topk_logprobs: torch.Tensor, accepted: torch.Tensor | None,
+                           kind: str = "dca") -> tuple[torch.Tensor, torch.Tensor]:
+    """`head_loss_per_cycle` from log q at the recorded ids, logq [N, K, k]: what reconstruction computes
+    without full-vocabulary logits. Positions past the chain length (VGM) get no gradient; they must be finite."""
     if kind not in LOSS_KINDS:
         raise ValueError(f"head loss must be one of {LOSS_KINDS}, got {kind!r}")
-    log_alpha = log_acceptance_rates(draft_logits, topk_ids, topk_logprobs)
+    log_alpha = log_acceptance_rates_at(logq, topk_logprobs)
     if kind in CHAIN_KINDS:
         loss = chain_loss_per_cycle(log_alpha, accepted, kind, alpha_is_log=True)
     else:
-        loss = position_loss_per_cycle(draft_logits, topk_ids, topk_logprobs, accepted, kind)
+        loss = position_loss_per_cycle_at(logq, topk_logprobs, accepted, kind)
     return loss, log_alpha.detach().exp()

@@ -27,7 +27,7 @@ from typing import Callable, Sequence
 import torch
 
 from .head import HeadKVCache, MTPHead, additive_mask
-from .objectives import head_loss_per_cycle
+from .objectives import chain_lengths, head_loss_per_cycle_at
 from .records import RecordError, SequenceRecord, check_fits
 
 DEFAULT_CHUNK_CYCLES = 1024
@@ -73,9 +73,24 @@ def _hidden_of(records: Sequence[SequenceRecord], hiddens: Sequence[torch.Tensor
     return records[seq].hidden
 
 
-def reconstruct_chunk(head: MTPHead, records: Sequence[SequenceRecord], pieces: Sequence[Piece],
-                      hiddens: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
-    """Draft logits [N, K, V] (divided by each request's temperature) for the cycles of `pieces`, in order."""
+@dataclass
+class DraftStates:
+    """The head's states at the (cycle, position) slots that were reconstructed, one row per slot."""
+
+    normed: torch.Tensor  # [M, H] norm(o), what the lm_head reads
+    cycle: torch.Tensor  # [M] the slot's cycle (index into the chunk's cycles)
+    position: torch.Tensor  # [M] its draft position, 0-based
+    temperature: torch.Tensor  # [N] per cycle
+
+
+def reconstruct_states(head: MTPHead, records: Sequence[SequenceRecord], pieces: Sequence[Piece],
+                       hiddens: Sequence[torch.Tensor] | None = None,
+                       lengths: torch.Tensor | None = None) -> DraftStates:
+    """The states behind draft positions 1..lengths[c] of every cycle c of `pieces` (None: all K).
+
+    A chain stops at its length: under VGM the positions after the first rejection carry no loss, so
+    their chain steps are never run. Rows are ordered by position, then cycle.
+    """
     param = next(head.parameters())
     device, dtype = param.device, param.dtype
     depth = records[pieces[0].seq].depth
@@ -101,40 +116,56 @@ def reconstruct_chunk(head: MTPHead, records: Sequence[SequenceRecord], pieces: 
     drafts = _cat_cycles(records, pieces, "drafts").to(device)
     temperature = torch.cat([torch.full((pc.hi - pc.lo,), float(records[pc.seq].temperature)) for pc in pieces])
     num_cycles = int(start.shape[0])
+    lengths = torch.full((num_cycles,), depth, device=device) if lengths is None else lengths.to(device)
 
-    normed = [prefix.normed[seq_local, start]]  # depth 1 is the prefix output at s, [N, H]
+    cycles = torch.arange(num_cycles, device=device)  # the cycles still drafting at this depth
+    normed, slot_cycle = [prefix.normed[seq_local, start]], [cycles]  # depth 1: the prefix output at s
     feed_back = prefix.feed_back[seq_local, start]
+    # Shared cache: prefix entries of all sequences side by side ([1, kv, num_seqs * lmax, d]), then the
+    # chain entries of every depth; `chain_cycles` names the cycle of each chain entry, in cache order.
+    chain_cache = HeadKVCache(_flatten(cache.key), _flatten(cache.value))
+    chain_cycles = cycles[:0]
+    for j in range(2, depth + 1):
+        alive = lengths[cycles] >= j
+        if not bool(alive.any()):
+            break
+        cycles, feed_back = cycles[alive], feed_back[alive]
+        chain_cycles = torch.cat([chain_cycles, cycles])
+        mask = draft_path_mask(seq_local[cycles], start[cycles], num_seqs, lmax, cycles, chain_cycles, dtype)
+        out = head(feed_back.unsqueeze(0), drafts[cycles, j - 2].unsqueeze(0), (start[cycles] + j - 1).unsqueeze(0),
+                   cache=chain_cache, attention_mask=mask)
+        normed.append(out.normed[0])
+        slot_cycle.append(cycles)
+        feed_back = out.feed_back[0]
+    position = torch.cat([torch.full_like(c, j) for j, c in enumerate(slot_cycle)])
+    return DraftStates(torch.cat(normed), torch.cat(slot_cycle), position, temperature.to(device))
 
-    if depth > 1:
-        # Shared cache: prefix entries of all sequences side by side ([1, kv, num_seqs * lmax, d]).
-        def flatten(t: torch.Tensor) -> torch.Tensor:  # [B, kv, L, d] -> [1, kv, B * L, d]
-            return t.transpose(0, 1).reshape(1, t.shape[1], -1, t.shape[3])
 
-        chain_cache = HeadKVCache(flatten(cache.key), flatten(cache.value))
-        mask = draft_path_mask(seq_local, start, num_seqs, lmax, depth, dtype)
-        num_prefix = num_seqs * lmax
-        for j in range(2, depth + 1):
-            step_mask = mask[..., :num_prefix + num_cycles * (j - 1)]
-            out = head(feed_back.unsqueeze(0), drafts[:, j - 2].unsqueeze(0), (start + j - 1).unsqueeze(0),
-                       cache=chain_cache, attention_mask=step_mask)
-            normed.append(out.normed[0])
-            feed_back = out.feed_back[0]
-
-    logits = head.logits(torch.stack(normed, dim=1)).float()  # [N, K, V]
-    return logits / temperature.to(device)[:, None, None]
+def _flatten(t: torch.Tensor) -> torch.Tensor:  # [B, kv, L, d] -> [1, kv, B * L, d]
+    return t.transpose(0, 1).reshape(1, t.shape[1], -1, t.shape[3])
 
 
-def draft_path_mask(seq_local: torch.Tensor, start: torch.Tensor, num_seqs: int, lmax: int, depth: int,
-                    dtype: torch.dtype) -> torch.Tensor:
-    """Additive [1, 1, N, num_seqs*lmax + N*(depth-1)]: own committed prefix p <= s, own draft entries."""
-    device = start.device
-    num_cycles = int(start.shape[0])
+def reconstruct_chunk(head: MTPHead, records: Sequence[SequenceRecord], pieces: Sequence[Piece],
+                      hiddens: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
+    """Draft logits [N, K, V] (divided by each request's temperature) for the cycles of `pieces`, in order.
+
+    Full-vocabulary logits: for the invariant tests and small batches. Training reads `log_probs_at`."""
+    states = reconstruct_states(head, records, pieces, hiddens)
+    logits = head.logits(states.normed).float() / states.temperature[states.cycle, None]
+    num_cycles, depth = int(states.temperature.shape[0]), records[pieces[0].seq].depth
+    return logits.new_zeros(num_cycles, depth, logits.shape[-1]).index_put((states.cycle, states.position), logits)
+
+
+def draft_path_mask(query_seq: torch.Tensor, query_start: torch.Tensor, num_seqs: int, lmax: int,
+                    query_cycle: torch.Tensor, chain_cycle: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Additive [1, 1, Q, num_seqs*lmax + C]: each query sees its own committed prefix p <= s and the chain
+    entries of its own cycle (chain_cycle [C] names each chain entry's cycle)."""
+    device = query_start.device
     column_seq = torch.arange(num_seqs, device=device).repeat_interleave(lmax)  # [num_seqs * lmax]
     column_pos = torch.arange(lmax, device=device).repeat(num_seqs)
-    prefix_visible = (column_seq[None, :] == seq_local[:, None]) & (column_pos[None, :] <= start[:, None])
-    own = torch.eye(num_cycles, dtype=torch.bool, device=device)
-    visible = torch.cat([prefix_visible] + [own] * (depth - 1), dim=1)
-    return additive_mask(visible, dtype)[None, None]
+    prefix_visible = (column_seq[None, :] == query_seq[:, None]) & (column_pos[None, :] <= query_start[:, None])
+    own = chain_cycle[None, :] == query_cycle[:, None]
+    return additive_mask(torch.cat([prefix_visible, own], dim=1), dtype)[None, None]
 
 
 def reconstruct_draft_logits(head: MTPHead, records: Sequence[SequenceRecord],
@@ -155,10 +186,18 @@ class TeacherForcedBatch:
     """Teacher-forced chains of one sequence: one chain per committed start m, depths 1..K."""
 
     starts: torch.Tensor  # [M] start position m of each chain
-    logits: torch.Tensor  # [M, K, V], temperature applied
+    normed: torch.Tensor  # [M, K, H] the head's state at each depth
+    temperature: float
     topk_ids: torch.Tensor  # [M, K, k] recorded target at the token each depth predicts
     topk_logprobs: torch.Tensor  # [M, K, k]
     lengths: torch.Tensor  # [M] consecutive depths (from 1) that have a recorded target
+
+    def draft_states(self) -> DraftStates:
+        """The depths that have a target (the rest carry no loss), as reconstruction's slots."""
+        chain, position = torch.nonzero(torch.arange(self.normed.shape[1], device=self.lengths.device)[None, :]
+                                        < self.lengths[:, None], as_tuple=True)
+        temperature = torch.full((self.normed.shape[0],), float(self.temperature), device=self.normed.device)
+        return DraftStates(self.normed[chain, position], chain, position, temperature)
 
 
 def _teacher_forcing_targets(rec: SequenceRecord):
@@ -214,9 +253,9 @@ def teacher_forced_chains(head: MTPHead, rec: SequenceRecord, hidden: torch.Tens
         features = torch.cat([hidden[:1].to(device=device, dtype=dtype)[None], out.feed_back[:, :-1]], dim=1)
     slot = (starts[:, None] + offsets[None, :] - 1).clamp(max=num_slots - 1).to(device)  # [M, K]
     states = torch.stack([normed[k][slot[:, k]] for k in range(depth)], dim=1)  # [M, K, H]
-    logits = head.logits(states).float() / rec.temperature
     tgt = token_index.clamp(max=length - 1)
-    return TeacherForcedBatch(starts=starts, logits=logits, topk_ids=target_ids[tgt].to(device),
+    return TeacherForcedBatch(starts=starts, normed=states, temperature=rec.temperature,
+                              topk_ids=target_ids[tgt].to(device),
                               topk_logprobs=target_lp[tgt].to(device), lengths=lengths.to(device))
 
 
@@ -226,8 +265,32 @@ class HeadLossStats:
     loss: float  # batch loss (mean over cycles, or over teacher-forced chains)
     num_cycles: int
     num_chunks: int
-    alpha_mean: list[float] = field(default_factory=list)  # per position, over reconstructed cycles
+    # per draft position: the sum and count of the head's alpha over the cycles that reach it (all of
+    # them without VGM; under VGM those whose earlier drafts were all accepted, where the loss reads it)
+    alpha_sum: list[float] = field(default_factory=list)
+    alpha_count: list[float] = field(default_factory=list)
     finite: bool = True
+
+    @property
+    def alpha_mean(self) -> list[float]:
+        return [s / max(n, 1.0) for s, n in zip(self.alpha_sum, self.alpha_count)]
+
+
+def loss_at_states(head: MTPHead, states: DraftStates, topk_ids: torch.Tensor, topk_logprobs: torch.Tensor,
+                   accepted: torch.Tensor | None, kind: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss per cycle [N], alpha [N, K] detached, built [N, K] bool) from the reconstructed slots only.
+
+    log q is computed at the recorded ids of the built slots, a block of rows at a time (`log_probs_at`):
+    no [N, K, V] logits. Slots not built carry no loss (`chain_lengths`); they hold the target's own log p,
+    which keeps them finite.
+    """
+    slots = (states.cycle, states.position)
+    logq_slots = head.log_probs_at(states.normed, topk_ids[slots], states.temperature[states.cycle])
+    logq = topk_logprobs.float().index_put(slots, logq_slots)
+    per_cycle, alpha = head_loss_per_cycle_at(logq, topk_logprobs, accepted, kind)
+    built = torch.zeros(alpha.shape, dtype=torch.bool, device=alpha.device).index_put(
+        slots, torch.ones_like(states.cycle, dtype=torch.bool))
+    return per_cycle, alpha, built
 
 
 def head_loss_backward(head: MTPHead, records: Sequence[SequenceRecord],
@@ -254,20 +317,23 @@ def head_loss_backward(head: MTPHead, records: Sequence[SequenceRecord],
     if total == 0:
         return HeadLossStats(loss=0.0, num_cycles=0, num_chunks=0)
     device = next(head.parameters()).device
-    loss_sum, alpha_sum, chunks = 0.0, None, plan_chunks(records, chunk_cycles)
+    loss_sum, alpha_sum, alpha_count, chunks = 0.0, 0.0, 0.0, plan_chunks(records, chunk_cycles)
     for pieces in chunks:
-        logits = reconstruct_chunk(head, records, pieces, hiddens)
         accepted = _cat_cycles(records, pieces, "accepted").to(device) if vgm else None
-        per_cycle, alpha = head_loss_per_cycle(logits, _cat_cycles(records, pieces, "topk_ids").to(device),
-                                               _cat_cycles(records, pieces, "topk_logprobs").to(device),
-                                               accepted, kind)
+        depth = records[pieces[0].seq].depth
+        lengths = chain_lengths(accepted, sum(pc.hi - pc.lo for pc in pieces), depth, device=device)
+        states = reconstruct_states(head, records, pieces, hiddens, lengths)
+        per_cycle, alpha, built = loss_at_states(head, states, _cat_cycles(records, pieces, "topk_ids").to(device),
+                                                 _cat_cycles(records, pieces, "topk_logprobs").to(device),
+                                                 accepted, kind)
         chunk_loss = per_cycle.sum() / total  # = chunk mean x the chunk's share of cycles
         if not _backward_if_finite(chunk_loss, backward, agree):
             return HeadLossStats(loss=float("nan"), num_cycles=total, num_chunks=len(chunks), finite=False)
         loss_sum += chunk_loss.item()
-        alpha_sum = alpha.sum(0) if alpha_sum is None else alpha_sum + alpha.sum(0)
-    return HeadLossStats(loss=loss_sum, num_cycles=total, num_chunks=len(chunks),
-                         alpha_mean=(alpha_sum / total).tolist())
+        alpha_sum = alpha_sum + (alpha * built).sum(0)
+        alpha_count = alpha_count + built.sum(0)
+    return HeadLossStats(loss=loss_sum, num_cycles=total, num_chunks=len(chunks), alpha_sum=alpha_sum.tolist(),
+                         alpha_count=alpha_count.float().tolist())
 
 
 def count_chunks(records: Sequence[SequenceRecord], chunk_cycles: int | None = DEFAULT_CHUNK_CYCLES,
@@ -316,8 +382,8 @@ def _teacher_forced_backward(head, records, hiddens, kind, backward, agree) -> H
         if targets[i] is None:
             continue
         batch = teacher_forced_chains(head, rec, _hidden_of(records, hiddens, i))
-        per_chain, _ = head_loss_per_cycle(batch.logits, batch.topk_ids, batch.topk_logprobs,
-                                           batch.lengths - 1, kind)
+        per_chain, _, _ = loss_at_states(head, batch.draft_states(), batch.topk_ids, batch.topk_logprobs,
+                                         batch.lengths - 1, kind)
         chunk_loss = per_chain.sum() / total
         if not _backward_if_finite(chunk_loss, backward, agree):
             return HeadLossStats(loss=float("nan"), num_cycles=total, num_chunks=chunks, finite=False)

@@ -153,16 +153,18 @@ def update_head(head: MTPHead, backbone: nn.Module, records: Sequence[SequenceRe
         finite = filled.finite
 
     local_sum = stats.loss * local_cycles if stats is not None and stats.finite else 0.0
-    alpha = stats.alpha_mean if stats is not None and stats.alpha_mean else [0.0] * k
+    alpha_sum = stats.alpha_sum if stats is not None and stats.alpha_sum else [0.0] * k
+    alpha_count = stats.alpha_count if stats is not None and stats.alpha_count else [0.0] * k
     # The recorded top-k's share of the target's mass: the sparse alpha estimate can exceed the true alpha
     # by at most 1 minus it (objectives.py), so a small value says the alphas above are loose.
     local_mass = sum(float(torch.logsumexp(rec.topk_logprobs.float(), dim=-1).exp().sum()) for rec in records)
-    sums = _all_reduce([local_sum, local_mass] + [a * local_cycles for a in alpha], dist.ReduceOp.SUM)
+    sums = _all_reduce([local_sum, local_mass] + alpha_sum + alpha_count, dist.ReduceOp.SUM)
     metrics["head_finite"] = 1.0 if finite else 0.0
     metrics["head_loss"] = sums[0] / max(total_cycles, 1.0) if finite else float("nan")
     metrics["head_topk_mass"] = sums[1] / max(total_cycles * k, 1.0)  # mean over cycles and draft positions
     if not cfg.teacher_forcing:
-        for position, value in enumerate(sums[2:], start=1):
-            metrics[f"head_alpha_{position}"] = value / max(total_cycles, 1.0)
+        # per position, over the cycles whose loss reads it (under VGM: those that reached it)
+        for position, (value, count) in enumerate(zip(sums[2:2 + k], sums[2 + k:]), start=1):
+            metrics[f"head_alpha_{position}"] = value / max(count, 1.0)
     metrics["head_update_s"] = time.perf_counter() - began
     return metrics

@@ -124,3 +124,34 @@ def test_acceptance_summary_counts_tau_with_the_bonus_token_and_unconditional_al
     assert summary.tau == pytest.approx(1 + 7 / 4)
     assert summary.alpha == pytest.approx([3 / 4, 2 / 4, 2 / 4])
     assert acceptance_summary(torch.tensor([], dtype=torch.long), k=2).tau == 1.0
+
+
+def test_log_probs_at_equals_the_full_vocabulary_softmax_and_keeps_one_block_of_logits():
+    head = make_head("qwen3")
+    g = torch.Generator().manual_seed(3)
+    normed = torch.randn(23, HIDDEN, generator=g, requires_grad=True)
+    ids = torch.randint(0, VOCAB, (23, 8), generator=g)
+    temperature = torch.rand(23, generator=g) + 0.5
+    weights = torch.randn(23, 8, generator=g)
+
+    dense = (head.logits(normed).float() / temperature[:, None]).log_softmax(-1).gather(-1, ids)
+    (dense * weights).sum().backward()
+    dense_grad, normed.grad = normed.grad.clone(), None
+
+    rows = 5  # 23 rows in blocks of 5: the last block is short
+    weight = head.lm_head.weight.untyped_storage().data_ptr()
+    held = []  # vocabulary-wide rows held for backward (the lm_head's own weight aside)
+
+    def pack(t):
+        if t.shape[-1] == VOCAB and t.untyped_storage().data_ptr() != weight:
+            held.append(t.numel() // VOCAB)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        sparse = head.log_probs_at(normed, ids, temperature, block_elements=rows * VOCAB)
+    (sparse * weights).sum().backward()
+    # fp32, one matmul and one logsumexp per row either way: only summation order may differ (~1e-7)
+    assert (sparse - dense).abs().max().item() <= 1e-5
+    assert (normed.grad - dense_grad).abs().max().item() <= 1e-5 * max(1.0, dense_grad.abs().max().item())
+    assert dense_grad.abs().max() > 0
+    assert sum(held) == 0  # the backward recomputes each block's logits: none are kept

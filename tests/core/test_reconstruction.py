@@ -4,7 +4,9 @@ import pytest
 import torch
 
 from openrlhf_growmtp.core import head_loss_backward, reconstruct_draft_logits
-from openrlhf_growmtp.core.reconstruction import draft_path_mask, plan_chunks, teacher_forced_chains
+from openrlhf_growmtp.core.objectives import chain_lengths, head_loss_per_cycle
+from openrlhf_growmtp.core.reconstruction import (draft_path_mask, plan_chunks, reconstruct_states,
+                                                  teacher_forced_chains)
 from openrlhf_growmtp.core.records import RecordError
 from tiny import FAMILY_NAMES, chain_by_chain_logits, make_head, make_records
 
@@ -40,8 +42,6 @@ def test_head_gradients_equal_chain_by_chain(family):
     topk_ids = torch.cat([r.topk_ids for r in records])
     topk_lp = torch.cat([r.topk_logprobs for r in records])
     accepted = torch.cat([r.accepted for r in records])
-    from openrlhf_growmtp.core.objectives import head_loss_per_cycle
-
     loss, _ = head_loss_per_cycle(chain_by_chain_logits(head, records), topk_ids, topk_lp, accepted, "dca")
     loss.mean().backward()
     reference = _grads(head)
@@ -84,8 +84,9 @@ def test_plan_chunks_covers_every_cycle_once_in_order():
 
 def test_mask_matches_worked_example():
     # one sequence, 4 prefix slots, cycles starting at s = 1 and 3, depth 3 (the module docstring's example)
-    mask = draft_path_mask(torch.tensor([0, 0]), torch.tensor([1, 3]), num_seqs=1, lmax=4, depth=3,
-                           dtype=torch.float32)
+    cycles = torch.tensor([0, 1])
+    mask = draft_path_mask(torch.tensor([0, 0]), torch.tensor([1, 3]), num_seqs=1, lmax=4, query_cycle=cycles,
+                           chain_cycle=torch.cat([cycles, cycles]), dtype=torch.float32)
     visible = (mask[0, 0] == 0).int().tolist()
     assert visible == [[1, 1, 0, 0, 1, 0, 1, 0],
                        [1, 1, 1, 1, 0, 1, 0, 1]]
@@ -112,13 +113,14 @@ def test_teacher_forcing_agrees_with_reconstruction_only_at_depth_one():
     with torch.no_grad():
         recon = reconstruct_draft_logits(head, [rec])
         tf = teacher_forced_chains(head, rec, rec.hidden)
+        tf_logits = head.logits(tf.normed).float() / tf.temperature
     starts = rec.start.tolist()
     tf_starts = tf.starts.tolist()
     rows = [tf_starts.index(s) for s in starts]
-    assert (tf.logits[rows, 0] - recon[:, 0]).abs().max() <= 1e-5
+    assert (tf_logits[rows, 0] - recon[:, 0]).abs().max() <= 1e-5
     # cycle 0 accepted all K drafts, so both paths feed the same tokens; only the caches differ at depth >= 2
     assert torch.equal(rec.drafts[0], rec.token_ids[starts[0] + 2:starts[0] + 2 + rec.depth])
-    assert (tf.logits[rows[0], 1:] - recon[0, 1:]).abs().max() > 1e-3
+    assert (tf_logits[rows[0], 1:] - recon[0, 1:]).abs().max() > 1e-3
     # targets: depth 1 of the chain at s is verified by row 1 of the cycle starting at s
     assert torch.equal(tf.topk_ids[rows, 0], rec.topk_ids[:, 0])
 
@@ -162,3 +164,61 @@ def test_a_malformed_record_fails_before_any_model_work_naming_record_and_field(
     mixed = make_records(k=4)[:2] + make_records(k=3)[2:]
     with pytest.raises(RecordError, match=r"^record 2: drafts: K = 3"):
         head_loss_backward(head, mixed)
+
+
+def test_vgm_builds_only_the_positions_up_to_the_first_rejection_with_unchanged_states():
+    head = make_head("qwen3")
+    records = make_records(k=4)
+    pieces = plan_chunks(records, None)[0]
+    accepted = torch.cat([r.accepted for r in records])
+    lengths = chain_lengths(accepted, len(accepted), 4)
+    with torch.no_grad():
+        full = reconstruct_states(head, records, pieces)
+        pruned = reconstruct_states(head, records, pieces, lengths=lengths)
+    assert full.normed.shape[0] == 4 * len(accepted)
+    assert pruned.normed.shape[0] == int(lengths.sum()) < full.normed.shape[0]
+    assert torch.equal(torch.bincount(pruned.cycle, minlength=len(accepted)), lengths)
+    # a pruned chain's neighbours are masked out of every other chain, so dropping them changes nothing
+    # beyond rounding: the same fp32 layer over differently shaped batches, a few ulps of |normed| <= ~5
+    index = {(int(c), int(p)): m for m, (c, p) in enumerate(zip(full.cycle, full.position))}
+    rows = torch.tensor([index[(int(c), int(p))] for c, p in zip(pruned.cycle, pruned.position)])
+    assert (pruned.normed - full.normed[rows]).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("vgm", [True, False])
+def test_alpha_statistics_average_each_position_over_the_cycles_whose_loss_reads_it(vgm):
+    head = make_head("qwen3")
+    records = make_records(k=4)
+    accepted = torch.cat([r.accepted for r in records])
+    with torch.no_grad():
+        _, alpha = head_loss_per_cycle(chain_by_chain_logits(head, records), torch.cat([r.topk_ids for r in records]),
+                                       torch.cat([r.topk_logprobs for r in records]), accepted, "dca")
+    lengths = chain_lengths(accepted if vgm else None, len(accepted), 4)
+    reads = torch.arange(4)[None, :] < lengths[:, None]
+    expected = (alpha * reads).sum(0) / reads.sum(0)
+    stats = head_loss_backward(head, records, kind="dca", vgm=vgm, chunk_cycles=5)
+    assert stats.alpha_count == reads.sum(0).float().tolist()
+    assert stats.alpha_mean == pytest.approx(expected.tolist(), abs=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["dca", "kl"])
+def test_teacher_forced_loss_and_gradients_equal_the_full_vocabulary_path(kind):
+    head = make_head("qwen3")
+    records = make_records(k=3)
+    batches = [teacher_forced_chains(head, rec, rec.hidden) for rec in records]
+    total = sum(int(b.starts.shape[0]) for b in batches if b is not None)
+    reference = 0.0
+    for b in batches:
+        if b is not None:
+            logits = head.logits(b.normed).float() / b.temperature
+            loss, _ = head_loss_per_cycle(logits, b.topk_ids, b.topk_logprobs, b.lengths - 1, kind)
+            reference = reference + loss.sum() / total
+    reference.backward()
+    expected = _grads(head)
+    _zero(head)
+    stats = head_loss_backward(head, records, kind=kind, teacher_forcing=True)
+    assert abs(stats.loss - reference.item()) <= 1e-5 * max(1.0, abs(reference.item()))
+    for name, grad in _grads(head).items():
+        scale = expected[name].abs().max().item()
+        assert scale > 0, name
+        assert (grad - expected[name]).abs().max().item() <= 1e-5 * max(1.0, scale), name

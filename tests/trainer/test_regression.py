@@ -148,13 +148,13 @@ def test_nonfinite_head_loss_skips_head_update(upstream, single_rank, policy_dir
                                               caplog):
     from openrlhf_growmtp.core import reconstruction
 
-    real = reconstruction.head_loss_per_cycle
+    real = reconstruction.head_loss_per_cycle_at
 
     def poisoned(*args, **kwargs):
         per_cycle, alpha = real(*args, **kwargs)
         return per_cycle * float("nan"), alpha
 
-    monkeypatch.setattr(reconstruction, "head_loss_per_cycle", poisoned)
+    monkeypatch.setattr(reconstruction, "head_loss_per_cycle_at", poisoned)
     status, policy, head, _, _ = ours(policy_dir, head_dir, tmp_path)
     _, up_policy, _, _, _ = upstream
     assert status["growmtp/head_finite"] == 0.0
