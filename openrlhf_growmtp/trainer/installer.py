@@ -134,6 +134,11 @@ def install_cpu_support() -> bool:
         config = upstream_config(*args, **kwargs)
         if "optimizer" in config:
             config["optimizer"].setdefault("params", {})["torch_adam"] = True
+        # ZeRO-3's coalesced all-gather launches one async op per parameter and waits on the last only
+        # ("enqueued, but not necessarily complete"): safe on one CUDA stream, not on gloo, whose two
+        # worker threads may finish out of order, so a gathered parameter can be read before it arrived.
+        # The sequential gather waits on every op.
+        config.setdefault("zero_optimization", {})["stage3_allgather_sequential"] = True
         return config
 
     train_ds_config_torch_adam._growmtp = True

@@ -81,3 +81,13 @@ def test_the_launcher_exports_its_decision_for_every_process_it_starts(policy_di
     # a process that inherits the decision but sees no GPU (an engine actor with num_gpus=0) agrees with it
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert cpu_support.needed() is (not machine_has_cuda)
+
+
+def test_cpu_zero3_gathers_wait_for_every_parameter():
+    # gloo may complete the coalesced gather's async ops out of order, and DeepSpeed waits on the last one
+    from openrlhf.utils.deepspeed import deepspeed as ds_module
+
+    assert installer.install_cpu_support()
+    config = ds_module.get_train_ds_config(offload=False, adam_offload=False, stage=3)
+    assert config["zero_optimization"]["stage3_allgather_sequential"] is True
+    assert config["zero_optimization"]["stage"] == 3
