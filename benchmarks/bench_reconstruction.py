@@ -5,9 +5,12 @@ newly committed entries, runs its K chain steps one at a time, and crops them ag
 `head_loss_backward`: one causal prefix pass and K-1 chain forwards per chunk of cycles.
 
 Prints a table of time, speed-up and identity (max |log q| and max |grad| differences) per cycle count,
-then the activation memory held for backward per chunk size and per response length. Memory is CUDA's
-peak allocation on a GPU, else the bytes of the unique tensors autograd saved for backward (the
-resident state that chunking bounds). With --json the last line is one JSON object.
+then the activation memory held for backward per chunk size and per response length, with
+`memory_growth` = that memory at 4,096 cycles / at 512 (same chunk of 256). Memory is CUDA's peak
+allocation on a GPU, else the bytes of the unique tensors autograd saved for backward (the resident
+state that chunking bounds). Last, the peak memory of one 1024-cycle chunk at Qwen3-4B's head shape and
+real vocabulary in bf16 (CUDA's peak, or the sampled peak resident memory on CPU). With --json the last
+line is one JSON object.
 
     python benchmarks/bench_reconstruction.py [--json] [--cycles 64 256 1024] [--device cpu|cuda]
 """
@@ -15,7 +18,12 @@ resident state that chunking bounds). With --json the last line is one JSON obje
 from __future__ import annotations
 
 import argparse
+import ctypes
+import gc
 import json
+import os
+import statistics
+import threading
 import time
 
 import torch
@@ -95,12 +103,15 @@ def compare(head: MTPHead, rec: SequenceRecord, device: str) -> dict:
     serial_s = time.perf_counter() - t0
     serial_grad, serial_logq = grads_of(head), logits.detach().log_softmax(-1)
 
-    sync(device)
-    t0 = time.perf_counter()
-    head_loss_backward(head, [rec], kind="dca", chunk_cycles=1024)
-    sync(device)
-    batched_s = time.perf_counter() - t0
-    batched_grad = grads_of(head)
+    times = []
+    for _ in range(3):  # the median of three: one run is too short to time alone
+        sync(device)
+        t0 = time.perf_counter()
+        head_loss_backward(head, [rec], kind="dca", chunk_cycles=1024)
+        sync(device)
+        times.append(time.perf_counter() - t0)
+        batched_grad = grads_of(head)
+    batched_s = statistics.median(times)
     with torch.no_grad():
         batched_logq = reconstruct_draft_logits(head, [rec]).log_softmax(-1)
     return {"cycles": rec.num_cycles, "k": K, "serial_s": serial_s, "batched_s": batched_s,
@@ -146,6 +157,75 @@ def peak_memory_mb(head: MTPHead, rec: SequenceRecord, chunk: int, device: str) 
     return meter.peak / 2**20
 
 
+class PeakRSS:
+    """Peak resident memory above the level at entry, sampled every millisecond from another thread (torch
+    releases the GIL inside its kernels). Memory that glibc retained from earlier frees is handed back
+    first (malloc_trim), so that the chunk cannot hide in it."""
+
+    def __enter__(self):
+        gc.collect()
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        self.base = self.peak = _rss()
+        self.running = True
+        self.thread = threading.Thread(target=self._sample, daemon=True)
+        self.thread.start()
+        return self
+
+    def _sample(self):
+        while self.running:
+            self.peak = max(self.peak, _rss())
+            time.sleep(0.001)
+
+    def __exit__(self, *exc):
+        self.running = False
+        self.thread.join()
+        self.peak = max(self.peak, _rss())
+
+    @property
+    def mb(self) -> float:
+        return (self.peak - self.base) / 2**20
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def real_shape_chunk(device: str, cycles: int = 1024, dtype: torch.dtype = torch.bfloat16) -> dict:
+    """One chunk's head update (forward + backward) at Qwen3-4B's head: hidden 2560, 32 query / 8 kv heads of
+    128, MLP 9728, the real vocabulary of 151,936 (tied embedding), bf16 as the trainer runs it. Peak memory
+    above what the head (with its gradients), the backbone's embedding and the record already hold."""
+    config = Qwen3Config(hidden_size=2560, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                         intermediate_size=9728, num_hidden_layers=1, vocab_size=151936, initializer_range=0.02)
+    embed = nn.Embedding(151936, 2560, dtype=dtype)
+    lm_head = nn.Linear(2560, 151936, bias=False, dtype=dtype)
+    with torch.no_grad():
+        embed.weight.normal_(0.0, 0.02)
+    lm_head.weight = embed.weight  # Qwen3-4B ties them
+    head = init_random_head_(MTPHead(make_head_config(config, get_family("qwen3")), embed, lm_head), 0)
+    head = head.to(device=device, dtype=dtype)
+    accepted = torch.multinomial(torch.tensor([0.25, 0.25, 0.2, 0.12, 0.08, 0.1]), cycles, replacement=True,
+                                 generator=torch.Generator().manual_seed(2)).tolist()
+    # drawn over the first 4,096 ids (a [cycles, K, 151936] draw would dwarf what is measured); all are valid
+    rec = SequenceRecord.make_dummy(prompt_len=128, accepted=accepted, depth=K, topk=TOPK, vocab_size=4096,
+                                    hidden_size=2560, seed=2)
+    hidden = rec.hidden.to(device=device, dtype=dtype)
+    for p in head.parameters():  # the head's gradients exist across a step's chunks: not the chunk's memory
+        p.grad = torch.zeros_like(p)
+    if device == "cuda":
+        sync(device)
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    t0 = time.perf_counter()
+    with PeakRSS() as rss:
+        stats = head_loss_backward(head, [rec], [hidden], chunk_cycles=cycles)
+    sync(device)
+    seconds = time.perf_counter() - t0
+    peak = (torch.cuda.max_memory_allocated() - base) / 2**20 if device == "cuda" else rss.mb
+    return {"cycles": cycles, "tokens": int(rec.token_ids.numel()), "dtype": str(dtype).replace("torch.", ""),
+            "peak_mb": peak, "seconds": seconds, "finite": stats.finite}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", action="store_true")
@@ -181,10 +261,17 @@ def main() -> None:
         length_memory[cycles] = peak_memory_mb(head, long_rec, 256, args.device)
         print(f"  {cycles:>5} cycles ({long_rec.token_ids.numel():>5} tokens): {length_memory[cycles]:8.1f}")
 
+    growth = length_memory[4096] / length_memory[512]
+    print(f"  memory_growth (4096 / 512 cycles): {growth:.2f}")
+
+    real = real_shape_chunk(args.device)
+    print(f"\none {real['cycles']}-cycle chunk at Qwen3-4B's head (H=2560, V=151,936, {real['dtype']}, "
+          f"{real['tokens']} tokens): peak {real['peak_mb']:.0f} MB above the model, {real['seconds']:.1f} s")
+
     result = dict(rows[-1])
     result.update({"device": args.device, "memory_unit": unit,
                    "memory_mb_by_chunk": chunk_memory, "memory_mb_by_cycles_at_chunk_256": length_memory,
-                   "rows": rows})
+                   "memory_growth": growth, "real_shape_chunk": real, "rows": rows})
     if args.json:
         print(json.dumps(result))
 

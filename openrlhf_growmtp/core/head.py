@@ -28,9 +28,10 @@ from transformers import PretrainedConfig
 from .families import CONCAT_EH, FEED_PRE_NORM, HeadFamily, get_family
 
 HEAD_CONFIG_FIELD = "growmtp_family"
-# At most this many full-vocabulary logits (fp32) alive at once in `log_probs_at`: 128 MiB, i.e. 220 rows at
-# Qwen's 151,936 tokens.
-LOGIT_BLOCK_ELEMENTS = 2**25
+# At most this many full-vocabulary logits in one block of `log_probs_at`: 64 MiB in fp32, i.e. 110 rows at
+# Qwen's 151,936 tokens (a block's matmul is still ~40 GFLOP at H=2560). A block's forward and backward
+# keep a few such tensors alive at once (logits, their exp, the gradient).
+LOGIT_BLOCK_ELEMENTS = 2**24
 
 
 def make_head_config(backbone_config: PretrainedConfig, family: HeadFamily) -> PretrainedConfig:

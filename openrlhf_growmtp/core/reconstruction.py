@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import torch
+import torch.utils.checkpoint
 
 from .head import HeadKVCache, MTPHead, additive_mask
 from .objectives import chain_lengths, head_loss_per_cycle_at
@@ -98,16 +99,12 @@ def reconstruct_states(head: MTPHead, records: Sequence[SequenceRecord], pieces:
     prefix_lens = [int(records[pc.seq].start[pc.hi - 1]) + 1 for pc in pieces]  # positions 0..max start
     lmax = max(prefix_lens)
 
-    # ---- prefix pass: every sequence's entries (H_p, x_{p+1}) at p = 0..prefix_len-1, causal -------------
+    # ---- prefix inputs: every sequence's entries (H_p, x_{p+1}) at p = 0..prefix_len-1 ------------------
     hidden_pad = torch.zeros(num_seqs, lmax, head.config.hidden_size, device=device, dtype=dtype)
     ids_pad = torch.zeros(num_seqs, lmax, dtype=torch.long, device=device)
     for i, (pc, length) in enumerate(zip(pieces, prefix_lens)):
         hidden_pad[i, :length] = _hidden_of(records, hiddens, pc.seq)[:length].to(device=device, dtype=dtype)
         ids_pad[i, :length] = records[pc.seq].token_ids[1:length + 1].to(device)
-    positions = torch.arange(lmax, device=device).expand(num_seqs, lmax)
-    cache = HeadKVCache()
-    # Right padding is harmless under a causal mask: real slots never see the padded ones after them.
-    prefix = head(hidden_pad, ids_pad, positions, cache=cache)
 
     # ---- the chunk's cycles, flattened ----------------------------------------------------------------
     seq_local = torch.cat([torch.full((pc.hi - pc.lo,), i, dtype=torch.long) for i, pc in enumerate(pieces)])
@@ -118,12 +115,20 @@ def reconstruct_states(head: MTPHead, records: Sequence[SequenceRecord], pieces:
     num_cycles = int(start.shape[0])
     lengths = torch.full((num_cycles,), depth, device=device) if lengths is None else lengths.to(device)
 
+    # ---- prefix pass, then one chain step per depth ------------------------------------------------------
+    # The prefix pass keeps only its inputs for the backward and runs again there: its activations (the
+    # whole layer at every committed position) would otherwise make a chunk's memory grow with the response.
+    prefix_args = (head, hidden_pad, ids_pad, seq_local, start)
+    if torch.is_grad_enabled():
+        first, feed_back, key, value = torch.utils.checkpoint.checkpoint(_prefix_pass, *prefix_args,
+                                                                         use_reentrant=False)
+    else:
+        first, feed_back, key, value = _prefix_pass(*prefix_args)
     cycles = torch.arange(num_cycles, device=device)  # the cycles still drafting at this depth
-    normed, slot_cycle = [prefix.normed[seq_local, start]], [cycles]  # depth 1: the prefix output at s
-    feed_back = prefix.feed_back[seq_local, start]
+    normed, slot_cycle = [first], [cycles]  # depth 1: the prefix output at s
     # Shared cache: prefix entries of all sequences side by side ([1, kv, num_seqs * lmax, d]), then the
     # chain entries of every depth; `chain_cycles` names the cycle of each chain entry, in cache order.
-    chain_cache = HeadKVCache(_flatten(cache.key), _flatten(cache.value))
+    chain_cache = HeadKVCache(key, value)
     chain_cycles = cycles[:0]
     for j in range(2, depth + 1):
         alive = lengths[cycles] >= j
@@ -139,6 +144,18 @@ def reconstruct_states(head: MTPHead, records: Sequence[SequenceRecord], pieces:
         feed_back = out.feed_back[0]
     position = torch.cat([torch.full_like(c, j) for j, c in enumerate(slot_cycle)])
     return DraftStates(torch.cat(normed), torch.cat(slot_cycle), position, temperature.to(device))
+
+
+def _prefix_pass(head: MTPHead, hidden: torch.Tensor, ids: torch.Tensor, seq_local: torch.Tensor,
+                 start: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Causal pass over every sequence's entries (H_p, x_{p+1}), right-padded to [B, L]: the outputs at each
+    cycle's start (normed, fed back; [N, H]) and all keys and values side by side ([1, kv, B * L, d])."""
+    batch, length = ids.shape
+    positions = torch.arange(length, device=ids.device).expand(batch, length)
+    cache = HeadKVCache()
+    # Right padding is harmless under a causal mask: real slots never see the padded ones after them.
+    out = head(hidden, ids, positions, cache=cache)
+    return out.normed[seq_local, start], out.feed_back[seq_local, start], _flatten(cache.key), _flatten(cache.value)
 
 
 def _flatten(t: torch.Tensor) -> torch.Tensor:  # [B, kv, L, d] -> [1, kv, B * L, d]
