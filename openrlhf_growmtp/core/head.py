@@ -21,17 +21,12 @@ import copy
 from dataclasses import dataclass
 
 import torch
-import torch.utils.checkpoint
 from torch import nn
 from transformers import PretrainedConfig
 
 from .families import CONCAT_EH, FEED_PRE_NORM, HeadFamily, get_family
 
 HEAD_CONFIG_FIELD = "growmtp_family"
-# At most this many full-vocabulary logits in one block of `log_probs_at`: 64 MiB in fp32, i.e. 110 rows at
-# Qwen's 151,936 tokens (a block's matmul is still ~40 GFLOP at H=2560). A block's forward and backward
-# keep a few such tensors alive at once (logits, their exp, the gradient).
-LOGIT_BLOCK_ELEMENTS = 2**24
 
 
 def make_head_config(backbone_config: PretrainedConfig, family: HeadFamily) -> PretrainedConfig:
@@ -139,23 +134,31 @@ class MTPHead(nn.Module):
         with context:
             return lm_head(normed)
 
+    @torch.no_grad()
     def log_probs_at(self, normed: torch.Tensor, ids: torch.Tensor, temperature: torch.Tensor,
-                     block_elements: int = LOGIT_BLOCK_ELEMENTS) -> torch.Tensor:
+                     num_blocks: int = 1) -> torch.Tensor:
         """log q(ids) [M, k] for states normed [M, H], q = softmax(lm_head(normed) / temperature [M]).
 
-        The same per-row arithmetic as the full-vocabulary log_softmax followed by a gather, but rows run
-        in blocks of at most `block_elements` logits, and under autograd each block is recomputed in the
-        backward instead of kept: at any time one block's [rows, V] logits are alive, never [M, V].
+        The same per-row arithmetic as the full-vocabulary log_softmax followed by a gather, in exactly
+        `num_blocks` lm_head calls: one block's [rows, V] logits exist at a time, never [M, V]. No
+        autograd; `log_probs_grad` is its backward.
         """
-        rows = max(1, block_elements // self.config.vocab_size)
-        out = []
-        for lo in range(0, normed.shape[0], rows):
-            args = (normed[lo:lo + rows], ids[lo:lo + rows], temperature[lo:lo + rows])
-            if torch.is_grad_enabled() and normed.requires_grad:
-                out.append(torch.utils.checkpoint.checkpoint(self._block_log_probs, *args, use_reentrant=False))
-            else:
-                out.append(self._block_log_probs(*args))
-        return torch.cat(out) if out else normed.new_zeros((0, ids.shape[1]), dtype=torch.float32)
+        blocks = _row_blocks(num_blocks, normed, ids, temperature)
+        return torch.cat([self._block_log_probs(*block) for block in blocks])[:normed.shape[0]]
+
+    def log_probs_grad(self, normed: torch.Tensor, ids: torch.Tensor, temperature: torch.Tensor,
+                       grad_log_probs: torch.Tensor, num_blocks: int = 1) -> torch.Tensor:
+        """d(sum grad_log_probs * log_probs_at(normed, ...)) / d normed, [M, H]: the backward of
+        `log_probs_at`, block by block (each block's logits are recomputed, used, and freed). Gradients
+        reach `normed` only, never the lm_head (or any parameter's .grad)."""
+        blocks = _row_blocks(num_blocks, normed.detach(), ids, temperature, grad_log_probs)
+        grads = []
+        with torch.enable_grad():
+            for block_normed, block_ids, block_temperature, block_grad in blocks:
+                block_normed = block_normed.detach().requires_grad_()
+                log_probs = self._block_log_probs(block_normed, block_ids, block_temperature)
+                grads.append(torch.autograd.grad(log_probs, block_normed, block_grad)[0])
+        return torch.cat(grads)[:normed.shape[0]]
 
     def _block_log_probs(self, normed: torch.Tensor, ids: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
         logits = self.logits(normed).float() / temperature[:, None]
@@ -237,6 +240,19 @@ class MTPHead(nn.Module):
             if j + 1 < num_steps:
                 out = self.step(out.feed_back[:, -1], token, start + j + 1, cache)
         return torch.stack(drafts, dim=1), torch.stack(logits, dim=1)
+
+
+def _row_blocks(num_blocks: int, *tensors: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
+    """Split rows into exactly num_blocks blocks of >= 1 row each; with fewer rows than blocks, row 0 is
+    repeated at the end (callers drop those results). Under ZeRO-3 every lm_head call gathers its weight,
+    a collective, so data-parallel ranks with different row counts must still make the same calls."""
+    rows = tensors[0].shape[0]
+    if rows < num_blocks:
+        pad = num_blocks - rows
+        tensors = tuple(torch.cat([t, t[:1].expand(pad, *t.shape[1:])]) for t in tensors)
+        rows = num_blocks
+    bounds = [rows * i // num_blocks for i in range(num_blocks + 1)]
+    return [tuple(t[lo:hi] for t in tensors) for lo, hi in zip(bounds[:-1], bounds[1:])]
 
 
 def prefix_extension_mask(num_cached: int, num_new: int, dtype: torch.dtype, device) -> torch.Tensor:

@@ -21,17 +21,21 @@ disjoint: each chunk recomputes the prefix entries it reads).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import torch
-import torch.utils.checkpoint
 
 from .head import HeadKVCache, MTPHead, additive_mask
 from .objectives import chain_lengths, head_loss_per_cycle_at
 from .records import RecordError, SequenceRecord, check_fits
 
 DEFAULT_CHUNK_CYCLES = 1024
+# At most this many full-vocabulary logits in one lm_head block of the head loss: 64 MiB in fp32, i.e. 110
+# rows at Qwen's 151,936 tokens (a block's matmul is still ~86 GFLOP at H=2560). A block's forward and
+# backward keep a few such tensors alive at once (logits, their exp, the gradient).
+LOGIT_BLOCK_ELEMENTS = 2**24
 
 
 @dataclass
@@ -90,7 +94,10 @@ def reconstruct_states(head: MTPHead, records: Sequence[SequenceRecord], pieces:
     """The states behind draft positions 1..lengths[c] of every cycle c of `pieces` (None: all K).
 
     A chain stops at its length: under VGM the positions after the first rejection carry no loss, so
-    their chain steps are never run. Rows are ordered by position, then cycle.
+    their chain steps are never run. Rows are ordered by position, then cycle. Every depth runs, and
+    once no chain reaches a depth, one passenger (a cycle already past its length) runs it alone: under
+    ZeRO-3 each head call gathers parameters, so data-parallel ranks must make the same calls. The
+    passenger's rows lie past its length, where the loss reads nothing (`chunk_loss_backward`).
     """
     param = next(head.parameters())
     device, dtype = param.device, param.dtype
@@ -115,15 +122,7 @@ def reconstruct_states(head: MTPHead, records: Sequence[SequenceRecord], pieces:
     num_cycles = int(start.shape[0])
     lengths = torch.full((num_cycles,), depth, device=device) if lengths is None else lengths.to(device)
 
-    # ---- prefix pass, then one chain step per depth ------------------------------------------------------
-    # The prefix pass keeps only its inputs for the backward and runs again there: its activations (the
-    # whole layer at every committed position) would otherwise make a chunk's memory grow with the response.
-    prefix_args = (head, hidden_pad, ids_pad, seq_local, start)
-    if torch.is_grad_enabled():
-        first, feed_back, key, value = torch.utils.checkpoint.checkpoint(_prefix_pass, *prefix_args,
-                                                                         use_reentrant=False)
-    else:
-        first, feed_back, key, value = _prefix_pass(*prefix_args)
+    first, feed_back, key, value = _prefix_pass(head, hidden_pad, ids_pad, seq_local, start)
     cycles = torch.arange(num_cycles, device=device)  # the cycles still drafting at this depth
     normed, slot_cycle = [first], [cycles]  # depth 1: the prefix output at s
     # Shared cache: prefix entries of all sequences side by side ([1, kv, num_seqs * lmax, d]), then the
@@ -133,7 +132,7 @@ def reconstruct_states(head: MTPHead, records: Sequence[SequenceRecord], pieces:
     for j in range(2, depth + 1):
         alive = lengths[cycles] >= j
         if not bool(alive.any()):
-            break
+            alive[0] = True  # the passenger
         cycles, feed_back = cycles[alive], feed_back[alive]
         chain_cycles = torch.cat([chain_cycles, cycles])
         mask = draft_path_mask(seq_local[cycles], start[cycles], num_seqs, lmax, cycles, chain_cycles, dtype)
@@ -293,21 +292,41 @@ class HeadLossStats:
         return [s / max(n, 1.0) for s, n in zip(self.alpha_sum, self.alpha_count)]
 
 
-def loss_at_states(head: MTPHead, states: DraftStates, topk_ids: torch.Tensor, topk_logprobs: torch.Tensor,
-                   accepted: torch.Tensor | None, kind: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(loss per cycle [N], alpha [N, K] detached, built [N, K] bool) from the reconstructed slots only.
+def logit_blocks(max_rows: int | None, vocab_size: int) -> int:
+    """How many lm_head calls `log_probs_at` makes for a chunk of at most max_rows slots (None: 1 call).
 
-    log q is computed at the recorded ids of the built slots, a block of rows at a time (`log_probs_at`):
-    no [N, K, V] logits. Slots not built carry no loss (`chain_lengths`); they hold the target's own log p,
-    which keeps them finite.
+    A function of configuration only, never of a rank's own records (see `log_probs_at`)."""
+    return 1 if max_rows is None else max(1, math.ceil(max_rows * vocab_size / LOGIT_BLOCK_ELEMENTS))
+
+
+def chunk_loss_backward(head: MTPHead, states: DraftStates, topk_ids: torch.Tensor, topk_logprobs: torch.Tensor,
+                        accepted: torch.Tensor | None, kind: str, weight: float, num_blocks: int,
+                        backward: Callable[[torch.Tensor], None], agree: Callable[[bool], bool]):
+    """Score one chunk's reconstructed slots and backpropagate weight x (sum of the per-cycle losses).
+
+    log q is computed at the recorded ids of the slots only, in `num_blocks` lm_head blocks, and twice:
+    without autograd for the loss, then block by block for its gradient (`MTPHead.log_probs_grad`), so
+    no [N, K, V] logits ever exist. The head's own graph is then backpropagated once, through `backward`,
+    from the surrogate sum(normed * dL/dnormed), whose gradients are the loss's. Only positions up to
+    the chain length (`chain_lengths`) carry loss (`read`); the others hold a passenger's log q or the
+    target's own log p, both finite. Returns (loss, alpha [N, K] detached, read [N, K]); loss is None
+    if it was not finite on some rank (`agree`), and then nothing was backpropagated.
     """
     slots = (states.cycle, states.position)
-    logq_slots = head.log_probs_at(states.normed, topk_ids[slots], states.temperature[states.cycle])
+    ids, temperature = topk_ids[slots], states.temperature[states.cycle]
+    logq_slots = head.log_probs_at(states.normed, ids, temperature, num_blocks).requires_grad_()
     logq = topk_logprobs.float().index_put(slots, logq_slots)
     per_cycle, alpha = head_loss_per_cycle_at(logq, topk_logprobs, accepted, kind)
-    built = torch.zeros(alpha.shape, dtype=torch.bool, device=alpha.device).index_put(
-        slots, torch.ones_like(states.cycle, dtype=torch.bool))
-    return per_cycle, alpha, built
+    loss = per_cycle.sum() * weight
+    lengths = chain_lengths(accepted, alpha.shape[0], alpha.shape[1], device=alpha.device)
+    read = torch.arange(alpha.shape[1], device=alpha.device)[None, :] < lengths[:, None]
+    # A non-finite loss is never backpropagated: it would poison every gradient it touches.
+    if not agree(bool(torch.isfinite(loss.detach()))):
+        return None, alpha, read
+    (grad_logq,) = torch.autograd.grad(loss, logq_slots)
+    grad_normed = head.log_probs_grad(states.normed, ids, temperature, grad_logq, num_blocks)
+    backward((states.normed * grad_normed.to(states.normed.dtype)).sum())
+    return loss.item(), alpha, read
 
 
 def head_loss_backward(head: MTPHead, records: Sequence[SequenceRecord],
@@ -335,20 +354,22 @@ def head_loss_backward(head: MTPHead, records: Sequence[SequenceRecord],
         return HeadLossStats(loss=0.0, num_cycles=0, num_chunks=0)
     device = next(head.parameters()).device
     loss_sum, alpha_sum, alpha_count, chunks = 0.0, 0.0, 0.0, plan_chunks(records, chunk_cycles)
+    depth = records[0].depth
+    num_blocks = logit_blocks(None if chunk_cycles is None else chunk_cycles * depth, head.config.vocab_size)
     for pieces in chunks:
         accepted = _cat_cycles(records, pieces, "accepted").to(device) if vgm else None
-        depth = records[pieces[0].seq].depth
         lengths = chain_lengths(accepted, sum(pc.hi - pc.lo for pc in pieces), depth, device=device)
         states = reconstruct_states(head, records, pieces, hiddens, lengths)
-        per_cycle, alpha, built = loss_at_states(head, states, _cat_cycles(records, pieces, "topk_ids").to(device),
-                                                 _cat_cycles(records, pieces, "topk_logprobs").to(device),
-                                                 accepted, kind)
-        chunk_loss = per_cycle.sum() / total  # = chunk mean x the chunk's share of cycles
-        if not _backward_if_finite(chunk_loss, backward, agree):
+        # weight 1/total: the chunk's mean x its share of the batch's cycles
+        chunk_loss, alpha, read = chunk_loss_backward(
+            head, states, _cat_cycles(records, pieces, "topk_ids").to(device),
+            _cat_cycles(records, pieces, "topk_logprobs").to(device), accepted, kind, 1.0 / total, num_blocks,
+            backward, agree)
+        if chunk_loss is None:
             return HeadLossStats(loss=float("nan"), num_cycles=total, num_chunks=len(chunks), finite=False)
-        loss_sum += chunk_loss.item()
-        alpha_sum = alpha_sum + (alpha * built).sum(0)
-        alpha_count = alpha_count + built.sum(0)
+        loss_sum += chunk_loss
+        alpha_sum = alpha_sum + (alpha * read).sum(0)
+        alpha_count = alpha_count + read.sum(0)
     return HeadLossStats(loss=loss_sum, num_cycles=total, num_chunks=len(chunks), alpha_sum=alpha_sum.tolist(),
                          alpha_count=alpha_count.float().tolist())
 
@@ -379,15 +400,6 @@ def check_batch(head: MTPHead, records: Sequence[SequenceRecord],
             raise RecordError(f"record {i}: {err}") from None
 
 
-def _backward_if_finite(chunk_loss: torch.Tensor, backward: Callable[[torch.Tensor], None],
-                        agree: Callable[[bool], bool]) -> bool:
-    # A non-finite loss is never backpropagated: it would poison every gradient it touches.
-    if not agree(bool(torch.isfinite(chunk_loss.detach()))):
-        return False
-    backward(chunk_loss)
-    return True
-
-
 def _teacher_forced_backward(head, records, hiddens, kind, backward, agree) -> HeadLossStats:
     # One sequence per chunk; every depth's length is set by the available targets (no cycles, no VGM).
     targets = [_teacher_forcing_targets(rec) for rec in records]
@@ -399,11 +411,10 @@ def _teacher_forced_backward(head, records, hiddens, kind, backward, agree) -> H
         if targets[i] is None:
             continue
         batch = teacher_forced_chains(head, rec, _hidden_of(records, hiddens, i))
-        per_chain, _, _ = loss_at_states(head, batch.draft_states(), batch.topk_ids, batch.topk_logprobs,
-                                         batch.lengths - 1, kind)
-        chunk_loss = per_chain.sum() / total
-        if not _backward_if_finite(chunk_loss, backward, agree):
+        chunk_loss, _, _ = chunk_loss_backward(head, batch.draft_states(), batch.topk_ids, batch.topk_logprobs,
+                                               batch.lengths - 1, kind, 1.0 / total, 1, backward, agree)
+        if chunk_loss is None:
             return HeadLossStats(loss=float("nan"), num_cycles=total, num_chunks=chunks, finite=False)
-        loss_sum += chunk_loss.item()
+        loss_sum += chunk_loss
         chunks += 1
     return HeadLossStats(loss=loss_sum, num_cycles=total, num_chunks=chunks)

@@ -222,3 +222,33 @@ def test_teacher_forced_loss_and_gradients_equal_the_full_vocabulary_path(kind):
         scale = expected[name].abs().max().item()
         assert scale > 0, name
         assert (grad - expected[name]).abs().max().item() <= 1e-5 * max(1.0, scale), name
+
+
+def _module_calls(head, records, **kwargs):
+    """Forward calls per module (the backward's recomputations included) during one head update."""
+    calls = {}
+    modules = dict(head.named_modules(), lm_head=head.lm_head)
+    handles = [m.register_forward_hook(lambda mod, args, out, name=name: calls.__setitem__(name, calls.get(name, 0) + 1))
+               for name, m in modules.items()]
+    try:
+        head_loss_backward(head, records, **kwargs)
+    finally:
+        for h in handles:
+            h.remove()
+    return calls
+
+
+def test_every_rank_makes_the_same_module_calls_whatever_its_records(monkeypatch):
+    # Under ZeRO-3 each call of a partitioned module gathers its parameters, a collective: ranks whose
+    # records differ (cycle counts, accepted lengths) must still call every module the same number of times.
+    from openrlhf_growmtp.core import reconstruction
+
+    monkeypatch.setattr(reconstruction, "LOGIT_BLOCK_ELEMENTS", 10 * 97)  # several lm_head blocks per chunk
+    head = make_head("qwen3")
+    mixed = make_records(k=4)  # full accepts and early rejections
+    rejected = make_records(k=4, seed=5)[1:2]  # two cycles, both rejected at once: no chain reaches depth 2
+    assert int(rejected[0].accepted.max()) == 0
+    for kind in ("dca", "kl"):
+        first = _module_calls(head, mixed, kind=kind, chunk_cycles=64)
+        second = _module_calls(head, rejected, kind=kind, chunk_cycles=64)
+        assert first == second and first["lm_head"] > 2 * 3, (first, second)
