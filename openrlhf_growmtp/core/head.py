@@ -134,33 +134,9 @@ class MTPHead(nn.Module):
         with context:
             return lm_head(normed)
 
-    @torch.no_grad()
-    def log_probs_at(self, normed: torch.Tensor, ids: torch.Tensor, temperature: torch.Tensor,
-                     num_blocks: int = 1) -> torch.Tensor:
-        """log q(ids) [M, k] for states normed [M, H], q = softmax(lm_head(normed) / temperature [M]).
-
-        The same per-row arithmetic as the full-vocabulary log_softmax followed by a gather, in exactly
-        `num_blocks` lm_head calls: one block's [rows, V] logits exist at a time, never [M, V]. No
-        autograd; `log_probs_grad` is its backward.
-        """
-        blocks = _row_blocks(num_blocks, normed, ids, temperature)
-        return torch.cat([self._block_log_probs(*block) for block in blocks])[:normed.shape[0]]
-
-    def log_probs_grad(self, normed: torch.Tensor, ids: torch.Tensor, temperature: torch.Tensor,
-                       grad_log_probs: torch.Tensor, num_blocks: int = 1) -> torch.Tensor:
-        """d(sum grad_log_probs * log_probs_at(normed, ...)) / d normed, [M, H]: the backward of
-        `log_probs_at`, block by block (each block's logits are recomputed, used, and freed). Gradients
-        reach `normed` only, never the lm_head (or any parameter's .grad)."""
-        blocks = _row_blocks(num_blocks, normed.detach(), ids, temperature, grad_log_probs)
-        grads = []
-        with torch.enable_grad():
-            for block_normed, block_ids, block_temperature, block_grad in blocks:
-                block_normed = block_normed.detach().requires_grad_()
-                log_probs = self._block_log_probs(block_normed, block_ids, block_temperature)
-                grads.append(torch.autograd.grad(log_probs, block_normed, block_grad)[0])
-        return torch.cat(grads)[:normed.shape[0]]
-
-    def _block_log_probs(self, normed: torch.Tensor, ids: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    def log_probs(self, normed: torch.Tensor, ids: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+        """log q(ids) [M, k] for states normed [M, H], q = softmax(lm_head(normed) / temperature [M]): the
+        full-vocabulary log-softmax gathered at the ids, without keeping the log-softmax itself."""
         logits = self.logits(normed).float() / temperature[:, None]
         return logits.gather(-1, ids.long()) - torch.logsumexp(logits, dim=-1, keepdim=True)
 
@@ -240,19 +216,6 @@ class MTPHead(nn.Module):
             if j + 1 < num_steps:
                 out = self.step(out.feed_back[:, -1], token, start + j + 1, cache)
         return torch.stack(drafts, dim=1), torch.stack(logits, dim=1)
-
-
-def _row_blocks(num_blocks: int, *tensors: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
-    """Split rows into exactly num_blocks blocks of >= 1 row each; with fewer rows than blocks, row 0 is
-    repeated at the end (callers drop those results). Under ZeRO-3 every lm_head call gathers its weight,
-    a collective, so data-parallel ranks with different row counts must still make the same calls."""
-    rows = tensors[0].shape[0]
-    if rows < num_blocks:
-        pad = num_blocks - rows
-        tensors = tuple(torch.cat([t, t[:1].expand(pad, *t.shape[1:])]) for t in tensors)
-        rows = num_blocks
-    bounds = [rows * i // num_blocks for i in range(num_blocks + 1)]
-    return [tuple(t[lo:hi] for t in tensors) for lo, hi in zip(bounds[:-1], bounds[1:])]
 
 
 def prefix_extension_mask(num_cached: int, num_new: int, dtype: torch.dtype, device) -> torch.Tensor:

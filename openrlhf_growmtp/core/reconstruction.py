@@ -165,7 +165,7 @@ def reconstruct_chunk(head: MTPHead, records: Sequence[SequenceRecord], pieces: 
                       hiddens: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
     """Draft logits [N, K, V] (divided by each request's temperature) for the cycles of `pieces`, in order.
 
-    Full-vocabulary logits: for the invariant tests and small batches. Training reads `log_probs_at`."""
+    Full-vocabulary logits: for the invariant tests and small batches (training: `chunk_loss_backward`)."""
     states = reconstruct_states(head, records, pieces, hiddens)
     logits = head.logits(states.normed).float() / states.temperature[states.cycle, None]
     num_cycles, depth = int(states.temperature.shape[0]), records[pieces[0].seq].depth
@@ -293,9 +293,9 @@ class HeadLossStats:
 
 
 def logit_blocks(max_rows: int | None, vocab_size: int) -> int:
-    """How many lm_head calls `log_probs_at` makes for a chunk of at most max_rows slots (None: 1 call).
+    """How many groups `chunk_loss_backward` scores a chunk of at most max_rows slots in (None: 1 group).
 
-    A function of configuration only, never of a rank's own records (see `log_probs_at`)."""
+    A function of configuration only, never of a rank's own records (see `chunk_loss_backward`)."""
     return 1 if max_rows is None else max(1, math.ceil(max_rows * vocab_size / LOGIT_BLOCK_ELEMENTS))
 
 
@@ -304,29 +304,53 @@ def chunk_loss_backward(head: MTPHead, states: DraftStates, topk_ids: torch.Tens
                         backward: Callable[[torch.Tensor], None], agree: Callable[[bool], bool]):
     """Score one chunk's reconstructed slots and backpropagate weight x (sum of the per-cycle losses).
 
-    log q is computed at the recorded ids of the slots only, in `num_blocks` lm_head blocks, and twice:
-    without autograd for the loss, then block by block for its gradient (`MTPHead.log_probs_grad`), so
-    no [N, K, V] logits ever exist. The head's own graph is then backpropagated once, through `backward`,
-    from the surrogate sum(normed * dL/dnormed), whose gradients are the loss's. Only positions up to
-    the chain length (`chain_lengths`) carry loss (`read`); the others hold a passenger's log q or the
-    target's own log p, both finite. Returns (loss, alpha [N, K] detached, read [N, K]); loss is None
-    if it was not finite on some rank (`agree`), and then nothing was backpropagated.
+    The cycles are scored in exactly `num_blocks` groups of whole cycles. For each group the lm_head runs
+    once over the group's slots: log q at the recorded ids, the group's loss, and its gradient with
+    respect to the slots' states; then the group's [rows, V] logits are freed. So no [N, K, V] logits
+    exist, and each slot costs one lm_head forward and one backward to its input. Once every group is
+    scored and the chunk's loss is finite on every rank (`agree`), the head's own graph is
+    backpropagated once, through `backward`, from the surrogate sum(normed * dL/dnormed), whose
+    gradients are the loss's. A group without cycles scores one passenger slot with weight 0: under
+    ZeRO-3 every lm_head call gathers its weight, a collective, so ranks must make the same calls.
+    Only positions up to the chain length (`chain_lengths`) carry loss (`read`); the others hold a
+    passenger's log q or the target's own log p, both finite. Returns (loss, alpha [N, K], read [N, K]);
+    loss is None if it was not finite on some rank, and then nothing was backpropagated.
     """
-    slots = (states.cycle, states.position)
-    ids, temperature = topk_ids[slots], states.temperature[states.cycle]
-    logq_slots = head.log_probs_at(states.normed, ids, temperature, num_blocks).requires_grad_()
-    logq = topk_logprobs.float().index_put(slots, logq_slots)
-    per_cycle, alpha = head_loss_per_cycle_at(logq, topk_logprobs, accepted, kind)
-    loss = per_cycle.sum() * weight
-    lengths = chain_lengths(accepted, alpha.shape[0], alpha.shape[1], device=alpha.device)
-    read = torch.arange(alpha.shape[1], device=alpha.device)[None, :] < lengths[:, None]
+    num_cycles, depth = topk_ids.shape[:2]
+    device = states.normed.device
+    lengths = chain_lengths(accepted, num_cycles, depth, device=device)
+    read = torch.arange(depth, device=device)[None, :] < lengths[:, None]
+    order = torch.argsort(states.cycle * depth + states.position)  # the slots of a cycle side by side
+    bounds = [num_cycles * g // num_blocks for g in range(num_blocks + 1)]  # group g: cycles [b_g, b_g+1)
+    row_bounds = torch.searchsorted(states.cycle[order], torch.tensor(bounds, device=device)).tolist()
+    grad_normed = torch.zeros_like(states.normed)
+    alpha = torch.zeros(num_cycles, depth, device=device)
+    loss_sum = torch.zeros((), device=device)
+    for g in range(num_blocks):
+        lo, hi = bounds[g], bounds[g + 1]
+        rows = order[row_bounds[g]:row_bounds[g + 1]]
+        passenger = rows.numel() == 0
+        rows = order[:1] if passenger else rows
+        normed = states.normed[rows].detach().requires_grad_()
+        cycle, position = states.cycle[rows], states.position[rows]
+        with torch.enable_grad():
+            logq_rows = head.log_probs(normed, topk_ids[cycle, position], states.temperature[cycle])
+            if passenger:
+                loss = logq_rows.sum() * 0.0
+            else:
+                target = topk_logprobs[lo:hi].float()
+                logq = target.index_put((cycle - lo, position), logq_rows)
+                per_cycle, alpha[lo:hi] = head_loss_per_cycle_at(logq, target, None if accepted is None
+                                                                 else accepted[lo:hi], kind)
+                loss = per_cycle.sum() * weight
+            # added, not assigned: a passenger's row is some group's real slot, and its gradient here is 0
+            grad_normed.index_add_(0, rows, torch.autograd.grad(loss, normed)[0])
+        loss_sum = loss_sum + loss.detach()
     # A non-finite loss is never backpropagated: it would poison every gradient it touches.
-    if not agree(bool(torch.isfinite(loss.detach()))):
+    if not agree(bool(torch.isfinite(loss_sum))):
         return None, alpha, read
-    (grad_logq,) = torch.autograd.grad(loss, logq_slots)
-    grad_normed = head.log_probs_grad(states.normed, ids, temperature, grad_logq, num_blocks)
-    backward((states.normed * grad_normed.to(states.normed.dtype)).sum())
-    return loss.item(), alpha, read
+    backward((states.normed * grad_normed).sum())
+    return loss_sum.item(), alpha, read
 
 
 def head_loss_backward(head: MTPHead, records: Sequence[SequenceRecord],

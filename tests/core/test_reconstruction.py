@@ -252,3 +252,21 @@ def test_every_rank_makes_the_same_module_calls_whatever_its_records(monkeypatch
         first = _module_calls(head, mixed, kind=kind, chunk_cycles=64)
         second = _module_calls(head, rejected, kind=kind, chunk_cycles=64)
         assert first == second and first["lm_head"] > 2 * 3, (first, second)
+
+
+@pytest.mark.parametrize("kind", ["dca", "kl"])
+def test_gradients_are_exact_when_the_slots_are_scored_in_many_groups(kind, monkeypatch):
+    from openrlhf_growmtp.core import reconstruction
+
+    head = make_head("qwen3")
+    records = make_records(k=4)
+    stats = head_loss_backward(head, records, kind=kind, chunk_cycles=64)
+    reference = _grads(head)
+    _zero(head)
+    # 64 cycles x 4 positions x 97 / 300 -> 83 groups for 11 cycles: one or no cycle per group (passengers)
+    monkeypatch.setattr(reconstruction, "LOGIT_BLOCK_ELEMENTS", 300)
+    grouped = head_loss_backward(head, records, kind=kind, chunk_cycles=64)
+    assert abs(grouped.loss - stats.loss) <= 1e-6 * max(1.0, abs(stats.loss))
+    assert grouped.alpha_mean == pytest.approx(stats.alpha_mean, abs=1e-6)
+    for name, grad in _grads(head).items():
+        assert (grad - reference[name]).abs().max().item() <= 1e-6 * max(1.0, reference[name].abs().max().item())

@@ -1,0 +1,156 @@
+"""The head update next to the policy's own training forward + backward on the same sequence, at Qwen3-4B's
+proportions (hidden 2560, 32 query / 8 kv heads of 128, MLP 9728, tied vocabulary of 151,936, bf16).
+
+What it times, on one response of --tokens tokens after a --prompt-token prompt:
+- policy: a forward of the causal LM, the token log-probs of the sequence (log-softmax, gather), their
+  mean as the loss, and the backward (the part of a GRPO step that grows with the model);
+- head: `head_loss_backward` over the records of the same response (K=5, cycles drawn so that
+  τ ≈ --tau, top-64), reading the policy's final hidden states as the trainer hands them over.
+
+Scaling to 36 layers. The policy's time is a + b·L for L identical decoder layers: b is one layer's
+forward and backward at this length (attention's quadratic part included), a is everything else
+(embedding, final norm, lm_head and loss). Two policies with 1 and 3 layers give b = (T(3) - T(1)) / 2
+and a = T(1) - b, hence T(36) = a + 36·b, Qwen3-4B's depth (times are medians of --repeats runs). The head update reads the final hidden states
+only, so its time does not depend on L. `ratio` = head update / T(36). Peak memory is CUDA's peak on a
+GPU, else the sampled peak resident memory above the models (see bench_reconstruction.PeakRSS).
+
+    python benchmarks/bench_head_update.py [--tokens 2048] [--tau 3] [--json] [--device cpu|cuda]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+from bench_reconstruction import PeakRSS, sync
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+from openrlhf_growmtp.core import MTPHead, SequenceRecord, head_loss_backward, init_random_head_, make_head_config
+from openrlhf_growmtp.core.families import get_family
+
+K, TOPK, REAL_LAYERS = 5, 64, 36
+LAYERS = (1, 3)  # the two depths the per-layer time is taken from
+
+
+def qwen3_4b_config(num_layers: int) -> Qwen3Config:
+    return Qwen3Config(hidden_size=2560, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                       intermediate_size=9728, num_hidden_layers=num_layers, vocab_size=151936,
+                       tie_word_embeddings=True, initializer_range=0.02, max_position_embeddings=40960)
+
+
+def build_policy(num_layers: int, device: str, dtype: torch.dtype) -> Qwen3ForCausalLM:
+    torch.manual_seed(0)
+    config = qwen3_4b_config(num_layers)
+    config._attn_implementation = "sdpa"
+    return Qwen3ForCausalLM(config).to(device=device, dtype=dtype).train()
+
+
+def policy_step(policy: Qwen3ForCausalLM, ids: torch.Tensor) -> torch.Tensor:
+    """Forward, token log-probs, mean, backward; returns the final hidden states (detached)."""
+    out = policy(input_ids=ids[None], output_hidden_states=True)
+    logp = torch.log_softmax(out.logits[0, :-1].float(), dim=-1).gather(-1, ids[1:, None])
+    (-logp.mean()).backward()
+    return out.hidden_states[-1][0].detach()
+
+
+def timed(fn, device: str, repeats: int):
+    """(last value, median seconds, largest peak MB) over `repeats` runs; `fn` resets what it accumulates."""
+    seconds, peaks = [], []
+    for _ in range(repeats):
+        sync(device)
+        if device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+        t0 = time.perf_counter()
+        with PeakRSS() as rss:
+            value = fn()
+            sync(device)
+        seconds.append(time.perf_counter() - t0)
+        peaks.append((torch.cuda.max_memory_allocated() - base) / 2**20 if device == "cuda" else rss.mb)
+    return value, statistics.median(seconds), max(peaks)
+
+
+def make_records_for(tokens: int, prompt: int, tau: float, seed: int = 0) -> SequenceRecord:
+    """Cycles covering ~`tokens` response tokens with mean accepted tau - 1 (accepted in 0..K)."""
+    g = torch.Generator().manual_seed(seed)
+    # a truncated geometric-like draw: P(a) ∝ r^a on 0..K, with r set so that the mean is tau - 1
+    target = tau - 1.0
+    lo, hi = 0.01, 100.0
+    for _ in range(60):
+        r = (lo * hi) ** 0.5
+        weights = torch.tensor([r ** a for a in range(K + 1)], dtype=torch.float64)
+        mean = float((weights * torch.arange(K + 1)).sum() / weights.sum())
+        lo, hi = (r, hi) if mean < target else (lo, r)
+    accepted = torch.multinomial(weights.float(), max(1, int(tokens / tau)), replacement=True, generator=g).tolist()
+    # drawn over the first 4,096 ids (a [cycles, K, 151936] draw would dwarf the run); all are valid ids
+    return SequenceRecord.make_dummy(prompt_len=prompt, accepted=accepted, depth=K, topk=TOPK, vocab_size=4096,
+                                     hidden_size=2560, seed=seed)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", type=int, default=2048, help="response length")
+    parser.add_argument("--prompt", type=int, default=256)
+    parser.add_argument("--tau", type=float, default=3.0)
+    parser.add_argument("--chunk-cycles", type=int, default=1024)
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs of each; medians are reported")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    dtype = torch.bfloat16
+
+    record = make_records_for(args.tokens, args.prompt, args.tau)
+    ids = record.token_ids.to(args.device)
+    length = int(ids.shape[0])
+    policy_s, policy_mb, hidden = {}, {}, None
+    few, more = LAYERS
+    for layers in LAYERS:
+        policy = build_policy(layers, args.device, dtype)
+        policy_step(policy, ids[:64])  # first-call overheads out of the timing
+
+        def step():
+            policy.zero_grad(set_to_none=True)
+            return policy_step(policy, ids)
+
+        hidden, policy_s[layers], policy_mb[layers] = timed(step, args.device, args.repeats)
+        if layers != more:
+            del policy
+    per_layer = (policy_s[more] - policy_s[few]) / (more - few)
+    rest = policy_s[few] - few * per_layer
+    policy_36 = rest + REAL_LAYERS * per_layer
+
+    head = MTPHead(make_head_config(policy.config, get_family("qwen3")), policy.model.embed_tokens, policy.lm_head)
+    head = init_random_head_(head, 0).to(device=args.device, dtype=dtype)
+    hiddens = [hidden.to(dtype)]
+    for p in head.parameters():  # the head's gradients exist across a step: not the update's memory
+        p.grad = torch.zeros_like(p)
+
+    def update():
+        for p in head.parameters():
+            p.grad.zero_()
+        return head_loss_backward(head, [record], hiddens, chunk_cycles=args.chunk_cycles)
+
+    stats, head_s, head_mb = timed(update, args.device, args.repeats)
+    tau = 1.0 + float(record.accepted.float().mean())
+    ratio = head_s / policy_36
+
+    print(f"Qwen3-4B proportions (H=2560, V=151,936, bf16), device={args.device}; one sequence of {length} tokens "
+          f"({args.prompt} prompt), {record.num_cycles} cycles at K={K}, τ={tau:.2f}")
+    for layers in LAYERS:
+        print(f"  policy fwd+bwd, {layers} layer(s): {policy_s[layers]:8.2f} s   peak {policy_mb[layers]:7.0f} MB")
+    print(f"  per layer b = {per_layer:.2f} s, the rest a = {rest:.2f} s -> {REAL_LAYERS} layers: {policy_36:.1f} s "
+          f"(medians of {args.repeats})")
+    print(f"  head update             : {head_s:8.2f} s   peak {head_mb:7.0f} MB   (finite: {stats.finite})")
+    print(f"  ratio head update / policy training at 36 layers: {ratio:.3f}")
+    if args.json:
+        print(json.dumps({"device": args.device, "tokens": length, "cycles": record.num_cycles, "k": K, "tau": tau,
+                          "policy_s_by_layers": policy_s, "policy_peak_mb_by_layers": policy_mb,
+                          "policy_s_per_layer": per_layer, "policy_s_36_layers": policy_36,
+                          "head_update_s": head_s, "head_peak_mb": head_mb, "ratio": ratio}))
+
+
+if __name__ == "__main__":
+    main()
