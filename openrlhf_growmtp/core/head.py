@@ -134,12 +134,6 @@ class MTPHead(nn.Module):
         with context:
             return lm_head(normed)
 
-    def log_probs(self, normed: torch.Tensor, ids: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
-        """log q(ids) [M, k] for states normed [M, H], q = softmax(lm_head(normed) / temperature [M]): the
-        full-vocabulary log-softmax gathered at the ids, without keeping the log-softmax itself."""
-        logits = self.logits(normed).float() / temperature[:, None]
-        return logits.gather(-1, ids.long()) - torch.logsumexp(logits, dim=-1, keepdim=True)
-
     # ---- the head's computation -------------------------------------------------------------
     def fuse(self, hidden: torch.Tensor, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         """fc(cat[norm_e(embed(token)), norm_h(hidden)]) -> [B, T, H]."""

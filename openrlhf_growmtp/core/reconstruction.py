@@ -331,26 +331,51 @@ def chunk_loss_backward(head: MTPHead, states: DraftStates, topk_ids: torch.Tens
         rows = order[row_bounds[g]:row_bounds[g + 1]]
         passenger = rows.numel() == 0
         rows = order[:1] if passenger else rows
-        normed = states.normed[rows].detach().requires_grad_()
         cycle, position = states.cycle[rows], states.position[rows]
-        with torch.enable_grad():
-            logq_rows = head.log_probs(normed, topk_ids[cycle, position], states.temperature[cycle])
+
+        def group_loss(logq_rows: torch.Tensor) -> torch.Tensor:
             if passenger:
-                loss = logq_rows.sum() * 0.0
-            else:
-                target = topk_logprobs[lo:hi].float()
-                logq = target.index_put((cycle - lo, position), logq_rows)
-                per_cycle, alpha[lo:hi] = head_loss_per_cycle_at(logq, target, None if accepted is None
-                                                                 else accepted[lo:hi], kind)
-                loss = per_cycle.sum() * weight
-            # added, not assigned: a passenger's row is some group's real slot, and its gradient here is 0
-            grad_normed.index_add_(0, rows, torch.autograd.grad(loss, normed)[0])
-        loss_sum = loss_sum + loss.detach()
+                return logq_rows.sum() * 0.0
+            target = topk_logprobs[lo:hi].float()
+            logq = target.index_put((cycle - lo, position), logq_rows)
+            per_cycle, alpha[lo:hi] = head_loss_per_cycle_at(logq, target, None if accepted is None
+                                                             else accepted[lo:hi], kind)
+            return per_cycle.sum() * weight
+
+        loss, grad = score_slots(head, states.normed[rows], topk_ids[cycle, position], states.temperature[cycle],
+                                 group_loss)
+        # added, not assigned: a passenger's row is some group's real slot, and its gradient here is 0
+        grad_normed.index_add_(0, rows, grad)
+        loss_sum = loss_sum + loss
     # A non-finite loss is never backpropagated: it would poison every gradient it touches.
     if not agree(bool(torch.isfinite(loss_sum))):
         return None, alpha, read
     backward((states.normed * grad_normed).sum())
     return loss_sum.item(), alpha, read
+
+
+def score_slots(head: MTPHead, normed: torch.Tensor, ids: torch.Tensor, temperature: torch.Tensor,
+                loss_of: Callable[[torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss, d loss / d normed [M, H]) for loss = loss_of(log q at ids [M, k]), where q is the
+    full-vocabulary softmax of lm_head(normed) / temperature [M].
+
+    One lm_head forward and one backward to its input (never to the lm_head). The gradient of the
+    log-softmax is written into the fp32 logits' own buffer: dL/dz = scatter(g at the ids) - (sum g) q,
+    with g = dL/dlog q from the small graph of `loss_of`; nothing else of [M, V] is kept.
+    """
+    normed = normed.detach().requires_grad_()
+    with torch.enable_grad():
+        logits = head.logits(normed)  # [M, V] in the head's dtype; its graph reaches `normed` only
+    scaled = logits.detach().float().div_(temperature[:, None])
+    lse = torch.logsumexp(scaled, dim=-1, keepdim=True)
+    logq = (scaled.gather(-1, ids.long()) - lse).requires_grad_()
+    with torch.enable_grad():
+        loss = loss_of(logq)
+        (grad_logq,) = torch.autograd.grad(loss, logq)
+    grad_scaled = scaled.sub_(lse).exp_().mul_(-grad_logq.sum(-1, keepdim=True))
+    grad_scaled.scatter_add_(-1, ids.long(), grad_logq).div_(temperature[:, None])
+    (grad_normed,) = torch.autograd.grad(logits, normed, grad_scaled.to(logits.dtype))
+    return loss.detach(), grad_normed
 
 
 def head_loss_backward(head: MTPHead, records: Sequence[SequenceRecord],
