@@ -38,6 +38,7 @@ rehearse: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_reconstruction.py
+	$(PY) benchmarks/bench_head_update.py
 	$(PY) benchmarks/bench_rollout.py
 
 clean:
