@@ -14,28 +14,26 @@ at depth 3 (keys: prefix p0..p3 | depth-2 entries c0 c1 | depth-3 entries c0 c1)
     cycle 0 (s=1):  1 1 0 0 | 1 0 | 1 0
     cycle 1 (s=3):  1 1 1 1 | 0 1 | 0 1
 
-Chunks of cycles run their forwards and their own backward; each chunk's loss is weighted by its share
-of the batch's cycles, so accumulated gradients equal one backward over the whole batch (chunk graphs are
-disjoint: each chunk recomputes the prefix entries it reads).
+Under VGM a chain stops at its first rejection: the positions after it carry no loss and are not built.
+Chunks of cycles run their forwards and their own backward (`scoring.chunk_loss_backward`, which never
+holds a chunk's full-vocabulary logits); each chunk's loss is weighted by its share of the batch's
+cycles, so accumulated gradients equal one backward over the whole batch (chunk graphs are disjoint:
+each chunk recomputes the prefix entries it reads).
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import torch
 
 from .head import HeadKVCache, MTPHead, additive_mask
-from .objectives import chain_lengths, head_loss_per_cycle_at
+from .objectives import chain_lengths
 from .records import RecordError, SequenceRecord, check_fits
+from .scoring import DraftStates, chunk_loss_backward, score_groups
 
 DEFAULT_CHUNK_CYCLES = 1024
-# At most this many full-vocabulary logits in one lm_head block of the head loss: 64 MiB in fp32, i.e. 110
-# rows at Qwen's 151,936 tokens (a block's matmul is still ~86 GFLOP at H=2560). A block's forward and
-# backward keep a few such tensors alive at once (logits, their exp, the gradient).
-LOGIT_BLOCK_ELEMENTS = 2**24
 
 
 @dataclass
@@ -76,16 +74,6 @@ def _hidden_of(records: Sequence[SequenceRecord], hiddens: Sequence[torch.Tensor
         raise RecordError(f"hidden: record {seq} carries no hidden states (transport-free mode) and the "
                           "trainer passed none; recompute them with the policy forward")
     return records[seq].hidden
-
-
-@dataclass
-class DraftStates:
-    """The head's states at the (cycle, position) slots that were reconstructed, one row per slot."""
-
-    normed: torch.Tensor  # [M, H] norm(o), what the lm_head reads
-    cycle: torch.Tensor  # [M] the slot's cycle (index into the chunk's cycles)
-    position: torch.Tensor  # [M] its draft position, 0-based
-    temperature: torch.Tensor  # [N] per cycle
 
 
 def reconstruct_states(head: MTPHead, records: Sequence[SequenceRecord], pieces: Sequence[Piece],
@@ -292,92 +280,6 @@ class HeadLossStats:
         return [s / max(n, 1.0) for s, n in zip(self.alpha_sum, self.alpha_count)]
 
 
-def logit_blocks(max_rows: int | None, vocab_size: int) -> int:
-    """How many groups `chunk_loss_backward` scores a chunk of at most max_rows slots in (None: 1 group).
-
-    A function of configuration only, never of a rank's own records (see `chunk_loss_backward`)."""
-    return 1 if max_rows is None else max(1, math.ceil(max_rows * vocab_size / LOGIT_BLOCK_ELEMENTS))
-
-
-def chunk_loss_backward(head: MTPHead, states: DraftStates, topk_ids: torch.Tensor, topk_logprobs: torch.Tensor,
-                        accepted: torch.Tensor | None, kind: str, weight: float, num_blocks: int,
-                        backward: Callable[[torch.Tensor], None], agree: Callable[[bool], bool]):
-    """Score one chunk's reconstructed slots and backpropagate weight x (sum of the per-cycle losses).
-
-    The cycles are scored in exactly `num_blocks` groups of whole cycles. For each group the lm_head runs
-    once over the group's slots: log q at the recorded ids, the group's loss, and its gradient with
-    respect to the slots' states; then the group's [rows, V] logits are freed. So no [N, K, V] logits
-    exist, and each slot costs one lm_head forward and one backward to its input. Once every group is
-    scored and the chunk's loss is finite on every rank (`agree`), the head's own graph is
-    backpropagated once, through `backward`, from the surrogate sum(normed * dL/dnormed), whose
-    gradients are the loss's. A group without cycles scores one passenger slot with weight 0: under
-    ZeRO-3 every lm_head call gathers its weight, a collective, so ranks must make the same calls.
-    Only positions up to the chain length (`chain_lengths`) carry loss (`read`); the others hold a
-    passenger's log q or the target's own log p, both finite. Returns (loss, alpha [N, K], read [N, K]);
-    loss is None if it was not finite on some rank, and then nothing was backpropagated.
-    """
-    num_cycles, depth = topk_ids.shape[:2]
-    device = states.normed.device
-    lengths = chain_lengths(accepted, num_cycles, depth, device=device)
-    read = torch.arange(depth, device=device)[None, :] < lengths[:, None]
-    order = torch.argsort(states.cycle * depth + states.position)  # the slots of a cycle side by side
-    bounds = [num_cycles * g // num_blocks for g in range(num_blocks + 1)]  # group g: cycles [b_g, b_g+1)
-    row_bounds = torch.searchsorted(states.cycle[order], torch.tensor(bounds, device=device)).tolist()
-    grad_normed = torch.zeros_like(states.normed)
-    alpha = torch.zeros(num_cycles, depth, device=device)
-    loss_sum = torch.zeros((), device=device)
-    for g in range(num_blocks):
-        lo, hi = bounds[g], bounds[g + 1]
-        rows = order[row_bounds[g]:row_bounds[g + 1]]
-        passenger = rows.numel() == 0
-        rows = order[:1] if passenger else rows
-        cycle, position = states.cycle[rows], states.position[rows]
-
-        def group_loss(logq_rows: torch.Tensor) -> torch.Tensor:
-            if passenger:
-                return logq_rows.sum() * 0.0
-            target = topk_logprobs[lo:hi].float()
-            logq = target.index_put((cycle - lo, position), logq_rows)
-            per_cycle, alpha[lo:hi] = head_loss_per_cycle_at(logq, target, None if accepted is None
-                                                             else accepted[lo:hi], kind)
-            return per_cycle.sum() * weight
-
-        loss, grad = score_slots(head, states.normed[rows], topk_ids[cycle, position], states.temperature[cycle],
-                                 group_loss)
-        # added, not assigned: a passenger's row is some group's real slot, and its gradient here is 0
-        grad_normed.index_add_(0, rows, grad)
-        loss_sum = loss_sum + loss
-    # A non-finite loss is never backpropagated: it would poison every gradient it touches.
-    if not agree(bool(torch.isfinite(loss_sum))):
-        return None, alpha, read
-    backward((states.normed * grad_normed).sum())
-    return loss_sum.item(), alpha, read
-
-
-def score_slots(head: MTPHead, normed: torch.Tensor, ids: torch.Tensor, temperature: torch.Tensor,
-                loss_of: Callable[[torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(loss, d loss / d normed [M, H]) for loss = loss_of(log q at ids [M, k]), where q is the
-    full-vocabulary softmax of lm_head(normed) / temperature [M].
-
-    One lm_head forward and one backward to its input (never to the lm_head). The gradient of the
-    log-softmax is written into the fp32 logits' own buffer: dL/dz = scatter(g at the ids) - (sum g) q,
-    with g = dL/dlog q from the small graph of `loss_of`; nothing else of [M, V] is kept.
-    """
-    normed = normed.detach().requires_grad_()
-    with torch.enable_grad():
-        logits = head.logits(normed)  # [M, V] in the head's dtype; its graph reaches `normed` only
-    scaled = logits.detach().float().div_(temperature[:, None])
-    lse = torch.logsumexp(scaled, dim=-1, keepdim=True)
-    logq = (scaled.gather(-1, ids.long()) - lse).requires_grad_()
-    with torch.enable_grad():
-        loss = loss_of(logq)
-        (grad_logq,) = torch.autograd.grad(loss, logq)
-    grad_scaled = scaled.sub_(lse).exp_().mul_(-grad_logq.sum(-1, keepdim=True))
-    grad_scaled.scatter_add_(-1, ids.long(), grad_logq).div_(temperature[:, None])
-    (grad_normed,) = torch.autograd.grad(logits, normed, grad_scaled.to(logits.dtype))
-    return loss.detach(), grad_normed
-
-
 def head_loss_backward(head: MTPHead, records: Sequence[SequenceRecord],
                        hiddens: Sequence[torch.Tensor] | None = None, *, kind: str = "dca", vgm: bool = True,
                        chunk_cycles: int | None = DEFAULT_CHUNK_CYCLES, teacher_forcing: bool = False,
@@ -404,7 +306,7 @@ def head_loss_backward(head: MTPHead, records: Sequence[SequenceRecord],
     device = next(head.parameters()).device
     loss_sum, alpha_sum, alpha_count, chunks = 0.0, 0.0, 0.0, plan_chunks(records, chunk_cycles)
     depth = records[0].depth
-    num_blocks = logit_blocks(None if chunk_cycles is None else chunk_cycles * depth, head.config.vocab_size)
+    num_groups = score_groups(None if chunk_cycles is None else chunk_cycles * depth, head.config.vocab_size)
     for pieces in chunks:
         accepted = _cat_cycles(records, pieces, "accepted").to(device) if vgm else None
         lengths = chain_lengths(accepted, sum(pc.hi - pc.lo for pc in pieces), depth, device=device)
@@ -412,7 +314,7 @@ def head_loss_backward(head: MTPHead, records: Sequence[SequenceRecord],
         # weight 1/total: the chunk's mean x its share of the batch's cycles
         chunk_loss, alpha, read = chunk_loss_backward(
             head, states, _cat_cycles(records, pieces, "topk_ids").to(device),
-            _cat_cycles(records, pieces, "topk_logprobs").to(device), accepted, kind, 1.0 / total, num_blocks,
+            _cat_cycles(records, pieces, "topk_logprobs").to(device), accepted, kind, 1.0 / total, num_groups,
             backward, agree)
         if chunk_loss is None:
             return HeadLossStats(loss=float("nan"), num_cycles=total, num_chunks=len(chunks), finite=False)

@@ -241,9 +241,9 @@ def _module_calls(head, records, **kwargs):
 def test_every_rank_makes_the_same_module_calls_whatever_its_records(monkeypatch):
     # Under ZeRO-3 each call of a partitioned module gathers its parameters, a collective: ranks whose
     # records differ (cycle counts, accepted lengths) must still call every module the same number of times.
-    from openrlhf_growmtp.core import reconstruction
+    from openrlhf_growmtp.core import scoring
 
-    monkeypatch.setattr(reconstruction, "LOGIT_BLOCK_ELEMENTS", 10 * 97)  # several lm_head blocks per chunk
+    monkeypatch.setattr(scoring, "GROUP_LOGITS", 10 * 97)  # several scored groups per chunk
     head = make_head("qwen3")
     mixed = make_records(k=4)  # full accepts and early rejections
     rejected = make_records(k=4, seed=5)[1:2]  # two cycles, both rejected at once: no chain reaches depth 2
@@ -256,7 +256,7 @@ def test_every_rank_makes_the_same_module_calls_whatever_its_records(monkeypatch
 
 @pytest.mark.parametrize("kind", ["dca", "kl"])
 def test_gradients_are_exact_when_the_slots_are_scored_in_many_groups(kind, monkeypatch):
-    from openrlhf_growmtp.core import reconstruction
+    from openrlhf_growmtp.core import scoring
 
     head = make_head("qwen3")
     records = make_records(k=4)
@@ -264,31 +264,9 @@ def test_gradients_are_exact_when_the_slots_are_scored_in_many_groups(kind, monk
     reference = _grads(head)
     _zero(head)
     # 64 cycles x 4 positions x 97 / 300 -> 83 groups for 11 cycles: one or no cycle per group (passengers)
-    monkeypatch.setattr(reconstruction, "LOGIT_BLOCK_ELEMENTS", 300)
+    monkeypatch.setattr(scoring, "GROUP_LOGITS", 300)
     grouped = head_loss_backward(head, records, kind=kind, chunk_cycles=64)
     assert abs(grouped.loss - stats.loss) <= 1e-6 * max(1.0, abs(stats.loss))
     assert grouped.alpha_mean == pytest.approx(stats.alpha_mean, abs=1e-6)
     for name, grad in _grads(head).items():
         assert (grad - reference[name]).abs().max().item() <= 1e-6 * max(1.0, reference[name].abs().max().item())
-
-
-def test_score_slots_gives_the_full_vocabulary_loss_and_gradient():
-    from openrlhf_growmtp.core.reconstruction import score_slots
-
-    head = make_head("qwen3")
-    g = torch.Generator().manual_seed(3)
-    normed = torch.randn(23, 64, generator=g, requires_grad=True)
-    ids = torch.randint(0, 97, (23, 8), generator=g)
-    temperature = torch.rand(23, generator=g) + 0.5
-    weights = torch.randn(23, 8, generator=g)
-
-    def loss_of(logq):  # nonlinear in log q, so the gradient's dependence on it is exercised
-        return (weights * logq).sum() + logq.exp().sum(-1).log().sum()
-
-    dense = loss_of((head.logits(normed).float() / temperature[:, None]).log_softmax(-1).gather(-1, ids))
-    dense.backward()
-    loss, grad = score_slots(head, normed, ids, temperature, loss_of)
-    # fp32, the same matmul and one logsumexp per row either way: only summation order may differ (~1e-7)
-    assert abs(loss.item() - dense.item()) <= 1e-5 * max(1.0, abs(dense.item()))
-    assert (grad - normed.grad).abs().max().item() <= 1e-5 * max(1.0, normed.grad.abs().max().item())
-    assert normed.grad.abs().max() > 0 and head.lm_head.weight.grad is None  # nothing reaches the lm_head

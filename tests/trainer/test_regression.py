@@ -146,15 +146,15 @@ def test_joint_policy_differs(upstream, single_rank, policy_dir, head_dir, tmp_p
 
 def test_nonfinite_head_loss_skips_head_update(upstream, single_rank, policy_dir, head_dir, tmp_path, monkeypatch,
                                               caplog):
-    from openrlhf_growmtp.core import reconstruction
+    from openrlhf_growmtp.core import scoring
 
-    real = reconstruction.head_loss_per_cycle_at
+    real = scoring.head_loss_per_cycle_at
 
     def poisoned(*args, **kwargs):
         per_cycle, alpha = real(*args, **kwargs)
         return per_cycle * float("nan"), alpha
 
-    monkeypatch.setattr(reconstruction, "head_loss_per_cycle_at", poisoned)
+    monkeypatch.setattr(scoring, "head_loss_per_cycle_at", poisoned)
     status, policy, head, _, _ = ours(policy_dir, head_dir, tmp_path)
     _, up_policy, _, _, _ = upstream
     assert status["growmtp/head_finite"] == 0.0

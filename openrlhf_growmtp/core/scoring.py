@@ -1,0 +1,122 @@
+"""The head loss from reconstructed draft states, without full-vocabulary logits for the whole chunk.
+
+`chunk_loss_backward` scores a chunk's slots (a cycle's draft positions) in groups of whole cycles: per
+group, one lm_head forward over its slots gives log q at the recorded top-k ids (`score_slots`), the
+group's loss (`objectives.head_loss_per_cycle_at`) and the loss's gradient with respect to the slots'
+states; then the head's own graph is backpropagated once per chunk. Under ZeRO-3 every call of a
+partitioned module gathers its weights, a collective, so the number of groups is a function of the
+configuration only and every rank makes the same calls.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from .head import MTPHead
+from .objectives import chain_lengths, head_loss_per_cycle_at
+
+# At most this many full-vocabulary logits in one scored group: 64 MiB in fp32, i.e. 110 rows at Qwen's
+# 151,936 tokens (a group's matmul is still ~86 GFLOP at H=2560). A group holds its logits in the head's
+# dtype, one fp32 copy that becomes the gradient in place, and logsumexp's temporary.
+GROUP_LOGITS = 2**24
+
+
+@dataclass
+class DraftStates:
+    """The head's states at the (cycle, position) slots that were reconstructed, one row per slot."""
+
+    normed: torch.Tensor  # [M, H] norm(o), what the lm_head reads
+    cycle: torch.Tensor  # [M] the slot's cycle (index into the chunk's cycles)
+    position: torch.Tensor  # [M] its draft position, 0-based
+    temperature: torch.Tensor  # [N] per cycle
+
+
+
+def score_groups(max_rows: int | None, vocab_size: int) -> int:
+    """How many groups `chunk_loss_backward` scores a chunk of at most max_rows slots in (None: one).
+
+    A function of configuration only, never of a rank's own records (see `chunk_loss_backward`)."""
+    return 1 if max_rows is None else max(1, math.ceil(max_rows * vocab_size / GROUP_LOGITS))
+
+
+def chunk_loss_backward(head: MTPHead, states: DraftStates, topk_ids: torch.Tensor, topk_logprobs: torch.Tensor,
+                        accepted: torch.Tensor | None, kind: str, weight: float, num_groups: int,
+                        backward: Callable[[torch.Tensor], None], agree: Callable[[bool], bool]):
+    """Score one chunk's reconstructed slots and backpropagate weight x (sum of the per-cycle losses).
+
+    The cycles are scored in exactly `num_groups` groups of whole cycles. For each group the lm_head runs
+    once over the group's slots: log q at the recorded ids, the group's loss, and its gradient with
+    respect to the slots' states; then the group's [rows, V] logits are freed. So no [N, K, V] logits
+    exist, and each slot costs one lm_head forward and one backward to its input. Once every group is
+    scored and the chunk's loss is finite on every rank (`agree`), the head's own graph is
+    backpropagated once, through `backward`, from the surrogate sum(normed * dL/dnormed), whose
+    gradients are the loss's. A group without cycles scores one passenger slot with weight 0: under
+    ZeRO-3 every lm_head call gathers its weight, a collective, so ranks must make the same calls.
+    Only positions up to the chain length (`chain_lengths`) carry loss (`read`); the others hold a
+    passenger's log q or the target's own log p, both finite. Returns (loss, alpha [N, K], read [N, K]);
+    loss is None if it was not finite on some rank, and then nothing was backpropagated.
+    """
+    num_cycles, depth = topk_ids.shape[:2]
+    device = states.normed.device
+    lengths = chain_lengths(accepted, num_cycles, depth, device=device)
+    read = torch.arange(depth, device=device)[None, :] < lengths[:, None]
+    order = torch.argsort(states.cycle * depth + states.position)  # the slots of a cycle side by side
+    bounds = [num_cycles * g // num_groups for g in range(num_groups + 1)]  # group g: cycles [b_g, b_g+1)
+    row_bounds = torch.searchsorted(states.cycle[order], torch.tensor(bounds, device=device)).tolist()
+    grad_normed = torch.zeros_like(states.normed)
+    alpha = torch.zeros(num_cycles, depth, device=device)
+    loss_sum = torch.zeros((), device=device)
+    for g in range(num_groups):
+        lo, hi = bounds[g], bounds[g + 1]
+        rows = order[row_bounds[g]:row_bounds[g + 1]]
+        passenger = rows.numel() == 0
+        rows = order[:1] if passenger else rows
+        cycle, position = states.cycle[rows], states.position[rows]
+
+        def group_loss(logq_rows: torch.Tensor) -> torch.Tensor:
+            if passenger:
+                return logq_rows.sum() * 0.0
+            target = topk_logprobs[lo:hi].float()
+            logq = target.index_put((cycle - lo, position), logq_rows)
+            per_cycle, alpha[lo:hi] = head_loss_per_cycle_at(logq, target, None if accepted is None
+                                                             else accepted[lo:hi], kind)
+            return per_cycle.sum() * weight
+
+        loss, grad = score_slots(head, states.normed[rows], topk_ids[cycle, position], states.temperature[cycle],
+                                 group_loss)
+        # added, not assigned: a passenger's row is some group's real slot, and its gradient here is 0
+        grad_normed.index_add_(0, rows, grad)
+        loss_sum = loss_sum + loss
+    # A non-finite loss is never backpropagated: it would poison every gradient it touches.
+    if not agree(bool(torch.isfinite(loss_sum))):
+        return None, alpha, read
+    backward((states.normed * grad_normed).sum())
+    return loss_sum.item(), alpha, read
+
+
+def score_slots(head: MTPHead, normed: torch.Tensor, ids: torch.Tensor, temperature: torch.Tensor,
+                loss_of: Callable[[torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss, d loss / d normed [M, H]) for loss = loss_of(log q at ids [M, k]), where q is the
+    full-vocabulary softmax of lm_head(normed) / temperature [M].
+
+    One lm_head forward and one backward to its input (never to the lm_head). The gradient of the
+    log-softmax is written into the fp32 logits' own buffer: dL/dz = scatter(g at the ids) - (sum g) q,
+    with g = dL/dlog q from the small graph of `loss_of`; nothing else of [M, V] is kept.
+    """
+    normed = normed.detach().requires_grad_()
+    with torch.enable_grad():
+        logits = head.logits(normed)  # [M, V] in the head's dtype; its graph reaches `normed` only
+    scaled = logits.detach().float().div_(temperature[:, None])
+    lse = torch.logsumexp(scaled, dim=-1, keepdim=True)
+    logq = (scaled.gather(-1, ids.long()) - lse).requires_grad_()
+    with torch.enable_grad():
+        loss = loss_of(logq)
+        (grad_logq,) = torch.autograd.grad(loss, logq)
+    grad_scaled = scaled.sub_(lse).exp_().mul_(-grad_logq.sum(-1, keepdim=True))
+    grad_scaled.scatter_add_(-1, ids.long(), grad_logq).div_(temperature[:, None])
+    (grad_normed,) = torch.autograd.grad(logits, normed, grad_scaled.to(logits.dtype))
+    return loss.detach(), grad_normed
