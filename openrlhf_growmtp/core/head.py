@@ -166,6 +166,16 @@ class MTPHead(nn.Module):
         feed_back = o if self.family.feed_back == FEED_PRE_NORM else normed
         return HeadOutput(hidden=o, normed=normed, feed_back=feed_back)
 
+    def keys_values(self, hidden: torch.Tensor, input_ids: torch.Tensor,
+                    position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys and values [B, kv, T, d] that `forward` writes to the cache for these slots, without
+        the layer's MLP: only its input norm and attention run (the attention's output is not used)."""
+        x = self.fuse(hidden, input_ids, position_ids)
+        layer, cache = self.decoder_layer, HeadKVCache()
+        layer.self_attn(hidden_states=layer.input_layernorm(x), attention_mask=None, past_key_values=cache,
+                        position_embeddings=self.rotary_emb(x, position_ids))
+        return cache.key, cache.value
+
     # ---- recurrent drafting (the chain-by-chain reference, and the demo's drafter) --------------
     def prefill(self, target_hidden: torch.Tensor, next_token_ids: torch.Tensor, start_position: int,
                 cache: HeadKVCache) -> HeadOutput:

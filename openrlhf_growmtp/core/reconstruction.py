@@ -4,15 +4,17 @@ Chain by chain, cycle r (start s, drafts d) is: a head KV cache with one entry p
 p = 0..s from (H_p, x_{p+1}) at RoPE position p; q_1 from the output at s; then step j = 2..K feeds
 (h'_{j-1}, d_{j-1}) at position s+j-1. Nothing is sampled: the recorded drafts are inputs.
 
-Batched, the same computation runs as one causal prefix pass plus K-1 chain forwards that advance every
-cycle of a chunk by one step. All chains attend over one shared cache -- the flattened prefix entries of
-the chunk's sequences followed by one block of chain entries per depth -- under an additive mask:
-causal over the chain's own committed prefix (p <= s), diagonal over the draft blocks (a chain sees only
-its own drafts). Worked example, one sequence, Lmax = 4 prefix slots, 2 cycles starting at s = 1 and 3,
-at depth 3 (keys: prefix p0..p3 | depth-2 entries c0 c1 | depth-3 entries c0 c1):
+Batched, the prefix's keys and values come from the layer's input norm and attention alone (no MLP),
+and K steps advance every cycle of a chunk by one position each: depth 1 feeds (H_s, x_{s+1}) at s,
+depth j feeds (h'_{j-1}, d_{j-1}). All steps attend over one shared cache -- the flattened prefix
+entries of the chunk's sequences followed by one block of entries per depth -- under an additive mask:
+causal over the cycle's own committed prefix (p < s), diagonal over the depth blocks (a cycle sees only
+its own entries, which at depth 1 is the entry of s itself). Worked example, one sequence, Lmax = 4
+prefix slots, 2 cycles starting at s = 1 and 3, at depth 3 (keys: prefix p0..p3 | depth-1, depth-2 and
+depth-3 entries, c0 c1 each):
 
-    cycle 0 (s=1):  1 1 0 0 | 1 0 | 1 0
-    cycle 1 (s=3):  1 1 1 1 | 0 1 | 0 1
+    cycle 0 (s=1):  1 0 0 0 | 1 0 | 1 0 | 1 0
+    cycle 1 (s=3):  1 1 1 0 | 0 1 | 0 1 | 0 1
 
 Under VGM a chain stops at its first rejection: the positions after it carry no loss and are not built.
 Chunks of cycles run their forwards and their own backward (`scoring.chunk_loss_backward`, which never
@@ -110,39 +112,33 @@ def reconstruct_states(head: MTPHead, records: Sequence[SequenceRecord], pieces:
     num_cycles = int(start.shape[0])
     lengths = torch.full((num_cycles,), depth, device=device) if lengths is None else lengths.to(device)
 
-    first, feed_back, key, value = _prefix_pass(head, hidden_pad, ids_pad, seq_local, start)
-    cycles = torch.arange(num_cycles, device=device)  # the cycles still drafting at this depth
-    normed, slot_cycle = [first], [cycles]  # depth 1: the prefix output at s
+    # ---- the prefix's keys and values, then one step per depth --------------------------------------
+    # Only the keys and values of the committed entries are needed (the layer's output is read at the
+    # starts only): depth 1 is a step like the others, the slot (H_s, x_{s+1}) at s over its prefix p < s.
+    positions = torch.arange(lmax, device=device).expand(num_seqs, lmax)
+    key, value = head.keys_values(hidden_pad, ids_pad, positions)
     # Shared cache: prefix entries of all sequences side by side ([1, kv, num_seqs * lmax, d]), then the
-    # chain entries of every depth; `chain_cycles` names the cycle of each chain entry, in cache order.
-    chain_cache = HeadKVCache(key, value)
-    chain_cycles = cycles[:0]
-    for j in range(2, depth + 1):
-        alive = lengths[cycles] >= j
-        if not bool(alive.any()):
-            alive[0] = True  # the passenger
-        cycles, feed_back = cycles[alive], feed_back[alive]
+    # entries of every depth; `chain_cycles` names the cycle of each depth entry, in cache order.
+    cache = HeadKVCache(_flatten(key), _flatten(value))
+    cycles = torch.arange(num_cycles, device=device)  # the cycles still drafting at this depth
+    chain_cycles, normed, slot_cycle = cycles[:0], [], []
+    feed, token = hidden_pad[seq_local, start], ids_pad[seq_local, start]  # depth 1: (H_s, x_{s+1})
+    for j in range(1, depth + 1):
+        if j > 1:
+            alive = lengths[cycles] >= j
+            if not bool(alive.any()):
+                alive[0] = True  # the passenger
+            cycles, feed = cycles[alive], feed[alive]
+            token = drafts[cycles, j - 2]
         chain_cycles = torch.cat([chain_cycles, cycles])
         mask = draft_path_mask(seq_local[cycles], start[cycles], num_seqs, lmax, cycles, chain_cycles, dtype)
-        out = head(feed_back.unsqueeze(0), drafts[cycles, j - 2].unsqueeze(0), (start[cycles] + j - 1).unsqueeze(0),
-                   cache=chain_cache, attention_mask=mask)
+        out = head(feed.unsqueeze(0), token.unsqueeze(0), (start[cycles] + j - 1).unsqueeze(0), cache=cache,
+                   attention_mask=mask)
         normed.append(out.normed[0])
         slot_cycle.append(cycles)
-        feed_back = out.feed_back[0]
+        feed = out.feed_back[0]
     position = torch.cat([torch.full_like(c, j) for j, c in enumerate(slot_cycle)])
     return DraftStates(torch.cat(normed), torch.cat(slot_cycle), position, temperature.to(device))
-
-
-def _prefix_pass(head: MTPHead, hidden: torch.Tensor, ids: torch.Tensor, seq_local: torch.Tensor,
-                 start: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Causal pass over every sequence's entries (H_p, x_{p+1}), right-padded to [B, L]: the outputs at each
-    cycle's start (normed, fed back; [N, H]) and all keys and values side by side ([1, kv, B * L, d])."""
-    batch, length = ids.shape
-    positions = torch.arange(length, device=ids.device).expand(batch, length)
-    cache = HeadKVCache()
-    # Right padding is harmless under a causal mask: real slots never see the padded ones after them.
-    out = head(hidden, ids, positions, cache=cache)
-    return out.normed[seq_local, start], out.feed_back[seq_local, start], _flatten(cache.key), _flatten(cache.value)
 
 
 def _flatten(t: torch.Tensor) -> torch.Tensor:  # [B, kv, L, d] -> [1, kv, B * L, d]
@@ -162,12 +158,12 @@ def reconstruct_chunk(head: MTPHead, records: Sequence[SequenceRecord], pieces: 
 
 def draft_path_mask(query_seq: torch.Tensor, query_start: torch.Tensor, num_seqs: int, lmax: int,
                     query_cycle: torch.Tensor, chain_cycle: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Additive [1, 1, Q, num_seqs*lmax + C]: each query sees its own committed prefix p <= s and the chain
-    entries of its own cycle (chain_cycle [C] names each chain entry's cycle)."""
+    """Additive [1, 1, Q, num_seqs*lmax + C]: each query sees its own committed prefix p < s and the depth
+    entries of its own cycle (chain_cycle [C] names each depth entry's cycle, depth 1's included)."""
     device = query_start.device
     column_seq = torch.arange(num_seqs, device=device).repeat_interleave(lmax)  # [num_seqs * lmax]
     column_pos = torch.arange(lmax, device=device).repeat(num_seqs)
-    prefix_visible = (column_seq[None, :] == query_seq[:, None]) & (column_pos[None, :] <= query_start[:, None])
+    prefix_visible = (column_seq[None, :] == query_seq[:, None]) & (column_pos[None, :] < query_start[:, None])
     own = chain_cycle[None, :] == query_cycle[:, None]
     return additive_mask(torch.cat([prefix_visible, own], dim=1), dtype)[None, None]
 

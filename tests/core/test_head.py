@@ -124,3 +124,18 @@ def test_acceptance_summary_counts_tau_with_the_bonus_token_and_unconditional_al
     assert summary.tau == pytest.approx(1 + 7 / 4)
     assert summary.alpha == pytest.approx([3 / 4, 2 / 4, 2 / 4])
     assert acceptance_summary(torch.tensor([], dtype=torch.long), k=2).tau == 1.0
+
+
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_keys_values_are_what_a_forward_writes_to_the_cache(family):
+    head = make_head(family)
+    g = torch.Generator().manual_seed(4)
+    hidden = torch.randn(2, 9, HIDDEN, generator=g)
+    ids = torch.randint(0, VOCAB, (2, 9), generator=g)
+    positions = torch.arange(9).expand(2, 9)
+    cache = HeadKVCache()
+    with torch.no_grad():
+        head(hidden, ids, positions, cache=cache)
+        key, value = head.keys_values(hidden, ids, positions)
+    assert key.shape == cache.key.shape and value.shape == cache.value.shape
+    assert torch.equal(key, cache.key) and torch.equal(value, cache.value)

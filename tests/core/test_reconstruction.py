@@ -86,10 +86,10 @@ def test_mask_matches_worked_example():
     # one sequence, 4 prefix slots, cycles starting at s = 1 and 3, depth 3 (the module docstring's example)
     cycles = torch.tensor([0, 1])
     mask = draft_path_mask(torch.tensor([0, 0]), torch.tensor([1, 3]), num_seqs=1, lmax=4, query_cycle=cycles,
-                           chain_cycle=torch.cat([cycles, cycles]), dtype=torch.float32)
+                           chain_cycle=torch.cat([cycles, cycles, cycles]), dtype=torch.float32)
     visible = (mask[0, 0] == 0).int().tolist()
-    assert visible == [[1, 1, 0, 0, 1, 0, 1, 0],
-                       [1, 1, 1, 1, 0, 1, 0, 1]]
+    assert visible == [[1, 0, 0, 0, 1, 0, 1, 0, 1, 0],
+                       [1, 1, 1, 0, 0, 1, 0, 1, 0, 1]]
 
 
 def test_mask_blocks_attention_across_draft_paths():
