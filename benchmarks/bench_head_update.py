@@ -25,20 +25,14 @@ import statistics
 import time
 
 import torch
-from bench_reconstruction import PeakRSS, sync
-from transformers import Qwen3Config, Qwen3ForCausalLM
+from bench_reconstruction import PeakRSS, qwen3_4b_config, sync
+from transformers import Qwen3ForCausalLM
 
 from openrlhf_growmtp.core import MTPHead, SequenceRecord, head_loss_backward, init_random_head_, make_head_config
 from openrlhf_growmtp.core.families import get_family
 
 K, TOPK, REAL_LAYERS = 5, 64, 36
 LAYERS = (1, 3)  # the two depths the per-layer time is taken from
-
-
-def qwen3_4b_config(num_layers: int) -> Qwen3Config:
-    return Qwen3Config(hidden_size=2560, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-                       intermediate_size=9728, num_hidden_layers=num_layers, vocab_size=151936,
-                       tie_word_embeddings=True, initializer_range=0.02, max_position_embeddings=40960)
 
 
 def build_policy(num_layers: int, device: str, dtype: torch.dtype) -> Qwen3ForCausalLM:

@@ -191,12 +191,18 @@ def _rss() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def qwen3_4b_config(num_layers: int = 1) -> Qwen3Config:
+    """Qwen3-4B's text config (its real widths, heads, vocabulary and tying) with `num_layers` layers."""
+    return Qwen3Config(hidden_size=2560, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                       intermediate_size=9728, num_hidden_layers=num_layers, vocab_size=151936,
+                       tie_word_embeddings=True, initializer_range=0.02, max_position_embeddings=40960)
+
+
 def real_shape_chunk(device: str, cycles: int = 1024, dtype: torch.dtype = torch.bfloat16) -> dict:
     """One chunk's head update (forward + backward) at Qwen3-4B's head: hidden 2560, 32 query / 8 kv heads of
     128, MLP 9728, the real vocabulary of 151,936 (tied embedding), bf16 as the trainer runs it. Peak memory
     above what the head (with its gradients), the backbone's embedding and the record already hold."""
-    config = Qwen3Config(hidden_size=2560, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-                         intermediate_size=9728, num_hidden_layers=1, vocab_size=151936, initializer_range=0.02)
+    config = qwen3_4b_config()
     embed = nn.Embedding(151936, 2560, dtype=dtype)
     lm_head = nn.Linear(2560, 151936, bias=False, dtype=dtype)
     with torch.no_grad():

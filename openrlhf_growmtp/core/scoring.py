@@ -35,7 +35,6 @@ class DraftStates:
     temperature: torch.Tensor  # [N] per cycle
 
 
-
 def score_groups(max_rows: int | None, vocab_size: int) -> int:
     """How many groups `chunk_loss_backward` scores a chunk of at most max_rows slots in (None: one).
 
