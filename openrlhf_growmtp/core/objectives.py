@@ -29,14 +29,28 @@ MIN_RESIDUAL_MASS = 1e-6
 
 
 def _log1mexp(x: torch.Tensor) -> torch.Tensor:
-    """log(1 - exp(x)) for x <= 0, stable at both ends; -inf at x = 0 with a finite gradient nearby."""
+    """log(1 - exp(x)) for x <= 0, stable at both ends; about -69 at x = 0, with finite gradients everywhere.
+
+    Each branch is evaluated only where it is the one kept (the other sees a harmless -1): `where` sends a
+    zero gradient into the discarded branch, and 0 times that branch's infinite derivative would be NaN
+    (log1p(-exp(x)) once exp(x) rounds to 1, i.e. for x in (-6e-8, 0) in fp32).
+    """
     x = x.clamp(max=-1e-30)
-    return torch.where(x > -math.log(2.0), torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x)))
+    near = x > -math.log(2.0)
+    other = torch.full_like(x, -1.0)
+    return torch.where(near, torch.log(-torch.expm1(torch.where(near, x, other))),
+                       torch.log1p(-torch.exp(torch.where(near, other, x))))
 
 
-def _residual_logprob(topk_logprobs: torch.Tensor) -> torch.Tensor:
-    """log of the probability mass outside the given ids: [..., k] -> [...]."""
-    return _log1mexp(torch.logsumexp(topk_logprobs, dim=-1).clamp(max=0.0))
+def _residual_logprob(logprobs: torch.Tensor, min_mass: float = 0.0) -> torch.Tensor:
+    """log of the probability mass outside the given ids: [..., k] -> [...], floored at min_mass.
+
+    For the head's q pass min_mass=MIN_RESIDUAL_MASS: below it the sum over the ids is 1 to within fp32
+    rounding, so the residual (and its gradient, which divides by it) would be rounding noise; there the
+    residual reads min_mass and gets no gradient (its share of any alpha is below min_mass).
+    """
+    top = torch.logsumexp(logprobs, dim=-1).clamp(max=math.log1p(-min_mass))
+    return _log1mexp(top)
 
 
 def _gathered_logq(draft_logits: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
@@ -68,7 +82,7 @@ def log_acceptance_rates_at(logq: torch.Tensor, topk_logprobs: torch.Tensor) -> 
     log_min = torch.minimum(logp, logq)  # [..., k]
     residual_p = _residual_logprob(logp)
     residual = torch.where(residual_p > math.log(MIN_RESIDUAL_MASS),
-                           torch.minimum(residual_p, _residual_logprob(logq)),
+                           torch.minimum(residual_p, _residual_logprob(logq, MIN_RESIDUAL_MASS)),
                            torch.full_like(residual_p, float("-inf")))
     return torch.logsumexp(torch.cat([log_min, residual.unsqueeze(-1)], dim=-1), dim=-1)
 
@@ -135,7 +149,7 @@ def position_loss_per_cycle_at(logq: torch.Tensor, topk_logprobs: torch.Tensor, 
     num_cycles, k = logq.shape[:2]
     logp = topk_logprobs.float()
     logp_all = torch.cat([logp, _residual_logprob(logp).unsqueeze(-1)], dim=-1)  # [N, K, k+1]
-    logq_all = torch.cat([logq, _residual_logprob(logq).unsqueeze(-1)], dim=-1)
+    logq_all = torch.cat([logq, _residual_logprob(logq, MIN_RESIDUAL_MASS).unsqueeze(-1)], dim=-1)
     p = logp_all.exp()
     cross = -(p * logq_all).sum(-1)  # [N, K]
     if kind == "kl":

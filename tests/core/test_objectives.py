@@ -151,3 +151,33 @@ def test_position_loss_vgm_averages_positions_up_to_the_first_rejection():
     assert masked.item() == pytest.approx(per_position[:2].mean().item(), abs=1e-6)
     masked.backward()
     assert (logits.grad[0, 2:] == 0).all() and (logits.grad[0, :2] != 0).any()
+
+
+def test_log1mexp_has_finite_gradients_where_exp_rounds_to_one():
+    from openrlhf_growmtp.core.objectives import _log1mexp
+
+    # (-6e-8, 0) is where fp32 exp(x) == 1: the discarded branch of where() used to turn its gradient into NaN
+    x = torch.tensor([-2.0, -0.7, -0.69, -1e-3, -1e-6, -6e-8, -1e-9, -1e-20, -1e-30, 0.0], requires_grad=True)
+    y = _log1mexp(x)
+    (grad,) = torch.autograd.grad(y.sum(), x)
+    assert torch.isfinite(y).all() and torch.isfinite(grad).all()
+    ref = torch.log(-torch.expm1(x.detach().double()[:5]))  # float64, where fp32 still resolves 1 - exp(x)
+    assert y[:5].double().sub(ref).abs().max() < 1e-6 * ref.abs().max()
+
+
+@pytest.mark.parametrize("kind", ["dca", "tv", "kl", "ce"])
+def test_a_head_sure_of_the_recorded_ids_gets_finite_gradients(kind):
+    """The head's mass outside the recorded ids is 1 - exp(lse of log q there); once that is below fp32's
+    resolution (this happened offline at tau 3 on the demo world) the gradient was NaN and destroyed the head."""
+    from openrlhf_growmtp.core.objectives import head_loss_per_cycle_at
+
+    outside = torch.tensor([1e-2, 1e-5, 1e-7, 3e-8, 1e-9, 1e-20, 1e-30, 0.0])  # q's mass outside the one id
+    logq = torch.log1p(-outside).reshape(-1, 1, 1).repeat(1, 2, 1).requires_grad_()  # [N, K=2, k=1]
+    p_top = torch.tensor([0.9, 0.5]).reshape(1, 2, 1).expand(len(outside), 2, 1)
+    loss, alpha = head_loss_per_cycle_at(logq, p_top.log(), torch.ones(len(outside), dtype=torch.long), kind)
+    (grad,) = torch.autograd.grad(loss.sum(), logq)
+    assert torch.isfinite(loss).all() and torch.isfinite(grad).all()
+    # alpha = min(p, q) at the id + min of the residuals; the residual of q is floored at 1e-6
+    expected = torch.minimum(p_top[..., 0], 1 - outside[:, None]) + torch.minimum(1 - p_top[..., 0],
+                                                                                  outside[:, None].clamp(min=1e-6))
+    assert alpha.sub(expected).abs().max() < 1e-6
