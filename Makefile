@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 export PIP_CONSTRAINT := $(CURDIR)/constraints.txt
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: test venv bench demo demo-quick rehearse clean
+.PHONY: test venv bench demo demo-quick ablations ablations-quick rehearse clean
 
 venv: $(STAMP)
 
@@ -31,6 +31,14 @@ demo: $(STAMP)
 
 demo-quick: $(STAMP)
 	$(PY) -m openrlhf_growmtp.cli.demo --quick
+
+# the paper's ablations on the demo world: 9 arms x 2 seeds, the ceiling and the lag; writes docs/ablations.json and
+# docs/ablations_*.png (docs/ablations.md); ~1 h on 2 cores
+ablations: $(STAMP)
+	$(PY) -m openrlhf_growmtp.cli.ablations --export docs
+
+ablations-quick: $(STAMP)
+	$(PY) -m openrlhf_growmtp.cli.ablations --quick
 
 # every example script for 3 RL steps on this CPU at its model's real vocabulary (README, "Rehearsal"); ~55 min
 rehearse: $(STAMP)

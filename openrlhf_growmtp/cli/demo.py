@@ -51,7 +51,7 @@ HEAD_LR = "3e-3"
 TOPK = 16  # of a 32-word vocabulary
 
 
-def train_command(world: World, arm_dir: Path, preset: Preset, k: int) -> list[str]:
+def train_command(world: World, arm_dir: Path, preset: Preset, k: int, seed: int = 42) -> list[str]:
     samples = preset.prompts_per_step * preset.samples_per_prompt
     cmd = [
         sys.executable, "-m", "openrlhf_growmtp.cli.train_ppo_ray",
@@ -62,7 +62,7 @@ def train_command(world: World, arm_dir: Path, preset: Preset, k: int) -> list[s
         "--rollout.max_new_tokens", "64", "--rollout.batch_size", str(preset.prompts_per_step),
         "--rollout.n_samples_per_prompt", str(preset.samples_per_prompt), "--rollout.micro_batch_size", "8",
         "--train.batch_size", str(samples), "--train.micro_batch_size", "8", "--train.num_episodes", "1",
-        "--train.seed", "42", "--algo.advantage.estimator", "group_norm", "--algo.kl.init_coef", "0",
+        "--train.seed", str(seed), "--algo.advantage.estimator", "group_norm", "--algo.kl.init_coef", "0",
         "--reward.remote_url", str(REWARD_FILE), "--actor.adam.lr", ACTOR_LR,
         "--actor.lr_scheduler", "constant_with_warmup",
         "--ckpt.path", str(arm_dir / "ckpt"), "--ckpt.output_dir", str(arm_dir / "final"),

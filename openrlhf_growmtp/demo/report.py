@@ -17,6 +17,8 @@ FINAL_WINDOW = 5  # "final" values are means over the last steps (one step's τ 
 def final_window(steps: int) -> int:
     """...over at most the last quarter of the run, so that a short run's "final" is not its start."""
     return max(1, min(FINAL_WINDOW, steps // 4))
+
+
 TAGS = {  # row field -> TensorBoard tag written by upstream's TensorboardLogger (train/<status key>)
     "reward": "train/reward",
     "rollout_s": "train/timing/generation",
@@ -27,6 +29,7 @@ TAGS = {  # row field -> TensorBoard tag written by upstream's TensorboardLogger
     "head_loss": "train/growmtp/head_loss",
     "head_update_s": "train/growmtp/head_update_s",
 }
+POSITIONAL = ("alpha", "head_alpha", "lag_alpha")  # train/growmtp/<name>_<k>, k = 1..K
 
 
 def read_arm(tensorboard_dir: str | Path, arm: str, k: int) -> list[dict]:
@@ -40,12 +43,16 @@ def read_arm(tensorboard_dir: str | Path, arm: str, k: int) -> list[dict]:
     events.Reload()
     available = set(events.Tags()["scalars"])
     series = {field: {e.step: e.value for e in events.Scalars(tag)} for field, tag in TAGS.items() if tag in available}
-    alphas = [{e.step: e.value for e in events.Scalars(f"train/growmtp/alpha_{i}")} for i in range(1, k + 1)]
+    # per-position series: the engine's alpha_k, and where logged the trainer's head_alpha_k and lag_alpha_k
+    positional = {name: [{e.step: e.value for e in events.Scalars(f"train/growmtp/{name}_{i}")}
+                         for i in range(1, k + 1)]
+                  for name in POSITIONAL if k and f"train/growmtp/{name}_1" in available}
     rows = []
     for step in sorted(series["reward"]):
         row = {"arm": arm, "step": step, **{field: values[step] for field, values in series.items() if step in values}}
-        if k:
-            row["alpha"] = [alpha[step] for alpha in alphas]
+        for name, per_position in positional.items():
+            if all(step in values for values in per_position):
+                row[name] = [values[step] for values in per_position]
         rows.append(row)
     return rows
 

@@ -64,6 +64,11 @@ def add_growmtp_args(parser: argparse.ArgumentParser) -> None:
     flag("neg_adv_weight", type=float, default=1.0,
          help="weight of the policy loss on tokens with a negative advantage (the paper's GRPO uses 0.5); "
               "applies to every run, --growmtp_k 0 included; 1.0 is upstream's loss")
+    group.add_argument("--growmtp_log_lag", "--growmtp.log_lag", dest="growmtp.log_lag", action="store_true",
+                       default=False,
+                       help="after each head step, also log growmtp/lag_alpha_k: the updated head's alpha on the "
+                            "records it was trained on (the next step's head_alpha_k is its alpha on the next "
+                            "policy's); keeps the step's hidden states and costs one more forward of the head")
     group.add_argument("--growmtp_check_sync", "--growmtp.check_sync", dest="growmtp.check_sync",
                        action="store_true", default=False,
                        help="after every sync, compare the engines' head parameters with the trainer's and log "
@@ -111,6 +116,9 @@ def check_args(flat: dict) -> list[str]:
     if get("train.agent_func_path"):
         errors.append("--train.agent_func_path (multi-turn agents) is not supported with GrowMTP: records "
                       "describe one generate call per sample")
+    if g.get("log_lag") and (g["mode"] == "frozen" or g.get("teacher_forcing")):
+        errors.append("--growmtp_log_lag measures a training head on its draft paths: it needs a head that trains "
+                      "on them (not --growmtp_mode frozen or --growmtp_teacher_forcing)")
     if g["mode"] != "frozen":
         errors += _check_training_layout(flat)
     errors += _check_head(flat, g, k)

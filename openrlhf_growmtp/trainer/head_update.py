@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
 import torch
@@ -93,16 +93,80 @@ def filler_record(head: MTPHead, k: int, topk: int) -> SequenceRecord:
                                      vocab_size=config.vocab_size, hidden_size=config.hidden_size)
 
 
+def step_hidden_states(backbone: nn.Module, records: Sequence[SequenceRecord], cfg: HeadUpdateConfig
+                       ) -> list[torch.Tensor]:
+    """H_p [T, H] per record of this rank from the current backbone, in the same number of forwards on
+    every rank (with a graph in joint mode). Read them before the policy's optimizer step."""
+    local_batches = math.ceil(len(records) / cfg.hidden_batch_size)
+    (max_batches,) = _all_reduce([local_batches], dist.ReduceOp.MAX)
+    return backbone_hidden_states(backbone, records, int(max_batches), cfg.hidden_batch_size, grad=cfg.joint)
+
+
 def update_head(head: MTPHead, backbone: nn.Module, records: Sequence[SequenceRecord], cfg: HeadUpdateConfig,
-                backward: Callable[[torch.Tensor], None], gradient_accumulation: int = 1) -> dict[str, float]:
+                backward: Callable[[torch.Tensor], None], gradient_accumulation: int = 1,
+                hiddens: Sequence[torch.Tensor] | None = None) -> dict[str, float]:
     """Accumulate this step's head gradients on every rank; returns step metrics (identical on all ranks).
 
     `backward(loss)` must run DeepSpeed's engine backward (which divides by `gradient_accumulation`).
     Records arrive validated from the engine boundary; here they are only checked to fit the head
     (`check_batch`). If a record on any rank does not, every rank raises before any model work; if a
     chunk loss is not finite on any rank, every rank stops backpropagating and the result has finite=0.
+    `hiddens` (from `step_hidden_states`) saves the backbone forward for a caller that keeps them.
     """
     began = time.perf_counter()
+    _agree_records_fit(head, records)
+    local_cycles = sum(rec.num_cycles for rec in records)
+    (total_cycles,) = _all_reduce([float(local_cycles)], dist.ReduceOp.SUM)
+    metrics = {"head_cycles": total_cycles, "head_finite": 1.0}
+    plan = _plan(records, cfg)
+    if plan is None:
+        metrics.update(head_loss=0.0, head_update_s=time.perf_counter() - began)
+        return metrics
+
+    if hiddens is None:
+        hiddens = step_hidden_states(backbone, records, cfg)
+    scale = _world_size() * gradient_accumulation * local_cycles / max(total_cycles, 1.0)
+    stats, finite = _run_chunks(head, backbone, records, hiddens, cfg, plan,
+                                lambda weight: (lambda loss: backward(loss * weight)), scale)
+
+    k = plan[1]
+    local_sum = stats.loss * local_cycles if stats is not None and stats.finite else 0.0
+    # The recorded top-k's share of the target's mass: the sparse alpha estimate can exceed the true alpha
+    # by at most 1 minus it (objectives.py), so a small value says the alphas above are loose.
+    local_mass = sum(float(torch.logsumexp(rec.topk_logprobs.float(), dim=-1).exp().sum()) for rec in records)
+    sums = _all_reduce([local_sum, local_mass] + _alpha_sums(stats, k), dist.ReduceOp.SUM)
+    metrics["head_finite"] = 1.0 if finite else 0.0
+    metrics["head_loss"] = sums[0] / max(total_cycles, 1.0) if finite else float("nan")
+    metrics["head_topk_mass"] = sums[1] / max(total_cycles * k, 1.0)  # mean over cycles and draft positions
+    if not cfg.teacher_forcing:
+        # per position, over the cycles whose loss reads it (under VGM: those that reached it)
+        metrics.update(_alphas("head_alpha", sums[2:], k))
+    metrics["head_update_s"] = time.perf_counter() - began
+    return metrics
+
+
+def head_alpha_on(head: MTPHead, records: Sequence[SequenceRecord], hiddens: Sequence[torch.Tensor],
+                  cfg: HeadUpdateConfig, prefix: str = "lag_alpha") -> dict[str, float]:
+    """The head's α_k on these records, as `update_head` measures it, without a gradient step.
+
+    With the head after its optimizer step and the hidden states read before the policy's, this is the
+    α of the updated head on the records of the policy it was trained for; the next step's `head_alpha_k`
+    is the same head's α on the next policy's records, and the difference is the one-step lag.
+    Every rank runs the same chunks (with fillers), like `update_head`.
+    """
+    if cfg.teacher_forcing:
+        raise ValueError("the lag probe reads the draft paths; teacher forcing has none")
+    plan = _plan(records, cfg)
+    if plan is None:
+        return {}
+    hiddens = [h.detach() for h in hiddens]
+    with torch.no_grad():
+        stats, _ = _run_chunks(head, None, records, hiddens, replace(cfg, joint=False), plan,
+                               lambda weight: (lambda loss: None), 0.0)
+    return _alphas(prefix, _all_reduce(_alpha_sums(stats, plan[1]), dist.ReduceOp.SUM), plan[1])
+
+
+def _agree_records_fit(head: MTPHead, records: Sequence[SequenceRecord]) -> None:
     error = ""
     try:
         check_batch(head, records)
@@ -111,60 +175,53 @@ def update_head(head: MTPHead, backbone: nn.Module, records: Sequence[SequenceRe
     if _all_reduce([1.0 if error else 0.0], dist.ReduceOp.MAX)[0] > 0.5:
         raise RecordError(error or "a malformed record on another data-parallel rank (see its log)")
 
-    joint = cfg.joint
+
+def _plan(records: Sequence[SequenceRecord], cfg: HeadUpdateConfig) -> tuple[int, int, int] | None:
+    """(max chunks over ranks, K, this rank's chunks), or None when no rank has a chunk."""
     # Joint mode backpropagates through the backbone once per rank: one chunk (None), one graph.
-    chunk_cycles = None if joint else cfg.chunk_cycles
-    local_cycles = sum(rec.num_cycles for rec in records)
-    local_chunks = count_chunks(records, chunk_cycles, cfg.teacher_forcing) if records else 0
-    local_batches = math.ceil(len(records) / cfg.hidden_batch_size)
+    local_chunks = count_chunks(records, _chunk_cycles(cfg), cfg.teacher_forcing) if records else 0
     local_k = records[0].depth if records else 0
-    max_chunks, max_batches, k = _all_reduce([local_chunks, local_batches, local_k], dist.ReduceOp.MAX)
-    (total_cycles,) = _all_reduce([float(local_cycles)], dist.ReduceOp.SUM)
-    metrics = {"head_cycles": total_cycles, "head_finite": 1.0}
-    if max_chunks == 0:
-        metrics.update(head_loss=0.0, head_update_s=time.perf_counter() - began)
-        return metrics
+    max_chunks, k = _all_reduce([local_chunks, local_k], dist.ReduceOp.MAX)
+    return None if max_chunks == 0 else (int(max_chunks), int(k), local_chunks)
 
-    k, dtype = int(k), next(head.parameters()).dtype
-    topk = int(records[0].topk_ids.shape[2]) if records else head.config.vocab_size
-    hiddens = backbone_hidden_states(backbone, records, int(max_batches), cfg.hidden_batch_size, grad=joint)
-    scale = _world_size() * gradient_accumulation * local_cycles / max(total_cycles, 1.0)
 
-    def weighted(weight: float) -> Callable[[torch.Tensor], None]:
-        return lambda loss: backward(loss * weight)
+def _chunk_cycles(cfg: HeadUpdateConfig) -> int | None:
+    return None if cfg.joint else cfg.chunk_cycles
 
+
+def _run_chunks(head, backbone, records, hiddens, cfg: HeadUpdateConfig, plan, weighted, scale: float):
+    """This rank's chunks, then zero-weighted filler chunks up to the busiest rank's count."""
+    max_chunks, k, local_chunks = plan
+    dtype = next(head.parameters()).dtype
+    chunk_cycles = _chunk_cycles(cfg)
     finite, stats = True, None
     if records:
-        hiddens = [h.to(dtype) for h in hiddens]
-        stats = head_loss_backward(head, records, hiddens, kind=cfg.kind, vgm=cfg.vgm, chunk_cycles=chunk_cycles,
-                                   teacher_forcing=cfg.teacher_forcing, backward=weighted(scale), agree=agree_finite,
-                                   check=False)
+        stats = head_loss_backward(head, records, [h.to(dtype) for h in hiddens], kind=cfg.kind, vgm=cfg.vgm,
+                                   chunk_cycles=chunk_cycles, teacher_forcing=cfg.teacher_forcing,
+                                   backward=weighted(scale), agree=agree_finite, check=False)
         finite = stats.finite
+    topk = int(records[0].topk_ids.shape[2]) if records else head.config.vocab_size
     filler = filler_record(head, k, topk)
-    for _ in range(int(max_chunks) - local_chunks):
+    for _ in range(max_chunks - local_chunks):
         if not finite:
             break
         hidden = filler.hidden.to(dtype).to(_device())
-        if joint:  # the filler must reach the backbone too, like the real chunk on other ranks
+        if cfg.joint:  # the filler must reach the backbone too, like the real chunk on other ranks
             hidden = backbone_hidden_states(backbone, [filler], 1, 1, grad=True)[0] * 0 + hidden
         filled = head_loss_backward(head, [filler], [hidden], kind=cfg.kind, vgm=cfg.vgm,
                                     chunk_cycles=chunk_cycles, teacher_forcing=cfg.teacher_forcing,
                                     backward=weighted(0.0), agree=agree_finite, check=False)
         finite = filled.finite
+    return stats, finite
 
-    local_sum = stats.loss * local_cycles if stats is not None and stats.finite else 0.0
+
+def _alpha_sums(stats, k: int) -> list[float]:
+    """This rank's per-position α sums, then counts (zeros when it has none)."""
     alpha_sum = stats.alpha_sum if stats is not None and stats.alpha_sum else [0.0] * k
     alpha_count = stats.alpha_count if stats is not None and stats.alpha_count else [0.0] * k
-    # The recorded top-k's share of the target's mass: the sparse alpha estimate can exceed the true alpha
-    # by at most 1 minus it (objectives.py), so a small value says the alphas above are loose.
-    local_mass = sum(float(torch.logsumexp(rec.topk_logprobs.float(), dim=-1).exp().sum()) for rec in records)
-    sums = _all_reduce([local_sum, local_mass] + alpha_sum + alpha_count, dist.ReduceOp.SUM)
-    metrics["head_finite"] = 1.0 if finite else 0.0
-    metrics["head_loss"] = sums[0] / max(total_cycles, 1.0) if finite else float("nan")
-    metrics["head_topk_mass"] = sums[1] / max(total_cycles * k, 1.0)  # mean over cycles and draft positions
-    if not cfg.teacher_forcing:
-        # per position, over the cycles whose loss reads it (under VGM: those that reached it)
-        for position, (value, count) in enumerate(zip(sums[2:2 + k], sums[2 + k:]), start=1):
-            metrics[f"head_alpha_{position}"] = value / max(count, 1.0)
-    metrics["head_update_s"] = time.perf_counter() - began
-    return metrics
+    return list(alpha_sum) + list(alpha_count)
+
+
+def _alphas(prefix: str, sums: list[float], k: int) -> dict[str, float]:
+    return {f"{prefix}_{position}": value / max(count, 1.0)
+            for position, (value, count) in enumerate(zip(sums[:k], sums[k:2 * k]), start=1)}

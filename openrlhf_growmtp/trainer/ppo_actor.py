@@ -23,7 +23,7 @@ from openrlhf.utils.distributed_util import torch_dist_barrier_and_cuda_sync
 from .. import cpu_support
 from ..core.records import SequenceRecord
 from . import installer, zero3_head_group
-from .head_update import HeadUpdateConfig, update_head
+from .head_update import HeadUpdateConfig, head_alpha_on, step_hidden_states, update_head
 from .keys import ACCEPTED_KEY, DROPPED_KEY, RECORD_KEY
 from .loss import NegativeAdvantageWeightedLoss
 from .strategy import gathered_head_state, head_of, without_head
@@ -75,7 +75,11 @@ class GrowMTPActorTrainer(ActorTrainer):
         head = head_of(self.actor.model.module)
         if head is None:  # a frozen head drafts in the engines only
             return super().ppo_train(kl_ctl)
-        metrics = self.train_draft_head(records)
+        cfg = self._head_update_config()
+        # --growmtp_log_lag keeps this step's hidden states (the pre-update policy's) for the probe below
+        hiddens = step_hidden_states(self.actor.model.module.model, records, cfg) if self.args.growmtp.log_lag \
+            else None
+        metrics = self.train_draft_head(records, cfg, hiddens)
         skip = contextlib.nullcontext()
         if not metrics["head_finite"]:
             logger.warning("GrowMTP: the head loss is not finite this step; the head update is skipped "
@@ -83,6 +87,9 @@ class GrowMTPActorTrainer(ActorTrainer):
             skip = zero3_head_group.head_step_skipped(self.actor.model, self.actor_scheduler)
         with skip:
             status = super().ppo_train(kl_ctl)
+        if hiddens is not None and metrics["head_finite"]:
+            # the updated head on the records of the policy it was trained for (see head_alpha_on)
+            metrics.update(head_alpha_on(head, records, hiddens, cfg))
         status.update({f"growmtp/{key}": value for key, value in metrics.items()})
         return status
 
@@ -97,7 +104,14 @@ class GrowMTPActorTrainer(ActorTrainer):
                 records.append(SequenceRecord.unpack(blob))
         return records
 
-    def train_draft_head(self, records: list[SequenceRecord]) -> dict[str, float]:
+    def _head_update_config(self) -> HeadUpdateConfig:
+        g = self.args.growmtp
+        return HeadUpdateConfig(kind=g.loss, vgm=g.vgm, chunk_cycles=g.chunk_cycles,
+                                teacher_forcing=g.teacher_forcing, joint=g.mode == "joint",
+                                hidden_batch_size=max(1, self.micro_train_batch_size))
+
+    def train_draft_head(self, records: list[SequenceRecord], cfg: HeadUpdateConfig,
+                         hiddens: list[torch.Tensor] | None = None) -> dict[str, float]:
         """Accumulate the head loss of this RL step's records (this rank's share) into the head's gradients.
 
         Runs before upstream's micro-batches, inside the same accumulation window: the optimizer step
@@ -105,16 +119,12 @@ class GrowMTPActorTrainer(ActorTrainer):
         """
         engine = self.actor.model
         hf_model = engine.module
-        g = self.args.growmtp
-        cfg = HeadUpdateConfig(kind=g.loss, vgm=g.vgm, chunk_cycles=g.chunk_cycles,
-                               teacher_forcing=g.teacher_forcing, joint=g.mode == "joint",
-                               hidden_batch_size=max(1, self.micro_train_batch_size))
         zero3_head_group.begin_head_window(engine)
         # The head update draws no random numbers, but upstream's data order must not depend on that.
         with torch.random.fork_rng(devices=[]):
             metrics = update_head(head_of(hf_model), hf_model.model, records, cfg,
                                   backward=zero3_head_group.head_backward(engine),
-                                  gradient_accumulation=engine.gradient_accumulation_steps())
+                                  gradient_accumulation=engine.gradient_accumulation_steps(), hiddens=hiddens)
         optimizer = engine.optimizer
         metrics["head_lr"] = optimizer.param_groups[zero3_head_group.head_group_index(optimizer)]["lr"]
         return metrics

