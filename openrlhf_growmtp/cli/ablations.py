@@ -73,36 +73,48 @@ def main(argv: list[str] | None = None) -> int:
     world = build_world(args.cache_dir or Path(args.runs_dir) / ".cache")
     rows: dict[str, dict[int, list[dict]]] = {arm: {} for arm in arms}
     wall: dict[str, dict[int, float]] = {arm: {} for arm in arms}
+    failed: dict[str, dict[int, str]] = {}
     for seed in seeds:
         for arm in arms:
             spec = ablations.ARMS[arm]
             k = preset.k if spec.drafts else 0
             arm_dir = out / f"{arm}-s{seed}"
             cmd = train_command(world, arm_dir, preset, k, seed=seed) + list(spec.flags)
-            wall[arm][seed] = run_arm(cmd, arm_dir, f"{arm} (seed {seed})", preset.steps)
-            rows[arm][seed] = report.read_arm(arm_dir / "tensorboard", arm, k)
-            if len(rows[arm][seed]) != preset.steps:
-                raise RuntimeError(f"{arm} (seed {seed}) logged {len(rows[arm][seed])} steps, expected {preset.steps}")
-            report.write_metrics(arm_dir / "metrics.jsonl", rows[arm][seed])
+            try:  # one arm's failure is reported (and fails the command) without losing the other arms
+                wall[arm][seed] = run_arm(cmd, arm_dir, f"{arm} (seed {seed})", preset.steps)
+                logged = report.read_arm(arm_dir / "tensorboard", arm, k)
+                if len(logged) != preset.steps:
+                    raise RuntimeError(f"logged {len(logged)} steps, expected {preset.steps}")
+            except (RuntimeError, FileNotFoundError) as err:
+                failed.setdefault(arm, {})[seed] = str(err).splitlines()[0]
+                print(f"{arm} (seed {seed}) FAILED: {failed[arm][seed]}", flush=True)
+                continue
+            rows[arm][seed] = logged
+            report.write_metrics(arm_dir / "metrics.jsonl", logged)
+    rows = {arm: by_seed for arm, by_seed in rows.items() if by_seed}
 
     per_seed = {arm: {seed: ablations.seed_summary(runs, preset.head_warmup_steps) for seed, runs in by_seed.items()}
                 for arm, by_seed in rows.items()}
     stats = ablations.compare(per_seed)
     extra = {"preset": "quick" if args.quick else "full", "settings": asdict(preset), "seeds": list(seeds),
-             "world": world.info, "arm_wall_s": wall}
-    if "growmtp" in arms:
+             "world": world.info, "arm_wall_s": wall, "failed": failed}
+    if "growmtp" in rows and seeds[0] in rows["growmtp"]:
         reference = out / f"growmtp-s{seeds[0]}" / "final"
         ceiling_file = out / "ceiling.json"
         ceiling_began = time.perf_counter()
-        subprocess.run([sys.executable, "-m", "openrlhf_growmtp.demo.ceiling", "--policy", str(reference),
-                        "--head", str(reference / "growmtp_head"), "--prompts", str(world.prompts),
-                        "--k", str(preset.k), "--topk", str(TOPK), "--out", str(ceiling_file),
-                        *plan.ceiling_flags], check=True)
-        ceiling = json.loads(ceiling_file.read_text())
-        online = per_seed["growmtp"][seeds[0]]["tau_final"]
-        extra.update(ceiling_tau=ceiling["ceiling_tau"], ceiling=ceiling, online_tau=online,
-                     online_over_ceiling=online / ceiling["ceiling_tau"], ceiling_wall_s=time.perf_counter() - ceiling_began,
-                     lag={str(seed): summary["lag"] for seed, summary in per_seed["growmtp"].items()})
+        code = subprocess.run([sys.executable, "-m", "openrlhf_growmtp.demo.ceiling", "--policy", str(reference),
+                               "--head", str(reference / "growmtp_head"), "--prompts", str(world.prompts),
+                               "--k", str(preset.k), "--topk", str(TOPK), "--out", str(ceiling_file),
+                               *plan.ceiling_flags]).returncode
+        extra["lag"] = {str(seed): summary["lag"] for seed, summary in per_seed["growmtp"].items()}
+        if code == 0:
+            ceiling = json.loads(ceiling_file.read_text())
+            online = per_seed["growmtp"][seeds[0]]["tau_final"]
+            extra.update(ceiling_tau=ceiling["ceiling_tau"], ceiling=ceiling, online_tau=online,
+                         online_over_ceiling=online / ceiling["ceiling_tau"],
+                         ceiling_wall_s=time.perf_counter() - ceiling_began)
+        else:
+            failed["ceiling"] = {seeds[0]: f"exit {code}"}
     extra["total_wall_s"] = time.perf_counter() - began
     ablations.write_json(out / "summary.json", per_seed, stats, extra)
     plots = ablations.plot(out, rows, preset.k)
@@ -116,13 +128,15 @@ def main(argv: list[str] | None = None) -> int:
     if "ceiling_tau" in extra:
         print(f"\nceiling τ {extra['ceiling_tau']:.3f} (online τ_final {extra['online_tau']:.3f}, "
               f"{100 * extra['online_over_ceiling']:.0f}% of it)")
-        for seed, lag in extra["lag"].items():
-            if lag["steps"]:
-                print(f"lag (seed {seed}, {lag['steps']} steps): α on the trained-for policy "
-                      f"[{' '.join(f'{a:.3f}' for a in lag['alpha_trained_policy'])}], on the next "
-                      f"[{' '.join(f'{a:.3f}' for a in lag['alpha_next_policy'])}]")
+    for seed, lag in extra.get("lag", {}).items():
+        if lag["steps"]:
+            print(f"lag (seed {seed}, {lag['steps']} steps): α on the trained-for policy "
+                  f"[{' '.join(f'{a:.3f}' for a in lag['alpha_trained_policy'])}], on the next "
+                  f"[{' '.join(f'{a:.3f}' for a in lag['alpha_next_policy'])}]")
     print(f"\nwrote {out}/summary.json and {', '.join(p.name for p in plots)} in {extra['total_wall_s'] / 60:.1f} min")
-    return 0
+    if failed:
+        print(f"FAILED arms: {failed} (their logs: {out}/<arm>-s<seed>/train.log)")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

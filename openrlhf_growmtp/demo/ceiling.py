@@ -82,8 +82,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eval-prompts", type=int, default=256)
     parser.add_argument("--samples", type=int, default=4, help="samples per prompt")
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--rounds", type=int, default=6)
-    parser.add_argument("--epochs", type=int, default=20)
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--epochs", type=int, default=10,
+                        help="passes over all records so far, per round")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--batch", type=int, default=64, help="records per Adam step")
     parser.add_argument("--tol", type=float, default=0.02, help="stop when a round gains less τ than this")
