@@ -24,7 +24,7 @@ import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from openrlhf_growmtp.cli.demo import PRESETS, TOPK, run_arm, train_command
+from openrlhf_growmtp.cli.demo import PRESETS, TOPK, fresh_run_dir, run_arm, train_command
 from openrlhf_growmtp.demo import ablations, report
 from openrlhf_growmtp.demo.world import build_world
 
@@ -64,10 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     preset = replace(preset, steps=args.steps or (QUICK_STEPS if args.quick else preset.steps))
     if preset.steps < 2:
         parser.error("--steps must be at least 2")
-    out = Path(args.runs_dir) / (args.name or ("ablations-quick" if args.quick else "ablations"))
-    if out.exists():
-        shutil.rmtree(out)
-    out.mkdir(parents=True)
+    out = fresh_run_dir(Path(args.runs_dir) / (args.name or ("ablations-quick" if args.quick else "ablations")))
     began = time.perf_counter()
 
     world = build_world(args.cache_dir or Path(args.runs_dir) / ".cache")

@@ -75,6 +75,14 @@ def train_command(world: World, arm_dir: Path, preset: Preset, k: int, seed: int
     return cmd
 
 
+def fresh_run_dir(out: Path) -> Path:
+    """An empty output directory (a previous run's under the same name is removed)."""
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    return out
+
+
 def run_arm(cmd: list[str], arm_dir: Path, label: str, steps: int) -> float:
     """Run one arm's training CLI with a progress bar per RL step; returns its wall time. Raises on failure."""
     arm_dir.mkdir(parents=True)
@@ -116,10 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     preset = replace(preset, **{f: v for f, v in (("steps", args.steps), ("k", args.k)) if v is not None})
     if preset.steps < 2 or not 1 <= preset.k <= 16:
         parser.error("--steps must be at least 2 and --k between 1 and 16")
-    out = Path(args.runs_dir) / (args.name or ("demo-quick" if args.quick else "demo"))
-    if out.exists():
-        shutil.rmtree(out)
-    out.mkdir(parents=True)
+    out = fresh_run_dir(Path(args.runs_dir) / (args.name or ("demo-quick" if args.quick else "demo")))
     began = time.perf_counter()
 
     world = build_world(args.cache_dir or Path(args.runs_dir) / ".cache")

@@ -93,6 +93,9 @@ def compare(per_seed: dict[str, dict[int, dict]]) -> dict:
     for arm, stats in out.items():
         if arm == REFERENCE or reference is None or "tau_final" not in stats:
             continue
+        if min(len(per_seed[arm]), len(per_seed[REFERENCE])) < 2:
+            stats["vs_growmtp"] = "one seed: no claim"
+            continue
         mine = stats["tau_final"]
         stats["vs_growmtp"] = ("below" if mine["max"] < reference["min"] else
                                "above" if mine["min"] > reference["max"] else "within the seed spread")
@@ -109,15 +112,15 @@ def table(per_seed: dict[str, dict[int, dict]], stats: dict) -> str:
         text = f"{value['mean']:.{digits}f}" + (f"±{spread / 2:.{digits}f}" if len(per_seed[arm]) > 1 else "")
         return f"{text:>{width}}"
 
-    head = (f"{'arm':<38}{'τ first':>11}{'τ final':>11}{'τ max':>11}{'α final':>18}{'reward mean':>13}"
-            f"{'reward final':>13}{'head s':>9}{'rollout s':>11}  vs GrowMTP")
+    head = (f"{'arm':<38}{'τ first':>11}{'τ final':>11}{'τ max':>11}{'α final':>18}{'reward mean':>14}"
+            f"{'reward final':>14}{'head s':>11}{'rollout s':>11}  vs GrowMTP")
     lines = [head]
     for arm, seeds in per_seed.items():
         alpha = stats[arm].get("alpha_final")
         alpha_text = " ".join(f"{a:.2f}" for a in alpha) if alpha else "-"
         lines.append(f"{ARMS[arm].label:<38}{cell(arm, 'tau_first', 11)}{cell(arm, 'tau_final', 11)}"
-                     f"{cell(arm, 'tau_max', 11)}{alpha_text:>18}{cell(arm, 'reward_mean', 13, 3)}"
-                     f"{cell(arm, 'reward_final', 13, 3)}{cell(arm, 'head_update_s', 9)}"
+                     f"{cell(arm, 'tau_max', 11)}{alpha_text:>18}{cell(arm, 'reward_mean', 14, 3)}"
+                     f"{cell(arm, 'reward_final', 14, 3)}{cell(arm, 'head_update_s', 11)}"
                      f"{cell(arm, 'rollout_s', 11)}  {stats[arm].get('vs_growmtp', '')}")
     return "\n".join(lines)
 

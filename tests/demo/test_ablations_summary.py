@@ -40,6 +40,9 @@ def test_an_ordering_is_claimed_only_when_every_seed_of_one_arm_is_beyond_every_
     assert "vs_growmtp" not in stats["ar"] and "vs_growmtp" not in stats["growmtp"]
     assert stats["growmtp"]["tau_final"] == pytest.approx({"mean": 2.4, "min": 2.3, "max": 2.5})
     assert stats["ar"]["reward_mean"]["mean"] == pytest.approx(0.5)
+    # one seed has no spread to exceed: no ordering is claimed, however far apart the arms are
+    one_seed = ablations.compare({"growmtp": {1: summary(2.3)}, "tv": {1: summary(1.0)}})
+    assert one_seed["tv"]["vs_growmtp"] == "one seed: no claim"
 
 
 def test_every_arm_runs_the_demo_command_with_its_own_flags_only():
