@@ -76,9 +76,10 @@ class GrowMTPActorTrainer(ActorTrainer):
         if head is None:  # a frozen head drafts in the engines only
             return super().ppo_train(kl_ctl)
         cfg = self._head_update_config()
-        # --growmtp_log_lag keeps this step's hidden states (the pre-update policy's) for the probe below
-        hiddens = step_hidden_states(self.actor.model.module.model, records, cfg) if self.args.growmtp.log_lag \
-            else None
+        hiddens = None
+        if self.args.growmtp.log_lag:  # keep this step's (pre-update) hidden states for the probe below
+            with torch.random.fork_rng(devices=[]):  # like the head update: upstream's RNG stream untouched
+                hiddens = step_hidden_states(self.actor.model.module.model, records, cfg)
         metrics = self.train_draft_head(records, cfg, hiddens)
         skip = contextlib.nullcontext()
         if not metrics["head_finite"]:
