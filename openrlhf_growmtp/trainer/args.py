@@ -46,7 +46,8 @@ def add_growmtp_args(parser: argparse.ArgumentParser) -> None:
               "or a head directory written by growmtp-make-head / a previous run")
     flag("head_lr", type=float, default=None,
          help=f"peak head LR (default {DEFAULT_HEAD_LR['random']} random, {DEFAULT_HEAD_LR['native']} native)")
-    flag("warmup_steps", type=int, default=DEFAULT_WARMUP_STEPS, help="head LR warm-up, in RL steps")
+    flag("warmup_steps", type=int, default=DEFAULT_WARMUP_STEPS,
+         help="head LR warm-up, in RL steps (the schedule itself advances with every policy optimizer step)")
     flag("min_lr_ratio", type=float, default=DEFAULT_MIN_LR_RATIO, help="head LR cosine floor, fraction of peak")
     flag("loss", type=str, default="dca", choices=LOSS_KINDS, help="head objective")
     group.add_argument("--growmtp_vgm", "--growmtp.vgm", dest="growmtp.vgm", action="store_true", default=True,
@@ -133,16 +134,21 @@ def _check_training_layout(flat: dict) -> list[str]:
                       f"(got {get('ds.zero_stage')})")
     if get("ds.adam_offload"):
         errors.append("--ds.adam_offload is not supported with a training GrowMTP head yet")
-    if get("train.dynamic_batch_enable"):
-        errors.append("--train.dynamic_batch_enable is not supported with a training GrowMTP head yet")
-    # The head update is one optimizer step per RL step, taken in the policy's (only) step.
-    rollout = (get("rollout.batch_size") or 0) * (get("rollout.n_samples_per_prompt") or 1)
-    if rollout != get("train.batch_size") or get("train.max_epochs", 1) != 1:
-        errors.append("GrowMTP updates the head once per RL step, in the policy's optimizer step, so it needs "
-                      "exactly one policy step per RL step: --train.batch_size must equal --rollout.batch_size x "
-                      f"--rollout.n_samples_per_prompt ({rollout}, got {get('train.batch_size')}) and "
-                      f"--train.max_epochs 1 (got {get('train.max_epochs')})")
+    # Joint mode backpropagates the head loss through one backbone graph of the rollout policy, built before
+    # the policy's step: with a second policy step that graph would describe weights already changed.
+    steps = policy_steps_per_rl_step(get("rollout.batch_size") or 0, get("rollout.n_samples_per_prompt") or 1,
+                                     get("train.batch_size") or 1, get("train.max_epochs") or 1)
+    if get("growmtp.mode") == "joint" and steps != 1:
+        errors.append("--growmtp_mode joint needs exactly one policy step per RL step (got "
+                      f"{steps}): --train.batch_size equal to --rollout.batch_size x --rollout.n_samples_per_prompt "
+                      "and --train.max_epochs 1")
     return errors
+
+
+def policy_steps_per_rl_step(rollout_batch: int, samples_per_prompt: int, train_batch: int, epochs: int) -> int:
+    """Policy optimizer steps per RL step: mini-batches x epochs, counted as upstream counts its max_steps
+    (dynamic batching changes the micro-batches of a step, not the number of steps)."""
+    return rollout_batch * samples_per_prompt // max(train_batch, 1) * epochs
 
 
 def _check_head(flat: dict, g: dict, k: int) -> list[str]:

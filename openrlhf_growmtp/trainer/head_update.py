@@ -8,7 +8,10 @@ filler work, and the finiteness check is agreed across ranks before every backwa
 
 Gradient scale: each rank's loss is normalised by its own cycle count, then rescaled so that, after
 DeepSpeed averages over ranks and divides by gradient accumulation, the head's gradient is the gradient
-of the mean loss over all cycles of the step on all ranks.
+of the summed loss over all cycles of the call on all ranks, divided by `cycles_per_step` (by default
+the call's own cycle count: the mean loss). A trainer that calls once per micro-batch passes the mean
+number of cycles per optimizer step, so that each optimizer step's gradient is its cycles' summed loss
+over that mean, and exactly the mean loss when one optimizer step takes every record.
 
 No openrlhf or DeepSpeed import here: the caller passes `backward` (DeepSpeed's engine backward).
 """
@@ -17,7 +20,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Callable, Sequence
 
 import torch
@@ -37,6 +40,52 @@ class HeadUpdateConfig:
     teacher_forcing: bool = False
     joint: bool = False  # the head loss also reaches the backbone (through the hidden states)
     hidden_batch_size: int = 8  # sequences per backbone forward when recomputing hidden states
+
+
+@dataclass
+class HeadStepTotals:
+    """Sums over every rank of one or more `update_head` calls; `metrics()` gives the logged values.
+
+    Calls add up (`add`) so that a step made of several calls (one per micro-batch) reports one loss and
+    one α_k per step: means over all of its cycles, not means of per-call means.
+    """
+
+    k: int = 0
+    teacher_forcing: bool = False
+    cycles: float = 0.0
+    loss_sum: float = 0.0  # sum over cycles of the per-cycle loss (NaN once a call was not finite)
+    mass_sum: float = 0.0  # sum over cycles and draft positions of the recorded top-k's target mass
+    alpha_sum: list[float] = field(default_factory=list)  # [K] per draft position
+    alpha_count: list[float] = field(default_factory=list)  # [K] cycles whose loss reads that position
+    finite: bool = True
+    seconds: float = 0.0
+
+    def add(self, other: HeadStepTotals) -> None:
+        if other.k:
+            if not self.k:
+                self.k, self.alpha_sum, self.alpha_count = other.k, [0.0] * other.k, [0.0] * other.k
+            self.alpha_sum = [a + b for a, b in zip(self.alpha_sum, other.alpha_sum or [0.0] * self.k)]
+            self.alpha_count = [a + b for a, b in zip(self.alpha_count, other.alpha_count or [0.0] * self.k)]
+        self.teacher_forcing = self.teacher_forcing or other.teacher_forcing
+        self.cycles += other.cycles
+        self.loss_sum += other.loss_sum
+        self.mass_sum += other.mass_sum
+        self.finite = self.finite and other.finite
+        self.seconds += other.seconds
+
+    def metrics(self) -> dict[str, float]:
+        cycles = max(self.cycles, 1.0)
+        metrics = {"head_cycles": self.cycles, "head_finite": 1.0 if self.finite else 0.0,
+                   "head_loss": self.loss_sum / cycles if self.finite else float("nan"),
+                   "head_update_s": self.seconds}
+        if self.k:
+            # The recorded top-k's share of the target's mass: the sparse alpha estimate can exceed the true
+            # alpha by at most 1 minus it (objectives.py), so a small value says the alphas are loose.
+            metrics["head_topk_mass"] = self.mass_sum / max(self.cycles * self.k, 1.0)
+            if not self.teacher_forcing:
+                # per position, over the cycles whose loss reads it (under VGM: those that reached it)
+                metrics.update(_alphas("head_alpha", self.alpha_sum + self.alpha_count, self.k))
+        return metrics
 
 
 def _device() -> torch.device:
@@ -93,6 +142,11 @@ def filler_record(head: MTPHead, k: int, topk: int) -> SequenceRecord:
                                      vocab_size=config.vocab_size, hidden_size=config.hidden_size)
 
 
+def total_cycles(records: Sequence[SequenceRecord]) -> float:
+    """These records' cycles, summed over every rank."""
+    return _all_reduce([float(sum(rec.num_cycles for rec in records))], dist.ReduceOp.SUM)[0]
+
+
 def step_hidden_states(backbone: nn.Module, records: Sequence[SequenceRecord], cfg: HeadUpdateConfig
                        ) -> list[torch.Tensor]:
     """H_p [T, H] per record of this rank from the current backbone, in the same number of forwards on
@@ -104,45 +158,40 @@ def step_hidden_states(backbone: nn.Module, records: Sequence[SequenceRecord], c
 
 def update_head(head: MTPHead, backbone: nn.Module, records: Sequence[SequenceRecord], cfg: HeadUpdateConfig,
                 backward: Callable[[torch.Tensor], None], gradient_accumulation: int = 1,
-                hiddens: Sequence[torch.Tensor] | None = None) -> dict[str, float]:
-    """Accumulate this step's head gradients on every rank; returns step metrics (identical on all ranks).
+                hiddens: Sequence[torch.Tensor] | None = None,
+                cycles_per_step: float | None = None) -> HeadStepTotals:
+    """Accumulate the head gradients of these records on every rank; returns the call's totals (identical
+    on all ranks).
 
     `backward(loss)` must run DeepSpeed's engine backward (which divides by `gradient_accumulation`).
     Records arrive validated from the engine boundary; here they are only checked to fit the head
     (`check_batch`). If a record on any rank does not, every rank raises before any model work; if a
-    chunk loss is not finite on any rank, every rank stops backpropagating and the result has finite=0.
+    chunk loss is not finite on any rank, every rank stops backpropagating and the totals say finite=False.
     `hiddens` (from `step_hidden_states`) saves the backbone forward for a caller that keeps them.
+    `cycles_per_step` divides the summed loss (module docstring); None: this call's cycles on all ranks.
     """
     began = time.perf_counter()
     _agree_records_fit(head, records)
     local_cycles = sum(rec.num_cycles for rec in records)
-    (total_cycles,) = _all_reduce([float(local_cycles)], dist.ReduceOp.SUM)
-    metrics = {"head_cycles": total_cycles, "head_finite": 1.0}
+    cycles = total_cycles(records)
+    totals = HeadStepTotals(teacher_forcing=cfg.teacher_forcing, cycles=cycles)
     plan = _plan(records, cfg)
-    if plan is None:
-        metrics.update(head_loss=0.0, head_update_s=time.perf_counter() - began)
-        return metrics
-
-    if hiddens is None:
-        hiddens = step_hidden_states(backbone, records, cfg)
-    scale = _world_size() * gradient_accumulation * local_cycles / max(total_cycles, 1.0)
-    stats, finite = _run_chunks(head, backbone, records, hiddens, cfg, plan,
-                                lambda weight: (lambda loss: backward(loss * weight)), scale)
-
-    k = plan[1]
-    local_sum = stats.loss * local_cycles if stats is not None and stats.finite else 0.0
-    # The recorded top-k's share of the target's mass: the sparse alpha estimate can exceed the true alpha
-    # by at most 1 minus it (objectives.py), so a small value says the alphas above are loose.
-    local_mass = sum(float(torch.logsumexp(rec.topk_logprobs.float(), dim=-1).exp().sum()) for rec in records)
-    sums = _all_reduce([local_sum, local_mass] + _alpha_sums(stats, k), dist.ReduceOp.SUM)
-    metrics["head_finite"] = 1.0 if finite else 0.0
-    metrics["head_loss"] = sums[0] / max(total_cycles, 1.0) if finite else float("nan")
-    metrics["head_topk_mass"] = sums[1] / max(total_cycles * k, 1.0)  # mean over cycles and draft positions
-    if not cfg.teacher_forcing:
-        # per position, over the cycles whose loss reads it (under VGM: those that reached it)
-        metrics.update(_alphas("head_alpha", sums[2:], k))
-    metrics["head_update_s"] = time.perf_counter() - began
-    return metrics
+    if plan is not None:
+        if hiddens is None:
+            hiddens = step_hidden_states(backbone, records, cfg)
+        divisor = cycles_per_step if cycles_per_step is not None else max(cycles, 1.0)
+        scale = _world_size() * gradient_accumulation * local_cycles / divisor
+        stats, finite = _run_chunks(head, backbone, records, hiddens, cfg, plan,
+                                    lambda weight: (lambda loss: backward(loss * weight)), scale)
+        k = plan[1]
+        local_sum = stats.loss * local_cycles if stats is not None and stats.finite else 0.0
+        local_mass = sum(float(torch.logsumexp(rec.topk_logprobs.float(), dim=-1).exp().sum()) for rec in records)
+        sums = _all_reduce([local_sum, local_mass] + _alpha_sums(stats, k), dist.ReduceOp.SUM)
+        totals.k, totals.finite, totals.mass_sum = k, finite, sums[1]
+        totals.loss_sum = sums[0] if finite else float("nan")
+        totals.alpha_sum, totals.alpha_count = sums[2:2 + k], sums[2 + k:2 + 2 * k]
+    totals.seconds = time.perf_counter() - began
+    return totals
 
 
 def head_alpha_on(head: MTPHead, records: Sequence[SequenceRecord], hiddens: Sequence[torch.Tensor],

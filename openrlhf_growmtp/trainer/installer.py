@@ -44,6 +44,9 @@ CONTRACT = [
     ("openrlhf.trainer.ray.ppo_actor", "NaiveReplayBuffer", None),
     ("openrlhf.trainer.ray.ppo_actor.ActorPPOTrainer", "ppo_train", ("kl_ctl",)),
     ("openrlhf.trainer.ray.ppo_actor.ActorPPOTrainer", "broadcast_to_vllm", ()),
+    # the head trains in each micro-batch's step, on the records that ride in its Experience.info
+    ("openrlhf.trainer.ray.ppo_actor.ActorPPOTrainer", "training_step",
+     ("experience", "kl_ctl", "step", "loss_batch_info")),
     ("openrlhf.trainer.ray.ppo_actor.ActorPPOTrainer", "_init_vllm_sync_group", ("backend",)),
     ("openrlhf.trainer.ray.ppo_actor.PolicyModelActor.__ray_actor_class__", "init_model_from_pretrained",
      ("strategy", "pretrain", "max_steps", "vllm_engines")),

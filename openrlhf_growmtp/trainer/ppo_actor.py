@@ -1,16 +1,19 @@
 """The policy actor and its actor-side PPO trainer (upstream: trainer/ray/ppo_actor.py).
 
-One RL step on each policy rank: `ppo_train` takes the step's records out of the replay buffer,
-`train_draft_head(records)` accumulates the head's gradients (before any policy micro-batch, in the
-same accumulation window), upstream's `ppo_train` runs the policy's micro-batches and the single
-optimizer step (which also steps the head's group), then `broadcast_to_vllm` sends the policy's weights
-by upstream's path and the head's through Ray.
+One RL step on each policy rank: `ppo_train` unpacks the step's records, leaving an index in each
+sample's Experience.info, and reads their hidden states from the rollout policy; upstream's `ppo_train`
+then runs the policy's micro-batches (mini-batches, epochs, dynamic batching as configured), and before
+each one's policy backward `train_draft_head` accumulates the head's gradients on that micro-batch's
+records, so every policy optimizer step also steps the head's group; then `broadcast_to_vllm` sends the
+policy's weights by upstream's path and the head's through Ray.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import math
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import deepspeed
@@ -23,8 +26,9 @@ from openrlhf.utils.distributed_util import torch_dist_barrier_and_cuda_sync
 from .. import cpu_support
 from ..core.records import SequenceRecord
 from . import installer, zero3_head_group
-from .head_update import HeadUpdateConfig, head_alpha_on, step_hidden_states, update_head
-from .keys import ACCEPTED_KEY, DROPPED_KEY, RECORD_KEY
+from .head_update import (HeadStepTotals, HeadUpdateConfig, head_alpha_on, step_hidden_states, total_cycles,
+                          update_head)
+from .keys import ACCEPTED_KEY, DROPPED_KEY, RECORD_INDEX_KEY, RECORD_KEY
 from .loss import NegativeAdvantageWeightedLoss
 from .strategy import gathered_head_state, head_of, without_head
 
@@ -67,41 +71,90 @@ class ActorTrainer(ActorPPOTrainer):
         torch_dist_barrier_and_cuda_sync()
 
 
+@dataclass
+class _HeadStep:
+    """What the head needs through one RL step: its records, their hidden states, running totals."""
+
+    records: list[SequenceRecord]
+    hiddens: list[torch.Tensor]  # H_p [T, H] per record, from the rollout policy (read before any policy step)
+    cfg: HeadUpdateConfig
+    cycles: float  # this RL step's cycles on every rank
+    totals: HeadStepTotals = field(default_factory=HeadStepTotals)  # first epoch (each record's first visit)
+    seconds: float = 0.0  # head work in every epoch
+    cycles_per_step: float | None = None  # set at the first micro-batch (dynamic batching plans its steps then)
+    optimizer_steps: int = 0
+    lr: float = 0.0  # the head's LR in the last optimizer step
+    epoch: int = 0
+    calls: int = 0
+    window_finite: bool = True
+
+
 class GrowMTPActorTrainer(ActorTrainer):
-    """The actor-side trainer of a GrowMTP run: the head update in the policy's step, and the head sync."""
+    """The actor-side trainer of a GrowMTP run: the head update in the policy's steps, and the head sync.
+
+    Each sample's record rides in its Experience.info through upstream's shuffling, mini-batches, epochs
+    and dynamic batching (as an index into the step's records). The head trains in every micro-batch on
+    that micro-batch's records, before the policy's backward, in the same accumulation window: each
+    policy optimizer step also takes one head step, on the records of its samples. The hidden states are
+    the rollout policy's, read once before the first policy step (the policy moves after it).
+    """
+
+    _step: _HeadStep | None = None
 
     def ppo_train(self, kl_ctl: float):
+        hf_model = self.actor.model.module
+        head = head_of(hf_model)
         records = self._take_records()
-        head = head_of(self.actor.model.module)
         if head is None:  # a frozen head drafts in the engines only
             return super().ppo_train(kl_ctl)
         cfg = self._head_update_config()
-        hiddens = None
-        if self.args.growmtp.log_lag:  # keep this step's (pre-update) hidden states for the probe below
-            with torch.random.fork_rng(devices=[]):  # like the head update: upstream's RNG stream untouched
-                hiddens = step_hidden_states(self.actor.model.module.model, records, cfg)
-        metrics = self.train_draft_head(records, cfg, hiddens)
-        skip = contextlib.nullcontext()
-        if not metrics["head_finite"]:
-            logger.warning("GrowMTP: the head loss is not finite this step; the head update is skipped "
-                           "(the policy update is unaffected)")
-            skip = zero3_head_group.head_step_skipped(self.actor.model, self.actor_scheduler)
-        with skip:
+        with torch.random.fork_rng(devices=[]):  # upstream's RNG stream (its data order) untouched
+            hiddens = step_hidden_states(hf_model.model, records, cfg)
+        if not cfg.joint:  # kept through the policy's whole step: off the accelerator until their micro-batch
+            hiddens = [h.to("cpu") for h in hiddens]
+        self._step = _HeadStep(records, hiddens, cfg, total_cycles(records))
+        try:
             status = super().ppo_train(kl_ctl)
-        if hiddens is not None and metrics["head_finite"]:
+        finally:
+            step, self._step = self._step, None
+        metrics = step.totals.metrics()
+        metrics.update(head_update_s=step.seconds, head_steps=float(step.optimizer_steps), head_epochs=step.epoch + 1.0)
+        metrics["head_lr"] = step.lr
+        if not step.totals.finite:
+            logger.warning("GrowMTP: the head loss was not finite in an optimizer step of this RL step; that "
+                           "step's head update is skipped (the policy update is unaffected)")
+        elif self.args.growmtp.log_lag:
             # the updated head on the records of the policy it was trained for (see head_alpha_on)
-            metrics.update(head_alpha_on(head, records, hiddens, cfg))
+            device = next(head.parameters()).device
+            with torch.random.fork_rng(devices=[]):
+                metrics.update(head_alpha_on(head, records, [h.to(device) for h in hiddens], cfg))
         status.update({f"growmtp/{key}": value for key, value in metrics.items()})
         return status
 
+    def training_step(self, experience, kl_ctl, step, loss_batch_info=None):
+        indices = experience.info.pop(RECORD_INDEX_KEY, None)
+        if self._step is None:
+            return super().training_step(experience, kl_ctl, step, loss_batch_info)
+        if step == 0 and self._step.calls:
+            self._step.epoch += 1
+        self._step.calls += 1
+        self.train_draft_head([] if indices is None else [int(i) for i in indices])
+        skip = contextlib.nullcontext()
+        if not self._step.window_finite:  # keeps the head where it is through this window's optimizer step
+            skip = zero3_head_group.head_step_skipped(self.actor.model, self.actor_scheduler)
+        with skip:
+            return super().training_step(experience, kl_ctl, step, loss_batch_info)
+
     def _take_records(self) -> list[SequenceRecord]:
-        # Records must leave `info` before upstream's training step turns every info list into a tensor.
+        # Records must leave `info` before upstream's training step turns every info list into a tensor; an
+        # int index into the returned list stays, and training_step takes it out of its micro-batch.
         records = []
         for item in self.replay_buffer.items:
             item.info.pop(ACCEPTED_KEY, None)
             item.info.pop(DROPPED_KEY, None)
             blob = item.info.pop(RECORD_KEY, None)
             if blob is not None:
+                item.info[RECORD_INDEX_KEY] = len(records)
                 records.append(SequenceRecord.unpack(blob))
         return records
 
@@ -111,24 +164,49 @@ class GrowMTPActorTrainer(ActorTrainer):
                                 teacher_forcing=g.teacher_forcing, joint=g.mode == "joint",
                                 hidden_batch_size=max(1, self.micro_train_batch_size))
 
-    def train_draft_head(self, records: list[SequenceRecord], cfg: HeadUpdateConfig,
-                         hiddens: list[torch.Tensor] | None = None) -> dict[str, float]:
-        """Accumulate the head loss of this RL step's records (this rank's share) into the head's gradients.
+    def _optimizer_steps_per_epoch(self) -> int:
+        buffer = self.replay_buffer
+        if self.args.train.dynamic_batch_enable:
+            return max(1, sum(buffer.dynamic_optimizer_step))
+        micro_batches = len(buffer) // buffer.sample_batch_size  # upstream's DataLoader drops the last partial one
+        return max(1, math.ceil(micro_batches / self.strategy.accumulated_gradient))
 
-        Runs before upstream's micro-batches, inside the same accumulation window: the optimizer step
-        that updates the policy also updates the head's group.
+    def train_draft_head(self, indices: list[int]) -> None:
+        """Accumulate the head loss of this micro-batch's records (`indices` into the step's records) into the
+        head's gradients, before the policy's backward, in the same accumulation window.
+
+        The optimizer step that closes the window also steps the head's group. Each step's head gradient
+        is its cycles' summed loss over the RL step's mean cycles per optimizer step: exactly the mean loss
+        when one optimizer step takes every record. In joint mode the whole RL step's records run at its
+        first micro-batch (one backbone graph; args refuse joint with more than one policy step).
         """
-        engine = self.actor.model
-        hf_model = engine.module
-        zero3_head_group.begin_head_window(engine)
+        step, engine = self._step, self.actor.model
+        if zero3_head_group.open_head_window(engine):
+            step.optimizer_steps += 1
+            step.window_finite = True
+            step.lr = engine.optimizer.param_groups[zero3_head_group.head_group_index(engine.optimizer)]["lr"]
+        if step.cycles_per_step is None:
+            step.cycles_per_step = step.cycles / self._optimizer_steps_per_epoch()
+        if step.cfg.joint:
+            if step.calls > 1:
+                return
+            indices = list(range(len(step.records)))
+        if not step.window_finite:  # every rank agreed on it: all skip alike
+            return
+        device = next(head_of(engine.module).parameters()).device
+        hiddens = [step.hiddens[i].to(device) for i in indices]
         # The head update draws no random numbers, but upstream's data order must not depend on that.
         with torch.random.fork_rng(devices=[]):
-            metrics = update_head(head_of(hf_model), hf_model.model, records, cfg,
-                                  backward=zero3_head_group.head_backward(engine),
-                                  gradient_accumulation=engine.gradient_accumulation_steps(), hiddens=hiddens)
-        optimizer = engine.optimizer
-        metrics["head_lr"] = optimizer.param_groups[zero3_head_group.head_group_index(optimizer)]["lr"]
-        return metrics
+            totals = update_head(head_of(engine.module), engine.module.model, [step.records[i] for i in indices],
+                                 step.cfg, backward=zero3_head_group.head_backward(engine),
+                                 gradient_accumulation=engine.gradient_accumulation_steps(), hiddens=hiddens,
+                                 cycles_per_step=step.cycles if step.cfg.joint else step.cycles_per_step)
+        step.window_finite = totals.finite
+        step.seconds += totals.seconds
+        if step.epoch == 0:
+            step.totals.add(totals)
+        else:
+            step.totals.finite = step.totals.finite and totals.finite
 
     def broadcast_to_vllm(self):
         hf_model = self.actor.model.module

@@ -24,7 +24,7 @@ from openrlhf.utils.distributed_util import torch_dist_barrier_and_cuda_sync
 from ..core.checkpoint import HEAD_CONFIG, export_head, load_head, read_head_config
 from ..core.schedule import HeadLRSchedule
 from . import zero3_head_group
-from .args import resolve_head_lr
+from .args import policy_steps_per_rl_step, resolve_head_lr
 
 HEAD_ATTR = "mtp_head"  # the head's name inside the HF model DeepSpeed wraps
 HEAD_EXPORT_DIR = "growmtp_head"  # next to an HF export
@@ -74,9 +74,13 @@ class GrowMTPStrategy(DeepspeedStrategy):
         wrapped, optimizer, scheduler = super()._ds_init_train_model(model, cfg)
         engine = wrapped.model if isinstance(wrapped, Actor) else wrapped
         if head_of(engine.module) is not None:
-            g = self.args.growmtp
+            g, a = self.args.growmtp, self.args
+            # The schedule advances with every optimizer step (upstream's scheduler_steps count those too);
+            # --growmtp_warmup_steps counts RL steps, each of which takes this many:
+            per_rl_step = max(1, policy_steps_per_rl_step(a.rollout.batch_size, a.rollout.n_samples_per_prompt,
+                                                          a.train.batch_size, a.train.max_epochs))
             schedule = HeadLRSchedule(total_steps=max(1, int(cfg["scheduler_steps"])),
-                                      warmup_steps=g.warmup_steps, min_lr_ratio=g.min_lr_ratio)
+                                      warmup_steps=g.warmup_steps * per_rl_step, min_lr_ratio=g.min_lr_ratio)
             zero3_head_group.attach_head_optimizer(engine, scheduler, schedule)
         return wrapped, optimizer, scheduler
 

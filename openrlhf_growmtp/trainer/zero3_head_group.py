@@ -3,7 +3,8 @@
 The head is a submodule of the model DeepSpeed wraps, so ZeRO-3 partitions and reduces it with the
 policy; these functions keep it from touching the policy's update:
 - gradient-norm clipping per group (the policy's clip norm is exactly upstream's),
-- a gradient buffer that every accumulation window starts from zero (the head backpropagates first),
+- a gradient buffer that every accumulation window starts from zero (the head backpropagates first
+  in each micro-batch),
 - a skipped head step (non-finite head loss) that leaves the head's parameters as they are.
 The DeepSpeed internals used here are listed in `installer.CONTRACT` and checked at start-up.
 """
@@ -75,25 +76,31 @@ def attach_head_optimizer(engine, scheduler, lr_multiplier: Callable[[int], floa
     scheduler._last_lr = [g["lr"] for g in optimizer.param_groups]
 
 
-def begin_head_window(engine) -> None:
-    """Zero the partitioned gradient buffer before the head's backwards open an accumulation window.
+def open_head_window(engine) -> bool:
+    """Before a micro-batch's head backwards; True when they open a new accumulation window.
 
-    ZeRO-3 copies (instead of adding) gradients in a window's first backward and keeps stale values in
-    the buffer otherwise; with the head's backwards first, every later backward must add onto zeros.
+    First closes the previous backward as a micro-step, as the engine's own forward would (the head runs no
+    engine forward). ZeRO-3 then copies (instead of adding) gradients while `micro_step_id` is 0, the
+    window's first backward, and leaves stale values in the buffer for parameters that backward does not
+    reach; so a window the head's backwards open starts from a zeroed buffer, and every later backward
+    in it (head or policy) adds onto zeros.
     """
     optimizer = _zero3_optimizer(engine)
+    optimizer.clear_backward_seen_flag()
+    if optimizer.micro_step_id != 0:
+        return False
     optimizer.grad_partitions_flat_buffer.zero_()
+    return True
 
 
 def head_backward(engine) -> Callable[[torch.Tensor], None]:
-    """DeepSpeed's engine backward for one head chunk, then close that backward as a micro-step."""
+    """DeepSpeed's engine backward for one head chunk, after closing the previous backward as a micro-step
+    (the next backward accumulates instead of overwriting; the policy's next forward closes this one)."""
     optimizer = _zero3_optimizer(engine)
 
     def backward(loss: torch.Tensor) -> None:
-        engine.backward(loss)
-        # The engine closes a micro-step at its next forward; the head runs no engine forward, so close
-        # it here: the next backward (head chunk or policy) then accumulates instead of overwriting.
         optimizer.clear_backward_seen_flag()
+        engine.backward(loss)
 
     return backward
 

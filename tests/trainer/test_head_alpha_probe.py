@@ -29,7 +29,7 @@ def test_probe_equals_update_heads_own_alpha_for_the_same_head():
     head, records, hiddens = _setup()
     cfg = HeadUpdateConfig(chunk_cycles=4)
     probed = head_alpha_on(head, records, hiddens, cfg)
-    metrics = update_head(head, None, records, cfg, backward=lambda loss: loss.backward(), hiddens=hiddens)
+    metrics = update_head(head, None, records, cfg, backward=lambda loss: loss.backward(), hiddens=hiddens).metrics()
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in head.parameters())
     for k in range(1, 5):
         assert probed[f"lag_alpha_{k}"] == pytest.approx(metrics[f"head_alpha_{k}"], abs=1e-6)

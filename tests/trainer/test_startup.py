@@ -37,6 +37,9 @@ def test_valid_configuration_has_no_errors(policy_dir):
     assert errors_for(policy_dir, "--growmtp_k", "3") == []
     assert errors_for(policy_dir, "--growmtp_k", "3", "--growmtp_log_lag") == []
     assert errors_for(policy_dir, "--growmtp_k", "0", "--ds.zero_stage", "2") == []  # off: upstream's rules only
+    # mini-batches, epochs and dynamic batching (a detached head steps with every policy step)
+    assert errors_for(policy_dir, "--growmtp_k", "3", "--train.batch_size", "4", "--train.max_epochs", "2",
+                      "--train.dynamic_batch_enable") == []
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -47,7 +50,8 @@ def test_valid_configuration_has_no_errors(policy_dir):
     (["--growmtp_k", "3", "--rollout.top_p", "0.7"], "full target distribution"),
     (["--growmtp_k", "3", "--vllm.num_engines", "0"], "--vllm.num_engines >= 1"),
     (["--growmtp_k", "3", "--ds.zero_stage", "2"], "--ds.zero_stage 3"),
-    (["--growmtp_k", "3", "--train.batch_size", "4"], "one policy step per RL step"),
+    (["--growmtp_k", "3", "--growmtp_mode", "joint", "--train.batch_size", "4"], "one policy step per RL step (got 2)"),
+    (["--growmtp_k", "3", "--growmtp_mode", "joint", "--train.max_epochs", "2"], "one policy step per RL step (got 2)"),
     (["--growmtp_k", "3", "--growmtp_head", "/no/such/head"], "not a head directory"),
     (["--growmtp_k", "3", "--growmtp_mode", "frozen", "--growmtp_log_lag"], "--growmtp_log_lag measures a training"),
     (["--growmtp_k", "3", "--growmtp_teacher_forcing", "--growmtp_log_lag"], "--growmtp_log_lag measures a training"),
