@@ -108,8 +108,6 @@ def prepare(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> None:
     # The run's decision, for every process it starts: a Ray worker without a visible GPU (an actor of a
     # TP > 1 engine has num_gpus=0) must not conclude on its own that the run is on CPU.
     os.environ[cpu_support.CPU_DECISION_ENV] = "1" if cpu else "0"
-    if cpu and "flash_attention" in (flat.get("ds.attn_implementation") or ""):
-        setattr(ns, "ds.attn_implementation", "sdpa")  # flash-attn kernels need CUDA
     if flat["growmtp.k"] > 0:
         setattr(ns, "growmtp.head_dir", resolve_head_dir(flat))
         installer.install_driver(growmtp_classes(flat), launcher=sys.modules["__main__"])

@@ -7,7 +7,8 @@ The rest of the adapter extends upstream by subclassing (one module per upstream
 - module attributes, so upstream's own `train()` builds the classes it is handed (`install_driver`:
   the policy actor, the rollout actor, and for a GrowMTP run the strategy and the controller;
   `install_worker`: the actor-side PPO trainer);
-- the CPU rebinds (device mesh, replay-buffer device, torch Adam), active only without CUDA.
+- the CPU rebinds (device mesh, replay-buffer device, torch Adam, sdpa for flash attention), active only
+  without CUDA.
 
 This module imports none of the classes it installs: the launcher (`cli.train_ppo_ray`) passes them in.
 `check_upstream_contract()` runs first and fails loudly, naming each missing piece, if upstream's shape
@@ -163,6 +164,26 @@ def install_cpu_support() -> bool:
     return True
 
 
+def sdpa_attention(train: Callable) -> Callable:
+    """Upstream's train() with sdpa wherever its args ask for flash attention (CPU: its kernels need CUDA).
+
+    Applied to the args train() receives, because upstream's post-parse checks, which run after the
+    GrowMTP hook, switch to flash attention for packed samples (`--ds.packing_samples`; dynamic batching
+    turns packing on). transformers' sdpa path keeps packed samples apart by their position ids.
+    """
+    if getattr(train, "_growmtp", False):
+        return train
+
+    @functools.wraps(train)
+    def run(args):
+        if "flash_attention" in (args.ds.attn_implementation or ""):
+            args.ds.attn_implementation = "sdpa"
+        return train(args)
+
+    run._growmtp = True
+    return run
+
+
 def setup_cpu_worker() -> None:
     """Ray's worker_process_setup_hook on CPU runs: the torch-level layer plus the openrlhf rebinds."""
     install_cpu_support()
@@ -190,7 +211,7 @@ def install_driver(classes: RunClasses, launcher=None) -> None:
     PolicyModelActor and get_strategy by name before its parser ran, so those names are rebound there too.
     """
     check_upstream_contract()
-    install_cpu_support()
+    cpu = install_cpu_support()
     import openrlhf.utils
     import ray
     from openrlhf.trainer import ppo_trainer
@@ -201,6 +222,8 @@ def install_driver(classes: RunClasses, launcher=None) -> None:
     vllm_engine.RolloutRayActor = classes.rollout_actor
     if launcher is not None:
         launcher.PolicyModelActor = policy_actor
+        if cpu:
+            launcher.train = sdpa_attention(launcher.train)
     if classes.get_strategy is not None:
         openrlhf.utils.get_strategy = classes.get_strategy
         if launcher is not None:

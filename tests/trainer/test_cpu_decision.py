@@ -91,3 +91,13 @@ def test_cpu_zero3_gathers_wait_for_every_parameter():
     config = ds_module.get_train_ds_config(offload=False, adam_offload=False, stage=3)
     assert config["zero_optimization"]["stage3_allgather_sequential"] is True
     assert config["zero_optimization"]["stage"] == 3
+
+
+def test_cpu_train_gets_sdpa_where_upstream_picked_flash_attention():
+    # upstream's post-parse check picks flash_attention_2 for packed samples, after the GrowMTP hook ran
+    from types import SimpleNamespace
+
+    train = installer.sdpa_attention(lambda args: args.ds.attn_implementation)
+    assert installer.sdpa_attention(train) is train  # installed once
+    for asked, runs in (("flash_attention_2", "sdpa"), ("flash_attention_3", "sdpa"), ("eager", "eager")):
+        assert train(SimpleNamespace(ds=SimpleNamespace(attn_implementation=asked))) == runs

@@ -13,8 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors import safe_open
+from safetensors.torch import load_file
 
 import toy
+from openrlhf_growmtp.cli.train_ppo_ray import INITIAL_HEAD_DIR
 
 REWARD = '''
 import torch
@@ -26,7 +28,7 @@ def reward_func(queries, prompts, labels):  # the fraction of even token ids in 
 '''
 
 
-def launch(tmp: Path, samples: int, *extra: str) -> str:
+def launch(tmp: Path, samples: int, *extra: str, ckpt: str = "ckpt", final: str = "final") -> str:
     cmd = [sys.executable, "-m", "openrlhf_growmtp.cli.train_ppo_ray",
            "--actor.model_name_or_path", str(tmp / "policy"), "--actor.num_nodes", "1", "--actor.num_gpus_per_node", "2",
            "--vllm.num_engines", "1", "--vllm.enforce_eager", "--ds.zero_stage", "3",
@@ -35,8 +37,8 @@ def launch(tmp: Path, samples: int, *extra: str) -> str:
            "--rollout.batch_size", "2", "--rollout.n_samples_per_prompt", "4", "--train.batch_size", "8",
            "--train.micro_batch_size", "2", "--rollout.micro_batch_size", "2", "--train.num_episodes", "1",
            "--algo.advantage.estimator", "group_norm", "--algo.kl.init_coef", "0",
-           "--reward.remote_url", str(tmp / "reward.py"), "--actor.adam.lr", "1e-5", "--ckpt.path", str(tmp / "ckpt"),
-           "--ckpt.save_steps", "1", "--ckpt.output_dir", str(tmp / "final"),
+           "--reward.remote_url", str(tmp / "reward.py"), "--actor.adam.lr", "1e-5", "--ckpt.path", str(tmp / ckpt),
+           "--ckpt.save_steps", "1", "--ckpt.output_dir", str(tmp / final),
            "--growmtp_k", "3", "--growmtp.topk", "16", "--growmtp_head_lr", "3e-3", "--growmtp.warmup_steps", "1",
            "--growmtp_check_sync", "--growmtp_log_lag", *extra]
     env = {**os.environ, "GROWMTP_RAY_TMP": str(tmp / "ray")}
@@ -59,8 +61,8 @@ def world(tmp_path_factory):
     return tmp, log
 
 
-def rows(tmp: Path) -> list[dict]:
-    return [json.loads(line) for line in (tmp / "ckpt" / "growmtp_metrics.jsonl").read_text().splitlines()]
+def rows(tmp: Path, ckpt: str = "ckpt") -> list[dict]:
+    return [json.loads(line) for line in (tmp / ckpt / "growmtp_metrics.jsonl").read_text().splitlines()]
 
 
 def test_records_arrive_head_learns_and_engine_gets_it(world):
@@ -101,3 +103,22 @@ def test_resume_restores_head_and_its_optimizer_state(world):
     assert any(v.abs().sum() > 0 for v in saved["adam"].values())
     assert resumed["lr"] == saved["lr"]
     assert [r["step"] for r in rows(tmp)] == [1, 2, 3, 4]
+
+
+def test_mini_batches_epochs_and_dynamic_batching(world):
+    """The usual PPO layout: 8 samples per RL step in 2 mini-batches of 4, 2 epochs, dynamic batching (packed
+    samples, micro-batches planned by token count): every record is trained on, the head steps with each of
+    the 4 policy steps, and the engines draft with the trained head."""
+    tmp, _ = world
+    launch(tmp, 4, "--train.batch_size", "4", "--train.max_epochs", "2", "--train.dynamic_batch_enable",
+           "--train.max_tokens_per_gpu", "64", "--ckpt.save_steps", "-1", ckpt="ckpt_layout", final="final_layout")
+    steps = rows(tmp, "ckpt_layout")
+    assert [r["step"] for r in steps] == [1, 2]
+    for r in steps:
+        assert r["growmtp/cycles"] > 50 and r["growmtp/head_cycles"] == r["growmtp/cycles"]  # each record, once per epoch
+        assert r["growmtp/head_steps"] == 4 and r["growmtp/head_epochs"] == 2
+        assert r["growmtp/head_finite"] == 1.0 and 1.0 <= r["growmtp/tau"] <= 4.0
+        assert r["growmtp/head_sync_params"] == 8 and r["growmtp/head_sync_max_diff"] == 0.0
+    trained = load_file(str(tmp / "final_layout" / "growmtp_head" / "model.safetensors"))
+    random_head = load_file(str(tmp / "ckpt_layout" / INITIAL_HEAD_DIR / "random" / "model.safetensors"))
+    assert any(not torch.equal(trained[n].float(), random_head[n].float()) for n in random_head)

@@ -62,7 +62,7 @@ def one_step(args, policy_dir, ours: bool, records=None):
     strategy = growmtp_strategy.get_strategy(args) if ours else get_strategy(args)
     strategy.setup_distributed()
     actor = Actor(str(policy_dir), attn_implementation="sdpa", param_dtype="bf16",
-                  ds_config=strategy.get_ds_train_config())
+                  ds_config=strategy.get_ds_train_config(), packing_samples=args.ds.packing_samples)
     if args.actor.gradient_checkpointing_enable:  # where upstream enables it: after the Actor, before prepare
         actor.gradient_checkpointing_enable(
             gradient_checkpointing_kwargs={"use_reentrant": args.actor.gradient_checkpointing_reentrant})
@@ -176,3 +176,59 @@ def test_gradient_checkpointing_reaches_the_backbone_not_the_head(upstream, sing
     assert status["growmtp/head_finite"] == 1.0 and status["growmtp/head_cycles"] == 10
     assert status["growmtp/head_loss"] == plain_status["growmtp/head_loss"]
     assert_identical(head, plain_head)
+
+
+# Upstream's usual layouts: more than one policy optimizer step per RL step (4 samples here).
+LAYOUTS = {
+    # 2 mini-batches of 2 samples (micro-batches of 1: windows of 2 backwards), 2 epochs: 4 optimizer steps
+    "mini-batches x epochs": (("--train.batch_size", "2", "--train.micro_batch_size", "1", "--train.max_epochs", "2"),
+                              4),
+    # 2 steps of 2 samples, each sample its own packed micro-batch (12 tokens each, 12 per micro-batch)
+    "dynamic batching": (("--train.batch_size", "2", "--train.dynamic_batch_enable", "--ds.packing_samples",
+                          "--train.max_tokens_per_gpu", "12"), 2),
+}
+
+
+@pytest.fixture(scope="module", params=list(LAYOUTS))
+def layout(request, single_rank, policy_dir, tmp_path_factory):
+    flags, steps = LAYOUTS[request.param]
+    args = train_args(policy_dir, tmp_path_factory.mktemp("up_layout"), *flags)
+    return flags, steps, one_step(args, policy_dir, ours=False)
+
+
+def test_several_policy_steps_policy_identical_records_follow_their_samples(layout, single_rank, policy_dir, head_dir,
+                                                                            tmp_path, monkeypatch):
+    from openrlhf.trainer.ray.ppo_actor import ActorPPOTrainer
+
+    from openrlhf_growmtp.trainer import ppo_actor
+
+    flags, steps, (up_status, up_policy, _, _, _) = layout
+    sample_of = {}  # a sample's tokens and its record's tokens -> the sample's index
+    for i, (row, rec) in enumerate(zip(make_experience(policy_dir, None).sequences, make_records())):
+        sample_of[tuple(row.tolist())] = sample_of[tuple(rec.token_ids.tolist())] = i
+    head_calls, policy_calls = [], []
+
+    def spy_head(head, backbone, records, *args, **kwargs):
+        head_calls.append(sorted(sample_of[tuple(rec.token_ids.tolist())] for rec in records))
+        return real_head(head, backbone, records, *args, **kwargs)
+
+    def spy_policy(self, experience, *args, **kwargs):
+        rows = [row[mask.bool()] for row, mask in zip(experience.sequences, experience.attention_mask)]
+        policy_calls.append(sorted(sample_of[tuple(row.tolist())] for row in rows))
+        return real_policy(self, experience, *args, **kwargs)
+
+    real_head, real_policy = ppo_actor.update_head, ActorPPOTrainer.training_step
+    monkeypatch.setattr(ppo_actor, "update_head", spy_head)
+    monkeypatch.setattr(ActorPPOTrainer, "training_step", spy_policy)
+    status, policy, head, _, _ = ours(policy_dir, head_dir, tmp_path, extra=flags)
+
+    assert_identical(policy, up_policy)
+    assert status["policy_loss"] == up_status["policy_loss"]
+    # each micro-batch's head work ran on exactly its own samples' records, and every epoch saw every record
+    assert head_calls == policy_calls and len(policy_calls) > steps
+    epochs = 2 if "--train.max_epochs" in flags else 1
+    assert sorted(i for call in head_calls for i in call) == sorted(list(range(BATCH)) * epochs)
+    assert status["growmtp/head_steps"] == steps and status["growmtp/head_epochs"] == epochs
+    assert status["growmtp/head_cycles"] == 10 and status["growmtp/head_finite"] == 1.0  # first epoch: each once
+    initial = {n: p.to(torch.bfloat16).float() for n, p in load_head(head_dir).state_dict().items()}
+    assert all(not torch.equal(head[n], initial[n]) for n in head if head[n].ndim == 2)

@@ -1,0 +1,63 @@
+"""`update_head` called once per micro-batch (the trainer's path with mini-batches, epochs or dynamic
+batching) against one call on every record: the same gradient and the same step metrics."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from openrlhf_growmtp.trainer.head_update import HeadStepTotals, HeadUpdateConfig, update_head
+from tiny import make_head, make_records
+
+CFG = HeadUpdateConfig(chunk_cycles=3)
+
+
+def _grads(head) -> dict[str, torch.Tensor]:
+    grads = {name: p.grad.clone() for name, p in head.named_parameters() if p.grad is not None}
+    head.zero_grad(set_to_none=True)
+    return grads
+
+
+def _call(head, records, cycles_per_step=None) -> HeadStepTotals:
+    return update_head(head, None, records, CFG, backward=lambda loss: loss.backward(),
+                       hiddens=[rec.hidden for rec in records], cycles_per_step=cycles_per_step)
+
+
+def test_micro_batch_calls_add_up_to_one_call_over_every_record():
+    head, records = make_head("qwen3"), make_records(k=4)
+    whole = _call(head, records)
+    reference = _grads(head)
+    totals = HeadStepTotals()
+    for part in ([records[0]], records[1:]):  # one optimizer step over two micro-batches
+        totals.add(_call(head, part, cycles_per_step=whole.cycles))
+    split = _grads(head)
+    assert split.keys() == reference.keys() and len(reference) > 0
+    # fp32 sums of the same per-cycle terms in another order: a few ulps of the largest gradient entry
+    for name in reference:
+        assert torch.allclose(split[name], reference[name], rtol=1e-5, atol=1e-7), name
+    got, want = totals.metrics(), whole.metrics()
+    assert got.keys() == want.keys()
+    for key in want:
+        if key != "head_update_s":
+            assert got[key] == pytest.approx(want[key], rel=1e-6), key
+
+
+def test_cycles_per_step_divides_the_summed_loss():
+    # two optimizer steps of the same records: each step's gradient is its summed loss over the mean per step
+    head, records = make_head("qwen3"), make_records(k=4)
+    cycles = _call(head, records).cycles
+    mean = _grads(head)
+    _call(head, records, cycles_per_step=2 * cycles)
+    half = _grads(head)
+    for name in mean:
+        assert torch.allclose(half[name] * 2, mean[name], rtol=1e-6, atol=0), name
+
+
+def test_a_non_finite_call_makes_the_totals_non_finite():
+    totals = HeadStepTotals()
+    totals.add(HeadStepTotals(k=2, cycles=3.0, loss_sum=1.5, alpha_sum=[1.0, 0.5], alpha_count=[3.0, 2.0]))
+    totals.add(HeadStepTotals(k=2, cycles=2.0, loss_sum=float("nan"), finite=False, alpha_sum=[0.0, 0.0],
+                              alpha_count=[0.0, 0.0]))
+    metrics = totals.metrics()
+    assert metrics["head_finite"] == 0.0 and metrics["head_cycles"] == 5.0
+    assert metrics["head_loss"] != metrics["head_loss"]  # NaN: never a mean over the finite part only
