@@ -132,8 +132,6 @@ def _check_training_layout(flat: dict) -> list[str]:
     if get("ds.zero_stage") != 3:
         errors.append(f"GrowMTP trains the head under DeepSpeed ZeRO-3: set --ds.zero_stage 3 "
                       f"(got {get('ds.zero_stage')})")
-    if get("ds.adam_offload"):
-        errors.append("--ds.adam_offload is not supported with a training GrowMTP head yet")
     # Joint mode backpropagates the head loss through one backbone graph of the rollout policy, built before
     # the policy's step: with a second policy step that graph would describe weights already changed.
     steps = policy_steps_per_rl_step(get("rollout.batch_size") or 0, get("rollout.n_samples_per_prompt") or 1,

@@ -48,8 +48,6 @@ def attach_head_optimizer(engine, scheduler, lr_multiplier: Callable[[int], floa
     optimizer = _zero3_optimizer(engine)
     group = head_group_index(optimizer)
     head_subgroups = {sub for sub, grp in optimizer.sub_group_to_group_id.items() if grp == group}
-    if optimizer.offload_optimizer:
-        raise HeadGroupError("GrowMTP head training does not support optimizer offload")
 
     norms = {}
     original_norms = optimizer._get_norm_groups

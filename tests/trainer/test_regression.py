@@ -186,6 +186,9 @@ LAYOUTS = {
     # 2 steps of 2 samples, each sample its own packed micro-batch (12 tokens each, 12 per micro-batch)
     "dynamic batching": (("--train.batch_size", "2", "--train.dynamic_batch_enable", "--ds.packing_samples",
                           "--train.max_tokens_per_gpu", "12"), 2),
+    # the optimizer's states and step on the host; the gradients reach it at each window's boundary
+    "adam offload, mini-batches": (("--ds.adam_offload", "--train.batch_size", "2", "--train.micro_batch_size", "1"),
+                                   2),
 }
 
 
@@ -220,8 +223,9 @@ def test_several_policy_steps_policy_identical_records_follow_their_samples(layo
     real_head, real_policy = ppo_actor.update_head, ActorPPOTrainer.training_step
     monkeypatch.setattr(ppo_actor, "update_head", spy_head)
     monkeypatch.setattr(ActorPPOTrainer, "training_step", spy_policy)
-    status, policy, head, _, _ = ours(policy_dir, head_dir, tmp_path, extra=flags)
+    status, policy, head, optimizer, _ = ours(policy_dir, head_dir, tmp_path, extra=flags)
 
+    assert bool(optimizer.offload_optimizer) == ("--ds.adam_offload" in flags)
     assert_identical(policy, up_policy)
     assert status["policy_loss"] == up_status["policy_loss"]
     # each micro-batch's head work ran on exactly its own samples' records, and every epoch saw every record
