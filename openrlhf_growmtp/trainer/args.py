@@ -19,6 +19,8 @@ from ..core.reconstruction import DEFAULT_CHUNK_CYCLES
 from ..core.records import DEFAULT_TOPK
 from ..core.schedule import DEFAULT_HEAD_LR, DEFAULT_MIN_LR_RATIO, DEFAULT_WARMUP_STEPS
 
+SUPPORTED_STAGES = (2, 3)  # DeepSpeed ZeRO stages whose optimizer trainer/head_group.py knows
+
 MODES = ("detached", "joint", "frozen")
 HEAD_SOURCES = ("random", "native")
 # The deepest drafting the records, VGM and reconstruction are tested at; a head directory may declare
@@ -129,9 +131,9 @@ def check_args(flat: dict) -> list[str]:
 def _check_training_layout(flat: dict) -> list[str]:
     errors = []
     get = flat.get
-    if get("ds.zero_stage") != 3:
-        errors.append(f"GrowMTP trains the head under DeepSpeed ZeRO-3: set --ds.zero_stage 3 "
-                      f"(got {get('ds.zero_stage')})")
+    if get("ds.zero_stage") not in SUPPORTED_STAGES:
+        errors.append(f"GrowMTP trains the head in its own param group of DeepSpeed's ZeRO-2 or ZeRO-3 optimizer: "
+                      f"set --ds.zero_stage 2 or 3 (got {get('ds.zero_stage')})")
     # Joint mode backpropagates the head loss through one backbone graph of the rollout policy, built before
     # the policy's step: with a second policy step that graph would describe weights already changed.
     steps = policy_steps_per_rl_step(get("rollout.batch_size") or 0, get("rollout.n_samples_per_prompt") or 1,

@@ -2,7 +2,7 @@
 
 The rest of the adapter extends upstream by subclassing (one module per upstream role: `strategy`,
 `ppo_actor`, `rollout_actor`, `samples_generator`, `ppo_trainer`; DeepSpeed's optimizer in
-`zero3_head_group`). What subclassing cannot reach is rebound here, visibly:
+`head_group`). What subclassing cannot reach is rebound here, visibly:
 
 - module attributes, so upstream's own `train()` builds the classes it is handed (`install_driver`:
   the policy actor, the rollout actor, and for a GrowMTP run the strategy and the controller;
@@ -67,6 +67,15 @@ CONTRACT = [
     # decorated with DeepSpeed's nvtx wrapper (signature *args, **kwargs): existence only
     ("deepspeed.runtime.zero.stage3.DeepSpeedZeroOptimizer_Stage3", "unscale_and_clip_grads", None),
     ("deepspeed.runtime.zero.stage3.DeepSpeedZeroOptimizer_Stage3", "clear_backward_seen_flag", ()),
+    ("deepspeed.runtime.engine.DeepSpeedEngine", "set_gradient_accumulation_boundary", ("is_boundary",)),
+    ("deepspeed.runtime.engine.DeepSpeedEngine", "managed_gradient_accumulation", ()),
+    ("deepspeed.runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer", "scaled_global_norm", ("norm_type",)),
+    ("deepspeed.runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer", "unscale_and_clip_grads",
+     ("grad_groups_flat", "total_norm")),
+    ("deepspeed.runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer", "get_grad_norm_direct", ("gradients", "params")),
+    ("deepspeed.runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer", "complete_grad_norm_calculation_for_cpu_offload",
+     ("params",)),
+    ("deepspeed.runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer", "clear_backward_seen_flag", ()),
 ]
 
 

@@ -25,7 +25,7 @@ from openrlhf.utils.distributed_util import torch_dist_barrier_and_cuda_sync
 
 from .. import cpu_support
 from ..core.records import SequenceRecord
-from . import installer, zero3_head_group
+from . import installer, head_group
 from .head_update import (HeadStepTotals, HeadUpdateConfig, head_alpha_on, step_hidden_states, total_cycles,
                           update_head)
 from .keys import ACCEPTED_KEY, DROPPED_KEY, RECORD_INDEX_KEY, RECORD_KEY
@@ -141,7 +141,7 @@ class GrowMTPActorTrainer(ActorTrainer):
         self.train_draft_head([] if indices is None else [int(i) for i in indices])
         skip = contextlib.nullcontext()
         if not self._step.window_finite:  # keeps the head where it is through this window's optimizer step
-            skip = zero3_head_group.head_step_skipped(self.actor.model, self.actor_scheduler)
+            skip = head_group.head_step_skipped(self.actor.model, self.actor_scheduler)
         with skip:
             return super().training_step(experience, kl_ctl, step, loss_batch_info)
 
@@ -181,10 +181,10 @@ class GrowMTPActorTrainer(ActorTrainer):
         first micro-batch (one backbone graph; args refuse joint with more than one policy step).
         """
         step, engine = self._step, self.actor.model
-        if zero3_head_group.open_head_window(engine):
+        if head_group.open_head_window(engine):
             step.optimizer_steps += 1
             step.window_finite = True
-            step.lr = engine.optimizer.param_groups[zero3_head_group.head_group_index(engine.optimizer)]["lr"]
+            step.lr = engine.optimizer.param_groups[head_group.head_group_index(engine.optimizer)]["lr"]
         if step.cycles_per_step is None:
             step.cycles_per_step = step.cycles / self._optimizer_steps_per_epoch()
         if step.cfg.joint:
@@ -198,7 +198,7 @@ class GrowMTPActorTrainer(ActorTrainer):
         # The head update draws no random numbers, but upstream's data order must not depend on that.
         with torch.random.fork_rng(devices=[]):
             totals = update_head(head_of(engine.module), engine.module.model, [step.records[i] for i in indices],
-                                 step.cfg, backward=zero3_head_group.head_backward(engine),
+                                 step.cfg, backward=head_group.head_backward(engine),
                                  gradient_accumulation=engine.gradient_accumulation_steps(), hiddens=hiddens,
                                  cycles_per_step=step.cycles if step.cfg.joint else step.cycles_per_step)
         step.window_finite = totals.finite
@@ -255,6 +255,6 @@ class GrowMTPPolicyActor(PolicyActor):
         engine = self.actor.model
         optimizer = engine.optimizer
         return {"weights": gathered_head_state(head_of(engine.module)),
-                "adam": zero3_head_group.head_optimizer_state(engine),
-                "lr": optimizer.param_groups[zero3_head_group.head_group_index(optimizer)]["lr"],
+                "adam": head_group.head_optimizer_state(engine),
+                "lr": optimizer.param_groups[head_group.head_group_index(optimizer)]["lr"],
                 "rank": dist.get_rank()}

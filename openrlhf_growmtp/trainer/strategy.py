@@ -23,7 +23,7 @@ from openrlhf.utils.distributed_util import torch_dist_barrier_and_cuda_sync
 
 from ..core.checkpoint import HEAD_CONFIG, export_head, load_head, read_head_config
 from ..core.schedule import HeadLRSchedule
-from . import zero3_head_group
+from . import head_group
 from .args import policy_steps_per_rl_step, resolve_head_lr
 
 HEAD_ATTR = "mtp_head"  # the head's name inside the HF model DeepSpeed wraps
@@ -81,7 +81,7 @@ class GrowMTPStrategy(DeepspeedStrategy):
                                                           a.train.batch_size, a.train.max_epochs))
             schedule = HeadLRSchedule(total_steps=max(1, int(cfg["scheduler_steps"])),
                                       warmup_steps=g.warmup_steps * per_rl_step, min_lr_ratio=g.min_lr_ratio)
-            zero3_head_group.attach_head_optimizer(engine, scheduler, schedule)
+            head_group.attach_head_optimizer(engine, scheduler, schedule)
         return wrapped, optimizer, scheduler
 
     def _get_model_parameters(self, model, *, optim=None, weight_decay=0.0):
@@ -96,7 +96,7 @@ class GrowMTPStrategy(DeepspeedStrategy):
             group["params"] = [p for p in group["params"] if id(p) not in head_ids]
         groups = [group for group in groups if group["params"]]
         groups.append({"params": list(head.parameters()), "weight_decay": 0.0,
-                       "lr": resolve_head_lr(vars(self.args.growmtp)), "name": zero3_head_group.HEAD_GROUP})
+                       "lr": resolve_head_lr(vars(self.args.growmtp)), "name": head_group.HEAD_GROUP})
         return raw_model, groups
 
     def save_model(self, model, tokenizer, output_dir, **kwargs) -> None:

@@ -105,13 +105,14 @@ def test_resume_restores_head_and_its_optimizer_state(world):
     assert [r["step"] for r in rows(tmp)] == [1, 2, 3, 4]
 
 
-def test_mini_batches_epochs_and_dynamic_batching(world):
-    """The usual PPO layout: 8 samples per RL step in 2 mini-batches of 4, 2 epochs, dynamic batching (packed
-    samples, micro-batches planned by token count): every record is trained on, the head steps with each of
-    the 4 policy steps, and the engines draft with the trained head."""
+def test_mini_batches_epochs_dynamic_batching_zero2_adam_offload(world):
+    """Upstream's usual layouts in one run: 8 samples per RL step in 2 mini-batches of 4, 2 epochs, dynamic
+    batching (packed samples, micro-batches planned by token count), ZeRO-2 with Adam on the host: every
+    record is trained on, the head steps with each of the 4 policy steps, and the engines draft with it."""
     tmp, _ = world
     launch(tmp, 4, "--train.batch_size", "4", "--train.max_epochs", "2", "--train.dynamic_batch_enable",
-           "--train.max_tokens_per_gpu", "64", "--ckpt.save_steps", "-1", ckpt="ckpt_layout", final="final_layout")
+           "--train.max_tokens_per_gpu", "64", "--ds.zero_stage", "2", "--ds.adam_offload", "--ckpt.save_steps", "-1",
+           ckpt="ckpt_layout", final="final_layout")
     steps = rows(tmp, "ckpt_layout")
     assert [r["step"] for r in steps] == [1, 2]
     for r in steps:

@@ -7,6 +7,8 @@ A non-finite head loss: the head is untouched and the policy still identical to 
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import deepspeed
 import pytest
 import torch
@@ -15,6 +17,7 @@ import toy
 from openrlhf_growmtp.core.checkpoint import load_head
 from openrlhf_growmtp.core.records import SequenceRecord
 from openrlhf_growmtp.core.schedule import DEFAULT_HEAD_LR
+from openrlhf_growmtp.trainer.head_group import head_optimizer_state
 
 from trainer_helpers import K, TOPK, train_args
 
@@ -189,6 +192,11 @@ LAYOUTS = {
     # the optimizer's states and step on the host; the gradients reach it at each window's boundary
     "adam offload, mini-batches": (("--ds.adam_offload", "--train.batch_size", "2", "--train.micro_batch_size", "1"),
                                    2),
+    # ZeRO-2's optimizer (its own accumulation and norms), mini-batches and epochs
+    "zero-2, mini-batches x epochs": (("--ds.zero_stage", "2", "--train.batch_size", "2", "--train.micro_batch_size",
+                                       "1", "--train.max_epochs", "2"), 4),
+    "zero-2, adam offload": (("--ds.zero_stage", "2", "--ds.adam_offload", "--train.batch_size", "2",
+                              "--train.micro_batch_size", "1"), 2),
 }
 
 
@@ -225,7 +233,9 @@ def test_several_policy_steps_policy_identical_records_follow_their_samples(layo
     monkeypatch.setattr(ActorPPOTrainer, "training_step", spy_policy)
     status, policy, head, optimizer, _ = ours(policy_dir, head_dir, tmp_path, extra=flags)
 
-    assert bool(optimizer.offload_optimizer) == ("--ds.adam_offload" in flags)
+    offloaded = optimizer.offload_optimizer if hasattr(optimizer, "offload_optimizer") else optimizer.cpu_offload
+    assert bool(offloaded) == ("--ds.adam_offload" in flags)  # ZeRO-3's name for it, then ZeRO-2's
+    assert type(optimizer).__name__ == ("DeepSpeedZeroOptimizer" if "--ds.zero_stage" in flags else "DeepSpeedZeroOptimizer_Stage3")
     assert_identical(policy, up_policy)
     assert status["policy_loss"] == up_status["policy_loss"]
     # each micro-batch's head work ran on exactly its own samples' records, and every epoch saw every record
@@ -236,3 +246,45 @@ def test_several_policy_steps_policy_identical_records_follow_their_samples(layo
     assert status["growmtp/head_cycles"] == 10 and status["growmtp/head_finite"] == 1.0  # first epoch: each once
     initial = {n: p.to(torch.bfloat16).float() for n, p in load_head(head_dir).state_dict().items()}
     assert all(not torch.equal(head[n], initial[n]) for n in head if head[n].ndim == 2)
+    moments = head_optimizer_state(SimpleNamespace(optimizer=optimizer))  # what a checkpoint's snapshot records
+    assert moments and all(float(m.abs().sum()) > 0 for m in moments.values())
+
+
+def test_zero2_and_zero3_step_the_head_with_the_same_gradient(single_rank, policy_dir, head_dir, tmp_path,
+                                                              monkeypatch):
+    """The head's gradient over a window of two micro-batches, interleaved with the policy's backwards, as
+    DeepSpeed's two optimizers (each with its own accumulation) hand it to Adam after clipping.
+
+    Compared as gradients: Adam's first step moves each element by about lr x sign(g), so elements with g
+    near zero may land apart after it, and later steps amplify that; the gradients differ only by rounding
+    (ZeRO-2 is set to accumulate in fp32, as ZeRO-3 does). A micro-batch lost from the window, or the
+    head's gradient gathered before the window's last backward, would be far outside it.
+    """
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    from openrlhf_growmtp.trainer.head_group import head_group_index
+
+    stepped = {}
+    for cls in (DeepSpeedZeroOptimizer, DeepSpeedZeroOptimizer_Stage3):
+        def spy(self, i, real=cls._optimizer_step, zero3=cls is DeepSpeedZeroOptimizer_Stage3):
+            group = self.sub_group_to_group_id[i] if zero3 else i
+            flat = self.fp32_partitioned_groups_flat[i] if zero3 else self.single_partition_of_fp32_groups[i]
+            if group == head_group_index(self):
+                stepped.setdefault(type(self).__name__, []).append(flat.grad.detach().clone().flatten())
+            return real(self, i)
+        monkeypatch.setattr(cls, "_optimizer_step", spy)
+    flags = ("--train.batch_size", "4", "--train.micro_batch_size", "2", "--ds.grad_accum_dtype", "fp32")
+    for name, extra in (("zero3", ()), ("zero2", ("--ds.zero_stage", "2"))):
+        status, _, _, _, _ = ours(policy_dir, head_dir, tmp_path / name, extra=flags + extra)
+        assert status["growmtp/head_steps"] == 1 and status["growmtp/head_finite"] == 1.0
+    zero2 = torch.cat(stepped["DeepSpeedZeroOptimizer"])
+    zero3 = torch.cat(stepped["DeepSpeedZeroOptimizer_Stage3"])
+    assert zero2.shape == zero3.shape and zero3.norm() > 0
+    # fp32 sums of the same bf16 per-chunk gradients in another order: relative differences of a few 1e-7
+    # Each micro-batch's head gradient is computed in bf16 (the parameters' dtype), and the two optimizers
+    # round the window's terms to bf16 at different points (for communication, then accumulating): per
+    # element up to 2^-8 relative of a term, once in each optimizer, for each of the window's two terms, whose
+    # norms together may exceed the sum's where they partly cancel (counted as twice): 2 x 2 x 2^-8 x 2 = 2^-5
+    # of the gradient's norm at worst. A micro-batch lost from the window would differ by tens of percent.
+    assert float((zero2 - zero3).norm()) <= 2 ** -5 * float(zero3.norm())

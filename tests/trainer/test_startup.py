@@ -40,6 +40,7 @@ def test_valid_configuration_has_no_errors(policy_dir):
     # mini-batches, epochs and dynamic batching (a detached head steps with every policy step)
     assert errors_for(policy_dir, "--growmtp_k", "3", "--train.batch_size", "4", "--train.max_epochs", "2",
                       "--train.dynamic_batch_enable") == []
+    assert errors_for(policy_dir, "--growmtp_k", "3", "--ds.zero_stage", "2", "--ds.adam_offload") == []
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -49,7 +50,8 @@ def test_valid_configuration_has_no_errors(policy_dir):
     (["--growmtp_k", "3", "--rollout.temperature", "0"], "greedy drafting is not supported"),
     (["--growmtp_k", "3", "--rollout.top_p", "0.7"], "full target distribution"),
     (["--growmtp_k", "3", "--vllm.num_engines", "0"], "--vllm.num_engines >= 1"),
-    (["--growmtp_k", "3", "--ds.zero_stage", "2"], "--ds.zero_stage 3"),
+    (["--growmtp_k", "3", "--ds.zero_stage", "1"], "--ds.zero_stage 2 or 3 (got 1)"),
+    (["--growmtp_k", "3", "--ds.zero_stage", "0"], "--ds.zero_stage 2 or 3 (got 0)"),
     (["--growmtp_k", "3", "--growmtp_mode", "joint", "--train.batch_size", "4"], "one policy step per RL step (got 2)"),
     (["--growmtp_k", "3", "--growmtp_mode", "joint", "--train.max_epochs", "2"], "one policy step per RL step (got 2)"),
     (["--growmtp_k", "3", "--growmtp_head", "/no/such/head"], "not a head directory"),
