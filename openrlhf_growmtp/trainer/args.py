@@ -138,6 +138,10 @@ def _check_training_layout(flat: dict) -> list[str]:
     # the policy's step: with a second policy step that graph would describe weights already changed.
     steps = policy_steps_per_rl_step(get("rollout.batch_size") or 0, get("rollout.n_samples_per_prompt") or 1,
                                      get("train.batch_size") or 1, get("train.max_epochs") or 1)
+    if get("growmtp.mode") == "joint" and get("ds.adam_offload"):
+        # the joint head runs in a window's first micro-batch only; offloaded optimizers take each parameter's
+        # gradient from the window's last backward that reaches it
+        errors.append("--growmtp_mode joint is not supported with --ds.adam_offload")
     if get("growmtp.mode") == "joint" and steps != 1:
         errors.append("--growmtp_mode joint needs exactly one policy step per RL step (got "
                       f"{steps}): --train.batch_size equal to --rollout.batch_size x --rollout.n_samples_per_prompt "

@@ -226,12 +226,17 @@ def _agree_records_fit(head: MTPHead, records: Sequence[SequenceRecord]) -> None
 
 
 def _plan(records: Sequence[SequenceRecord], cfg: HeadUpdateConfig) -> tuple[int, int, int] | None:
-    """(max chunks over ranks, K, this rank's chunks), or None when no rank has a chunk."""
+    """(max chunks over ranks, K, this rank's chunks), or None when no rank has a record.
+
+    At least one chunk runs (a zero-weight filler where no rank has a cycle, e.g. every sample ended before
+    its first cycle): each call is then one head backward, and under optimizer offload DeepSpeed moves the
+    head's accumulated gradient to the optimizer at the boundary backward that reaches it.
+    """
     # Joint mode backpropagates through the backbone once per rank: one chunk (None), one graph.
     local_chunks = count_chunks(records, _chunk_cycles(cfg), cfg.teacher_forcing) if records else 0
     local_k = records[0].depth if records else 0
     max_chunks, k = _all_reduce([local_chunks, local_k], dist.ReduceOp.MAX)
-    return None if max_chunks == 0 else (int(max_chunks), int(k), local_chunks)
+    return None if k == 0 else (max(int(max_chunks), 1), int(k), local_chunks)
 
 
 def _chunk_cycles(cfg: HeadUpdateConfig) -> int | None:

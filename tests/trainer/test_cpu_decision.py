@@ -101,3 +101,22 @@ def test_cpu_train_gets_sdpa_where_upstream_picked_flash_attention():
     assert installer.sdpa_attention(train) is train  # installed once
     for asked, runs in (("flash_attention_2", "sdpa"), ("flash_attention_3", "sdpa"), ("eager", "eager")):
         assert train(SimpleNamespace(ds=SimpleNamespace(attn_implementation=asked))) == runs
+
+
+def test_sdpa_keeps_packed_samples_apart(policy_dir):
+    # what upstream's Actor does with packed samples: one row, position ids restarting at each sample, no
+    # mask, no KV cache (the Actor turns use_cache off; transformers looks for packed samples only then);
+    # under sdpa the logits must equal each sample's own forward (no attention across samples)
+    import toy
+
+    model = toy.load_policy(policy_dir)
+    assert model.config._attn_implementation == "sdpa"
+    g = torch.Generator().manual_seed(0)
+    samples = [torch.randint(2, 128, (n,), generator=g) for n in (7, 12, 5)]
+    with torch.no_grad():
+        alone = torch.cat([model(s[None], use_cache=False).logits[0] for s in samples])
+        positions = torch.cat([torch.arange(len(s)) for s in samples])[None]
+        packed = model(torch.cat(samples)[None], position_ids=positions, use_cache=False).logits[0]
+    # the same fp32 computation per sample, up to the kernel's blocking over a longer row: a few ulps of
+    # logits of magnitude ~10
+    assert torch.allclose(packed, alone, rtol=0, atol=1e-4), float((packed - alone).abs().max())

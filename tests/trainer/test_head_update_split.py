@@ -61,3 +61,22 @@ def test_a_non_finite_call_makes_the_totals_non_finite():
     metrics = totals.metrics()
     assert metrics["head_finite"] == 0.0 and metrics["head_cycles"] == 5.0
     assert metrics["head_loss"] != metrics["head_loss"]  # NaN: never a mean over the finite part only
+
+
+def test_a_micro_batch_without_cycles_still_runs_one_zero_weight_backward():
+    # every sample ended before its first cycle: the call still makes one head backward (under optimizer
+    # offload DeepSpeed hands each parameter's gradient over at the window's last backward that reaches it)
+    from dataclasses import replace
+
+    head = make_head("qwen3")
+    # a prompt and one committed token, no cycle (vLLM finished the request at its first token)
+    empty = [replace(rec, token_ids=rec.token_ids[:rec.prompt_len + 1], hidden=rec.hidden[:rec.prompt_len + 1],
+                     start=rec.start[:0], drafts=rec.drafts[:0], topk_ids=rec.topk_ids[:0],
+                     topk_logprobs=rec.topk_logprobs[:0], accepted=rec.accepted[:0]) for rec in make_records(k=4)]
+    assert all(rec.num_cycles == 0 for rec in empty)
+    losses = []
+    totals = update_head(head, None, empty, CFG, backward=lambda loss: (losses.append(loss), loss.backward()),
+                         hiddens=[rec.hidden for rec in empty])
+    assert len(losses) == 1 and float(losses[0]) == 0.0
+    assert all(p.grad is None or not p.grad.any() for p in head.parameters())
+    assert totals.cycles == 0 and totals.finite

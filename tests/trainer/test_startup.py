@@ -54,6 +54,7 @@ def test_valid_configuration_has_no_errors(policy_dir):
     (["--growmtp_k", "3", "--ds.zero_stage", "0"], "--ds.zero_stage 2 or 3 (got 0)"),
     (["--growmtp_k", "3", "--growmtp_mode", "joint", "--train.batch_size", "4"], "one policy step per RL step (got 2)"),
     (["--growmtp_k", "3", "--growmtp_mode", "joint", "--train.max_epochs", "2"], "one policy step per RL step (got 2)"),
+    (["--growmtp_k", "3", "--growmtp_mode", "joint", "--ds.adam_offload"], "joint is not supported with --ds.adam"),
     (["--growmtp_k", "3", "--growmtp_head", "/no/such/head"], "not a head directory"),
     (["--growmtp_k", "3", "--growmtp_mode", "frozen", "--growmtp_log_lag"], "--growmtp_log_lag measures a training"),
     (["--growmtp_k", "3", "--growmtp_teacher_forcing", "--growmtp_log_lag"], "--growmtp_log_lag measures a training"),
