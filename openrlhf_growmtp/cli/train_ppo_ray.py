@@ -68,13 +68,15 @@ def growmtp_classes(flat: dict):
     from openrlhf_growmtp.trainer.installer import RunClasses
     from openrlhf_growmtp.trainer.ppo_actor import GrowMTPPolicyActor
     from openrlhf_growmtp.trainer.ppo_trainer import GrowMTPPPOTrainer
+    from openrlhf_growmtp.trainer.ppo_trainer_async import GrowMTPPPOTrainerAsync
     from openrlhf_growmtp.trainer.rollout_actor import RolloutOptions, growmtp_rollout_actor
     from openrlhf_growmtp.trainer.strategy import get_strategy
 
     options = RolloutOptions(k=flat["growmtp.k"], head_dir=flat["growmtp.head_dir"], topk=flat["growmtp.topk"],
                              cpu=cpu_support.needed())
     return RunClasses(policy_actor=GrowMTPPolicyActor, rollout_actor=growmtp_rollout_actor(options),
-                      get_strategy=get_strategy, controller=GrowMTPPPOTrainer)
+                      get_strategy=get_strategy, controller=GrowMTPPPOTrainer,
+                      async_controller=GrowMTPPPOTrainerAsync)
 
 
 def plain_classes(cpu: bool):

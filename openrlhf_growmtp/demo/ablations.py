@@ -21,6 +21,7 @@ class Arm:
     label: str
     flags: tuple[str, ...] = ()
     drafts: bool = True  # False: the autoregressive arm (--growmtp_k 0)
+    paper: bool = True  # one of the paper's arms (run by default); False: an upstream configuration to compare
 
 
 ARMS = {arm.name: arm for arm in (
@@ -33,7 +34,10 @@ ARMS = {arm.name: arm for arm in (
     Arm("joint", "joint (head loss reaches the policy)", ("--growmtp_mode", "joint")),
     Arm("frozen", "frozen random head", ("--growmtp_mode", "frozen")),
     Arm("ar", "autoregressive", drafts=False),
+    # rollouts one policy step behind the trainer (the head trains on the trainer's hidden states)
+    Arm("async", "GrowMTP, async training", ("--train.async_enable",), paper=False),
 )}
+PAPER_ARMS = tuple(name for name, arm in ARMS.items() if arm.paper)
 REFERENCE = "growmtp"
 
 

@@ -113,9 +113,9 @@ def check_args(flat: dict) -> list[str]:
                       f"--rollout.top_k (got top_p={get('rollout.top_p')}, top_k={get('rollout.top_k')})")
     if not get("vllm.num_engines"):
         errors.append("GrowMTP drafts inside vLLM: set --vllm.num_engines >= 1")
-    if get("train.async_enable"):
-        errors.append("--train.async_enable is not supported with GrowMTP yet (the head trains once per "
-                      "synchronous RL step)")
+    if get("train.async_enable") and get("train.partial_rollout_enable"):
+        errors.append("--train.partial_rollout_enable is not supported with GrowMTP: a sample continued across a "
+                      "weight update would mix two policies' cycles in one record")
     if get("train.agent_func_path"):
         errors.append("--train.agent_func_path (multi-turn agents) is not supported with GrowMTP: records "
                       "describe one generate call per sample")

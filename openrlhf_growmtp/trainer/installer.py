@@ -1,7 +1,7 @@
 """The upstream contract and every rebind of an upstream name. Pinned to openrlhf 0.11.2.
 
 The rest of the adapter extends upstream by subclassing (one module per upstream role: `strategy`,
-`ppo_actor`, `rollout_actor`, `samples_generator`, `ppo_trainer`; DeepSpeed's optimizer in
+`ppo_actor`, `rollout_actor`, `samples_generator`, `ppo_trainer`, `ppo_trainer_async`; DeepSpeed's optimizer in
 `head_group`). What subclassing cannot reach is rebound here, visibly:
 
 - module attributes, so upstream's own `train()` builds the classes it is handed (`install_driver`:
@@ -59,6 +59,10 @@ CONTRACT = [
     ("openrlhf.trainer.ray.vllm_engine.RolloutRayActor.__ray_actor_class__", "generate_responses",
      ("prompt", "label", "sampling_params", "max_length", "hf_tokenizer", "num_samples")),
     ("openrlhf.trainer.ppo_trainer", "PPOTrainer", None),
+    # the async controller builds its two actors by these names (install_async_controller)
+    ("openrlhf.trainer.ppo_trainer_async", "PPOTrainerAsync", None),
+    ("openrlhf.trainer.ppo_trainer_async", "GenerateSamplesActor", None),
+    ("openrlhf.trainer.ppo_trainer_async", "TrainingActor", None),
     ("openrlhf.trainer.ppo_trainer.PPOTrainer.__ray_actor_class__", "train_step", ("rollout_samples", "global_step")),
     ("openrlhf.trainer.ppo_utils.samples_generator.SamplesGenerator", "_process_response_into_experience",
      ("response",)),
@@ -211,6 +215,7 @@ class RunClasses:
     rollout_actor: Any
     get_strategy: Callable | None = None
     controller: Any = None
+    async_controller: Any = None  # what `--train.async_enable` builds instead of PPOTrainerAsync
 
 
 def install_driver(classes: RunClasses, launcher=None) -> None:
@@ -239,6 +244,24 @@ def install_driver(classes: RunClasses, launcher=None) -> None:
             launcher.get_strategy = classes.get_strategy
     if classes.controller is not None:
         ppo_trainer.PPOTrainer = classes.controller
+    if classes.async_controller is not None:  # train() imports it from its module when it runs
+        from openrlhf.trainer import ppo_trainer_async
+
+        ppo_trainer_async.PPOTrainerAsync = classes.async_controller
+
+
+def install_async_controller(upstream_globals: dict, generator_actor, training_actor) -> None:
+    """Async controller side, before upstream's PPOTrainerAsync.__init__ builds its two actors by name.
+
+    `upstream_globals` is that method's `__globals__`: as for `install_worker`, Ray ships the actor class by
+    value, so the rebind has to land in the method's own copy of the module's globals.
+    """
+    check_upstream_contract()
+    from openrlhf.trainer import ppo_trainer_async
+
+    for namespace in (upstream_globals, vars(ppo_trainer_async)):
+        namespace["GenerateSamplesActor"] = generator_actor
+        namespace["TrainingActor"] = training_actor
 
 
 def install_worker(upstream_globals: dict, trainer_cls: type) -> None:

@@ -1,5 +1,6 @@
 """The controller of a GrowMTP run (upstream: trainer/ppo_trainer.py): GrowMTP's samples generator and
-the per-step GrowMTP metrics (console line, upstream's loggers, `<ckpt.path>/growmtp_metrics.jsonl`)."""
+the per-step GrowMTP metrics (console line, upstream's loggers, `<ckpt.path>/growmtp_metrics.jsonl`).
+`GrowMTPStepMetrics` is shared with the async controller's training actor (`ppo_trainer_async`)."""
 
 from __future__ import annotations
 
@@ -21,24 +22,23 @@ logger = logging.getLogger("growmtp")
 METRICS_FILE = "growmtp_metrics.jsonl"
 
 
-@ray.remote
-class GrowMTPPPOTrainer(PPOTrainer.__ray_actor_class__):
-    """Upstream's controller with GrowMTP's samples generator and per-step GrowMTP metrics."""
+class GrowMTPStepMetrics:
+    """What a GrowMTP run adds to the upstream class that runs its RL steps (the synchronous controller, or
+    the async mode's training actor): τ and α from the step's rollouts, times, the head's sync check, and
+    the report. Mixed in before upstream's class, whose `train_step` it wraps."""
 
-    def __init__(self, pretrain, strategy, *args, **kwargs):
-        super().__init__(pretrain, strategy, *args, **kwargs)
-        self.samples_generator = GrowMTPSamplesGenerator(
-            strategy=strategy, prompts_dataloader=self.prompts_dataloader, eval_dataloader=self.eval_dataloader,
-            tokenizer=self.tokenizer, vllm_engines=self.vllm_engines)
-        self.metrics_path = Path(strategy.args.ckpt.path) / METRICS_FILE
+    def _init_step_metrics(self, args) -> None:
+        self.metrics_path = Path(args.ckpt.path) / METRICS_FILE
 
     def train_step(self, rollout_samples, global_step):
         rollout = self._rollout_metrics(rollout_samples)
         began = time.perf_counter()
         status, next_step = super().train_step(rollout_samples, global_step)
-        rollout["growmtp/rollout_s"] = self.samples_generator.last_rollout_s
         rollout["growmtp/train_step_s"] = time.perf_counter() - began
-        rollout["growmtp/step_s"] = rollout["growmtp/rollout_s"] + rollout["growmtp/train_step_s"]
+        generator = getattr(self, "samples_generator", None)
+        if generator is not None:  # synchronous: the rollout ran just before this step (async: alongside it)
+            rollout["growmtp/rollout_s"] = generator.last_rollout_s
+            rollout["growmtp/step_s"] = rollout["growmtp/rollout_s"] + rollout["growmtp/train_step_s"]
         if self.args.growmtp.check_sync and self.args.growmtp.mode != "frozen":
             rollout.update(self._check_head_sync())
         status.update(rollout)
@@ -81,3 +81,15 @@ class GrowMTPPPOTrainer(PPOTrainer.__ray_actor_class__):
         self.metrics_path.parent.mkdir(parents=True, exist_ok=True)
         with self.metrics_path.open("a") as f:
             f.write(json.dumps(row, default=float) + "\n")
+
+
+@ray.remote
+class GrowMTPPPOTrainer(GrowMTPStepMetrics, PPOTrainer.__ray_actor_class__):
+    """Upstream's controller with GrowMTP's samples generator and per-step GrowMTP metrics."""
+
+    def __init__(self, pretrain, strategy, *args, **kwargs):
+        super().__init__(pretrain, strategy, *args, **kwargs)
+        self.samples_generator = GrowMTPSamplesGenerator(
+            strategy=strategy, prompts_dataloader=self.prompts_dataloader, eval_dataloader=self.eval_dataloader,
+            tokenizer=self.tokenizer, vllm_engines=self.vllm_engines)
+        self._init_step_metrics(strategy.args)

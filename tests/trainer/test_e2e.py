@@ -105,6 +105,12 @@ def test_resume_restores_head_and_its_optimizer_state(world):
     assert [r["step"] for r in rows(tmp)] == [1, 2, 3, 4]
 
 
+def trained_head_moved(tmp: Path, ckpt: str, final: str) -> bool:
+    trained = load_file(str(tmp / final / "growmtp_head" / "model.safetensors"))
+    random_head = load_file(str(tmp / ckpt / INITIAL_HEAD_DIR / "random" / "model.safetensors"))
+    return any(not torch.equal(trained[n].float(), random_head[n].float()) for n in random_head)
+
+
 def test_mini_batches_epochs_dynamic_batching_zero2_adam_offload(world):
     """Upstream's usual layouts in one run: 8 samples per RL step in 2 mini-batches of 4, 2 epochs, dynamic
     batching (packed samples, micro-batches planned by token count), ZeRO-2 with Adam on the host: every
@@ -120,6 +126,19 @@ def test_mini_batches_epochs_dynamic_batching_zero2_adam_offload(world):
         assert r["growmtp/head_steps"] == 4 and r["growmtp/head_epochs"] == 2
         assert r["growmtp/head_finite"] == 1.0 and 1.0 <= r["growmtp/tau"] <= 4.0
         assert r["growmtp/head_sync_params"] == 8 and r["growmtp/head_sync_max_diff"] == 0.0
-    trained = load_file(str(tmp / "final_layout" / "growmtp_head" / "model.safetensors"))
-    random_head = load_file(str(tmp / "ckpt_layout" / INITIAL_HEAD_DIR / "random" / "model.safetensors"))
-    assert any(not torch.equal(trained[n].float(), random_head[n].float()) for n in random_head)
+    assert trained_head_moved(tmp, "ckpt_layout", "final_layout")
+
+
+def test_async_training(world):
+    """`--train.async_enable`: rollouts come from the generator actor while the trainer trains on the previous
+    ones; every record is still trained on and the engines draft with the trainer's head after each sync."""
+    tmp, _ = world
+    launch(tmp, 4, "--train.async_enable", "--ckpt.save_steps", "-1", ckpt="ckpt_async", final="final_async")
+    steps = rows(tmp, "ckpt_async")
+    assert [r["step"] for r in steps] == [1, 2]
+    for r in steps:
+        assert r["growmtp/cycles"] > 50 and r["growmtp/head_cycles"] == r["growmtp/cycles"]
+        assert r["growmtp/head_steps"] == 1 and r["growmtp/head_finite"] == 1.0 and 1.0 <= r["growmtp/tau"] <= 4.0
+        assert r["growmtp/head_sync_params"] == 8 and r["growmtp/head_sync_max_diff"] == 0.0
+        assert "growmtp/rollout_s" not in r  # the rollout ran alongside the step
+    assert trained_head_moved(tmp, "ckpt_async", "final_async")
