@@ -25,7 +25,8 @@ from openrlhf.utils.distributed_util import torch_dist_barrier_and_cuda_sync
 
 from .. import cpu_support
 from ..core.records import SequenceRecord
-from . import installer, head_group
+from . import head_group, installer
+from .args import policy_steps_per_rl_step
 from .head_update import (HeadStepTotals, HeadUpdateConfig, head_alpha_on, step_hidden_states, total_cycles,
                           update_head)
 from .keys import ACCEPTED_KEY, DROPPED_KEY, RECORD_INDEX_KEY, RECORD_KEY
@@ -82,6 +83,7 @@ class _HeadStep:
     totals: HeadStepTotals = field(default_factory=HeadStepTotals)  # first epoch (each record's first visit)
     seconds: float = 0.0  # head work in every epoch
     cycles_per_step: float | None = None  # set at the first micro-batch (dynamic batching plans its steps then)
+    whole: bool = False  # the head runs once over every record (one optimizer step per RL step, or joint mode)
     optimizer_steps: int = 0
     lr: float = 0.0  # the head's LR in the last optimizer step
     epoch: int = 0
@@ -107,10 +109,12 @@ class GrowMTPActorTrainer(ActorTrainer):
         records = self._take_records()
         if head is None:  # a frozen head drafts in the engines only
             return super().ppo_train(kl_ctl)
-        cfg = self._head_update_config()
+        cfg, a = self._head_update_config(), self.args
         with torch.random.fork_rng(devices=[]):  # upstream's RNG stream (its data order) untouched
             hiddens = step_hidden_states(hf_model.model, records, cfg)
-        if not cfg.joint:  # kept through the policy's whole step: off the accelerator until their micro-batch
+        if not cfg.joint and policy_steps_per_rl_step(a.rollout.batch_size, a.rollout.n_samples_per_prompt,
+                                                      a.train.batch_size, a.train.max_epochs) > 1:
+            # kept through the policy's steps: off the accelerator until their micro-batch comes
             hiddens = [h.to("cpu") for h in hiddens]
         self._step = _HeadStep(records, hiddens, cfg, total_cycles(records))
         try:
@@ -118,8 +122,8 @@ class GrowMTPActorTrainer(ActorTrainer):
         finally:
             step, self._step = self._step, None
         metrics = step.totals.metrics()
-        metrics.update(head_update_s=step.seconds, head_steps=float(step.optimizer_steps), head_epochs=step.epoch + 1.0)
-        metrics["head_lr"] = step.lr
+        metrics.update(head_update_s=step.seconds, head_steps=float(step.optimizer_steps),
+                       head_epochs=step.epoch + 1.0, head_lr=step.lr)
         if not step.totals.finite:
             logger.warning("GrowMTP: the head loss was not finite in an optimizer step of this RL step; that "
                            "step's head update is skipped (the policy update is unaffected)")
@@ -127,7 +131,7 @@ class GrowMTPActorTrainer(ActorTrainer):
             # the updated head on the records of the policy it was trained for (see head_alpha_on)
             device = next(head.parameters()).device
             with torch.random.fork_rng(devices=[]):
-                metrics.update(head_alpha_on(head, records, [h.to(device) for h in hiddens], cfg))
+                metrics.update(head_alpha_on(head, records, [h.to(device) for h in step.hiddens], cfg))
         status.update({f"growmtp/{key}": value for key, value in metrics.items()})
         return status
 
@@ -177,8 +181,9 @@ class GrowMTPActorTrainer(ActorTrainer):
 
         The optimizer step that closes the window also steps the head's group. Each step's head gradient
         is its cycles' summed loss over the RL step's mean cycles per optimizer step: exactly the mean loss
-        when one optimizer step takes every record. In joint mode the whole RL step's records run at its
-        first micro-batch (one backbone graph; args refuse joint with more than one policy step).
+        when one optimizer step takes every record. Then (upstream's default layout) every record runs at
+        the step's first micro-batch, in fewer and larger chunks; so does joint mode, whose one backbone
+        graph needs it (args refuse joint with more than one policy step).
         """
         step, engine = self._step, self.actor.model
         if head_group.open_head_window(engine):
@@ -186,8 +191,10 @@ class GrowMTPActorTrainer(ActorTrainer):
             step.window_finite = True
             step.lr = engine.optimizer.param_groups[head_group.head_group_index(engine.optimizer)]["lr"]
         if step.cycles_per_step is None:
-            step.cycles_per_step = step.cycles / self._optimizer_steps_per_epoch()
-        if step.cfg.joint:
+            steps_per_epoch = self._optimizer_steps_per_epoch()
+            step.cycles_per_step = step.cycles / steps_per_epoch
+            step.whole = step.cfg.joint or (steps_per_epoch == 1 and self.max_epochs == 1)
+        if step.whole:  # one optimizer step takes every record: all of them at its first micro-batch
             if step.calls > 1:
                 return
             indices = list(range(len(step.records)))
@@ -200,9 +207,11 @@ class GrowMTPActorTrainer(ActorTrainer):
             totals = update_head(head_of(engine.module), engine.module.model, [step.records[i] for i in indices],
                                  step.cfg, backward=head_group.head_backward(engine),
                                  gradient_accumulation=engine.gradient_accumulation_steps(), hiddens=hiddens,
-                                 cycles_per_step=step.cycles if step.cfg.joint else step.cycles_per_step)
+                                 cycles_per_step=step.cycles_per_step)
         step.window_finite = totals.finite
         step.seconds += totals.seconds
+        if step.whole and not self.args.growmtp.log_lag:
+            step.hiddens = []  # used up: not held through the policy's micro-batches
         if step.epoch == 0:
             step.totals.add(totals)
         else:
