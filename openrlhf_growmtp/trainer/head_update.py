@@ -179,8 +179,8 @@ def update_head(head: MTPHead, backbone: nn.Module, records: Sequence[SequenceRe
     if plan is not None:
         if hiddens is None:
             hiddens = step_hidden_states(backbone, records, cfg)
-        divisor = cycles_per_step if cycles_per_step is not None else max(cycles, 1.0)
-        scale = _world_size() * gradient_accumulation * local_cycles / divisor
+        divisor = cycles_per_step if cycles_per_step is not None else cycles
+        scale = _world_size() * gradient_accumulation * local_cycles / divisor if local_cycles else 0.0
         stats, finite = _run_chunks(head, backbone, records, hiddens, cfg, plan,
                                     lambda weight: (lambda loss: backward(loss * weight)), scale)
         k = plan[1]

@@ -193,7 +193,10 @@ class GrowMTPActorTrainer(ActorTrainer):
         if step.cycles_per_step is None:
             steps_per_epoch = self._optimizer_steps_per_epoch()
             step.cycles_per_step = step.cycles / steps_per_epoch
-            step.whole = step.cfg.joint or (steps_per_epoch == 1 and self.max_epochs == 1)
+            # (not under optimizer offload: DeepSpeed moves a parameter's gradient to the host at the window's
+            # last backward that reaches it, so there the head makes a backward in every micro-batch)
+            step.whole = step.cfg.joint or (steps_per_epoch == 1 and self.max_epochs == 1
+                                            and not self.args.ds.adam_offload)
         if step.whole:  # one optimizer step takes every record: all of them at its first micro-batch
             if step.calls > 1:
                 return

@@ -76,7 +76,7 @@ def test_a_micro_batch_without_cycles_still_runs_one_zero_weight_backward():
     assert all(rec.num_cycles == 0 for rec in empty)
     losses = []
     totals = update_head(head, None, empty, CFG, backward=lambda loss: (losses.append(loss), loss.backward()),
-                         hiddens=[rec.hidden for rec in empty])
+                         hiddens=[rec.hidden for rec in empty], cycles_per_step=0.0)  # an RL step without cycles
     assert len(losses) == 1 and float(losses[0]) == 0.0
     assert all(p.grad is None or not p.grad.any() for p in head.parameters())
     assert totals.cycles == 0 and totals.finite
