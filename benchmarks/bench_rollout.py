@@ -91,7 +91,7 @@ def main() -> None:
                 head = load_head(head_dir, policy.model.embed_tokens, policy.lm_head)
                 train_head_on_records(head, policy, result.records, steps=args.train_steps)
                 export_head(head, work / "head_trained")
-            del engine.llm
+            engine.close()
             gc.collect()
         rows[f"spec_{tag}"], rows[f"spec_capture_{tag}"] = out[False], out[True]
 

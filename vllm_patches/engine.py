@@ -149,19 +149,38 @@ class SpecEngine:
         metrics = RolloutMetrics(acceptance_summary(accepted, self.k), generated, wall, record_bytes, counters, dropped)
         return GenerateResult(outputs, records, metrics, draft_probs)
 
+    def close(self) -> None:
+        """Stop the engine now, with the worker processes of a tensor-parallel engine (which would otherwise
+        live until the interpreter exits, with their KV caches). An in-process engine core stops only its
+        executor: vLLM's full in-process shutdown hangs here in zmq's context teardown."""
+        core = self.llm.llm_engine.engine_core
+        in_process = getattr(core, "engine_core", None)  # InprocClient (VLLM_ENABLE_V1_MULTIPROCESSING=0)
+        if in_process is not None:
+            in_process.model_executor.shutdown()
+        else:
+            core.shutdown()
+        del self.llm
+
     # ---- weights ------------------------------------------------------------------------------------
     def load_head(self, head: str | Path | dict[str, torch.Tensor]) -> list[str]:
         """Load head weights (a head directory or a core-head state dict) into the running engine."""
         state = load_file(str(Path(head) / HEAD_WEIGHTS)) if isinstance(head, (str, Path)) else head
-        state = {name: tensor.detach().to("cpu").contiguous() for name, tensor in state.items()}
+        state = _host(state)
         loaded = self.llm.collective_rpc("growmtp_load_head_weights", args=(dump_blob(state),))[0]
         self._head_state = state
         return loaded
 
+    def head_sync_diff(self, head: dict[str, torch.Tensor] | None = None) -> list[dict]:
+        """Per rank: max |live head - `head`| over the parameters it exposes (default: the last head loaded
+        with `load_head`); `worker_ext.growmtp_head_sync_diff`."""
+        head = self._head_state if head is None else head
+        if head is None:
+            raise ValueError("no head to compare with: pass a state dict, or load_head one first")
+        return self.llm.collective_rpc("growmtp_head_sync_diff", args=(dump_blob(_host(head)),))
+
     def load_target(self, state: dict[str, torch.Tensor]) -> int:
         """Load HF-named policy weights into the running engine (the drafter shares embed/lm_head)."""
-        state = {name: tensor.detach().to("cpu").contiguous() for name, tensor in state.items()}
-        return self.llm.collective_rpc("growmtp_load_target_weights", args=(dump_blob(state),))[0]
+        return self.llm.collective_rpc("growmtp_load_target_weights", args=(dump_blob(_host(state)),))[0]
 
     # ---- sleep / wake -----------------------------------------------------------------------------
     def sleep(self, level: int = 1) -> None:
@@ -181,6 +200,10 @@ class SpecEngine:
         if self._slept_level == 2:
             self.load_head(self._head_state if self._head_state is not None else self.head_dir)
         self._slept_level = 0
+
+
+def _host(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {name: tensor.detach().to("cpu").contiguous() for name, tensor in state.items()}
 
 
 def _summary_from_counters(counters: dict, k: int) -> AcceptanceSummary:

@@ -147,21 +147,29 @@ class GrowMTPHeadModel(nn.Module):
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for name, tensor in weights:
-            if any(part in name for part in _SHARED):
+            target = vllm_parameter(name)
+            if target is None:
                 continue  # the target's, shared
-            target = name if name.startswith("model.") else "model." + name
-            for checkpoint_part, fused_part, shard in _FUSED:
-                if checkpoint_part in target:
-                    fused = target.replace(checkpoint_part, fused_part)
-                    param = _param(params, fused, name)
-                    param.weight_loader(param, tensor, shard)
-                    loaded.add(fused)
-                    break
-            else:
-                param = _param(params, target, name)
+            vllm_name, shard = target
+            param = _param(params, vllm_name, name)
+            if shard is None:
                 getattr(param, "weight_loader", default_weight_loader)(param, tensor)
-                loaded.add(target)
+            else:
+                param.weight_loader(param, tensor, shard)
+            loaded.add(vllm_name)
         return loaded
+
+
+def vllm_parameter(name: str) -> tuple[str, str | int | None] | None:
+    """The vLLM parameter a core-head weight loads into, with its shard id in a fused parameter (None when
+    unfused); None for the embedding and lm_head, which are the target's."""
+    if any(part in name for part in _SHARED):
+        return None
+    target = name if name.startswith("model.") else "model." + name
+    for checkpoint_part, fused_part, shard in _FUSED:
+        if checkpoint_part in target:
+            return target.replace(checkpoint_part, fused_part), shard
+    return target, None
 
 
 def _param(params: dict[str, nn.Parameter], vllm_name: str, checkpoint_name: str) -> nn.Parameter:

@@ -7,11 +7,12 @@ config travels as `CaptureConfig.as_dict()`.
 
 from __future__ import annotations
 
+import torch
 from openrlhf.trainer.ray.vllm_worker_wrap import WorkerWrap
 
-from . import capture, plugin
+from . import capture, head_model, plugin
 from .settings import ASYNC_SCHEDULING, RUNNER_ENV, RUNNER_ENV_VALUE, CaptureConfig, SpecConfigError
-from .transport import dump_blob, load_blob
+from .transport import load_blob
 
 plugin.register()  # the entry point normally did this already; idempotent
 
@@ -62,16 +63,33 @@ class GrowMTPWorkerExtension(WorkerWrap):
         _retie_lm_head(self.model_runner.get_model())
         return len(weights)
 
-    def growmtp_head_state(self) -> bytes:
-        """The live draft head's parameters that are readable, under core-head names, as a blob.
+    def growmtp_head_sync_diff(self, blob: bytes) -> dict:
+        """How far this rank's live head is from `blob`'s core-head weights (the trainer's).
 
-        On CPU, vLLM repacks Linear weights into its GEMM backend after loading and leaves the original
-        parameters empty; those are skipped (the names list says which were compared).
+        The expected value of each readable head parameter is what vLLM's own loaders make of those weights
+        on this rank: its tensor-parallel shard, q/k/v and gate/up fused. The loaders write into scratch
+        tensors swapped in for this call, so the live tensors are never written. On CPU, vLLM repacks Linear
+        weights after loading and leaves the original parameters empty: those are not readable (`params`
+        counts what was compared; the repacked ones are covered by tests comparing the engine's q).
         """
         model = self.model_runner.get_draft_model()
-        state = {name.removeprefix("model."): p.detach().cpu().clone() for name, p in model.named_parameters()
-                 if p.numel() > 0 and not any(part in name for part in ("embed_tokens", "lm_head"))}
-        return dump_blob(state)
+        readable = {name: p for name, p in model.named_parameters()
+                    if p.numel() > 0 and head_model.vllm_parameter(name) is not None}
+        weights = [(name, tensor) for name, tensor in load_blob(blob).items()
+                   if (target := head_model.vllm_parameter(name)) is not None and target[0] in readable]
+        live = {name: p.data for name, p in readable.items()}
+        try:
+            for p in readable.values():
+                p.data = torch.empty_like(p.data)
+            loaded = model.load_weights(iter(weights))
+            expected = {name: p.data for name, p in readable.items()}
+        finally:
+            for name, p in readable.items():
+                p.data = live[name]
+        if missing := sorted(set(readable) - loaded):
+            raise KeyError(f"live head parameters {missing} have no weight in the state they are compared with")
+        worst = max((float((live[n].float() - expected[n].float()).abs().max()) for n in readable), default=0.0)
+        return {"rank": self.rank, "max_diff": worst, "params": len(readable)}
 
 
 def _retie_lm_head(model) -> None:

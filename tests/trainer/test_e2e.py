@@ -111,21 +111,22 @@ def trained_head_moved(tmp: Path, ckpt: str, final: str) -> bool:
     return any(not torch.equal(trained[n].float(), random_head[n].float()) for n in random_head)
 
 
-def test_mini_batches_epochs_dynamic_batching_zero2_adam_offload(world):
+def test_mini_batches_epochs_dynamic_batching_zero2_adam_offload_engine_tp2(world):
     """Upstream's usual layouts in one run: 8 samples per RL step in 2 mini-batches of 4, 2 epochs, dynamic
-    batching (packed samples, micro-batches planned by token count), ZeRO-2 with Adam on the host: every
-    record is trained on, the head steps with each of the 4 policy steps, and the engines draft with it."""
+    batching (packed samples, micro-batches planned by token count), ZeRO-2 with Adam on the host, and an
+    engine over 2 tensor-parallel ranks: every record is trained on, the head steps with each of the 4 policy
+    steps, and both engine ranks draft with it."""
     tmp, _ = world
     launch(tmp, 4, "--train.batch_size", "4", "--train.max_epochs", "2", "--train.dynamic_batch_enable",
            "--train.max_tokens_per_gpu", "64", "--ds.zero_stage", "2", "--ds.adam_offload", "--ckpt.save_steps", "-1",
-           ckpt="ckpt_layout", final="final_layout")
+           "--vllm.tensor_parallel_size", "2", ckpt="ckpt_layout", final="final_layout")
     steps = rows(tmp, "ckpt_layout")
     assert [r["step"] for r in steps] == [1, 2]
     for r in steps:
         assert r["growmtp/cycles"] > 50 and r["growmtp/head_cycles"] == r["growmtp/cycles"]  # each record, once per epoch
         assert r["growmtp/head_steps"] == 4 and r["growmtp/head_epochs"] == 2
         assert r["growmtp/head_finite"] == 1.0 and 1.0 <= r["growmtp/tau"] <= 4.0
-        assert r["growmtp/head_sync_params"] == 8 and r["growmtp/head_sync_max_diff"] == 0.0
+        assert r["growmtp/head_sync_params"] == 2 * 8 and r["growmtp/head_sync_max_diff"] == 0.0  # both ranks
     assert trained_head_moved(tmp, "ckpt_layout", "final_layout")
 
 

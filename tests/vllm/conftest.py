@@ -38,7 +38,7 @@ def make_engine(world, **kwargs):
 
 
 def close_engine(engine) -> None:
-    del engine.llm
+    engine.close()
     gc.collect()
 
 
