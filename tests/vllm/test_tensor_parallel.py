@@ -8,7 +8,6 @@ change q; the engine's q is compared with the trainer's reconstruction after a l
 import os
 
 import pytest
-import torch
 from conftest import close_engine, core_head, hf_logprobs_on_path, make_engine
 from test_records_engine import engine_q_vs_reconstruction
 from vllm import SamplingParams, envs
