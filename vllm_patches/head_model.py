@@ -163,13 +163,18 @@ class GrowMTPHeadModel(nn.Module):
 def vllm_parameter(name: str) -> tuple[str, str | int | None] | None:
     """The vLLM parameter a core-head weight loads into, with its shard id in a fused parameter (None when
     unfused); None for the embedding and lm_head, which are the target's."""
-    if any(part in name for part in _SHARED):
+    if is_shared(name):
         return None
     target = name if name.startswith("model.") else "model." + name
     for checkpoint_part, fused_part, shard in _FUSED:
         if checkpoint_part in target:
             return target.replace(checkpoint_part, fused_part), shard
     return target, None
+
+
+def is_shared(name: str) -> bool:
+    """Whether a head parameter name (core or vLLM) is the target's embedding or lm_head."""
+    return any(part in name for part in _SHARED)
 
 
 def _param(params: dict[str, nn.Parameter], vllm_name: str, checkpoint_name: str) -> nn.Parameter:

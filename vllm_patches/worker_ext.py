@@ -74,7 +74,7 @@ class GrowMTPWorkerExtension(WorkerWrap):
         """
         model = self.model_runner.get_draft_model()
         readable = {name: p for name, p in model.named_parameters()
-                    if p.numel() > 0 and head_model.vllm_parameter(name) is not None}
+                    if p.numel() > 0 and not head_model.is_shared(name)}
         weights = [(name, tensor) for name, tensor in load_blob(blob).items()
                    if (target := head_model.vllm_parameter(name)) is not None and target[0] in readable]
         live = {name: p.data for name, p in readable.items()}
