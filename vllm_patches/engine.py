@@ -139,7 +139,7 @@ class SpecEngine:
         if not keep_hidden:
             logger.warning("GrowMTP: %d preemption(s) in this generate; dropping engine-captured hidden states "
                            "(the trainer recomputes them)", counters["num_preemptions"])
-        # TP ranks capture the same cycles; rank 0's payload is the one read
+        # only the recording rank (worker_ext.RECORDING_RANK, the first) of a tensor-parallel engine captures
         collector.add_drained(self.llm.collective_rpc("growmtp_drain_records")[0], keep_hidden=keep_hidden)
         draft_probs = [collector.peek_draft_probs(o) for o in outputs]
         records = collector.pop_all(outputs)

@@ -16,6 +16,8 @@ from .transport import load_blob
 
 plugin.register()  # the entry point normally did this already; idempotent
 
+RECORDING_RANK = 0  # the rank whose captured cycles become records (collective_rpc returns rank order)
+
 
 class GrowMTPWorkerExtension(WorkerWrap):
     def growmtp_configure_capture(self, config: dict) -> str:
@@ -31,7 +33,9 @@ class GrowMTPWorkerExtension(WorkerWrap):
                 f"GrowMTP record capture hooks vLLM's V1 model runner, but this worker runs "
                 f"{type(runner).__module__}.{type(runner).__qualname__}. Set {RUNNER_ENV}={RUNNER_ENV_VALUE} "
                 "(settings.spec_engine_kwargs does) before the engine starts.")
-        capture.configure(config)
+        # Every tensor-parallel rank verifies the same drafts; rank 0's cycles are the records (the driver
+        # reads its payload), so the other ranks capture nothing and ship empty payloads.
+        capture.configure(config if self.rank == RECORDING_RANK else CaptureConfig(enabled=False))
         return type(runner).__qualname__
 
     def growmtp_drain_records(self) -> bytes:

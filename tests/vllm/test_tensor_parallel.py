@@ -14,6 +14,7 @@ from vllm import SamplingParams, envs
 
 from openrlhf_growmtp.cpu_support import VLLM_THREADS_BIND_ENV, omp_threads_bind
 from toy import random_prompts, train_head_on_records
+from vllm_patches.transport import load_blob
 
 PARAMS = SamplingParams(temperature=1.0, max_tokens=40, ignore_eos=True)
 RANKS = 2
@@ -40,11 +41,20 @@ def tp_engine(world):
 
 
 def test_each_cycle_is_recorded_once(tp_engine):
-    """Every rank runs the rejection sampler and captures the same cycles; the records hold them once:
-    as many cycles as vLLM's own engine-wide counter of verify steps, each verified against the policy's p."""
+    """Every rank runs the rejection sampler on the same drafts; the records hold each cycle once: as many
+    cycles as vLLM's own engine-wide counter of verify steps."""
     for result in (tp_engine["before"], tp_engine["after"]):
         cycles = sum(r.num_cycles for r in result.records) + result.metrics.dropped_cycles
         assert cycles == result.metrics.vllm_counters["spec_decode_num_drafts"] > 100
+
+
+def test_only_rank_0_captures(tp_engine):
+    """The other ranks ship empty payloads: nothing is captured, serialised and dropped twice."""
+    engine = tp_engine["engine"]
+    engine.llm.generate([{"prompt_token_ids": p} for p in random_prompts(2, 128, seed=3)], PARAMS, use_tqdm=False)
+    payloads = [load_blob(blob) for blob in engine.llm.collective_rpc("growmtp_drain_records")]
+    assert len(payloads) == RANKS
+    assert payloads[0]["counts"].sum() > 10 and all(not p["req_ids"] and not p["dropped"] for p in payloads[1:])
 
 
 def test_target_logprobs_are_the_policy_s(world, tp_engine):
