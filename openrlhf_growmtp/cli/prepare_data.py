@@ -25,7 +25,7 @@ import os
 import sys
 from pathlib import Path
 
-from openrlhf_growmtp.data import loaders
+from openrlhf_growmtp.data import loaders, sources
 
 DATASETS = ("dapo-math", "taco-verified", "amc23", "aime24", "aime25", "livecodebench")
 MATH_BENCHMARKS = {"amc23": loaders.amc23_rows, "aime24": loaders.aime24_rows, "aime25": loaders.aime25_rows}
@@ -135,9 +135,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         tokenizer = load_chat_tokenizer(args.tokenizer) if args.tokenizer else None  # before the source is read
-        source_rows = Counted(loaders.iter_rows(args.source, args.split))
+        source_rows = Counted(sources.iter_rows(args.source, args.split))
         rows, stats = convert(args.dataset, source_rows, args)
-    except (loaders.RowFormatError, loaders.DataSourceError, ValueError) as err:
+    except (loaders.RowFormatError, sources.DataSourceError, ValueError) as err:
         print(f"prepare_data: {err}", file=sys.stderr)
         return 2
     if tokenizer is not None:

@@ -15,7 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from openrlhf_growmtp.cli import prepare_data
-from openrlhf_growmtp.data import loaders
+from openrlhf_growmtp.data import loaders, sources
 from openrlhf_growmtp.rewards.code_reward import code_score
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -117,35 +117,35 @@ def read_jsonl(path: Path) -> list[dict]:
 
 
 def test_load_rows_reads_parquet_jsonl_json_and_split_folders(tmp_path: Path, dapo_parquet: Path):
-    rows = loaders.load_rows(str(dapo_parquet))
+    rows = sources.load_rows(str(dapo_parquet))
     assert len(rows) == 9 and rows[0]["reward_model"]["ground_truth"] == "2"
     assert isinstance(rows[0]["prompt"], list)  # plain Python lists, not numpy arrays
 
     write_jsonl(tmp_path / "a.jsonl", [{"x": 1}, {"x": 2}])
-    assert [r["x"] for r in loaders.load_rows(str(tmp_path / "a.jsonl"))] == [1, 2]
+    assert [r["x"] for r in sources.load_rows(str(tmp_path / "a.jsonl"))] == [1, 2]
     (tmp_path / "b.json").write_text(json.dumps({"test": [{"x": 3}]}))
-    assert loaders.load_rows(str(tmp_path / "b.json"), split="test") == [{"x": 3}]
+    assert sources.load_rows(str(tmp_path / "b.json"), split="test") == [{"x": 3}]
 
     hub_like = tmp_path / "repo" / "data"
     hub_like.mkdir(parents=True)
     pq.write_table(pa.Table.from_pylist([{"x": 1}, {"x": 2}]), hub_like / "train-00000-of-00001.parquet")
     pq.write_table(pa.Table.from_pylist([{"x": 9}]), hub_like / "test-00000-of-00001.parquet")
-    assert [r["x"] for r in loaders.load_rows(str(tmp_path / "repo"))] == [1, 2]
-    assert [r["x"] for r in loaders.load_rows(str(tmp_path / "repo"), split="test")] == [9]
+    assert [r["x"] for r in sources.load_rows(str(tmp_path / "repo"))] == [1, 2]
+    assert [r["x"] for r in sources.load_rows(str(tmp_path / "repo"), split="test")] == [9]
 
 
 def test_load_rows_reads_save_to_disk_folders(tmp_path: Path):
     datasets = pytest.importorskip("datasets")
     datasets.DatasetDict({"train": datasets.Dataset.from_list([{"problem": "p", "answer": "1"}])}
                          ).save_to_disk(str(tmp_path / "saved"))
-    assert loaders.load_rows(str(tmp_path / "saved")) == [{"problem": "p", "answer": "1"}]
-    with pytest.raises(loaders.DataSourceError, match="no split 'test'"):
-        loaders.load_rows(str(tmp_path / "saved"), split="test")
+    assert sources.load_rows(str(tmp_path / "saved")) == [{"problem": "p", "answer": "1"}]
+    with pytest.raises(sources.DataSourceError, match="no split 'test'"):
+        sources.load_rows(str(tmp_path / "saved"), split="test")
 
 
 def test_missing_local_path_and_unreachable_hub_name_the_source(tmp_path: Path, monkeypatch):
-    with pytest.raises(loaders.DataSourceError, match="no such file"):
-        loaders.load_rows(str(tmp_path / "absent.parquet"))
+    with pytest.raises(sources.DataSourceError, match="no such file"):
+        sources.load_rows(str(tmp_path / "absent.parquet"))
 
     import datasets
 
@@ -153,15 +153,15 @@ def test_missing_local_path_and_unreachable_hub_name_the_source(tmp_path: Path, 
         raise ConnectionError("no network")
 
     monkeypatch.setattr(datasets, "load_dataset", offline)
-    with pytest.raises(loaders.DataSourceError, match=r"'BytedTsinghua-SIA/DAPO-Math-17k'.*local path"):
-        loaders.load_rows("BytedTsinghua-SIA/DAPO-Math-17k")
+    with pytest.raises(sources.DataSourceError, match=r"'BytedTsinghua-SIA/DAPO-Math-17k'.*local path"):
+        sources.load_rows("BytedTsinghua-SIA/DAPO-Math-17k")
 
 
 # ------------------------------------------------------------------------------------------------ DAPO
 
 
 def test_dapo_math_deduplicates_by_index_in_first_seen_order(dapo_parquet: Path):
-    rows = loaders.dapo_math_rows(loaders.iter_rows(str(dapo_parquet)))
+    rows = loaders.dapo_math_rows(sources.iter_rows(str(dapo_parquet)))
     assert [r["id"] for r in rows] == ["uuid-a", "uuid-b", "uuid-c"]
     assert [r["label"] for r in rows] == ["2", "5", "9"]
     assert rows[1]["prompt"] == [{"role": "user", "content": loaders.DAPO_MATH_PREFIX + "What is 2+3?"
