@@ -183,11 +183,11 @@ def _cat_cycles(records: Sequence[SequenceRecord], pieces: Sequence[Piece], name
 # ---- teacher forcing (ablation) ------------------------------------------------------------------------
 @dataclass
 class TeacherForcedBatch:
-    """Teacher-forced chains of one sequence: one chain per committed start m, depths 1..K."""
+    """Teacher-forced chains of one or more sequences: one chain per committed start m, depths 1..K."""
 
-    starts: torch.Tensor  # [M] start position m of each chain
+    starts: torch.Tensor  # [M] start position m of each chain (in its own sequence)
     normed: torch.Tensor  # [M, K, H] the head's state at each depth
-    temperature: float
+    temperature: torch.Tensor  # [M] the temperature of each chain's request
     topk_ids: torch.Tensor  # [M, K, k] recorded target at the token each depth predicts
     topk_logprobs: torch.Tensor  # [M, K, k]
     lengths: torch.Tensor  # [M] consecutive depths (from 1) that have a recorded target
@@ -196,8 +196,7 @@ class TeacherForcedBatch:
         """The depths that have a target (the rest carry no loss), as reconstruction's slots."""
         chain, position = torch.nonzero(torch.arange(self.normed.shape[1], device=self.lengths.device)[None, :]
                                         < self.lengths[:, None], as_tuple=True)
-        temperature = torch.full((self.normed.shape[0],), float(self.temperature), device=self.normed.device)
-        return DraftStates(self.normed[chain, position], chain, position, temperature)
+        return DraftStates(self.normed[chain, position], chain, position, self.temperature)
 
 
 def _teacher_forcing_targets(rec: SequenceRecord):
@@ -224,39 +223,73 @@ def _teacher_forcing_targets(rec: SequenceRecord):
 
 
 def teacher_forced_chains(head: MTPHead, rec: SequenceRecord, hidden: torch.Tensor) -> TeacherForcedBatch | None:
-    """Teacher forcing on the committed sequence, as the ablation of the paper's Appendix on it.
+    """Teacher forcing on one committed sequence (see `_teacher_forced_group`); None when no chain has a target."""
+    targets = _teacher_forcing_targets(rec)
+    return None if targets is None else _teacher_forced_group(head, [rec], [hidden], [targets])
+
+
+def _teacher_forced_group(head: MTPHead, records: Sequence[SequenceRecord], hiddens: Sequence[torch.Tensor],
+                          targets: Sequence[tuple]) -> TeacherForcedBatch:
+    """Teacher forcing on the committed sequences, as the ablation of the paper's Appendix on it.
 
     K causal forwards over the committed tokens: depth 1 reads (H_p, x_{p+1}); depth k reads the
     depth-(k-1) state of position p-1 with x_{p+1} (position 0 keeps H_0). The chain from start m at
     depth k is the depth-k state at m+k-1 and predicts token m+1+k. Its target is the recorded p of the
     cycle that verified that token with an accepted (= committed) context: row k' of cycle r covers token
-    s_r+1+k' for k' <= accepted+1. Returns None when no chain has a target.
+    s_r+1+k' for k' <= accepted+1. The sequences run side by side, right-padded: under the causal mask
+    a real slot never sees a pad, and the chains read real slots only. targets: `_teacher_forcing_targets`
+    of each record, none of them None.
     """
-    targets = _teacher_forcing_targets(rec)
-    if targets is None:
-        return None
-    starts, token_index, lengths, target_ids, target_lp = targets
     param = next(head.parameters())
     device, dtype = param.device, param.dtype
-    length, depth = int(rec.token_ids.shape[0]), rec.depth
+    depth = records[0].depth
     offsets = torch.arange(1, depth + 1)
 
-    # ---- K causal forwards ---------------------------------------------------------------------------
-    num_slots = length - 1  # slot p pairs (state, x_{p+1}), p = 0..T-2
-    ids = rec.token_ids[1:].to(device)[None]
-    positions = torch.arange(num_slots, device=device)[None]
-    features = hidden[:num_slots].to(device=device, dtype=dtype)[None]
+    # ---- K causal forwards over every sequence's slots p = 0..T-2, (state, x_{p+1}) -----------------
+    num_slots = [int(rec.token_ids.shape[0]) - 1 for rec in records]
+    width = max(num_slots)
+    ids = torch.zeros(len(records), width, dtype=torch.long, device=device)
+    features = torch.zeros(len(records), width, head.config.hidden_size, device=device, dtype=dtype)
+    for i, (rec, hidden, n) in enumerate(zip(records, hiddens, num_slots)):
+        ids[i, :n] = rec.token_ids[1:].to(device)
+        features[i, :n] = hidden[:n].to(device=device, dtype=dtype)
+    first = features[:, :1]  # H_0 of every sequence
+    positions = torch.arange(width, device=device).expand(len(records), width)
     normed = []
-    for k in range(1, depth + 1):
+    for _ in range(depth):
         out = head(features, ids, positions, cache=HeadKVCache())
-        normed.append(out.normed[0])
-        features = torch.cat([hidden[:1].to(device=device, dtype=dtype)[None], out.feed_back[:, :-1]], dim=1)
-    slot = (starts[:, None] + offsets[None, :] - 1).clamp(max=num_slots - 1).to(device)  # [M, K]
-    states = torch.stack([normed[k][slot[:, k]] for k in range(depth)], dim=1)  # [M, K, H]
-    tgt = token_index.clamp(max=length - 1)
-    return TeacherForcedBatch(starts=starts, normed=states, temperature=rec.temperature,
-                              topk_ids=target_ids[tgt].to(device),
-                              topk_logprobs=target_lp[tgt].to(device), lengths=lengths.to(device))
+        normed.append(out.normed)  # [B, width, H]
+        features = torch.cat([first, out.feed_back[:, :-1]], dim=1)
+    normed = torch.stack(normed, dim=2)  # [B, width, K, H]
+
+    # ---- each sequence's chains: depth k of the chain from m is the depth-k state of slot m+k-1 ---------
+    chains = []
+    for i, (rec, n, (starts, token_index, lengths, target_ids, target_lp)) in enumerate(
+            zip(records, num_slots, targets)):
+        slot = (starts[:, None] + offsets[None, :] - 1).clamp(max=n - 1).to(device)  # [M, K]
+        tgt = token_index.clamp(max=n)
+        chains.append((starts, normed[i, slot, torch.arange(depth, device=device)], target_ids[tgt],
+                       target_lp[tgt], lengths, torch.full((starts.shape[0],), float(rec.temperature))))
+    starts, states, ids_k, lp_k, lengths, temperature = (torch.cat(parts) for parts in zip(*chains))
+    return TeacherForcedBatch(starts=starts, normed=states, temperature=temperature.to(device),
+                              topk_ids=ids_k.to(device), topk_logprobs=lp_k.to(device), lengths=lengths.to(device))
+
+
+def plan_teacher_forcing(targets: Sequence[tuple | None], chunk_cycles: int | None) -> list[list[int]]:
+    """Groups of whole sequences, in order, of at most chunk_cycles teacher-forced chains each (a longer
+    sequence alone; None: one group), from each record's `_teacher_forcing_targets`. Sequences without a
+    target are left out."""
+    groups, current, count = [], [], 0
+    for i, target in enumerate(targets):
+        if target is None:
+            continue
+        chains = int(target[0].shape[0])
+        if current and chunk_cycles is not None and count + chains > chunk_cycles:
+            groups.append(current)
+            current, count = [], 0
+        current.append(i)
+        count += chains
+    return groups + [current] if current else groups
 
 
 # ---- the head update -----------------------------------------------------------------------------------
@@ -295,7 +328,7 @@ def head_loss_backward(head: MTPHead, records: Sequence[SequenceRecord],
     if check:
         check_batch(head, records, hiddens)
     if teacher_forcing:
-        return _teacher_forced_backward(head, records, hiddens, kind, backward, agree)
+        return _teacher_forced_backward(head, records, hiddens, kind, chunk_cycles, backward, agree)
     total = sum(rec.num_cycles for rec in records)
     if total == 0:
         return HeadLossStats(loss=0.0, num_cycles=0, num_chunks=0)
@@ -325,7 +358,7 @@ def count_chunks(records: Sequence[SequenceRecord], chunk_cycles: int | None = D
                  teacher_forcing: bool = False) -> int:
     """How many forward/backward chunks `head_loss_backward` runs for this batch (no model work)."""
     if teacher_forcing:
-        return sum(_teacher_forcing_targets(rec) is not None for rec in records)
+        return len(plan_teacher_forcing([_teacher_forcing_targets(rec) for rec in records], chunk_cycles))
     return len(plan_chunks(records, chunk_cycles))
 
 
@@ -347,21 +380,22 @@ def check_batch(head: MTPHead, records: Sequence[SequenceRecord],
             raise RecordError(f"record {i}: {err}") from None
 
 
-def _teacher_forced_backward(head, records, hiddens, kind, backward, agree) -> HeadLossStats:
-    # One sequence per chunk; every depth's length is set by the available targets (no cycles, no VGM).
+def _teacher_forced_backward(head, records, hiddens, kind, chunk_cycles, backward, agree) -> HeadLossStats:
+    # Groups of whole sequences; every depth's length is set by the available targets (no cycles, no VGM).
     targets = [_teacher_forcing_targets(rec) for rec in records]
     total = sum(int(t[0].shape[0]) for t in targets if t is not None)
     if total == 0:
         return HeadLossStats(loss=0.0, num_cycles=0, num_chunks=0)
-    loss_sum, chunks = 0.0, 0
-    for i, rec in enumerate(records):
-        if targets[i] is None:
-            continue
-        batch = teacher_forced_chains(head, rec, _hidden_of(records, hiddens, i))
+    groups = plan_teacher_forcing(targets, chunk_cycles)
+    num_groups = score_groups(None if chunk_cycles is None else chunk_cycles * records[0].depth,
+                              head.config.vocab_size)
+    loss_sum = 0.0
+    for group in groups:
+        batch = _teacher_forced_group(head, [records[i] for i in group],
+                                      [_hidden_of(records, hiddens, i) for i in group], [targets[i] for i in group])
         chunk_loss, _, _ = chunk_loss_backward(head, batch.draft_states(), batch.topk_ids, batch.topk_logprobs,
-                                               batch.lengths - 1, kind, 1.0 / total, 1, backward, agree)
+                                               batch.lengths - 1, kind, 1.0 / total, num_groups, backward, agree)
         if chunk_loss is None:
-            return HeadLossStats(loss=float("nan"), num_cycles=total, num_chunks=chunks, finite=False)
+            return HeadLossStats(loss=float("nan"), num_cycles=total, num_chunks=len(groups), finite=False)
         loss_sum += chunk_loss
-        chunks += 1
-    return HeadLossStats(loss=loss_sum, num_cycles=total, num_chunks=chunks)
+    return HeadLossStats(loss=loss_sum, num_cycles=total, num_chunks=len(groups))

@@ -5,7 +5,7 @@ import torch
 
 from openrlhf_growmtp.core import head_loss_backward, reconstruct_draft_logits
 from openrlhf_growmtp.core.objectives import chain_lengths, head_loss_per_cycle
-from openrlhf_growmtp.core.reconstruction import (draft_path_mask, plan_chunks, reconstruct_states,
+from openrlhf_growmtp.core.reconstruction import (count_chunks, draft_path_mask, plan_chunks, reconstruct_states,
                                                   teacher_forced_chains)
 from openrlhf_growmtp.core.records import RecordError
 from tiny import FAMILY_NAMES, chain_by_chain_logits, make_head, make_records
@@ -113,7 +113,7 @@ def test_teacher_forcing_agrees_with_reconstruction_only_at_depth_one():
     with torch.no_grad():
         recon = reconstruct_draft_logits(head, [rec])
         tf = teacher_forced_chains(head, rec, rec.hidden)
-        tf_logits = head.logits(tf.normed).float() / tf.temperature
+        tf_logits = head.logits(tf.normed).float() / tf.temperature[:, None, None]
     starts = rec.start.tolist()
     tf_starts = tf.starts.tolist()
     rows = [tf_starts.index(s) for s in starts]
@@ -202,7 +202,10 @@ def test_alpha_statistics_average_each_position_over_the_cycles_whose_loss_reads
 
 
 @pytest.mark.parametrize("kind", ["dca", "kl"])
-def test_teacher_forced_loss_and_gradients_equal_the_full_vocabulary_path(kind):
+@pytest.mark.parametrize("chunk_cycles", [None, 12])
+def test_teacher_forced_loss_and_gradients_equal_the_full_vocabulary_path(kind, chunk_cycles):
+    # The reference runs each sequence alone with full-vocabulary logits; the update runs the sequences
+    # side by side (right-padded, of different lengths and temperatures), in one group or in several.
     head = make_head("qwen3")
     records = make_records(k=3)
     batches = [teacher_forced_chains(head, rec, rec.hidden) for rec in records]
@@ -210,13 +213,15 @@ def test_teacher_forced_loss_and_gradients_equal_the_full_vocabulary_path(kind):
     reference = 0.0
     for b in batches:
         if b is not None:
-            logits = head.logits(b.normed).float() / b.temperature
+            logits = head.logits(b.normed).float() / b.temperature[:, None, None]
             loss, _ = head_loss_per_cycle(logits, b.topk_ids, b.topk_logprobs, b.lengths - 1, kind)
             reference = reference + loss.sum() / total
     reference.backward()
     expected = _grads(head)
     _zero(head)
-    stats = head_loss_backward(head, records, kind=kind, teacher_forcing=True)
+    stats = head_loss_backward(head, records, kind=kind, teacher_forcing=True, chunk_cycles=chunk_cycles)
+    assert stats.num_chunks == count_chunks(records, chunk_cycles, teacher_forcing=True)
+    assert stats.num_chunks == (1 if chunk_cycles is None else 2)  # 12 chains: the sequences do not fit in one
     assert abs(stats.loss - reference.item()) <= 1e-5 * max(1.0, abs(reference.item()))
     for name, grad in _grads(head).items():
         scale = expected[name].abs().max().item()
