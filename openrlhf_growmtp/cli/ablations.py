@@ -80,7 +80,8 @@ def main(argv: list[str] | None = None) -> int:
             spec = ablations.ARMS[arm]
             k = preset.k if spec.drafts else 0
             arm_dir = out / f"{arm}-s{seed}"
-            cmd = train_command(world, arm_dir, preset, k, seed=seed) + list(spec.flags)
+            cmd = train_command(world, arm_dir, preset, k, seed=seed, one_policy_step=spec.one_policy_step)
+            cmd += list(spec.flags)
             try:  # one arm's failure is reported (and fails the command) without losing the other arms
                 wall[arm][seed] = run_arm(cmd, arm_dir, f"{arm} (seed {seed})", preset.steps)
                 logged = report.read_arm(arm_dir / "tensorboard", arm, k)

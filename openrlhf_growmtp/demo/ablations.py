@@ -22,6 +22,7 @@ class Arm:
     flags: tuple[str, ...] = ()
     drafts: bool = True  # False: the autoregressive arm (--growmtp_k 0)
     paper: bool = True  # one of the paper's arms (run by default); False: an upstream configuration to compare
+    one_policy_step: bool = False  # one policy optimizer step per RL step instead of the demo's mini-batches
 
 
 ARMS = {arm.name: arm for arm in (
@@ -31,7 +32,8 @@ ARMS = {arm.name: arm for arm in (
     Arm("tv", "TV", ("--growmtp_loss", "tv")),
     Arm("dca_no_vgm", "DCA without VGM", ("--growmtp_no_vgm",)),
     Arm("teacher_forcing", "teacher forcing", ("--growmtp_teacher_forcing",)),
-    Arm("joint", "joint (head loss reaches the policy)", ("--growmtp_mode", "joint")),
+    # joint mode needs one policy step per RL step (the head's loss is part of that step's policy loss)
+    Arm("joint", "joint (head loss reaches the policy)", ("--growmtp_mode", "joint"), one_policy_step=True),
     Arm("frozen", "frozen random head", ("--growmtp_mode", "frozen")),
     Arm("ar", "autoregressive", drafts=False),
     # rollouts one policy step behind the trainer (the head trains on the trainer's hidden states)
