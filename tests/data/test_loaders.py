@@ -15,7 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from openrlhf_growmtp.cli import prepare_data
-from openrlhf_growmtp.data import loaders, sources
+from openrlhf_growmtp.data import lcb_tests, loaders, sources
 from openrlhf_growmtp.rewards.code_reward import code_score
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -280,10 +280,10 @@ def test_pickled_private_tests_are_read_only_as_a_bare_string_when_allowed(lcb_r
             return (print, ("executed",))
 
     hostile = base64.b64encode(zlib.compress(pickle.dumps(Payload()))).decode()
-    assert loaders.decode_lcb_private_tests(hostile, allow_pickled_str=True) is None
-    assert loaders.read_pickled_str(pickle.dumps(["not", "a", "str"])) is None
-    assert loaders.read_pickled_str(pickle.dumps("text") + b"trailing") is None
-    assert loaders.decode_lcb_private_tests("not base64 !!") is None
+    assert lcb_tests.decode_lcb_private_tests(hostile, allow_pickled_str=True) is None
+    assert lcb_tests.read_pickled_str(pickle.dumps(["not", "a", "str"])) is None
+    assert lcb_tests.read_pickled_str(pickle.dumps("text") + b"trailing") is None
+    assert lcb_tests.decode_lcb_private_tests("not base64 !!") is None
 
 
 # ------------------------------------------------------------------------------------------------ CLI
