@@ -5,7 +5,8 @@ from .families import FAMILIES, HeadFamily, family_for_backbone, get_family
 from .head import HeadKVCache, HeadOutput, MTPHead, make_head_config
 from .metrics import AcceptanceSummary, acceptance_summary
 from .objectives import acceptance_rates, chain_loss, log_acceptance_rates, position_loss
-from .reconstruction import head_loss_backward, reconstruct_draft_logits, teacher_forced_chains
+from .reconstruction import head_loss_backward, reconstruct_draft_logits
+from .teacher_forcing import teacher_forced_chains
 from .records import RecordError, SequenceRecord, validate_record
 from .schedule import HeadLRSchedule
 

@@ -5,8 +5,8 @@ import torch
 
 from openrlhf_growmtp.core import head_loss_backward, reconstruct_draft_logits
 from openrlhf_growmtp.core.objectives import chain_lengths, head_loss_per_cycle
-from openrlhf_growmtp.core.reconstruction import (count_chunks, draft_path_mask, plan_chunks, reconstruct_states,
-                                                  teacher_forced_chains)
+from openrlhf_growmtp.core.reconstruction import count_chunks, draft_path_mask, plan_chunks, reconstruct_states
+from openrlhf_growmtp.core.teacher_forcing import teacher_forced_chains
 from openrlhf_growmtp.core.records import RecordError
 from tiny import FAMILY_NAMES, chain_by_chain_logits, make_head, make_records
 
