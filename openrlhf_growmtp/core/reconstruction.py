@@ -25,7 +25,7 @@ each chunk recomputes the prefix entries it reads).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
@@ -33,7 +33,7 @@ import torch
 from .head import HeadKVCache, MTPHead, additive_mask
 from .objectives import chain_lengths
 from .records import RecordError, SequenceRecord, check_fits
-from .scoring import DraftStates, chunk_loss_backward, score_groups
+from .scoring import DraftStates, HeadLossStats, chunk_loss_backward, score_groups
 from .teacher_forcing import count_teacher_forcing_chunks, teacher_forced_loss_backward
 
 DEFAULT_CHUNK_CYCLES = 1024
@@ -182,22 +182,6 @@ def _cat_cycles(records: Sequence[SequenceRecord], pieces: Sequence[Piece], name
 
 
 # ---- the head update -----------------------------------------------------------------------------------
-@dataclass
-class HeadLossStats:
-    loss: float  # batch loss (mean over cycles, or over teacher-forced chains)
-    num_cycles: int
-    num_chunks: int
-    # per draft position: the sum and count of the head's alpha over the cycles that reach it (all of
-    # them without VGM; under VGM those whose earlier drafts were all accepted, where the loss reads it)
-    alpha_sum: list[float] = field(default_factory=list)
-    alpha_count: list[float] = field(default_factory=list)
-    finite: bool = True
-
-    @property
-    def alpha_mean(self) -> list[float]:
-        return [s / max(n, 1.0) for s, n in zip(self.alpha_sum, self.alpha_count)]
-
-
 def head_loss_backward(head: MTPHead, records: Sequence[SequenceRecord],
                        hiddens: Sequence[torch.Tensor] | None = None, *, kind: str = "dca", vgm: bool = True,
                        chunk_cycles: int | None = DEFAULT_CHUNK_CYCLES, teacher_forcing: bool = False,
@@ -217,9 +201,8 @@ def head_loss_backward(head: MTPHead, records: Sequence[SequenceRecord],
     if check:
         check_batch(head, records, hiddens)
     if teacher_forcing:
-        loss, chains, groups, finite = teacher_forced_loss_backward(
-            head, records, lambda i: _hidden_of(records, hiddens, i), kind, chunk_cycles, backward, agree)
-        return HeadLossStats(loss=loss, num_cycles=chains, num_chunks=groups, finite=finite)
+        return teacher_forced_loss_backward(head, records, lambda i: _hidden_of(records, hiddens, i), kind,
+                                            chunk_cycles, backward, agree)
     total = sum(rec.num_cycles for rec in records)
     if total == 0:
         return HeadLossStats(loss=0.0, num_cycles=0, num_chunks=0)

@@ -11,7 +11,7 @@ configuration only and every rank makes the same calls.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -33,6 +33,24 @@ class DraftStates:
     cycle: torch.Tensor  # [M] the slot's cycle (index into the chunk's cycles)
     position: torch.Tensor  # [M] its draft position, 0-based
     temperature: torch.Tensor  # [N] per cycle
+
+
+@dataclass
+class HeadLossStats:
+    """What one head update measured: its loss, and the head's α per draft position."""
+
+    loss: float  # batch loss (mean over cycles, or over teacher-forced chains)
+    num_cycles: int
+    num_chunks: int
+    # per draft position: the sum and count of the head's alpha over the cycles that reach it (all of
+    # them without VGM; under VGM those whose earlier drafts were all accepted, where the loss reads it)
+    alpha_sum: list[float] = field(default_factory=list)
+    alpha_count: list[float] = field(default_factory=list)
+    finite: bool = True
+
+    @property
+    def alpha_mean(self) -> list[float]:
+        return [s / max(n, 1.0) for s, n in zip(self.alpha_sum, self.alpha_count)]
 
 
 def score_groups(max_rows: int | None, vocab_size: int) -> int:

@@ -16,7 +16,7 @@ import torch
 
 from .head import HeadKVCache, MTPHead
 from .records import SequenceRecord
-from .scoring import DraftStates, chunk_loss_backward, score_groups
+from .scoring import DraftStates, HeadLossStats, chunk_loss_backward, score_groups
 
 
 @dataclass
@@ -132,15 +132,16 @@ def plan_teacher_forcing(targets: Sequence[tuple | None], chunk_cycles: int | No
 
 def teacher_forced_loss_backward(head: MTPHead, records: Sequence[SequenceRecord],
                                  hidden_of: Callable[[int], torch.Tensor], kind: str, chunk_cycles: int | None,
-                                 backward: Callable[[torch.Tensor], None], agree: Callable[[bool], bool]):
+                                 backward: Callable[[torch.Tensor], None], agree: Callable[[bool], bool]
+                                 ) -> HeadLossStats:
     """Teacher-forced head loss over the records, backpropagated group by group (`plan_teacher_forcing`);
     each chain's loss weighted 1 / (the batch's chains). Every depth's length is set by the available
-    targets (no cycles, no VGM). hidden_of(i): record i's H_p. Returns (loss, chains, groups, finite);
-    a group whose loss is not finite on some rank (`agree`) stops the loop before its backward."""
+    targets (no cycles, no VGM). hidden_of(i): record i's H_p. A group whose loss is not finite on some
+    rank (`agree`) stops the loop before its backward, and the stats say finite=False."""
     targets = [_teacher_forcing_targets(rec) for rec in records]
     total = sum(int(t[0].shape[0]) for t in targets if t is not None)
     if total == 0:
-        return 0.0, 0, 0, True
+        return HeadLossStats(loss=0.0, num_cycles=0, num_chunks=0)
     groups = plan_teacher_forcing(targets, chunk_cycles)
     num_groups = score_groups(None if chunk_cycles is None else chunk_cycles * records[0].depth,
                               head.config.vocab_size)
@@ -151,9 +152,9 @@ def teacher_forced_loss_backward(head: MTPHead, records: Sequence[SequenceRecord
         chunk_loss, _, _ = chunk_loss_backward(head, batch.draft_states(), batch.topk_ids, batch.topk_logprobs,
                                                batch.lengths - 1, kind, 1.0 / total, num_groups, backward, agree)
         if chunk_loss is None:
-            return float("nan"), total, len(groups), False
+            return HeadLossStats(loss=float("nan"), num_cycles=total, num_chunks=len(groups), finite=False)
         loss_sum += chunk_loss
-    return loss_sum, total, len(groups), True
+    return HeadLossStats(loss=loss_sum, num_cycles=total, num_chunks=len(groups))
 
 
 def count_teacher_forcing_chunks(records: Sequence[SequenceRecord], chunk_cycles: int | None) -> int:
