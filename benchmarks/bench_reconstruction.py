@@ -2,15 +2,19 @@
 
 Chain by chain is how a drafter runs: one incremental head KV cache per response, each cycle appends its
 newly committed entries, runs its K chain steps one at a time, and crops them again. Batched is
-`head_loss_backward`: one causal prefix pass and K-1 chain forwards per chunk of cycles.
+`head_loss_backward`: the prefix's keys and values once per sequence, and K chain forwards per chunk of
+cycles whose attention scores only the keys each query sees.
 
 Prints a table of time, speed-up and identity (max |log q| and max |grad| differences) per cycle count,
-then the activation memory held for backward per chunk size and per response length, with
-`memory_growth` = that memory at 4,096 cycles / at 512 (same chunk of 256). Memory is CUDA's peak
-allocation on a GPU, else the bytes of the unique tensors autograd saved for backward (the resident
-state that chunking bounds). Last, the peak memory of one 1024-cycle chunk at Qwen3-4B's head shape and
-real vocabulary in bf16 (CUDA's peak, or the sampled peak resident memory on CPU). With --json the last
-line is one JSON object.
+then the memory held for backward per chunk size and per response length, with `memory_growth` = that
+memory at 4,096 cycles / at 512 (same chunk of 256). On CPU memory is the bytes of the unique tensors
+autograd saved for backward, per backward call, without the head's parameters, in two parts: the
+activations (what chunking bounds; `memory_growth`) and the batch's prefix state (the prefix keys and
+values with their gradients, 2 x 2 x kv x head_dim fp32 values per token, resident for a sequence's
+chunks like the hidden states they are made of; `memory_growth_with_prefix_state` counts both). On a GPU
+it is CUDA's peak allocation, everything included. Last, the peak memory of one 1024-cycle chunk at
+Qwen3-4B's head shape and real vocabulary in bf16 (CUDA's peak, or the sampled peak resident memory on
+CPU). With --json the last line is one JSON object.
 
     python benchmarks/bench_reconstruction.py [--json] [--cycles 64 256 1024] [--device cpu|cuda]
 """
@@ -93,16 +97,8 @@ def grads_of(head: MTPHead) -> torch.Tensor:
 
 
 def compare(head: MTPHead, rec: SequenceRecord, device: str) -> dict:
-    sync(device)
-    t0 = time.perf_counter()
-    logits = chain_by_chain(head, rec)
-    acc = rec.accepted.to(device)
-    loss, _ = head_loss_per_cycle(logits, rec.topk_ids.to(device), rec.topk_logprobs.to(device), acc, "dca")
-    loss.mean().backward()
-    sync(device)
-    serial_s = time.perf_counter() - t0
-    serial_grad, serial_logq = grads_of(head), logits.detach().log_softmax(-1)
-
+    # Batched first: timed after the serial run, it ran 20-40% slower while the serial run's logits were
+    # still alive (allocator state), which would flatter nothing but the serial path.
     times = []
     for _ in range(3):  # the median of three: one run is too short to time alone
         sync(device)
@@ -114,6 +110,16 @@ def compare(head: MTPHead, rec: SequenceRecord, device: str) -> dict:
     batched_s = statistics.median(times)
     with torch.no_grad():
         batched_logq = reconstruct_draft_logits(head, [rec]).log_softmax(-1)
+
+    sync(device)
+    t0 = time.perf_counter()
+    logits = chain_by_chain(head, rec)
+    acc = rec.accepted.to(device)
+    loss, _ = head_loss_per_cycle(logits, rec.topk_ids.to(device), rec.topk_logprobs.to(device), acc, "dca")
+    loss.mean().backward()
+    sync(device)
+    serial_s = time.perf_counter() - t0
+    serial_grad, serial_logq = grads_of(head), logits.detach().log_softmax(-1)
     return {"cycles": rec.num_cycles, "k": K, "serial_s": serial_s, "batched_s": batched_s,
             "speedup": serial_s / batched_s,
             "max_abs_diff": (batched_logq - serial_logq).abs().max().item(),
@@ -122,39 +128,49 @@ def compare(head: MTPHead, rec: SequenceRecord, device: str) -> dict:
 
 
 class SavedBytes:
-    """Bytes of the unique storages autograd holds for backward, per chunk (CPU memory proxy)."""
+    """Bytes of the unique storages autograd holds for backward per backward call (CPU memory proxy), in two
+    parts: activations, and the batch's prefix state -- the prefix keys and values, leaves computed once
+    per batch (core/prefix.py), doubled for the gradient accumulators of the same size. The head's
+    parameters (model state, saved by every linear layer) count in neither."""
 
-    def __init__(self):
-        self.ptrs, self.current, self.peak = set(), 0, 0
+    def __init__(self, head: MTPHead):
+        self.params = {p.untyped_storage().data_ptr() for p in head.parameters()}
+        self.ptrs, self.activations, self.state = set(), 0, 0
+        self.peak_activations, self.peak_state = 0, 0
 
     def pack(self, t: torch.Tensor):
         key = t.untyped_storage().data_ptr()
-        if key not in self.ptrs:
+        if key not in self.ptrs and key not in self.params:
             self.ptrs.add(key)
-            self.current += t.untyped_storage().nbytes()
+            if t.is_leaf and t.requires_grad:
+                self.state += 2 * t.untyped_storage().nbytes()
+            else:
+                self.activations += t.untyped_storage().nbytes()
         return t
 
-    def chunk_done(self) -> None:
-        self.peak = max(self.peak, self.current)
-        self.ptrs, self.current = set(), 0
+    def backward_done(self) -> None:
+        self.peak_activations = max(self.peak_activations, self.activations)
+        self.peak_state = max(self.peak_state, self.state)
+        self.ptrs, self.activations, self.state = set(), 0, 0
 
 
-def peak_memory_mb(head: MTPHead, rec: SequenceRecord, chunk: int, device: str) -> float:
+def peak_memory_mb(head: MTPHead, rec: SequenceRecord, chunk: int, device: str) -> dict:
+    """{"activations": MB, "prefix_state": MB} on CPU (`SavedBytes`); on CUDA both are in "activations"."""
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
         head_loss_backward(head, [rec], chunk_cycles=chunk)
         grads_of(head)
-        return torch.cuda.max_memory_allocated() / 2**20
-    meter = SavedBytes()
+        return {"activations": torch.cuda.max_memory_allocated() / 2**20, "prefix_state": 0.0}
+    meter = SavedBytes(head)
 
     def backward(loss):
-        meter.chunk_done()
+        meter.backward_done()
         loss.backward()
 
     with torch.autograd.graph.saved_tensors_hooks(meter.pack, lambda t: t):
         head_loss_backward(head, [rec], chunk_cycles=chunk, backward=backward)
     grads_of(head)
-    return meter.peak / 2**20
+    return {"activations": meter.peak_activations / 2**20, "prefix_state": meter.peak_state / 2**20}
 
 
 class PeakRSS:
@@ -254,21 +270,24 @@ def main() -> None:
 
     largest = max(args.cycles)
     rec = make_record(largest)
-    print(f"\nmemory per chunk size ({largest} cycles, {rec.token_ids.numel()} tokens; {unit})")
+    print(f"\nmemory per chunk size ({largest} cycles, {rec.token_ids.numel()} tokens; {unit}: activations, "
+          "prefix state)")
     chunk_memory = {}
     for chunk in (64, 256, 1024):
         chunk_memory[chunk] = peak_memory_mb(head, rec, chunk, args.device)
-        print(f"  chunk {chunk:>5}: {chunk_memory[chunk]:8.1f}")
+        print(f"  chunk {chunk:>5}: {chunk_memory[chunk]['activations']:8.1f} {chunk_memory[chunk]['prefix_state']:8.1f}")
 
-    print(f"\nmemory per response length at chunk 256 ({unit})")
+    print(f"\nmemory per response length at chunk 256 ({unit}: activations, prefix state)")
     length_memory = {}
     for cycles in (512, 1024, 2048, 4096):
         long_rec = make_record(cycles, seed=1)
         length_memory[cycles] = peak_memory_mb(head, long_rec, 256, args.device)
-        print(f"  {cycles:>5} cycles ({long_rec.token_ids.numel():>5} tokens): {length_memory[cycles]:8.1f}")
+        print(f"  {cycles:>5} cycles ({long_rec.token_ids.numel():>5} tokens): "
+              f"{length_memory[cycles]['activations']:8.1f} {length_memory[cycles]['prefix_state']:8.1f}")
 
-    growth = length_memory[4096] / length_memory[512]
-    print(f"  memory_growth (4096 / 512 cycles): {growth:.2f}")
+    growth = length_memory[4096]["activations"] / length_memory[512]["activations"]
+    with_state = sum(length_memory[4096].values()) / sum(length_memory[512].values())
+    print(f"  memory_growth (4096 / 512 cycles): {growth:.2f} (activations), {with_state:.2f} with the prefix state")
 
     real = real_shape_chunk(args.device)
     print(f"\none {real['cycles']}-cycle chunk at Qwen3-4B's head (H=2560, V=151,936, {real['dtype']}, "
@@ -277,7 +296,8 @@ def main() -> None:
     result = dict(rows[-1])
     result.update({"device": args.device, "memory_unit": unit,
                    "memory_mb_by_chunk": chunk_memory, "memory_mb_by_cycles_at_chunk_256": length_memory,
-                   "memory_growth": growth, "real_shape_chunk": real, "rows": rows})
+                   "memory_growth": growth, "memory_growth_with_prefix_state": with_state,
+                   "real_shape_chunk": real, "rows": rows})
     if args.json:
         print(json.dumps(result))
 

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
+from .draft_attention import ATTENTION_NAME, skip_attention
 from .families import CONCAT_EH, FEED_PRE_NORM, HeadFamily, get_family
 
 HEAD_CONFIG_FIELD = "growmtp_family"
@@ -89,8 +90,9 @@ class MTPHead(nn.Module):
         super().__init__()
         self.family = get_family(getattr(config, HEAD_CONFIG_FIELD))
         config = copy.deepcopy(config)
-        # NOTE: the prefix pass relies on SDPA's is_causal; chain steps pass an explicit additive mask.
-        config._attn_implementation = "sdpa"
+        # SDPA unless a call passes draft_path= (draft_attention.py). NOTE: prefill relies on SDPA's
+        # is_causal; chain steps pass an explicit additive mask.
+        config._attn_implementation = ATTENTION_NAME
         self.config = config
         fam, hidden, eps = self.family, config.hidden_size, config.rms_norm_eps
         self.add_module(fam.norm_embedding_name, fam.norm_class(hidden, eps=eps))
@@ -146,22 +148,26 @@ class MTPHead(nn.Module):
         return getattr(self, fam.fc_name)(torch.cat([emb, hid], dim=-1))
 
     def forward(self, hidden: torch.Tensor, input_ids: torch.Tensor, position_ids: torch.Tensor,
-                cache: HeadKVCache | None = None, attention_mask: torch.Tensor | None = None) -> HeadOutput:
+                cache: HeadKVCache | None = None, attention_mask: torch.Tensor | None = None,
+                draft_path=None) -> HeadOutput:
         """One head application to T new slots per row.
 
         hidden [B, T, H] (target final-norm hidden, or the fed-back head state), input_ids [B, T],
         position_ids [B, T] absolute RoPE positions. New keys/values are appended to `cache`.
         attention_mask: additive [B, 1, T, L_cache + T]; None means causal over the new slots with
         everything already in the cache visible (SDPA is_causal, valid when the cache is empty or T == 1).
+        draft_path: the attention to run instead of SDPA (`draft_attention.DraftPathAttention`).
         """
         assert hidden.ndim == 3 and input_ids.shape == hidden.shape[:2] == position_ids.shape, (
             hidden.shape, input_ids.shape, position_ids.shape)
-        if attention_mask is None and cache is not None and len(cache) > 0 and hidden.shape[1] > 1:
+        if draft_path is None and attention_mask is None and cache is not None and len(cache) > 0 \
+                and hidden.shape[1] > 1:
             raise ValueError("several new slots over a non-empty cache need an explicit attention_mask")
         x = self.fuse(hidden, input_ids, position_ids)
         position_embeddings = self.rotary_emb(x, position_ids)
         o = self.decoder_layer(hidden_states=x, attention_mask=attention_mask, position_ids=position_ids,
-                               past_key_values=cache, position_embeddings=position_embeddings)
+                               past_key_values=cache, position_embeddings=position_embeddings,
+                               draft_path=draft_path)
         normed = getattr(self, self.family.final_norm_name)(o)
         feed_back = o if self.family.feed_back == FEED_PRE_NORM else normed
         return HeadOutput(hidden=o, normed=normed, feed_back=feed_back)
@@ -169,11 +175,11 @@ class MTPHead(nn.Module):
     def keys_values(self, hidden: torch.Tensor, input_ids: torch.Tensor,
                     position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The keys and values [B, kv, T, d] that `forward` writes to the cache for these slots, without
-        the layer's MLP: only its input norm and attention run (the attention's output is not used)."""
+        the layer's MLP and without attention: only its input norm and projections run."""
         x = self.fuse(hidden, input_ids, position_ids)
         layer, cache = self.decoder_layer, HeadKVCache()
         layer.self_attn(hidden_states=layer.input_layernorm(x), attention_mask=None, past_key_values=cache,
-                        position_embeddings=self.rotary_emb(x, position_ids))
+                        position_embeddings=self.rotary_emb(x, position_ids), draft_path=skip_attention)
         return cache.key, cache.value
 
     # ---- recurrent drafting (the chain-by-chain reference, and the demo's drafter) --------------

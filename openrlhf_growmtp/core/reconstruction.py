@@ -4,14 +4,13 @@ Chain by chain, cycle r (start s, drafts d) is: a head KV cache with one entry p
 p = 0..s from (H_p, x_{p+1}) at RoPE position p; q_1 from the output at s; then step j = 2..K feeds
 (h'_{j-1}, d_{j-1}) at position s+j-1. Nothing is sampled: the recorded drafts are inputs.
 
-Batched, the prefix's keys and values come from the layer's input norm and attention alone (no MLP),
-and K steps advance every cycle of a chunk by one position each: depth 1 feeds (H_s, x_{s+1}) at s,
-depth j feeds (h'_{j-1}, d_{j-1}). All steps attend over one shared cache -- the flattened prefix
-entries of the chunk's sequences followed by one block of entries per depth -- under an additive mask:
-causal over the cycle's own committed prefix (p < s), diagonal over the depth blocks (a cycle sees only
-its own entries, which at depth 1 is the entry of s itself). Worked example, one sequence, Lmax = 4
-prefix slots, 2 cycles starting at s = 1 and 3, at depth 3 (keys: prefix p0..p3 | depth-1, depth-2 and
-depth-3 entries, c0 c1 each):
+Batched, the prefix's keys and values come from the layer's input norm and projections alone (no
+attention, no MLP), and K steps advance every cycle of a chunk by one position each: depth 1 feeds
+(H_s, x_{s+1}) at s, depth j feeds (h'_{j-1}, d_{j-1}). At every depth a cycle's query sees its own
+sequence's committed prefix (p < s) and its own chain entries of depths 1..j (at depth 1, the entry of
+s itself), and nothing else: `draft_attention.DraftPathAttention` scores exactly those keys. Worked
+example, one sequence of 4 prefix slots, 2 cycles starting at s = 1 and 3, at depth 3 (keys: prefix
+p0..p3 | the depth-1, depth-2 and depth-3 entries of cycles c0 c1):
 
     cycle 0 (s=1):  1 0 0 0 | 1 0 | 1 0 | 1 0
     cycle 1 (s=3):  1 1 1 0 | 0 1 | 0 1 | 0 1
@@ -30,7 +29,9 @@ from typing import Callable, Sequence
 
 import torch
 
-from .head import HeadKVCache, MTPHead, additive_mask
+from .draft_attention import DraftPathAttention
+from .head import MTPHead
+from .prefix import PrefixStore, hidden_of
 from .objectives import chain_lengths
 from .records import RecordError, SequenceRecord, check_fits
 from .scoring import DraftStates, HeadLossStats, chunk_loss_backward, score_groups
@@ -70,19 +71,10 @@ def plan_chunks(records: Sequence[SequenceRecord], chunk_cycles: int | None) -> 
     return chunks
 
 
-def _hidden_of(records: Sequence[SequenceRecord], hiddens: Sequence[torch.Tensor] | None, seq: int) -> torch.Tensor:
-    if hiddens is not None:
-        return hiddens[seq]
-    if records[seq].hidden is None:
-        raise RecordError(f"hidden: record {seq} carries no hidden states (transport-free mode) and the "
-                          "trainer passed none; recompute them with the policy forward")
-    return records[seq].hidden
-
-
 def reconstruct_states(head: MTPHead, records: Sequence[SequenceRecord], pieces: Sequence[Piece],
-                       hiddens: Sequence[torch.Tensor] | None = None,
-                       lengths: torch.Tensor | None = None) -> DraftStates:
-    """The states behind draft positions 1..lengths[c] of every cycle c of `pieces` (None: all K).
+                       prefix: PrefixStore, lengths: torch.Tensor | None = None) -> DraftStates:
+    """The states behind draft positions 1..lengths[c] of every cycle c of `pieces` (None: all K), over
+    the prefixes `prefix` holds (opened for every sequence of `pieces`).
 
     A chain stops at its length: under VGM the positions after the first rejection carry no loss, so
     their chain steps are never run. Rows are ordered by position, then cycle. Every depth runs, and
@@ -90,21 +82,8 @@ def reconstruct_states(head: MTPHead, records: Sequence[SequenceRecord], pieces:
     ZeRO-3 each head call gathers parameters, so data-parallel ranks must make the same calls. The
     passenger's rows lie past its length, where the loss reads nothing (`chunk_loss_backward`).
     """
-    param = next(head.parameters())
-    device, dtype = param.device, param.dtype
+    device = prefix.device
     depth = records[pieces[0].seq].depth
-    num_seqs = len(pieces)
-    prefix_lens = [int(records[pc.seq].start[pc.hi - 1]) + 1 for pc in pieces]  # positions 0..max start
-    lmax = max(prefix_lens)
-
-    # ---- prefix inputs: every sequence's entries (H_p, x_{p+1}) at p = 0..prefix_len-1 ------------------
-    hidden_pad = torch.zeros(num_seqs, lmax, head.config.hidden_size, device=device, dtype=dtype)
-    ids_pad = torch.zeros(num_seqs, lmax, dtype=torch.long, device=device)
-    for i, (pc, length) in enumerate(zip(pieces, prefix_lens)):
-        hidden_pad[i, :length] = _hidden_of(records, hiddens, pc.seq)[:length].to(device=device, dtype=dtype)
-        ids_pad[i, :length] = records[pc.seq].token_ids[1:length + 1].to(device)
-
-    # ---- the chunk's cycles, flattened ----------------------------------------------------------------
     seq_local = torch.cat([torch.full((pc.hi - pc.lo,), i, dtype=torch.long) for i, pc in enumerate(pieces)])
     seq_local = seq_local.to(device)
     start = _cat_cycles(records, pieces, "start").to(device)
@@ -113,17 +92,14 @@ def reconstruct_states(head: MTPHead, records: Sequence[SequenceRecord], pieces:
     num_cycles = int(start.shape[0])
     lengths = torch.full((num_cycles,), depth, device=device) if lengths is None else lengths.to(device)
 
-    # ---- the prefix's keys and values, then one step per depth --------------------------------------
-    # Only the keys and values of the committed entries are needed (the layer's output is read at the
-    # starts only): depth 1 is a step like the others, the slot (H_s, x_{s+1}) at s over its prefix p < s.
-    positions = torch.arange(lmax, device=device).expand(num_seqs, lmax)
-    key, value = head.keys_values(hidden_pad, ids_pad, positions)
-    # Shared cache: prefix entries of all sequences side by side ([1, kv, num_seqs * lmax, d]), then the
-    # entries of every depth; `chain_cycles` names the cycle of each depth entry, in cache order.
-    cache = HeadKVCache(_flatten(key), _flatten(value))
+    # Depth 1 feeds (H_s, x_{s+1}) at s, over the prefix p < s; depth j feeds (h'_{j-1}, d_{j-1}).
+    feed = torch.cat([prefix.hidden[pc.seq][records[pc.seq].start[pc.lo:pc.hi].to(device)] for pc in pieces])
+    token = torch.cat([records[pc.seq].token_ids[records[pc.seq].start[pc.lo:pc.hi] + 1] for pc in pieces])
+    token = token.to(device)
+    path = DraftPathAttention([prefix.keys[pc.seq] for pc in pieces], seq_local, start,
+                              head.config.num_attention_heads)
     cycles = torch.arange(num_cycles, device=device)  # the cycles still drafting at this depth
-    chain_cycles, normed, slot_cycle = cycles[:0], [], []
-    feed, token = hidden_pad[seq_local, start], ids_pad[seq_local, start]  # depth 1: (H_s, x_{s+1})
+    normed, slot_cycle = [], []
     for j in range(1, depth + 1):
         if j > 1:
             alive = lengths[cycles] >= j
@@ -131,10 +107,9 @@ def reconstruct_states(head: MTPHead, records: Sequence[SequenceRecord], pieces:
                 alive[0] = True  # the passenger
             cycles, feed = cycles[alive], feed[alive]
             token = drafts[cycles, j - 2]
-        chain_cycles = torch.cat([chain_cycles, cycles])
-        mask = draft_path_mask(seq_local[cycles], start[cycles], num_seqs, lmax, cycles, chain_cycles, dtype)
-        out = head(feed.unsqueeze(0), token.unsqueeze(0), (start[cycles] + j - 1).unsqueeze(0), cache=cache,
-                   attention_mask=mask)
+        path.next_depth(cycles)
+        out = head(feed.unsqueeze(0), token.unsqueeze(0), (start[cycles] + j - 1).unsqueeze(0), cache=path,
+                   draft_path=path)
         normed.append(out.normed[0])
         slot_cycle.append(cycles)
         feed = out.feed_back[0]
@@ -142,31 +117,17 @@ def reconstruct_states(head: MTPHead, records: Sequence[SequenceRecord], pieces:
     return DraftStates(torch.cat(normed), torch.cat(slot_cycle), position, temperature.to(device))
 
 
-def _flatten(t: torch.Tensor) -> torch.Tensor:  # [B, kv, L, d] -> [1, kv, B * L, d]
-    return t.transpose(0, 1).reshape(1, t.shape[1], -1, t.shape[3])
-
-
 def reconstruct_chunk(head: MTPHead, records: Sequence[SequenceRecord], pieces: Sequence[Piece],
                       hiddens: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
     """Draft logits [N, K, V] (divided by each request's temperature) for the cycles of `pieces`, in order.
 
     Full-vocabulary logits: for the invariant tests and small batches (training: `chunk_loss_backward`)."""
-    states = reconstruct_states(head, records, pieces, hiddens)
+    prefix = PrefixStore(head, records, hiddens)
+    prefix.open(sorted({pc.seq for pc in pieces}))
+    states = reconstruct_states(head, records, pieces, prefix)
     logits = head.logits(states.normed).float() / states.temperature[states.cycle, None]
     num_cycles, depth = int(states.temperature.shape[0]), records[pieces[0].seq].depth
     return logits.new_zeros(num_cycles, depth, logits.shape[-1]).index_put((states.cycle, states.position), logits)
-
-
-def draft_path_mask(query_seq: torch.Tensor, query_start: torch.Tensor, num_seqs: int, lmax: int,
-                    query_cycle: torch.Tensor, chain_cycle: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Additive [1, 1, Q, num_seqs*lmax + C]: each query sees its own committed prefix p < s and the depth
-    entries of its own cycle (chain_cycle [C] names each depth entry's cycle, depth 1's included)."""
-    device = query_start.device
-    column_seq = torch.arange(num_seqs, device=device).repeat_interleave(lmax)  # [num_seqs * lmax]
-    column_pos = torch.arange(lmax, device=device).repeat(num_seqs)
-    prefix_visible = (column_seq[None, :] == query_seq[:, None]) & (column_pos[None, :] < query_start[:, None])
-    own = chain_cycle[None, :] == query_cycle[:, None]
-    return additive_mask(torch.cat([prefix_visible, own], dim=1), dtype)[None, None]
 
 
 def reconstruct_draft_logits(head: MTPHead, records: Sequence[SequenceRecord],
@@ -186,22 +147,25 @@ def head_loss_backward(head: MTPHead, records: Sequence[SequenceRecord],
                        hiddens: Sequence[torch.Tensor] | None = None, *, kind: str = "dca", vgm: bool = True,
                        chunk_cycles: int | None = DEFAULT_CHUNK_CYCLES, teacher_forcing: bool = False,
                        backward: Callable[[torch.Tensor], None] | None = None,
-                       agree: Callable[[bool], bool] | None = None, check: bool = True) -> HeadLossStats:
+                       agree: Callable[[bool], bool] | None = None, check: bool = True,
+                       agree_max: Callable[[int], int] | None = None) -> HeadLossStats:
     """Reconstruct, score and backpropagate the head loss over a batch of records, chunk by chunk.
 
     Gradients accumulate into the head's .grad (via `backward`, default loss.backward()). If a chunk's
     loss is not finite, it is not backpropagated and the returned stats say finite=False: the caller must
     then drop the head's gradients for this step (earlier chunks may have accumulated some).
     `agree(local_finite) -> global_finite` is asked before every chunk's backward; data-parallel callers
-    pass an all-reduce so that every rank stops at the same chunk. `check=False` skips `check_batch`
-    for a caller that ran it already (the trainer agrees on it across ranks first).
+    pass an all-reduce so that every rank stops at the same chunk, and `agree_max(local count) -> max
+    over ranks` (an all-reduce MAX) so that every rank runs as many prefix pieces (`prefix.PrefixStore`).
+    `check=False` skips `check_batch` for a caller that ran it already (the trainer agrees on it across
+    ranks first).
     """
     backward = backward or (lambda loss: loss.backward())
     agree = agree or (lambda finite: finite)
     if check:
         check_batch(head, records, hiddens)
     if teacher_forcing:
-        return teacher_forced_loss_backward(head, records, lambda i: _hidden_of(records, hiddens, i), kind,
+        return teacher_forced_loss_backward(head, records, lambda i: hidden_of(records, hiddens, i), kind,
                                             chunk_cycles, backward, agree)
     total = sum(rec.num_cycles for rec in records)
     if total == 0:
@@ -210,17 +174,27 @@ def head_loss_backward(head: MTPHead, records: Sequence[SequenceRecord],
     loss_sum, alpha_sum, alpha_count, chunks = 0.0, 0.0, 0.0, plan_chunks(records, chunk_cycles)
     depth = records[0].depth
     num_groups = score_groups(None if chunk_cycles is None else chunk_cycles * depth, head.config.vocab_size)
-    for pieces in chunks:
+    # each sequence's prefix opens in its first chunk and closes after its last one (prefix.py)
+    first, last = {}, {}
+    for i, pieces in enumerate(chunks):
+        for pc in pieces:
+            first.setdefault(pc.seq, i)
+            last[pc.seq] = i
+    # a prefix piece holds at most as many positions as a chunk has slots (one piece in a single chunk)
+    prefix = PrefixStore(head, records, hiddens, None if chunk_cycles is None else chunk_cycles * depth, agree_max)
+    for i, pieces in enumerate(chunks):
+        prefix.open([pc.seq for pc in pieces if first[pc.seq] == i])
         accepted = _cat_cycles(records, pieces, "accepted").to(device) if vgm else None
         lengths = chain_lengths(accepted, sum(pc.hi - pc.lo for pc in pieces), depth, device=device)
-        states = reconstruct_states(head, records, pieces, hiddens, lengths)
+        states = reconstruct_states(head, records, pieces, prefix, lengths)
         # weight 1/total: the chunk's mean x its share of the batch's cycles
         chunk_loss, alpha, read = chunk_loss_backward(
             head, states, _cat_cycles(records, pieces, "topk_ids").to(device),
             _cat_cycles(records, pieces, "topk_logprobs").to(device), accepted, kind, 1.0 / total, num_groups,
-            backward, agree)
+            prefix.chunk_backward(backward), agree)
         if chunk_loss is None:
             return HeadLossStats(loss=float("nan"), num_cycles=total, num_chunks=len(chunks), finite=False)
+        prefix.close([pc.seq for pc in pieces if last[pc.seq] == i], backward)
         loss_sum += chunk_loss
         alpha_sum = alpha_sum + (alpha * read).sum(0)
         alpha_count = alpha_count + read.sum(0)

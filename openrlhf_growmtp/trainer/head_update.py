@@ -109,6 +109,11 @@ def agree_finite(local_finite: bool) -> bool:
     return _all_reduce([1.0 if local_finite else 0.0], dist.ReduceOp.MIN)[0] > 0.5
 
 
+def agree_max(local_count: int) -> int:
+    """The largest of the ranks' counts (every rank then runs that many prefix pieces, with passengers)."""
+    return int(_all_reduce([float(local_count)], dist.ReduceOp.MAX)[0])
+
+
 def backbone_hidden_states(backbone: nn.Module, records: Sequence[SequenceRecord], num_batches: int,
                            batch_size: int, grad: bool) -> list[torch.Tensor]:
     """H_p [T, H] per record from the backbone (final-norm output), in exactly `num_batches` forwards.
@@ -252,7 +257,7 @@ def _run_chunks(head, backbone, records, hiddens, cfg: HeadUpdateConfig, plan, w
     if records:
         stats = head_loss_backward(head, records, [h.to(dtype) for h in hiddens], kind=cfg.kind, vgm=cfg.vgm,
                                    chunk_cycles=chunk_cycles, teacher_forcing=cfg.teacher_forcing,
-                                   backward=weighted(scale), agree=agree_finite, check=False)
+                                   backward=weighted(scale), agree=agree_finite, check=False, agree_max=agree_max)
         finite = stats.finite
     topk = int(records[0].topk_ids.shape[2]) if records else head.config.vocab_size
     filler = filler_record(head, k, topk)
@@ -264,7 +269,7 @@ def _run_chunks(head, backbone, records, hiddens, cfg: HeadUpdateConfig, plan, w
             hidden = backbone_hidden_states(backbone, [filler], 1, 1, grad=True)[0] * 0 + hidden
         filled = head_loss_backward(head, [filler], [hidden], kind=cfg.kind, vgm=cfg.vgm,
                                     chunk_cycles=chunk_cycles, teacher_forcing=cfg.teacher_forcing,
-                                    backward=weighted(0.0), agree=agree_finite, check=False)
+                                    backward=weighted(0.0), agree=agree_finite, check=False, agree_max=agree_max)
         finite = filled.finite
     return stats, finite
 

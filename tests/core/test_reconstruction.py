@@ -5,8 +5,9 @@ import torch
 
 from openrlhf_growmtp.core import head_loss_backward, reconstruct_draft_logits
 from openrlhf_growmtp.core.objectives import chain_lengths, head_loss_per_cycle
-from openrlhf_growmtp.core.reconstruction import count_chunks, draft_path_mask, plan_chunks, reconstruct_states
+from openrlhf_growmtp.core.reconstruction import count_chunks, plan_chunks, reconstruct_states
 from openrlhf_growmtp.core.teacher_forcing import teacher_forced_chains
+from openrlhf_growmtp.core.prefix import PrefixStore
 from openrlhf_growmtp.core.records import RecordError
 from tiny import FAMILY_NAMES, chain_by_chain_logits, make_head, make_records
 
@@ -72,6 +73,35 @@ def test_chunked_gradients_equal_unchunked(kind):
         assert (grad - reference[name]).abs().max().item() <= 1e-6 * max(1.0, reference[name].abs().max().item())
 
 
+@pytest.mark.parametrize("chunk_cycles", [3, 1024])
+def test_gradients_are_exact_under_a_scaling_backward_and_reach_hidden_states_with_a_graph(chunk_cycles):
+    # Chunks read each prefix's keys and values as leaves and one closing backward per sequence
+    # backpropagates them (prefix.py); a trainer's backward scales what it is given (DeepSpeed divides by
+    # the accumulation steps), and joint mode's hidden states carry a graph: both reach the reference.
+    head = make_head("qwen3")
+    records = make_records(k=4)
+    for rec in records:
+        rec.hidden = rec.hidden.clone().requires_grad_()
+    loss, _ = head_loss_per_cycle(chain_by_chain_logits(head, records), torch.cat([r.topk_ids for r in records]),
+                                  torch.cat([r.topk_logprobs for r in records]),
+                                  torch.cat([r.accepted for r in records]), "dca")
+    loss.mean().backward()
+    reference = _grads(head)
+    reference.update({f"hidden{i}": rec.hidden.grad for i, rec in enumerate(records)})
+    _zero(head)
+    hiddens = [rec.hidden.detach().clone().requires_grad_() for rec in records]
+    stats = head_loss_backward(head, records, hiddens, chunk_cycles=chunk_cycles,
+                               backward=lambda surrogate: (surrogate * 3.0).backward())
+    assert stats.num_chunks == (4 if chunk_cycles == 3 else 1)
+    got = _grads(head)
+    got.update({f"hidden{i}": h.grad for i, h in enumerate(hiddens)})
+    assert set(got) == set(reference)
+    for name, want in reference.items():
+        scale = want.abs().max().item()
+        assert scale > 0, name
+        assert (got[name] / 3.0 - want).abs().max().item() <= 1e-5 * max(1.0, scale), name
+
+
 def test_plan_chunks_covers_every_cycle_once_in_order():
     records = make_records(k=3)
     chunks = plan_chunks(records, 4)
@@ -80,16 +110,6 @@ def test_plan_chunks_covers_every_cycle_once_in_order():
     assert all(sum(pc.hi - pc.lo for pc in pieces) <= 4 for pieces in chunks)
     with pytest.raises(ValueError, match="chunk_cycles"):
         plan_chunks(records, 0)
-
-
-def test_mask_matches_worked_example():
-    # one sequence, 4 prefix slots, cycles starting at s = 1 and 3, depth 3 (the module docstring's example)
-    cycles = torch.tensor([0, 1])
-    mask = draft_path_mask(torch.tensor([0, 0]), torch.tensor([1, 3]), num_seqs=1, lmax=4, query_cycle=cycles,
-                           chain_cycle=torch.cat([cycles, cycles, cycles]), dtype=torch.float32)
-    visible = (mask[0, 0] == 0).int().tolist()
-    assert visible == [[1, 0, 0, 0, 1, 0, 1, 0, 1, 0],
-                       [1, 1, 1, 0, 0, 1, 0, 1, 0, 1]]
 
 
 def test_mask_blocks_attention_across_draft_paths():
@@ -173,8 +193,10 @@ def test_vgm_builds_only_the_positions_up_to_the_first_rejection_with_unchanged_
     accepted = torch.cat([r.accepted for r in records])
     lengths = chain_lengths(accepted, len(accepted), 4)
     with torch.no_grad():
-        full = reconstruct_states(head, records, pieces)
-        pruned = reconstruct_states(head, records, pieces, lengths=lengths)
+        prefix = PrefixStore(head, records)
+        prefix.open([pc.seq for pc in pieces])
+        full = reconstruct_states(head, records, pieces, prefix)
+        pruned = reconstruct_states(head, records, pieces, prefix, lengths=lengths)
     assert full.normed.shape[0] == 4 * len(accepted)
     assert pruned.normed.shape[0] == int(lengths.sum()) < full.normed.shape[0]
     assert torch.equal(torch.bincount(pruned.cycle, minlength=len(accepted)), lengths)
@@ -257,6 +279,29 @@ def test_every_rank_makes_the_same_module_calls_whatever_its_records(monkeypatch
         first = _module_calls(head, mixed, kind=kind, chunk_cycles=64)
         second = _module_calls(head, rejected, kind=kind, chunk_cycles=64)
         assert first == second and first["lm_head"] > 2 * 3, (first, second)
+
+
+def test_ranks_run_as_many_prefix_pieces_as_the_busiest_rank():
+    # A prefix opens and closes in pieces of at most chunk_cycles x K positions (prefix.py): a long prompt
+    # takes several, a short one one; with the counts agreed (the trainer all-reduces the max), every
+    # rank makes the same calls, and the passengers change no gradient.
+    from openrlhf_growmtp.core.records import SequenceRecord
+
+    head = make_head("qwen3")
+    long = [SequenceRecord.make_dummy(prompt_len=60, accepted=[1, 4], depth=4, topk=8, vocab_size=97,
+                                      hidden_size=head.config.hidden_size, seed=3)]
+    short = make_records(k=4, seed=5)[1:2]  # prompt of 3, two cycles
+    assert count_chunks(long, 4) == count_chunks(short, 4) == 1
+    alone = _module_calls(head, long, chunk_cycles=4)
+    assert alone != _module_calls(head, short, chunk_cycles=4)  # 61 positions in pieces of 16 vs one piece
+    _zero(head)
+    agreed = _module_calls(head, short, chunk_cycles=4, agree_max=lambda count: max(count, 4))
+    assert agreed == alone
+    reference = _grads(head)
+    _zero(head)
+    head_loss_backward(head, short, chunk_cycles=4)
+    for name, grad in _grads(head).items():
+        assert (grad - reference[name]).abs().max().item() <= 1e-6 * max(1.0, reference[name].abs().max().item())
 
 
 @pytest.mark.parametrize("kind", ["dca", "kl"])

@@ -1,0 +1,200 @@
+"""The attention of batched draft-path reconstruction: every query scores only the keys it can see.
+
+At depth j of a chunk, the query of cycle c (sequence i, start s) sees two sets of keys:
+
+- the committed prefix of its own sequence, positions p < s (`prefix_attention`). Queries are taken
+  per sequence in blocks of consecutive cycles (ascending starts), and a block scores the keys up to
+  its own largest start only: no other sequence's keys, and about half of a long prefix. Nothing of
+  size queries x keys is kept for backward: the backward recomputes each block's scores (as flash
+  attention does), and it also takes the gradient of the log-sum-exp, which the merge needs.
+- its own chain entries of depths 1..j (at most K keys, `chain_attention`).
+
+Softmax over the union is the two partial softmaxes merged by their log-sum-exps. The prefix keys and
+values are read in place by every depth, never copied or expanded to the query heads: grouped-query
+attention folds the query heads sharing a key head into one matrix product. Scores are in fp32.
+
+The head's decoder layer reaches this through transformers' attention interface: the head's config
+names `ATTENTION_NAME`, which runs SDPA unless the call passes `draft_path=` (`DraftPathAttention`, or
+any callable with its signature). `DraftPathAttention` is also the layer's cache: `update` receives the
+depth's new keys and values.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Sequence
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+ATTENTION_NAME = "growmtp_draft_path"
+
+# At most this many fp32 scores in one block of `prefix_attention`. On CPU small blocks stay in cache and
+# skip more of the masked keys: at the benchmark's shape 2^18 (1 MiB) took 0.36 s per head update against
+# 0.39 s at 2^17 and 2^20 and 0.50 s at 2^22 (bench_reconstruction, 1024 cycles). A GPU wants fewer,
+# larger launches (not measured here: no GPU was lent).
+BLOCK_SCORES = {"cpu": 2**18, "cuda": 2**24}
+
+
+def _attention(module, query, key, value, attention_mask, scaling=None, draft_path=None, **kwargs):
+    if draft_path is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+    return draft_path(query, key, value, scaling)
+
+
+AttentionInterface.register(ATTENTION_NAME, _attention)
+
+
+class Block(NamedTuple):
+    """Queries [lo, hi) of sequence `seq`; keys p < `keys` are scored, and those from `first` (the
+    smallest start) on are masked per query."""
+
+    lo: int
+    hi: int
+    seq: int
+    first: int
+    keys: int
+
+
+def skip_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float):
+    """For a call that needs only the keys and values the layer writes: zeros in the output's place."""
+    return query.new_zeros(query.shape[0], query.shape[2], query.shape[1], query.shape[3]), None
+
+
+def plan_blocks(seq: Sequence[int], start: Sequence[int], heads: int, budget: int) -> list[Block]:
+    """Blocks of consecutive queries of one sequence (ascending starts), each scoring the keys p < its
+    last start, with at most `budget` scores (one query's row alone may exceed it). Blocks whose queries
+    see no key are left out."""
+    blocks, lo = [], 0
+    for i in range(1, len(seq) + 1):
+        if i < len(seq) and seq[i] == seq[lo] and (i + 1 - lo) * heads * start[i] <= budget:
+            continue
+        if start[i - 1] > 0:
+            blocks.append(Block(lo, i, seq[lo], start[lo], start[i - 1]))
+        lo = i
+    return blocks
+
+
+def _rows(t: torch.Tensor, lo: int, hi: int) -> torch.Tensor:  # [Q, kv, rep, d] -> [kv, n * rep, d] fp32
+    part = t[lo:hi].float()
+    return part.permute(1, 0, 2, 3).reshape(part.shape[1], -1, part.shape[3])
+
+
+def _probabilities(q: torch.Tensor, k: torch.Tensor, start: torch.Tensor, first: int, rep: int, scale: float,
+                   lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(p [kv, n * rep, L], lse [kv, n * rep]) of one block; keys at positions >= a query's start masked
+    (all keys before `first`, the block's smallest start, are visible to every query)."""
+    scores = torch.bmm(q, k.transpose(1, 2)).mul_(scale)
+    hidden = torch.arange(first, k.shape[1], device=k.device)[None, :] >= start[:, None]  # [n, L - first]
+    scores[..., first:].masked_fill_(hidden.repeat_interleave(rep, dim=0)[None], float("-inf"))
+    if lse is None:
+        lse = torch.logsumexp(scores, dim=-1)
+    finite = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))  # a row without keys: p = 0
+    return scores.sub_(finite[..., None]).exp_(), lse
+
+
+class _PrefixAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, query, start, blocks, scale, *prefix):
+        num, kv, rep, dim = query.shape
+        out = torch.zeros(kv, num, rep, dim, dtype=torch.float32, device=query.device)
+        lse = torch.full((kv, num, rep), float("-inf"), dtype=torch.float32, device=query.device)
+        for lo, hi, seq, first, length in blocks:
+            key, value = prefix[2 * seq][:, :length].float(), prefix[2 * seq + 1][:, :length].float()
+            p, block_lse = _probabilities(_rows(query, lo, hi), key, start[lo:hi], first, rep, scale)
+            out[:, lo:hi] = torch.bmm(p, value).view(kv, hi - lo, rep, dim)
+            lse[:, lo:hi] = block_lse.view(kv, hi - lo, rep)
+        out, lse = out.permute(1, 0, 2, 3), lse.permute(1, 0, 2)
+        ctx.save_for_backward(query, start, out, lse, *prefix)
+        ctx.blocks, ctx.scale = blocks, scale
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, d_out, d_lse):
+        query, start, out, lse, *prefix = ctx.saved_tensors
+        num, kv, rep, dim = query.shape
+        scale = ctx.scale
+        d_query = torch.zeros(kv, num, rep, dim, dtype=torch.float32, device=query.device)
+        d_prefix = [torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in prefix]
+        for lo, hi, seq, first, length in ctx.blocks:
+            key, value = prefix[2 * seq][:, :length].float(), prefix[2 * seq + 1][:, :length].float()
+            q = _rows(query, lo, hi)
+            p, _ = _probabilities(q, key, start[lo:hi], first, rep, scale, _rows(lse[..., None], lo, hi)[..., 0])
+            grad_out = _rows(d_out, lo, hi)
+            d_prefix[2 * seq + 1][:, :length] += torch.bmm(p.transpose(1, 2), grad_out)
+            # d scores = p * (d p - rowsum(d out * out) + d lse)
+            shift = (grad_out * _rows(out, lo, hi)).sum(-1) - _rows(d_lse[..., None], lo, hi)[..., 0]
+            d_scores = torch.bmm(grad_out, value.transpose(1, 2)).sub_(shift[..., None]).mul_(p).mul_(scale)
+            d_query[:, lo:hi] = torch.bmm(d_scores, key).view(kv, hi - lo, rep, dim)
+            d_prefix[2 * seq][:, :length] += torch.bmm(d_scores.transpose(1, 2), q)
+        d_query = d_query.permute(1, 0, 2, 3).to(query.dtype)
+        return (d_query, None, None, None, *(g.to(t.dtype) for g, t in zip(d_prefix, prefix)))
+
+
+def prefix_attention(query: torch.Tensor, start: torch.Tensor, blocks: list[Block],
+                     scale: float, prefix: Sequence[tuple[torch.Tensor, torch.Tensor]]
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of queries [Q, kv, rep, d] over their sequence's prefix keys p < start [Q] (keys and
+    values [kv, L_i, d] per sequence, `plan_blocks`' sequence index). Returns (out [Q, kv, rep, d],
+    log-sum-exp [Q, kv, rep]) in fp32; a query that sees no key has out 0 and log-sum-exp -inf."""
+    flat = [t for pair in prefix for t in pair]
+    return _PrefixAttention.apply(query, start, blocks, scale, *flat)
+
+
+def chain_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each query [Q, kv, rep, d] over its own keys and values [Q, kv, j, d]: (out, log-sum-exp), fp32."""
+    scores = torch.einsum("nkrd,nkjd->nkrj", query.float(), keys.float()) * scale
+    lse = torch.logsumexp(scores, dim=-1)
+    return torch.einsum("nkrj,nkjd->nkrd", torch.softmax(scores, dim=-1), values.float()), lse
+
+
+def merge(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor) -> torch.Tensor:
+    """The softmax attention over the union of two key sets, from each set's (out, log-sum-exp)."""
+    lse = torch.logaddexp(lse_a, lse_b)
+    return torch.exp(lse_a - lse)[..., None] * out_a + torch.exp(lse_b - lse)[..., None] * out_b
+
+
+class DraftPathAttention:
+    """One chunk's attention: the head's cache (`update` stores each depth's chain entries) and, passed as
+    `draft_path=`, its attention function.
+
+    prefix: (keys, values) [kv, L_i, d] per sequence of the chunk; seq, start [N]: each cycle's sequence
+    (index into prefix) and start. Before each depth, `next_depth(cycles)` names the depth's queries: the
+    cycles still drafting, ascending (a subset of the previous depth's).
+    """
+
+    def __init__(self, prefix: Sequence[tuple[torch.Tensor, torch.Tensor]], seq: torch.Tensor, start: torch.Tensor,
+                 heads: int):
+        self.prefix, self.heads = list(prefix), heads
+        self.seq, self.start = seq, start
+        self.seq_list, self.start_list = seq.tolist(), start.tolist()
+        self.depth_cycles: list[torch.Tensor] = []
+        self.depth_keys: list[torch.Tensor] = []  # [N_j, kv, d] per depth
+        self.depth_values: list[torch.Tensor] = []
+
+    def next_depth(self, cycles: torch.Tensor) -> None:
+        self.depth_cycles.append(cycles)
+        chosen = cycles.tolist()
+        self.blocks = plan_blocks([self.seq_list[c] for c in chosen], [self.start_list[c] for c in chosen],
+                                  self.heads, BLOCK_SCORES.get(self.start.device.type, BLOCK_SCORES["cuda"]))
+
+    # transformers' Cache duck type: the layer writes the depth's keys and values [1, kv, N_j, d]
+    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int = 0, cache_kwargs=None):
+        self.depth_keys.append(key[0].transpose(0, 1))
+        self.depth_values.append(value[0].transpose(0, 1))
+        return key, value
+
+    def __call__(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float):
+        """query [1, heads, N_j, d] of this depth's cycles -> ([1, N_j, heads, d], None)."""
+        cycles = self.depth_cycles[-1]
+        num, kv = cycles.shape[0], key.shape[1]
+        q = query[0].transpose(0, 1).reshape(num, kv, -1, query.shape[-1])
+        out_p, lse_p = prefix_attention(q, self.start[cycles], self.blocks, scaling, self.prefix)
+        # this depth's cycles' entries at every depth so far: rows of cycles in each depth's (sorted) list
+        rows = [torch.searchsorted(c, cycles) for c in self.depth_cycles]
+        keys = torch.stack([k[r] for k, r in zip(self.depth_keys, rows)], dim=2)
+        values = torch.stack([v[r] for v, r in zip(self.depth_values, rows)], dim=2)
+        out_c, lse_c = chain_attention(q, keys, values, scaling)
+        out = merge(out_p, lse_p, out_c, lse_c)
+        return out.reshape(1, num, -1, query.shape[-1]).to(query.dtype), None
