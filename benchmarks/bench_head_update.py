@@ -12,7 +12,8 @@ forward and backward at this length (attention's quadratic part included), a is 
 (embedding, final norm, lm_head and loss). Two policies with 1 and 3 layers give b = (T(3) - T(1)) / 2
 and a = T(1) - b, hence T(36) = a + 36·b, Qwen3-4B's depth (times are medians of --repeats runs). The head update reads the final hidden states
 only, so its time does not depend on L. `ratio` = head update / T(36). Peak memory is CUDA's peak on a
-GPU, else the sampled peak resident memory above the models (see bench_reconstruction.PeakRSS).
+GPU, else the sampled peak of the bytes malloc has handed out above the models (see
+bench_reconstruction.PeakMemory).
 
     python benchmarks/bench_head_update.py [--tokens 2048] [--tau 3] [--json] [--device cpu|cuda]
 """
@@ -25,7 +26,7 @@ import statistics
 import time
 
 import torch
-from bench_reconstruction import PeakRSS, qwen3_4b_config, sync
+from bench_reconstruction import PeakMemory, qwen3_4b_config, sync
 from transformers import Qwen3ForCausalLM
 
 from openrlhf_growmtp.core import MTPHead, SequenceRecord, head_loss_backward, init_random_head_, make_head_config
@@ -59,11 +60,11 @@ def timed(fn, device: str, repeats: int):
             torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated()
         t0 = time.perf_counter()
-        with PeakRSS() as rss:
+        with PeakMemory() as memory:
             value = fn()
             sync(device)
         seconds.append(time.perf_counter() - t0)
-        peaks.append((torch.cuda.max_memory_allocated() - base) / 2**20 if device == "cuda" else rss.mb)
+        peaks.append((torch.cuda.max_memory_allocated() - base) / 2**20 if device == "cuda" else memory.mb)
     return value, statistics.median(seconds), max(peaks)
 
 

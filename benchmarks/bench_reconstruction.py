@@ -13,8 +13,9 @@ activations (what chunking bounds; `memory_growth`) and the batch's prefix state
 values with their gradients, 2 x 2 x kv x head_dim fp32 values per token, resident for a sequence's
 chunks like the hidden states they are made of; `memory_growth_with_prefix_state` counts both). On a GPU
 it is CUDA's peak allocation, everything included. Last, the peak memory of one 1024-cycle chunk at
-Qwen3-4B's head shape and real vocabulary in bf16 (CUDA's peak, or the sampled peak resident memory on
-CPU). With --json the last line is one JSON object.
+Qwen3-4B's head shape and real vocabulary in bf16: CUDA's peak allocation, or on CPU the sampled peak of
+the bytes malloc has handed out (`PeakMemory`; its peak resident memory, which also holds what glibc
+keeps after frees, is printed next to it). With --json the last line is one JSON object.
 
     python benchmarks/bench_reconstruction.py [--json] [--cycles 64 256 1024] [--device cpu|cuda]
 """
@@ -173,15 +174,38 @@ def peak_memory_mb(head: MTPHead, rec: SequenceRecord, chunk: int, device: str) 
     return {"activations": meter.peak_activations / 2**20, "prefix_state": meter.peak_state / 2**20}
 
 
-class PeakRSS:
-    """Peak resident memory above the level at entry, sampled every millisecond from another thread (torch
-    releases the GIL inside its kernels). Memory that glibc retained from earlier frees is handed back
-    first (malloc_trim), so that the chunk cannot hide in it."""
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+                 "keepcost")]
+
+
+_LIBC = ctypes.CDLL("libc.so.6")
+_LIBC.mallinfo2.restype = _MallInfo2
+
+
+def _allocated() -> int:
+    """Bytes malloc has handed out and not taken back (heap in use + mmapped blocks): torch's CPU tensors
+    live there, so this is the CPU analogue of CUDA's memory_allocated, without the freed memory that
+    glibc keeps mapped (which resident memory counts)."""
+    info = _LIBC.mallinfo2()
+    return info.uordblks + info.hblkhd
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class PeakMemory:
+    """Peak allocated bytes (`_allocated`) and peak resident memory above their levels at entry, sampled
+    every millisecond from another thread (torch releases the GIL inside its kernels). Memory that glibc
+    retained from earlier frees is handed back first (malloc_trim), so that it cannot hide the work."""
 
     def __enter__(self):
         gc.collect()
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-        self.base = self.peak = _rss()
+        _LIBC.malloc_trim(0)
+        self.base = self.peak = (_allocated(), _rss())
         self.running = True
         self.thread = threading.Thread(target=self._sample, daemon=True)
         self.thread.start()
@@ -189,22 +213,25 @@ class PeakRSS:
 
     def _sample(self):
         while self.running:
-            self.peak = max(self.peak, _rss())
+            self._update()
             time.sleep(0.001)
+
+    def _update(self):
+        self.peak = (max(self.peak[0], _allocated()), max(self.peak[1], _rss()))
 
     def __exit__(self, *exc):
         self.running = False
         self.thread.join()
-        self.peak = max(self.peak, _rss())
+        self._update()
 
     @property
     def mb(self) -> float:
-        return (self.peak - self.base) / 2**20
+        """Peak allocated MB above entry (what the benchmarks report on CPU)."""
+        return (self.peak[0] - self.base[0]) / 2**20
 
-
-def _rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    @property
+    def rss_mb(self) -> float:
+        return (self.peak[1] - self.base[1]) / 2**20
 
 
 def qwen3_4b_config(num_layers: int = 1) -> Qwen3Config:
@@ -239,13 +266,14 @@ def real_shape_chunk(device: str, cycles: int = 1024, dtype: torch.dtype = torch
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
     t0 = time.perf_counter()
-    with PeakRSS() as rss:
+    with PeakMemory() as memory:
         stats = head_loss_backward(head, [rec], [hidden], chunk_cycles=cycles)
     sync(device)
     seconds = time.perf_counter() - t0
-    peak = (torch.cuda.max_memory_allocated() - base) / 2**20 if device == "cuda" else rss.mb
+    peak = (torch.cuda.max_memory_allocated() - base) / 2**20 if device == "cuda" else memory.mb
     return {"cycles": cycles, "tokens": int(rec.token_ids.numel()), "dtype": str(dtype).replace("torch.", ""),
-            "peak_mb": peak, "seconds": seconds, "finite": stats.finite}
+            "peak_mb": peak, "peak_rss_mb": None if device == "cuda" else memory.rss_mb, "seconds": seconds,
+            "finite": stats.finite}
 
 
 def main() -> None:
@@ -290,8 +318,9 @@ def main() -> None:
     print(f"  memory_growth (4096 / 512 cycles): {growth:.2f} (activations), {with_state:.2f} with the prefix state")
 
     real = real_shape_chunk(args.device)
+    rss = "" if real["peak_rss_mb"] is None else f" (resident {real['peak_rss_mb']:.0f} MB)"
     print(f"\none {real['cycles']}-cycle chunk at Qwen3-4B's head (H=2560, V=151,936, {real['dtype']}, "
-          f"{real['tokens']} tokens): peak {real['peak_mb']:.0f} MB above the model, {real['seconds']:.1f} s")
+          f"{real['tokens']} tokens): peak {real['peak_mb']:.0f} MB above the model{rss}, {real['seconds']:.1f} s")
 
     result = dict(rows[-1])
     result.update({"device": args.device, "memory_unit": unit,

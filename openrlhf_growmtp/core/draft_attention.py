@@ -2,16 +2,16 @@
 
 At depth j of a chunk, the query of cycle c (sequence i, start s) sees two sets of keys:
 
-- the committed prefix of its own sequence, positions p < s (`prefix_attention`). Queries are taken
-  per sequence in blocks of consecutive cycles (ascending starts), and a block scores the keys up to
-  its own largest start only: no other sequence's keys, and about half of a long prefix. Nothing of
-  size queries x keys is kept for backward: the backward recomputes each block's scores (as flash
-  attention does), and it also takes the gradient of the log-sum-exp, which the merge needs.
-- its own chain entries of depths 1..j (at most K keys, `chain_attention`).
+- the committed prefix of its own sequence, positions p < s. Queries are taken per sequence in blocks
+  of consecutive cycles (ascending starts), and a block scores the keys up to its own largest start
+  only: no other sequence's keys, and about half of a long prefix;
+- its own chain entries of depths 1..j (at most K keys).
 
-Softmax over the union is the two partial softmaxes merged by their log-sum-exps. The prefix keys and
-values are read in place by every depth, never copied or expanded to the query heads: grouped-query
-attention folds the query heads sharing a key head into one matrix product. Scores are in fp32.
+One autograd function (`draft_attention`) runs both and merges them by their log-sum-exps. It keeps for
+backward only its inputs, the output and the log-sum-exp (nothing of size queries x keys): the backward
+recomputes each block's probabilities, as flash attention does. The prefix keys and values are read in
+place by every depth, never copied or expanded to the query heads: grouped-query attention folds the
+query heads sharing a key head into one matrix product. Scores and sums are in fp32.
 
 The head's decoder layer reaches this through transformers' attention interface: the head's config
 names `ATTENTION_NAME`, which runs SDPA unless the call passes `draft_path=` (`DraftPathAttention`, or
@@ -80,79 +80,89 @@ def _rows(t: torch.Tensor, lo: int, hi: int) -> torch.Tensor:  # [Q, kv, rep, d]
     return part.permute(1, 0, 2, 3).reshape(part.shape[1], -1, part.shape[3])
 
 
-def _probabilities(q: torch.Tensor, k: torch.Tensor, start: torch.Tensor, first: int, rep: int, scale: float,
-                   lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(p [kv, n * rep, L], lse [kv, n * rep]) of one block; keys at positions >= a query's start masked
-    (all keys before `first`, the block's smallest start, are visible to every query)."""
+def _scores(q: torch.Tensor, k: torch.Tensor, start: torch.Tensor, first: int, rep: int, scale: float
+            ) -> torch.Tensor:
+    """Scores [kv, n * rep, L] of one block, -inf at keys p >= the query's start (every key before
+    `first`, the block's smallest start, is visible to all of its queries)."""
     scores = torch.bmm(q, k.transpose(1, 2)).mul_(scale)
     hidden = torch.arange(first, k.shape[1], device=k.device)[None, :] >= start[:, None]  # [n, L - first]
     scores[..., first:].masked_fill_(hidden.repeat_interleave(rep, dim=0)[None], float("-inf"))
-    if lse is None:
-        lse = torch.logsumexp(scores, dim=-1)
-    finite = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))  # a row without keys: p = 0
-    return scores.sub_(finite[..., None]).exp_(), lse
+    return scores
 
 
-class _PrefixAttention(torch.autograd.Function):
+def _prefix_forward(query, start, blocks, scale, prefix) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out [Q, kv, rep, d], lse [Q, kv, rep]) over the prefix keys alone, fp32 (no key: 0 and -inf)."""
+    num, kv, rep, dim = query.shape
+    out = torch.zeros(kv, num, rep, dim, dtype=torch.float32, device=query.device)
+    lse = torch.full((kv, num, rep), float("-inf"), dtype=torch.float32, device=query.device)
+    for lo, hi, seq, first, length in blocks:
+        key, value = prefix[2 * seq][:, :length].float(), prefix[2 * seq + 1][:, :length].float()
+        scores = _scores(_rows(query, lo, hi), key, start[lo:hi], first, rep, scale)
+        block_lse = torch.logsumexp(scores, dim=-1)
+        finite = torch.where(torch.isfinite(block_lse), block_lse, torch.zeros_like(block_lse))  # no key: p = 0
+        out[:, lo:hi] = torch.bmm(scores.sub_(finite[..., None]).exp_(), value).view(kv, hi - lo, rep, dim)
+        lse[:, lo:hi] = block_lse.view(kv, hi - lo, rep)
+    return out.permute(1, 0, 2, 3), lse.permute(1, 0, 2)
+
+
+class _DraftAttention(torch.autograd.Function):
+    """Softmax attention of queries [Q, kv, rep, d] over their prefix keys p < start and their own chain
+    keys [Q, kv, j, d]. Saves the inputs, the output and the log-sum-exp; the backward recomputes
+    the probabilities block by block: dS = P (dO V^T - rowsum(dO * O)), as flash attention does."""
+
     @staticmethod
-    def forward(ctx, query, start, blocks, scale, *prefix):
-        num, kv, rep, dim = query.shape
-        out = torch.zeros(kv, num, rep, dim, dtype=torch.float32, device=query.device)
-        lse = torch.full((kv, num, rep), float("-inf"), dtype=torch.float32, device=query.device)
-        for lo, hi, seq, first, length in blocks:
-            key, value = prefix[2 * seq][:, :length].float(), prefix[2 * seq + 1][:, :length].float()
-            p, block_lse = _probabilities(_rows(query, lo, hi), key, start[lo:hi], first, rep, scale)
-            out[:, lo:hi] = torch.bmm(p, value).view(kv, hi - lo, rep, dim)
-            lse[:, lo:hi] = block_lse.view(kv, hi - lo, rep)
-        out, lse = out.permute(1, 0, 2, 3), lse.permute(1, 0, 2)
-        ctx.save_for_backward(query, start, out, lse, *prefix)
+    def forward(ctx, query, chain_keys, chain_values, start, blocks, scale, *prefix):
+        out_p, lse_p = _prefix_forward(query, start, blocks, scale, prefix)
+        q = query.float()
+        scores = torch.einsum("nkrd,nkjd->nkrj", q, chain_keys.float()).mul_(scale)
+        lse_c = torch.logsumexp(scores, dim=-1)
+        out_c = torch.einsum("nkrj,nkjd->nkrd", scores.sub_(lse_c[..., None]).exp_(), chain_values.float())
+        lse = torch.logaddexp(lse_p, lse_c)  # finite: every query sees its own depth-1 entry
+        out = (torch.exp(lse_p - lse)[..., None] * out_p + torch.exp(lse_c - lse)[..., None] * out_c).to(query.dtype)
+        # the output as returned (the head's dtype, as flash attention keeps it; o_proj keeps it anyway)
+        ctx.save_for_backward(query, chain_keys, chain_values, start, out, lse, *prefix)
         ctx.blocks, ctx.scale = blocks, scale
-        return out, lse
+        return out
 
     @staticmethod
-    def backward(ctx, d_out, d_lse):
-        query, start, out, lse, *prefix = ctx.saved_tensors
+    def backward(ctx, d_out):
+        query, chain_keys, chain_values, start, out, lse, *prefix = ctx.saved_tensors
         num, kv, rep, dim = query.shape
         scale = ctx.scale
-        d_query = torch.zeros(kv, num, rep, dim, dtype=torch.float32, device=query.device)
+        d_out = d_out.float()
+        shift = (d_out * out.float()).sum(-1)  # rowsum(dO * O) [Q, kv, rep]
+        # the chain keys
+        q, keys, values = query.float(), chain_keys.float(), chain_values.float()
+        p = torch.einsum("nkrd,nkjd->nkrj", q, keys).mul_(scale).sub_(lse[..., None]).exp_()
+        d_values = torch.einsum("nkrj,nkrd->nkjd", p, d_out)
+        d_scores = torch.einsum("nkrd,nkjd->nkrj", d_out, values).sub_(shift[..., None]).mul_(p).mul_(scale)
+        d_query = torch.einsum("nkrj,nkjd->nkrd", d_scores, keys).permute(1, 0, 2, 3).contiguous()
+        d_keys = torch.einsum("nkrj,nkrd->nkjd", d_scores, q)
+        # the prefix keys, block by block
         d_prefix = [torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in prefix]
         for lo, hi, seq, first, length in ctx.blocks:
             key, value = prefix[2 * seq][:, :length].float(), prefix[2 * seq + 1][:, :length].float()
-            q = _rows(query, lo, hi)
-            p, _ = _probabilities(q, key, start[lo:hi], first, rep, scale, _rows(lse[..., None], lo, hi)[..., 0])
+            q_rows = _rows(query, lo, hi)
+            p = _scores(q_rows, key, start[lo:hi], first, rep, scale).sub_(_rows(lse[..., None], lo, hi)).exp_()
             grad_out = _rows(d_out, lo, hi)
             d_prefix[2 * seq + 1][:, :length] += torch.bmm(p.transpose(1, 2), grad_out)
-            # d scores = p * (d p - rowsum(d out * out) + d lse)
-            shift = (grad_out * _rows(out, lo, hi)).sum(-1) - _rows(d_lse[..., None], lo, hi)[..., 0]
-            d_scores = torch.bmm(grad_out, value.transpose(1, 2)).sub_(shift[..., None]).mul_(p).mul_(scale)
-            d_query[:, lo:hi] = torch.bmm(d_scores, key).view(kv, hi - lo, rep, dim)
-            d_prefix[2 * seq][:, :length] += torch.bmm(d_scores.transpose(1, 2), q)
+            d_scores = torch.bmm(grad_out, value.transpose(1, 2)).sub_(_rows(shift[..., None], lo, hi)).mul_(p)
+            d_scores.mul_(scale)
+            d_query[:, lo:hi] += torch.bmm(d_scores, key).view(kv, hi - lo, rep, dim)
+            d_prefix[2 * seq][:, :length] += torch.bmm(d_scores.transpose(1, 2), q_rows)
         d_query = d_query.permute(1, 0, 2, 3).to(query.dtype)
-        return (d_query, None, None, None, *(g.to(t.dtype) for g, t in zip(d_prefix, prefix)))
+        return (d_query, d_keys.to(chain_keys.dtype), d_values.to(chain_values.dtype), None, None, None,
+                *(g.to(t.dtype) for g, t in zip(d_prefix, prefix)))
 
 
-def prefix_attention(query: torch.Tensor, start: torch.Tensor, blocks: list[Block],
-                     scale: float, prefix: Sequence[tuple[torch.Tensor, torch.Tensor]]
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of queries [Q, kv, rep, d] over their sequence's prefix keys p < start [Q] (keys and
-    values [kv, L_i, d] per sequence, `plan_blocks`' sequence index). Returns (out [Q, kv, rep, d],
-    log-sum-exp [Q, kv, rep]) in fp32; a query that sees no key has out 0 and log-sum-exp -inf."""
+def draft_attention(query: torch.Tensor, chain_keys: torch.Tensor, chain_values: torch.Tensor, start: torch.Tensor,
+                    blocks: list[Block], scale: float, prefix: Sequence[tuple[torch.Tensor, torch.Tensor]]
+                    ) -> torch.Tensor:
+    """Attention of queries [Q, kv, rep, d] over the union of their sequence's prefix keys p < start [Q]
+    (keys and values [kv, L_i, d] per sequence, indexed by `plan_blocks`' sequence) and their own chain
+    keys and values [Q, kv, j, d] (at least one each). Returns [Q, kv, rep, d] in the query's dtype."""
     flat = [t for pair in prefix for t in pair]
-    return _PrefixAttention.apply(query, start, blocks, scale, *flat)
-
-
-def chain_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each query [Q, kv, rep, d] over its own keys and values [Q, kv, j, d]: (out, log-sum-exp), fp32."""
-    scores = torch.einsum("nkrd,nkjd->nkrj", query.float(), keys.float()) * scale
-    lse = torch.logsumexp(scores, dim=-1)
-    return torch.einsum("nkrj,nkjd->nkrd", torch.softmax(scores, dim=-1), values.float()), lse
-
-
-def merge(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor) -> torch.Tensor:
-    """The softmax attention over the union of two key sets, from each set's (out, log-sum-exp)."""
-    lse = torch.logaddexp(lse_a, lse_b)
-    return torch.exp(lse_a - lse)[..., None] * out_a + torch.exp(lse_b - lse)[..., None] * out_b
+    return _DraftAttention.apply(query, chain_keys, chain_values, start, blocks, scale, *flat)
 
 
 class DraftPathAttention:
@@ -190,11 +200,9 @@ class DraftPathAttention:
         cycles = self.depth_cycles[-1]
         num, kv = cycles.shape[0], key.shape[1]
         q = query[0].transpose(0, 1).reshape(num, kv, -1, query.shape[-1])
-        out_p, lse_p = prefix_attention(q, self.start[cycles], self.blocks, scaling, self.prefix)
         # this depth's cycles' entries at every depth so far: rows of cycles in each depth's (sorted) list
         rows = [torch.searchsorted(c, cycles) for c in self.depth_cycles]
         keys = torch.stack([k[r] for k, r in zip(self.depth_keys, rows)], dim=2)
         values = torch.stack([v[r] for v, r in zip(self.depth_values, rows)], dim=2)
-        out_c, lse_c = chain_attention(q, keys, values, scaling)
-        out = merge(out_p, lse_p, out_c, lse_c)
-        return out.reshape(1, num, -1, query.shape[-1]).to(query.dtype), None
+        out = draft_attention(q, keys, values, self.start[cycles], self.blocks, scaling, self.prefix)
+        return out.reshape(1, num, -1, query.shape[-1]), None

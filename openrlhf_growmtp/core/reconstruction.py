@@ -32,6 +32,7 @@ import torch
 from .draft_attention import DraftPathAttention
 from .head import MTPHead
 from .prefix import PrefixStore, hidden_of
+from .recompute import elementwise_recomputed
 from .objectives import chain_lengths
 from .records import RecordError, SequenceRecord, check_fits
 from .scoring import DraftStates, HeadLossStats, chunk_loss_backward, score_groups
@@ -170,18 +171,26 @@ def head_loss_backward(head: MTPHead, records: Sequence[SequenceRecord],
     total = sum(rec.num_cycles for rec in records)
     if total == 0:
         return HeadLossStats(loss=0.0, num_cycles=0, num_chunks=0)
-    device = next(head.parameters()).device
-    loss_sum, alpha_sum, alpha_count, chunks = 0.0, 0.0, 0.0, plan_chunks(records, chunk_cycles)
     depth = records[0].depth
     num_groups = score_groups(None if chunk_cycles is None else chunk_cycles * depth, head.config.vocab_size)
+    # a prefix piece holds at most as many positions as a chunk has slots (one piece in a single chunk)
+    prefix = PrefixStore(head, records, hiddens, None if chunk_cycles is None else chunk_cycles * depth, agree_max)
+    with elementwise_recomputed(head):
+        return _chunks_loss_backward(head, records, plan_chunks(records, chunk_cycles), prefix, kind, vgm,
+                                     num_groups, backward, agree)
+
+
+def _chunks_loss_backward(head: MTPHead, records: Sequence[SequenceRecord], chunks: list[list[Piece]],
+                          prefix: PrefixStore, kind: str, vgm: bool, num_groups: int, backward, agree
+                          ) -> HeadLossStats:
+    device, depth, total = prefix.device, records[0].depth, sum(rec.num_cycles for rec in records)
     # each sequence's prefix opens in its first chunk and closes after its last one (prefix.py)
     first, last = {}, {}
     for i, pieces in enumerate(chunks):
         for pc in pieces:
             first.setdefault(pc.seq, i)
             last[pc.seq] = i
-    # a prefix piece holds at most as many positions as a chunk has slots (one piece in a single chunk)
-    prefix = PrefixStore(head, records, hiddens, None if chunk_cycles is None else chunk_cycles * depth, agree_max)
+    loss_sum, alpha_sum, alpha_count = 0.0, 0.0, 0.0
     for i, pieces in enumerate(chunks):
         prefix.open([pc.seq for pc in pieces if first[pc.seq] == i])
         accepted = _cat_cycles(records, pieces, "accepted").to(device) if vgm else None

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from openrlhf_growmtp.core.draft_attention import DraftPathAttention, plan_blocks, prefix_attention
+from openrlhf_growmtp.core.draft_attention import DraftPathAttention, draft_attention, plan_blocks
 
 KV, REP, DIM = 2, 3, 8
 SCALE = DIM ** -0.5
@@ -19,44 +19,43 @@ def dense(query, keys, values, visible):
 
 
 @pytest.mark.parametrize("budget", [10**9, 100])  # one block per sequence; blocks of a few queries
-def test_prefix_attention_equals_dense_attention_with_gradients(budget):
+def test_draft_attention_equals_dense_attention_with_gradients(budget):
     g = torch.Generator().manual_seed(0)
-    lengths = [7, 12]
-    starts = [[0, 2, 2, 5, 7], [1, 4, 9, 11, 12, 12]]  # ascending; a query at 0 sees no key
+    lengths, depth = [7, 12], 3
+    starts = [[0, 2, 2, 5, 7], [1, 4, 9, 11, 12, 12]]  # ascending; a query at 0 sees only its chain
     seq = [i for i, s in enumerate(starts) for _ in s]
     start = torch.tensor([s for ss in starts for s in ss])
-    query = torch.randn(len(seq), KV, REP, DIM, generator=g, requires_grad=True)
+    num = len(seq)
+    query = torch.randn(num, KV, REP, DIM, generator=g, requires_grad=True)
+    chain_k = torch.randn(num, KV, depth, DIM, generator=g, requires_grad=True)
+    chain_v = torch.randn(num, KV, depth, DIM, generator=g, requires_grad=True)
     prefix = [(torch.randn(KV, n, DIM, generator=g, requires_grad=True),
                torch.randn(KV, n, DIM, generator=g, requires_grad=True)) for n in lengths]
     blocks = plan_blocks(seq, start.tolist(), KV * REP, budget)
     assert (len(blocks) > 4) == (budget == 100)
-    out, lse = prefix_attention(query, start, blocks, SCALE, prefix)
+    out = draft_attention(query, chain_k, chain_v, start, blocks, SCALE, prefix)
 
-    # the reference: every query over the keys of all sequences side by side, masked to its own p < s
+    # the reference: every query over the keys of all sequences and all chains side by side, masked to
+    # its own prefix p < s and its own chain
     offsets = [0, lengths[0]]
-    keys = torch.cat([k for k, _ in prefix], dim=1)
-    values = torch.cat([v for _, v in prefix], dim=1)
+    keys = torch.cat([k for k, _ in prefix] + [chain_k.permute(1, 0, 2, 3).reshape(KV, -1, DIM)], dim=1)
+    values = torch.cat([v for _, v in prefix] + [chain_v.permute(1, 0, 2, 3).reshape(KV, -1, DIM)], dim=1)
     column = torch.arange(sum(lengths))
-    visible = torch.stack([(column >= offsets[i]) & (column < offsets[i] + s) for i, s in zip(seq, start.tolist())])
-    ref_out, ref_lse = dense(query, keys, values, visible)
+    own_prefix = torch.stack([(column >= offsets[i]) & (column < offsets[i] + s)
+                              for i, s in zip(seq, start.tolist())])
+    own_chain = torch.arange(num).repeat_interleave(depth)[None, :] == torch.arange(num)[:, None]
+    reference, _ = dense(query, keys, values, torch.cat([own_prefix, own_chain], dim=1))
     # fp32 scores against float64: |scores| <= ~10, so differences of a few 1e-6 are rounding
-    assert (out.double() - ref_out).abs().max() <= 1e-5
-    assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse)) and bool(torch.isinf(lse[0]).all())
-    finite = torch.isfinite(ref_lse)
-    assert (lse.double()[finite] - ref_lse[finite]).abs().max() <= 1e-5
+    assert (out.double() - reference).abs().max() <= 1e-5
 
-    # a loss that reads both outputs (the merge does): gradients of queries, keys and values
     w = torch.randn(out.shape, generator=g, dtype=torch.float64)
-    u = torch.randn(lse.shape, generator=g, dtype=torch.float64)
-    leaves = [query] + [t for pair in prefix for t in pair]
-
-    def grads(o, s):
-        loss = (o.double() * w).sum() + (torch.where(finite, s.double(), 0.0) * u).sum()
-        return torch.autograd.grad(loss, leaves)
-
-    for got, want in zip(grads(out, lse), grads(ref_out, ref_lse)):
-        assert got.abs().max() > 0
-        assert (got.double() - want).abs().max() <= 1e-5 * max(1.0, want.abs().max().item())
+    leaves = [query, chain_k, chain_v] + [t for pair in prefix for t in pair]
+    got = torch.autograd.grad((out.double() * w).sum(), leaves)
+    want = torch.autograd.grad((reference * w).sum(), leaves)
+    for name, a, b in zip(["query", "chain keys", "chain values", "keys 0", "values 0", "keys 1", "values 1"],
+                          got, want):
+        assert b.abs().max() > 0, name
+        assert (a.double() - b).abs().max() <= 1e-5 * max(1.0, b.abs().max().item()), name
 
 
 def test_plan_blocks_cover_every_query_that_sees_a_key_once_within_its_sequence():
