@@ -30,6 +30,7 @@ import os
 import statistics
 import threading
 import time
+import weakref
 
 import torch
 from torch import nn
@@ -131,21 +132,28 @@ def compare(head: MTPHead, rec: SequenceRecord, device: str) -> dict:
 class SavedBytes:
     """Bytes of the unique storages autograd holds for backward per backward call (CPU memory proxy), in two
     parts: activations, and the batch's prefix state -- the prefix keys and values, leaves computed once
-    per batch (core/prefix.py), doubled for the gradient accumulators of the same size. The head's
+    per batch (core/prefix.py), doubled for their gradient accumulators of the same size (a piece of a
+    prefix's closing backward saves a view of that accumulator: state, not new memory). The head's
     parameters (model state, saved by every linear layer) count in neither."""
 
     def __init__(self, head: MTPHead):
         self.params = {p.untyped_storage().data_ptr() for p in head.parameters()}
+        self.leaves: list[weakref.ref] = []
         self.ptrs, self.activations, self.state = set(), 0, 0
         self.peak_activations, self.peak_state = 0, 0
+
+    def _is_leaf_gradient(self, key: int) -> bool:
+        grads = (ref() for ref in self.leaves)
+        return any(t is not None and t.grad is not None and t.grad.untyped_storage().data_ptr() == key for t in grads)
 
     def pack(self, t: torch.Tensor):
         key = t.untyped_storage().data_ptr()
         if key not in self.ptrs and key not in self.params:
             self.ptrs.add(key)
             if t.is_leaf and t.requires_grad:
+                self.leaves.append(weakref.ref(t))
                 self.state += 2 * t.untyped_storage().nbytes()
-            else:
+            elif not self._is_leaf_gradient(key):
                 self.activations += t.untyped_storage().nbytes()
         return t
 
