@@ -104,9 +104,14 @@ def _world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
+def all_ranks(local: bool) -> bool:
+    """True only if `local` is true on every rank."""
+    return _all_reduce([1.0 if local else 0.0], dist.ReduceOp.MIN)[0] > 0.5
+
+
 def agree_finite(local_finite: bool) -> bool:
     """True only if the chunk loss is finite on every rank (all ranks then backpropagate or all stop)."""
-    return _all_reduce([1.0 if local_finite else 0.0], dist.ReduceOp.MIN)[0] > 0.5
+    return all_ranks(local_finite)
 
 
 def agree_max(local_count: int) -> int:
@@ -138,6 +143,20 @@ def backbone_hidden_states(backbone: nn.Module, records: Sequence[SequenceRecord
             out = backbone(input_ids=ids, attention_mask=mask).last_hidden_state  # [B, Tmax, H]
             hiddens.extend(out[i, :lengths[i]] for i in range(len(batch)))
     return hiddens
+
+
+def rows_per_sample(last_hidden: torch.Tensor, attention_mask: torch.Tensor) -> list[torch.Tensor]:
+    """Each sample's hidden states [T_i, H] (its valid tokens, in order) from a training forward's final
+    hidden states: padded [B, T, H] over attention_mask [B, T], or packed [1, sum T_i, H] (the valid tokens
+    of every row, in row order, as OpenRLHF's Actor unpads them)."""
+    mask = attention_mask.bool()
+    if last_hidden.shape[:2] == mask.shape:
+        flat = last_hidden[mask]
+    else:
+        flat = last_hidden.reshape(-1, last_hidden.shape[-1])
+        if flat.shape[0] != int(mask.sum()):
+            raise ValueError(f"hidden states of {flat.shape[0]} packed tokens for {int(mask.sum())} valid tokens")
+    return list(flat.split(mask.sum(-1).tolist()))
 
 
 def filler_record(head: MTPHead, k: int, topk: int) -> SequenceRecord:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from openrlhf_growmtp.trainer.head_update import HeadStepTotals, HeadUpdateConfig, update_head
+from openrlhf_growmtp.trainer.head_update import HeadStepTotals, HeadUpdateConfig, rows_per_sample, update_head
 from tiny import make_head, make_records
 
 CFG = HeadUpdateConfig(chunk_cycles=3)
@@ -81,3 +81,18 @@ def test_a_micro_batch_without_cycles_still_runs_a_zero_weight_chunk():
     assert len(losses) == 2 and all(float(loss) == 0.0 for loss in losses)
     assert all(p.grad is None or not p.grad.any() for p in head.parameters())
     assert totals.cycles == 0 and totals.finite
+
+
+def test_rows_per_sample_reads_padded_and_packed_forwards_alike():
+    # a training forward's final hidden states, padded [B, T, H] or packed [1, sum T_i, H] (OpenRLHF's Actor
+    # unpads the valid tokens row by row): each sample's valid rows, in order, either way
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 0], [0, 1, 1, 0, 0]])
+    padded = torch.randn(3, 5, 4)
+    padded[~mask.bool()] = float("nan")  # padding must never be read
+    expected = [padded[i, mask[i].bool()] for i in range(3)]
+    for layout in (padded, padded[mask.bool()][None]):
+        rows = rows_per_sample(layout, mask)
+        assert [r.shape[0] for r in rows] == [3, 4, 2]
+        assert all(torch.equal(r, e) for r, e in zip(rows, expected))
+    with pytest.raises(ValueError, match="8 packed tokens for 9 valid tokens"):
+        rows_per_sample(padded[mask.bool()][None, :8], mask)

@@ -24,11 +24,12 @@ from trainer_helpers import K, TOPK, train_args
 BATCH, PROMPT, RESPONSE = 4, 5, 7
 
 
-def make_experience(policy_dir, records):
+def make_experience(policy_dir, records, sequences=None):
     from openrlhf.trainer.ppo_utils.experience import Experience
 
     g = torch.Generator().manual_seed(7)
-    sequences = torch.randint(2, 128, (BATCH, PROMPT + RESPONSE), generator=g)
+    drawn = torch.randint(2, 128, (BATCH, PROMPT + RESPONSE), generator=g)
+    sequences = drawn if sequences is None else sequences
     with torch.no_grad():
         logits = toy.load_policy(policy_dir)(sequences).logits.float()
     logp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, sequences[:, 1:, None])[..., 0][:, -RESPONSE:]
@@ -54,7 +55,7 @@ def gathered(module) -> dict[str, torch.Tensor]:
         return {name: p.detach().float().clone() for name, p in params.items()}
 
 
-def one_step(args, policy_dir, ours: bool, records=None):
+def one_step(args, policy_dir, ours: bool, records=None, sequences=None):
     """Build strategy, actor and actor trainer as PolicyModelActor does, append one experience, train."""
     from openrlhf.models import Actor
     from openrlhf.trainer.ray.ppo_actor import ActorPPOTrainer
@@ -76,7 +77,7 @@ def one_step(args, policy_dir, ours: bool, records=None):
     trainer = (ppo_actor.GrowMTPActorTrainer if ours else ActorPPOTrainer)(
         strategy, actor, None, optimizer, scheduler, micro_train_batch_size=args.train.micro_batch_size,
         tokenizer=None, vllm_engines=None)
-    trainer.replay_buffer.append(make_experience(policy_dir, records))
+    trainer.replay_buffer.append(make_experience(policy_dir, records, sequences))
     status = trainer.ppo_train(0.0)
     hf_model = actor.model.module
     head = growmtp_strategy.head_of(hf_model)
@@ -91,11 +92,24 @@ def upstream(single_rank, policy_dir, tmp_path_factory):
     return one_step(args, policy_dir, ours=False)  # upstream cannot carry records; the rest is identical
 
 
-def ours(policy_dir, head_dir, tmp_path, mode="detached", records=True, extra=()):
+def ours(policy_dir, head_dir, tmp_path, mode="detached", records=True, extra=(), matching=False):
     args = train_args(policy_dir, tmp_path, "--growmtp_k", str(K), "--growmtp_mode", mode, "--growmtp_topk", str(TOPK),
                       *extra)
     args.growmtp.head_dir = str(head_dir) if records else None  # no records: the trainer holds no head
+    if matching:
+        return one_step(args, policy_dir, ours=True, records=matching_records(), sequences=matching_sequences())
     return one_step(args, policy_dir, ours=True, records=make_records() if records else None)
+
+
+def matching_records():
+    """Records whose tokens are their samples' (unlike `make_records`): 5 prompt tokens, 12 in all."""
+    return [SequenceRecord.make_dummy(prompt_len=PROMPT, accepted=acc, depth=K, topk=TOPK, vocab_size=128,
+                                      hidden_size=None, seed=10 + i)
+            for i, acc in enumerate([(0, 1, 2), (2, 2), (1, 1, 1), (0, 0, 0, 2)])]
+
+
+def matching_sequences():
+    return torch.stack([rec.token_ids for rec in matching_records()])
 
 
 def assert_identical(a: dict, b: dict):
@@ -127,6 +141,7 @@ def test_detached_policy_identical_head_moved(upstream, single_rank, policy_dir,
     matrices = {n for n in head if head[n].ndim == 2}
     assert {n for n in head if not torch.equal(head[n], initial[n])} >= matrices and len(matrices) == 8
     assert status["growmtp/head_finite"] == 1.0 and status["growmtp/head_cycles"] == 10
+    assert status["growmtp/head_hidden_from_forward"] == 0.0  # records of other tokens: a forward of its own
     assert torch.isfinite(torch.tensor(status["growmtp/head_loss"]))
     # the recorded top-k's mean share of the target mass, over every cycle and draft position, from the records
     # as the trainer receives them (packed: bf16 log-probs); the trainer sums <= 40 fp32 terms: rel error < 3e-6
@@ -138,6 +153,48 @@ def test_detached_policy_identical_head_moved(upstream, single_rank, policy_dir,
     assert groups["growmtp_head"]["weight_decay"] == 0.0
     assert status["growmtp/head_lr"] == pytest.approx(DEFAULT_HEAD_LR["random"] / 10)
     assert groups["growmtp_head"]["lr"] == pytest.approx(DEFAULT_HEAD_LR["random"] * 2 / 10)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_hidden_states_from_the_training_forward_policy_identical_no_extra_forward(packed, single_rank, policy_dir,
+                                                                                   head_dir, tmp_path, monkeypatch):
+    # one policy step per RL step and records of exactly their samples' tokens: the head reads H_p from the
+    # policy's own training forward of each micro-batch, and no forward of its own runs
+    from openrlhf_growmtp.trainer import head_update, ppo_actor
+
+    assert matching_sequences().shape == (BATCH, PROMPT + RESPONSE)
+    flags = ("--ds.packing_samples",) if packed else ()
+    up_status, up_policy, _, _, _ = one_step(train_args(policy_dir, tmp_path / "up", *flags), policy_dir, ours=False,
+                                             sequences=matching_sequences())
+    given = []
+
+    def spy_head(head, backbone, records, *args, hiddens=None, **kwargs):
+        # the policy's weights are still the rollout's here: its own forward of the same sequences
+        reference = head_update.backbone_hidden_states(backbone, records, 1, len(records), grad=False)
+        given.append([(h, r) for h, r in zip(hiddens, reference)])
+        return real_head(head, backbone, records, *args, hiddens=hiddens, **kwargs)
+
+    def no_forward_of_its_own(*args, **kwargs):
+        raise AssertionError("the head ran a policy forward of its own")
+
+    real_head = ppo_actor.update_head
+    monkeypatch.setattr(ppo_actor, "update_head", spy_head)
+    monkeypatch.setattr(ppo_actor, "step_hidden_states", no_forward_of_its_own)
+    status, policy, head, _, _ = ours(policy_dir, head_dir, tmp_path / "ours", extra=flags, matching=True)
+    assert_identical(policy, up_policy)
+    assert status["policy_loss"] == up_status["policy_loss"]
+    assert status["actor_grad_norm"] == up_status["actor_grad_norm"]
+    assert [len(pairs) for pairs in given] == [2, 2]  # one call per micro-batch, on its own samples
+    for hidden, reference in (pair for pairs in given for pair in pairs):
+        assert hidden.shape == reference.shape and hidden.dtype == torch.bfloat16
+        if not packed:  # the same weights, tokens and batch layout: bit for bit
+            assert torch.equal(hidden, reference)
+        else:  # packed attention (another kernel) vs padded: within 2 bf16 ulps (<= 2^-7 of |h| each)
+            assert (hidden.float() - reference.float()).abs().max() <= 2 ** -6 * reference.float().abs().max()
+    assert status["growmtp/head_finite"] == 1.0 and status["growmtp/head_cycles"] == 12
+    assert status["growmtp/head_hidden_from_forward"] == 1.0
+    initial = {n: p.to(torch.bfloat16).float() for n, p in load_head(head_dir).state_dict().items()}
+    assert all(not torch.equal(head[n], initial[n]) for n in head if head[n].ndim == 2)
 
 
 def test_joint_policy_differs(upstream, single_rank, policy_dir, head_dir, tmp_path):
