@@ -10,8 +10,13 @@ What it times, on one response of --tokens tokens after a --prompt-token prompt:
 Scaling to 36 layers. The policy's time is a + b·L for L identical decoder layers: b is one layer's
 forward and backward at this length (attention's quadratic part included), a is everything else
 (embedding, final norm, lm_head and loss). Two policies with 1 and 3 layers give b = (T(3) - T(1)) / 2
-and a = T(1) - b, hence T(36) = a + 36·b, Qwen3-4B's depth (times are medians of --repeats runs). The head update reads the final hidden states
-only, so its time does not depend on L. `ratio` = head update / T(36). Peak memory is CUDA's peak on a
+and a = T(1) - b, hence T(36) = a + 36·b, Qwen3-4B's depth (times are medians of --repeats runs). The head
+update reads the final hidden states only, so its time does not depend on L. `ratio` = head update / T(36).
+
+Where the trainer cannot take H_p from the policy's own training forward (several policy steps per RL
+step, the lag probe, joint mode), the head runs a no-grad forward of the policy of its own; its time at
+36 layers is scaled the same way from 1 and 3 layers, and `ratio_with_own_forward` = (head update + that
+forward) / T(36). Peak memory is CUDA's peak on a
 GPU, else the sampled peak of the bytes malloc has handed out above the models (see
 bench_reconstruction.PeakMemory).
 
@@ -26,7 +31,7 @@ import statistics
 import time
 
 import torch
-from bench_reconstruction import PeakMemory, qwen3_4b_config, sync
+from bench_reconstruction import measure_peak, qwen3_4b_config, sync
 from transformers import Qwen3ForCausalLM
 
 from openrlhf_growmtp.core import MTPHead, SequenceRecord, head_loss_backward, init_random_head_, make_head_config
@@ -52,20 +57,17 @@ def policy_step(policy: Qwen3ForCausalLM, ids: torch.Tensor) -> torch.Tensor:
 
 
 def timed(fn, device: str, repeats: int):
-    """(last value, median seconds, largest peak MB) over `repeats` runs; `fn` resets what it accumulates."""
-    seconds, peaks = [], []
+    """(last value, median seconds over `repeats` runs, peak MB of one more run under the memory sampler);
+    `fn` resets what it accumulates."""
+    seconds = []
     for _ in range(repeats):
         sync(device)
-        if device == "cuda":
-            torch.cuda.reset_peak_memory_stats()
-            base = torch.cuda.memory_allocated()
         t0 = time.perf_counter()
-        with PeakMemory() as memory:
-            value = fn()
-            sync(device)
+        fn()
+        sync(device)
         seconds.append(time.perf_counter() - t0)
-        peaks.append((torch.cuda.max_memory_allocated() - base) / 2**20 if device == "cuda" else memory.mb)
-    return value, statistics.median(seconds), max(peaks)
+    value, peak, _ = measure_peak(fn, device)
+    return value, statistics.median(seconds), peak
 
 
 def make_records_for(tokens: int, prompt: int, tau: float, seed: int = 0) -> SequenceRecord:
@@ -100,7 +102,7 @@ def main() -> None:
     record = make_records_for(args.tokens, args.prompt, args.tau)
     ids = record.token_ids.to(args.device)
     length = int(ids.shape[0])
-    policy_s, policy_mb, hidden = {}, {}, None
+    policy_s, policy_mb, forward_s, hidden = {}, {}, {}, None
     few, more = LAYERS
     for layers in LAYERS:
         policy = build_policy(layers, args.device, dtype)
@@ -111,11 +113,19 @@ def main() -> None:
             return policy_step(policy, ids)
 
         hidden, policy_s[layers], policy_mb[layers] = timed(step, args.device, args.repeats)
+
+        def own_forward():
+            with torch.no_grad():
+                return policy.model(input_ids=ids[None]).last_hidden_state
+
+        _, forward_s[layers], _ = timed(own_forward, args.device, args.repeats)
         if layers != more:
             del policy
     per_layer = (policy_s[more] - policy_s[few]) / (more - few)
     rest = policy_s[few] - few * per_layer
     policy_36 = rest + REAL_LAYERS * per_layer
+    forward_per_layer = (forward_s[more] - forward_s[few]) / (more - few)
+    forward_36 = forward_s[few] + (REAL_LAYERS - few) * forward_per_layer
 
     head = MTPHead(make_head_config(policy.config, get_family("qwen3")), policy.model.embed_tokens, policy.lm_head)
     head = init_random_head_(head, 0).to(device=args.device, dtype=dtype)
@@ -131,6 +141,7 @@ def main() -> None:
     stats, head_s, head_mb = timed(update, args.device, args.repeats)
     tau = 1.0 + float(record.accepted.float().mean())
     ratio = head_s / policy_36
+    ratio_own_forward = (head_s + forward_36) / policy_36
 
     print(f"Qwen3-4B proportions (H=2560, V=151,936, bf16), device={args.device}; one sequence of {length} tokens "
           f"({args.prompt} prompt), {record.num_cycles} cycles at K={K}, τ={tau:.2f}")
@@ -140,11 +151,14 @@ def main() -> None:
           f"(medians of {args.repeats})")
     print(f"  head update             : {head_s:8.2f} s   peak {head_mb:7.0f} MB   (finite: {stats.finite})")
     print(f"  ratio head update / policy training at 36 layers: {ratio:.3f}")
+    print(f"  with a no-grad policy forward of its own ({forward_36:.1f} s at {REAL_LAYERS} layers, from "
+          f"{forward_s[few]:.2f} / {forward_s[more]:.2f} s): {ratio_own_forward:.3f}")
     if args.json:
         print(json.dumps({"device": args.device, "tokens": length, "cycles": record.num_cycles, "k": K, "tau": tau,
                           "policy_s_by_layers": policy_s, "policy_peak_mb_by_layers": policy_mb,
                           "policy_s_per_layer": per_layer, "policy_s_36_layers": policy_36,
-                          "head_update_s": head_s, "head_peak_mb": head_mb, "ratio": ratio}))
+                          "head_update_s": head_s, "head_peak_mb": head_mb, "ratio": ratio,
+                          "own_forward_s_36_layers": forward_36, "ratio_with_own_forward": ratio_own_forward}))
 
 
 if __name__ == "__main__":

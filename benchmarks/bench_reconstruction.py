@@ -242,6 +242,21 @@ class PeakMemory:
         return (self.peak[1] - self.base[1]) / 2**20
 
 
+def measure_peak(fn, device: str):
+    """(fn's value, peak MB above entry, peak resident MB or None on CUDA) of one more run of fn. Timed runs
+    stay apart: the sampling thread slowed the toy head update by ~55% (mallinfo2 takes malloc's locks)."""
+    sync(device)
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        value = fn()
+        sync(device)
+        return value, (torch.cuda.max_memory_allocated() - base) / 2**20, None
+    with PeakMemory() as memory:
+        value = fn()
+    return value, memory.mb, memory.rss_mb
+
+
 def qwen3_4b_config(num_layers: int = 1) -> Qwen3Config:
     """Qwen3-4B's text config (its real widths, heads, vocabulary and tying) with `num_layers` layers."""
     return Qwen3Config(hidden_size=2560, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
@@ -269,19 +284,14 @@ def real_shape_chunk(device: str, cycles: int = 1024, dtype: torch.dtype = torch
     hidden = rec.hidden.to(device=device, dtype=dtype)
     for p in head.parameters():  # the head's gradients exist across a step's chunks: not the chunk's memory
         p.grad = torch.zeros_like(p)
-    if device == "cuda":
-        sync(device)
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
+    sync(device)
     t0 = time.perf_counter()
-    with PeakMemory() as memory:
-        stats = head_loss_backward(head, [rec], [hidden], chunk_cycles=cycles)
+    stats = head_loss_backward(head, [rec], [hidden], chunk_cycles=cycles)
     sync(device)
     seconds = time.perf_counter() - t0
-    peak = (torch.cuda.max_memory_allocated() - base) / 2**20 if device == "cuda" else memory.mb
+    _, peak, rss = measure_peak(lambda: head_loss_backward(head, [rec], [hidden], chunk_cycles=cycles), device)
     return {"cycles": cycles, "tokens": int(rec.token_ids.numel()), "dtype": str(dtype).replace("torch.", ""),
-            "peak_mb": peak, "peak_rss_mb": None if device == "cuda" else memory.rss_mb, "seconds": seconds,
-            "finite": stats.finite}
+            "peak_mb": peak, "peak_rss_mb": rss, "seconds": seconds, "finite": stats.finite}
 
 
 def main() -> None:

@@ -29,8 +29,8 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 ATTENTION_NAME = "growmtp_draft_path"
 
-# At most this many fp32 scores in one block of `prefix_attention`. On CPU small blocks stay in cache and
-# skip more of the masked keys: at the benchmark's shape 2^18 (1 MiB) took 0.36 s per head update against
+# At most this many fp32 scores in one block of the prefix. On CPU small blocks stay in cache and skip
+# more of the masked keys: at the benchmark's shape 2^18 (1 MiB) took 0.36 s per head update against
 # 0.39 s at 2^17 and 2^20 and 0.50 s at 2^22 (bench_reconstruction, 1024 cycles). A GPU wants fewer,
 # larger launches (not measured here: no GPU was lent).
 BLOCK_SCORES = {"cpu": 2**18, "cuda": 2**24}
@@ -54,11 +54,6 @@ class Block(NamedTuple):
     seq: int
     first: int
     keys: int
-
-
-def skip_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float):
-    """For a call that needs only the keys and values the layer writes: zeros in the output's place."""
-    return query.new_zeros(query.shape[0], query.shape[2], query.shape[1], query.shape[3]), None
 
 
 def plan_blocks(seq: Sequence[int], start: Sequence[int], heads: int, budget: int) -> list[Block]:

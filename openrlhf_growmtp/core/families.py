@@ -39,6 +39,7 @@ class HeadFamily:
     layer_class: Callable[..., nn.Module]  # (config, layer_idx) -> decoder layer
     norm_class: Callable[..., nn.Module]  # (hidden_size, eps) -> RMSNorm
     rotary_class: Callable[..., nn.Module]  # (config) -> rotary embedding returning (cos, sin)
+    apply_rotary: Callable  # the layer's (q, k, cos, sin) -> (q, k) RoPE, for keys computed without attention
     # parameter names inside the head (= native checkpoint names with `native_prefix` stripped)
     fc_name: str
     norm_embedding_name: str
@@ -62,6 +63,7 @@ FAMILIES: dict[str, HeadFamily] = {
         layer_class=modeling_qwen3.Qwen3DecoderLayer,
         norm_class=modeling_qwen3.Qwen3RMSNorm,
         rotary_class=modeling_qwen3.Qwen3RotaryEmbedding,
+        apply_rotary=modeling_qwen3.apply_rotary_pos_emb,
         fc_name="fc",
         norm_embedding_name="pre_fc_norm_embedding",
         norm_hidden_name="pre_fc_norm_hidden",
@@ -81,6 +83,7 @@ FAMILIES: dict[str, HeadFamily] = {
         layer_class=modeling_qwen3_5.Qwen3_5DecoderLayer,
         norm_class=modeling_qwen3_5.Qwen3_5RMSNorm,
         rotary_class=modeling_qwen3_5.Qwen3_5TextRotaryEmbedding,
+        apply_rotary=modeling_qwen3_5.apply_rotary_pos_emb,
         fc_name="fc",
         norm_embedding_name="pre_fc_norm_embedding",
         norm_hidden_name="pre_fc_norm_hidden",
@@ -100,6 +103,7 @@ FAMILIES: dict[str, HeadFamily] = {
         layer_class=modeling_qwen2.Qwen2DecoderLayer,
         norm_class=modeling_qwen2.Qwen2RMSNorm,
         rotary_class=modeling_qwen2.Qwen2RotaryEmbedding,
+        apply_rotary=modeling_qwen2.apply_rotary_pos_emb,
         fc_name="input_proj",
         norm_embedding_name="token_layernorm",
         norm_hidden_name="hidden_layernorm",

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from .draft_attention import ATTENTION_NAME, skip_attention
+from .draft_attention import ATTENTION_NAME
 from .families import CONCAT_EH, FEED_PRE_NORM, HeadFamily, get_family
 
 HEAD_CONFIG_FIELD = "growmtp_family"
@@ -174,13 +174,22 @@ class MTPHead(nn.Module):
 
     def keys_values(self, hidden: torch.Tensor, input_ids: torch.Tensor,
                     position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The keys and values [B, kv, T, d] that `forward` writes to the cache for these slots, without
-        the layer's MLP and without attention: only its input norm and projections run."""
+        """The keys and values [B, kv, T, d] that `forward` writes to the cache for these slots: the input
+        norm and the layer's key and value path only (its k/v projections, key norm where the family has
+        one, RoPE), without queries, attention or MLP. Equal to what `forward` caches: the batched
+        reconstruction that reads them is tested against chain-by-chain drafting for every family."""
         x = self.fuse(hidden, input_ids, position_ids)
-        layer, cache = self.decoder_layer, HeadKVCache()
-        layer.self_attn(hidden_states=layer.input_layernorm(x), attention_mask=None, past_key_values=cache,
-                        position_embeddings=self.rotary_emb(x, position_ids), draft_path=skip_attention)
-        return cache.key, cache.value
+        attn = self.decoder_layer.self_attn
+        normed = self.decoder_layer.input_layernorm(x)
+        shape = (*normed.shape[:-1], -1, attn.head_dim)
+        key = attn.k_proj(normed).view(shape)
+        if getattr(attn, "k_norm", None) is not None:
+            key = attn.k_norm(key)
+        value = attn.v_proj(normed).view(shape).transpose(1, 2)
+        cos, sin = self.rotary_emb(x, position_ids)
+        key = key.transpose(1, 2)
+        _, key = self.family.apply_rotary(key, key, cos, sin)  # (queries, keys): the keys' half is used
+        return key, value
 
     # ---- recurrent drafting (the chain-by-chain reference, and the demo's drafter) --------------
     def prefill(self, target_hidden: torch.Tensor, next_token_ids: torch.Tensor, start_position: int,

@@ -10,7 +10,8 @@ what a chunk keeps for backward does not grow with the response (the prefix's ke
 themselves are resident, like the hidden states they are made of, 2 x kv x d values per token).
 
 In joint mode the hidden states carry the backbone's graph: chunks then read a detached leaf, and
-`close` adds sum(H * dH), so the backbone is reached once per sequence, by the closing backward.
+`close` adds sum(H * dH), so the backbone is reached by the closing backward. Its sequences share one
+backbone graph, so joint mode runs them in one chunk and one piece (`piece_tokens=None`).
 
 `backward` (the trainer's) may scale what it backpropagates (DeepSpeed divides by the gradient
 accumulation steps): the leaves' gradients carry that factor, and the closing backward would apply it

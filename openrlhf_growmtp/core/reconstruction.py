@@ -19,7 +19,9 @@ Under VGM a chain stops at its first rejection: the positions after it carry no 
 Chunks of cycles run their forwards and their own backward (`scoring.chunk_loss_backward`, which never
 holds a chunk's full-vocabulary logits); each chunk's loss is weighted by its share of the batch's
 cycles, so accumulated gradients equal one backward over the whole batch (chunk graphs are disjoint:
-each chunk recomputes the prefix entries it reads).
+the prefix keys and values they read are leaves, computed once per sequence and backpropagated once
+after its last chunk, `prefix.PrefixStore`). During the update the head keeps only inputs and matrix
+products' outputs for backward (`recompute.elementwise_recomputed`).
 """
 
 from __future__ import annotations
