@@ -18,12 +18,18 @@ accumulation steps): the leaves' gradients carry that factor, and the closing ba
 twice. `chunk_backward` adds a zero-valued probe to each chunk's surrogate; its gradient is the factor,
 and `close` divides by it.
 
-Head calls: `open` and `close` make exactly one each (a one-token passenger when no sequence opens or
-closes), so that data-parallel ranks stay in step under ZeRO-3.
+When every sequence lies in one chunk (`graph=True`: the caller knows it holds on every rank) none of
+this is needed: `open` computes the keys and values with their graph, the chunk's own backward reaches
+the prefix (and, in joint mode, the backbone), and `close` does nothing. That saves a prefix pass and a
+backward per call, which is most of the cost for small heads.
+
+Head calls: `open` and `close` run their positions in pieces, one call each, as many on every rank
+(one-token passengers where a rank has fewer), so that data-parallel ranks stay in step under ZeRO-3.
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable, Sequence
 
 import torch
@@ -46,7 +52,8 @@ Span = tuple[int, int, int]  # (sequence, lo, hi): prefix positions [lo, hi) of 
 
 
 class PrefixStore:
-    """Prefix keys and values of the sequences a reconstruction has open (module docstring).
+    """Prefix keys and values of the sequences a reconstruction has open (module docstring): leaves whose
+    gradients the chunks accumulate, or with `graph` the keys and values with their graph.
 
     `open` and `close` run their positions in pieces of at most `piece_tokens` (None: one piece), one
     head call each, so that neither holds more than a piece's activations. Under ZeRO-3 every rank must
@@ -56,11 +63,12 @@ class PrefixStore:
 
     def __init__(self, head: MTPHead, records: Sequence[SequenceRecord],
                  hiddens: Sequence[torch.Tensor] | None = None, piece_tokens: int | None = None,
-                 agree_max: Callable[[int], int] | None = None):
+                 agree_max: Callable[[int], int] | None = None, graph: bool = False):
         param = next(head.parameters())
         self.head, self.records, self.hiddens = head, records, hiddens
         self.device, self.dtype = param.device, param.dtype
         self.piece_tokens, self.agree_max = piece_tokens, agree_max or (lambda count: count)
+        self.graph = graph
         self.keys: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # seq -> fp32 (K, V) [kv, L, d]
         self.hidden: dict[int, torch.Tensor] = {}  # seq -> H_p [T, H] as the chunks read it
         self._source: dict[int, torch.Tensor] = {}  # seq -> H_p with its graph (joint mode)
@@ -96,25 +104,30 @@ class PrefixStore:
         return key[0], value[0]
 
     def open(self, seqs: Sequence[int]) -> None:
-        """Compute these sequences' prefix keys and values (without a graph)."""
+        """Compute these sequences' prefix keys and values (without a graph unless `graph`)."""
         for i in seqs:
             source = hidden_of(self.records, self.hiddens, i).to(device=self.device, dtype=self.dtype)
             self._source[i] = source
-            self.hidden[i] = source.detach().requires_grad_() if source.requires_grad else source
+            leaf = source.requires_grad and not self.graph
+            self.hidden[i] = source.detach().requires_grad_() if leaf else source
         parts: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {i: [] for i in seqs}
-        with torch.no_grad():
+        with contextlib.nullcontext() if self.graph else torch.no_grad():
             for piece in self._pieces(seqs):
                 key, value = self._keys_values(piece)
                 offset = 0
                 for i, lo, hi in piece:
                     parts[i].append((key[:, offset:offset + hi - lo], value[:, offset:offset + hi - lo]))
                     offset += hi - lo
-        train = torch.is_grad_enabled()
+        leaves = torch.is_grad_enabled() and not self.graph
         for i, pairs in parts.items():
-            self.keys[i] = tuple(torch.cat(ts, dim=1).float().requires_grad_(train) for ts in zip(*pairs))
+            pair = tuple(torch.cat(ts, dim=1).float() for ts in zip(*pairs))
+            self.keys[i] = tuple(t.requires_grad_() for t in pair) if leaves else pair
 
     def chunk_backward(self, backward: Callable[[torch.Tensor], None]) -> Callable[[torch.Tensor], None]:
         """`backward` for a chunk's surrogate, recording the factor it applies (module docstring)."""
+
+        if self.graph:
+            return backward
 
         def run(loss: torch.Tensor) -> None:
             probe = torch.zeros((), device=loss.device, requires_grad=loss.requires_grad)
@@ -124,9 +137,10 @@ class PrefixStore:
         return run
 
     def close(self, seqs: Sequence[int], backward: Callable[[torch.Tensor], None]) -> None:
-        """After these sequences' last chunk: backpropagate their prefixes once, then forget them."""
+        """After these sequences' last chunk: backpropagate their prefixes once (unless `graph`: their
+        chunk's backward did), then forget them."""
         factor = self.factor
-        for piece in self._pieces(seqs):
+        for piece in [] if self.graph else self._pieces(seqs):
             key, value = self._keys_values(piece)
             surrogate = (key.float().sum() + value.float().sum()) * 0.0  # the passenger's, and the others' base
             offset = 0

@@ -21,11 +21,12 @@ holds a chunk's full-vocabulary logits); each chunk's loss is weighted by its sh
 cycles, so accumulated gradients equal one backward over the whole batch (chunk graphs are disjoint:
 the prefix keys and values they read are leaves, computed once per sequence and backpropagated once
 after its last chunk, `prefix.PrefixStore`). During the update the head keeps only inputs and matrix
-products' outputs for backward (`recompute.elementwise_recomputed`).
+products' outputs for backward where chunks are large (`recompute.elementwise_recomputed`).
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -34,7 +35,7 @@ import torch
 from .draft_attention import DraftPathAttention
 from .head import MTPHead
 from .prefix import PrefixStore, hidden_of
-from .recompute import elementwise_recomputed
+from .recompute import elementwise_recomputed, worth_recomputing
 from .objectives import chain_lengths
 from .records import RecordError, SequenceRecord, check_fits
 from .scoring import DraftStates, HeadLossStats, chunk_loss_backward, score_groups
@@ -151,7 +152,8 @@ def head_loss_backward(head: MTPHead, records: Sequence[SequenceRecord],
                        chunk_cycles: int | None = DEFAULT_CHUNK_CYCLES, teacher_forcing: bool = False,
                        backward: Callable[[torch.Tensor], None] | None = None,
                        agree: Callable[[bool], bool] | None = None, check: bool = True,
-                       agree_max: Callable[[int], int] | None = None) -> HeadLossStats:
+                       agree_max: Callable[[int], int] | None = None,
+                       one_chunk_everywhere: bool | None = None) -> HeadLossStats:
     """Reconstruct, score and backpropagate the head loss over a batch of records, chunk by chunk.
 
     Gradients accumulate into the head's .grad (via `backward`, default loss.backward()). If a chunk's
@@ -160,6 +162,9 @@ def head_loss_backward(head: MTPHead, records: Sequence[SequenceRecord],
     `agree(local_finite) -> global_finite` is asked before every chunk's backward; data-parallel callers
     pass an all-reduce so that every rank stops at the same chunk, and `agree_max(local count) -> max
     over ranks` (an all-reduce MAX) so that every rank runs as many prefix pieces (`prefix.PrefixStore`).
+    `one_chunk_everywhere`: every rank runs this call in one chunk, so each prefix keeps its graph into
+    the chunk's backward (`PrefixStore(graph=True)`); data-parallel callers must agree on it (the
+    trainer: its busiest rank has one chunk); None: decided from this call alone.
     `check=False` skips `check_batch` for a caller that ran it already (the trainer agrees on it across
     ranks first).
     """
@@ -176,10 +181,13 @@ def head_loss_backward(head: MTPHead, records: Sequence[SequenceRecord],
     depth = records[0].depth
     num_groups = score_groups(None if chunk_cycles is None else chunk_cycles * depth, head.config.vocab_size)
     # a prefix piece holds at most as many positions as a chunk has slots (one piece in a single chunk)
-    prefix = PrefixStore(head, records, hiddens, None if chunk_cycles is None else chunk_cycles * depth, agree_max)
-    with elementwise_recomputed(head):
-        return _chunks_loss_backward(head, records, plan_chunks(records, chunk_cycles), prefix, kind, vgm,
-                                     num_groups, backward, agree)
+    chunks = plan_chunks(records, chunk_cycles)
+    graph = len(chunks) == 1 if one_chunk_everywhere is None else one_chunk_everywhere
+    prefix = PrefixStore(head, records, hiddens, None if chunk_cycles is None else chunk_cycles * depth, agree_max,
+                         graph=graph)
+    recompute = worth_recomputing(head, None if chunk_cycles is None else chunk_cycles * depth)
+    with elementwise_recomputed(head) if recompute else contextlib.nullcontext():
+        return _chunks_loss_backward(head, records, chunks, prefix, kind, vgm, num_groups, backward, agree)
 
 
 def _chunks_loss_backward(head: MTPHead, records: Sequence[SequenceRecord], chunks: list[list[Piece]],

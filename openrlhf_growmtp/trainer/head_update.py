@@ -276,7 +276,8 @@ def _run_chunks(head, backbone, records, hiddens, cfg: HeadUpdateConfig, plan, w
     if records:
         stats = head_loss_backward(head, records, [h.to(dtype) for h in hiddens], kind=cfg.kind, vgm=cfg.vgm,
                                    chunk_cycles=chunk_cycles, teacher_forcing=cfg.teacher_forcing,
-                                   backward=weighted(scale), agree=agree_finite, check=False, agree_max=agree_max)
+                                   backward=weighted(scale), agree=agree_finite, check=False, agree_max=agree_max,
+                                   one_chunk_everywhere=max_chunks == 1)
         finite = stats.finite
     topk = int(records[0].topk_ids.shape[2]) if records else head.config.vocab_size
     filler = filler_record(head, k, topk)
@@ -288,7 +289,8 @@ def _run_chunks(head, backbone, records, hiddens, cfg: HeadUpdateConfig, plan, w
             hidden = backbone_hidden_states(backbone, [filler], 1, 1, grad=True)[0] * 0 + hidden
         filled = head_loss_backward(head, [filler], [hidden], kind=cfg.kind, vgm=cfg.vgm,
                                     chunk_cycles=chunk_cycles, teacher_forcing=cfg.teacher_forcing,
-                                    backward=weighted(0.0), agree=agree_finite, check=False, agree_max=agree_max)
+                                    backward=weighted(0.0), agree=agree_finite, check=False, agree_max=agree_max,
+                                    one_chunk_everywhere=max_chunks == 1)
         finite = filled.finite
     return stats, finite
 

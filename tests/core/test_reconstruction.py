@@ -281,10 +281,11 @@ def test_every_rank_makes_the_same_module_calls_whatever_its_records(monkeypatch
         assert first == second and first["lm_head"] > 2 * 3, (first, second)
 
 
-def test_ranks_run_as_many_prefix_pieces_as_the_busiest_rank():
-    # A prefix opens and closes in pieces of at most chunk_cycles x K positions (prefix.py): a long prompt
-    # takes several, a short one one; with the counts agreed (the trainer all-reduces the max), every
-    # rank makes the same calls, and the passengers change no gradient.
+@pytest.mark.parametrize("one_chunk_everywhere", [True, False])
+def test_ranks_run_as_many_prefix_pieces_as_the_busiest_rank(one_chunk_everywhere):
+    # A prefix opens (and, unless every rank runs one chunk, closes) in pieces of at most chunk_cycles x K
+    # positions (prefix.py): a long prompt takes several, a short one one; with the counts agreed (the
+    # trainer all-reduces the max), every rank makes the same calls, and the passengers change no gradient.
     from openrlhf_growmtp.core.records import SequenceRecord
 
     head = make_head("qwen3")
@@ -292,14 +293,15 @@ def test_ranks_run_as_many_prefix_pieces_as_the_busiest_rank():
                                       hidden_size=head.config.hidden_size, seed=3)]
     short = make_records(k=4, seed=5)[1:2]  # prompt of 3, two cycles
     assert count_chunks(long, 4) == count_chunks(short, 4) == 1
-    alone = _module_calls(head, long, chunk_cycles=4)
-    assert alone != _module_calls(head, short, chunk_cycles=4)  # 61 positions in pieces of 16 vs one piece
+    mode = dict(chunk_cycles=4, one_chunk_everywhere=one_chunk_everywhere)
+    alone = _module_calls(head, long, **mode)
+    assert alone != _module_calls(head, short, **mode)  # 61 positions in pieces of 16 vs one piece
     _zero(head)
-    agreed = _module_calls(head, short, chunk_cycles=4, agree_max=lambda count: max(count, 4))
+    agreed = _module_calls(head, short, agree_max=lambda count: max(count, 4), **mode)
     assert agreed == alone
     reference = _grads(head)
     _zero(head)
-    head_loss_backward(head, short, chunk_cycles=4)
+    head_loss_backward(head, short, **mode)
     for name, grad in _grads(head).items():
         assert (grad - reference[name]).abs().max().item() <= 1e-6 * max(1.0, reference[name].abs().max().item())
 
