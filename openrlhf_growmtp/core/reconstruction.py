@@ -20,7 +20,7 @@ Chunks of cycles run their forwards and their own backward (`scoring.chunk_loss_
 holds a chunk's full-vocabulary logits); each chunk's loss is weighted by its share of the batch's
 cycles, so accumulated gradients equal one backward over the whole batch (chunk graphs are disjoint:
 the prefix keys and values they read are leaves, computed once per sequence and backpropagated once
-after its last chunk, `prefix.PrefixStore`). During the update the head keeps only inputs and matrix
+after its last chunk, `prefix.PrefixStore`; a call of one chunk keeps them in its graph instead). During the update the head keeps only inputs and matrix
 products' outputs for backward where chunks are large (`recompute.elementwise_recomputed`).
 """
 
@@ -34,9 +34,9 @@ import torch
 
 from .draft_attention import DraftPathAttention
 from .head import MTPHead
+from .objectives import chain_lengths
 from .prefix import PrefixStore, hidden_of
 from .recompute import elementwise_recomputed, worth_recomputing
-from .objectives import chain_lengths
 from .records import RecordError, SequenceRecord, check_fits
 from .scoring import DraftStates, HeadLossStats, chunk_loss_backward, score_groups
 from .teacher_forcing import count_teacher_forcing_chunks, teacher_forced_loss_backward
