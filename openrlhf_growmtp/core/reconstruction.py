@@ -38,7 +38,7 @@ from .objectives import chain_lengths
 from .prefix import PrefixStore, hidden_of
 from .recompute import elementwise_recomputed, worth_recomputing
 from .records import RecordError, SequenceRecord, check_fits
-from .scoring import DraftStates, HeadLossStats, chunk_loss_backward, score_groups
+from .scoring import DraftStates, HeadLossStats, chunk_loss_backward
 from .teacher_forcing import count_teacher_forcing_chunks, teacher_forced_loss_backward
 
 DEFAULT_CHUNK_CYCLES = 1024
@@ -161,7 +161,8 @@ def head_loss_backward(head: MTPHead, records: Sequence[SequenceRecord],
     then drop the head's gradients for this step (earlier chunks may have accumulated some).
     `agree(local_finite) -> global_finite` is asked before every chunk's backward; data-parallel callers
     pass an all-reduce so that every rank stops at the same chunk, and `agree_max(local count) -> max
-    over ranks` (an all-reduce MAX) so that every rank runs as many prefix pieces (`prefix.PrefixStore`).
+    over ranks` (an all-reduce MAX) so that every rank runs as many prefix pieces (`prefix.PrefixStore`)
+    and scores as many groups per chunk (`scoring.chunk_loss_backward`).
     `one_chunk_everywhere`: every rank runs this call in one chunk, so each prefix keeps its graph into
     the chunk's backward (`PrefixStore(graph=True)`); data-parallel callers must agree on it (the
     trainer: its busiest rank has one chunk); None: decided from this call alone.
@@ -170,16 +171,16 @@ def head_loss_backward(head: MTPHead, records: Sequence[SequenceRecord],
     """
     backward = backward or (lambda loss: loss.backward())
     agree = agree or (lambda finite: finite)
+    agree_max = agree_max or (lambda count: count)
     if check:
         check_batch(head, records, hiddens)
     if teacher_forcing:
         return teacher_forced_loss_backward(head, records, lambda i: hidden_of(records, hiddens, i), kind,
-                                            chunk_cycles, backward, agree)
+                                            chunk_cycles, backward, agree, agree_max)
     total = sum(rec.num_cycles for rec in records)
     if total == 0:
         return HeadLossStats(loss=0.0, num_cycles=0, num_chunks=0)
     depth = records[0].depth
-    num_groups = score_groups(None if chunk_cycles is None else chunk_cycles * depth, head.config.vocab_size)
     # a prefix piece holds at most as many positions as a chunk has slots (one piece in a single chunk)
     chunks = plan_chunks(records, chunk_cycles)
     graph = len(chunks) == 1 if one_chunk_everywhere is None else one_chunk_everywhere
@@ -187,11 +188,11 @@ def head_loss_backward(head: MTPHead, records: Sequence[SequenceRecord],
                          graph=graph)
     recompute = worth_recomputing(head, None if chunk_cycles is None else chunk_cycles * depth)
     with elementwise_recomputed(head) if recompute else contextlib.nullcontext():
-        return _chunks_loss_backward(head, records, chunks, prefix, kind, vgm, num_groups, backward, agree)
+        return _chunks_loss_backward(head, records, chunks, prefix, kind, vgm, backward, agree, agree_max)
 
 
 def _chunks_loss_backward(head: MTPHead, records: Sequence[SequenceRecord], chunks: list[list[Piece]],
-                          prefix: PrefixStore, kind: str, vgm: bool, num_groups: int, backward, agree
+                          prefix: PrefixStore, kind: str, vgm: bool, backward, agree, agree_max
                           ) -> HeadLossStats:
     device, depth, total = prefix.device, records[0].depth, sum(rec.num_cycles for rec in records)
     # each sequence's prefix opens in its first chunk and closes after its last one (prefix.py)
@@ -209,8 +210,8 @@ def _chunks_loss_backward(head: MTPHead, records: Sequence[SequenceRecord], chun
         # weight 1/total: the chunk's mean x its share of the batch's cycles
         chunk_loss, alpha, read = chunk_loss_backward(
             head, states, _cat_cycles(records, pieces, "topk_ids").to(device),
-            _cat_cycles(records, pieces, "topk_logprobs").to(device), accepted, kind, 1.0 / total, num_groups,
-            prefix.chunk_backward(backward), agree)
+            _cat_cycles(records, pieces, "topk_logprobs").to(device), accepted, kind, 1.0 / total,
+            prefix.chunk_backward(backward), agree, agree_max)
         if chunk_loss is None:
             return HeadLossStats(loss=float("nan"), num_cycles=total, num_chunks=len(chunks), finite=False)
         prefix.close([pc.seq for pc in pieces if last[pc.seq] == i], backward)

@@ -4,8 +4,8 @@
 group, one lm_head forward over its slots gives log q at the recorded top-k ids (`score_slots`), the
 group's loss (`objectives.head_loss_per_cycle_at`) and the loss's gradient with respect to the slots'
 states; then the head's own graph is backpropagated once per chunk. Under ZeRO-3 every call of a
-partitioned module gathers its weights, a collective, so the number of groups is a function of the
-configuration only and every rank makes the same calls.
+partitioned module gathers its weights, a collective, so every rank scores as many groups: the number
+follows from the most slots any rank has in this chunk (agreed by the caller's all-reduce).
 """
 
 from __future__ import annotations
@@ -19,10 +19,16 @@ import torch
 from .head import MTPHead
 from .objectives import chain_lengths, head_loss_per_cycle_at
 
-# At most this many full-vocabulary logits in one scored group: 64 MiB in fp32, i.e. 110 rows at Qwen's
-# 151,936 tokens (a group's matmul is still ~86 GFLOP at H=2560). A group holds its logits in the head's
-# dtype, one fp32 copy that becomes the gradient in place, and logsumexp's temporary.
-GROUP_LOGITS = 2**24
+# At most this many full-vocabulary logits in one scored group (on average): 128 MiB in bf16, i.e. 441 rows
+# at Qwen's 151,936 tokens. A group holds its logits in the head's dtype (they become the gradient in
+# place) and one fp32 block of them at a time (`SOFTMAX_BLOCK`). Fewer rows per group cost time: each
+# group reads the lm_head's weight once, and under ZeRO-3 gathers it (at H=2560 on a 2-core CPU, the
+# lm_head's forward and backward take 1.4x the time per row at 44 rows that they take at 440).
+GROUP_LOGITS = 2**26
+
+# At most this many logits per fp32 block of the softmax's elementwise passes: on a CPU a block that stays
+# in cache (4 MiB) halves their time against passes over the whole group; a GPU streams larger blocks.
+SOFTMAX_BLOCK = {"cpu": 2**20, "cuda": 2**24}
 
 
 @dataclass
@@ -53,19 +59,28 @@ class HeadLossStats:
         return [s / max(n, 1.0) for s, n in zip(self.alpha_sum, self.alpha_count)]
 
 
-def score_groups(max_rows: int | None, vocab_size: int) -> int:
-    """How many groups `chunk_loss_backward` scores a chunk of at most max_rows slots in (None: one).
+def score_groups(max_rows: int, vocab_size: int) -> int:
+    """How many groups `chunk_loss_backward` scores a chunk in when the busiest rank has max_rows slots."""
+    return max(1, math.ceil(max_rows * vocab_size / GROUP_LOGITS))
 
-    A function of configuration only, never of a rank's own records (see `chunk_loss_backward`)."""
-    return 1 if max_rows is None else max(1, math.ceil(max_rows * vocab_size / GROUP_LOGITS))
+
+def group_bounds(cycle: torch.Tensor, num_cycles: int, num_groups: int) -> list[int]:
+    """Cycle bounds [b_0 = 0, ..., b_G = num_cycles] of `num_groups` groups of whole cycles with about
+    equally many slots each (cycle: every slot's cycle); trailing groups may be empty."""
+    ends = torch.cumsum(torch.bincount(cycle, minlength=num_cycles), 0)  # slots up to each cycle
+    shares = torch.tensor([cycle.numel() * g // num_groups for g in range(1, num_groups)], device=cycle.device)
+    return [0, *torch.searchsorted(ends, shares, right=True).tolist(), num_cycles]
 
 
 def chunk_loss_backward(head: MTPHead, states: DraftStates, topk_ids: torch.Tensor, topk_logprobs: torch.Tensor,
-                        accepted: torch.Tensor | None, kind: str, weight: float, num_groups: int,
-                        backward: Callable[[torch.Tensor], None], agree: Callable[[bool], bool]):
+                        accepted: torch.Tensor | None, kind: str, weight: float,
+                        backward: Callable[[torch.Tensor], None], agree: Callable[[bool], bool],
+                        agree_max: Callable[[int], int]):
     """Score one chunk's reconstructed slots and backpropagate weight x (sum of the per-cycle losses).
 
-    The cycles are scored in exactly `num_groups` groups of whole cycles. For each group the lm_head runs
+    The cycles are scored in groups of whole cycles with about equally many slots, as many groups as the
+    busiest rank needs: `agree_max(this rank's slots) -> the most over ranks` (`score_groups`; a caller
+    on one rank passes the identity). For each group the lm_head runs
     once over the group's slots: log q at the recorded ids, the group's loss, and its gradient with
     respect to the slots' states; then the group's [rows, V] logits are freed. So no [N, K, V] logits
     exist, and each slot costs one lm_head forward and one backward to its input. Once every group is
@@ -82,7 +97,8 @@ def chunk_loss_backward(head: MTPHead, states: DraftStates, topk_ids: torch.Tens
     lengths = chain_lengths(accepted, num_cycles, depth, device=device)
     read = torch.arange(depth, device=device)[None, :] < lengths[:, None]
     order = torch.argsort(states.cycle * depth + states.position)  # the slots of a cycle side by side
-    bounds = [num_cycles * g // num_groups for g in range(num_groups + 1)]  # group g: cycles [b_g, b_g+1)
+    num_groups = score_groups(agree_max(int(states.cycle.numel())), head.config.vocab_size)
+    bounds = group_bounds(states.cycle, num_cycles, num_groups)  # group g: cycles [b_g, b_g+1)
     row_bounds = torch.searchsorted(states.cycle[order], torch.tensor(bounds, device=device)).tolist()
     grad_normed = torch.zeros_like(states.normed)
     alpha = torch.zeros(num_cycles, depth, device=device)
@@ -120,20 +136,26 @@ def score_slots(head: MTPHead, normed: torch.Tensor, ids: torch.Tensor, temperat
     """(loss, d loss / d normed [M, H]) for loss = loss_of(log q at ids [M, k]), where q is the
     full-vocabulary softmax of lm_head(normed) / temperature [M].
 
-    One lm_head forward and one backward to its input (never to the lm_head). The gradient of the
-    log-softmax is written into the fp32 logits' own buffer: dL/dz = scatter(g at the ids) - (sum g) q,
-    with g = dL/dlog q from the small graph of `loss_of`; nothing else of [M, V] is kept.
+    One lm_head forward and one backward to its input (never to the lm_head). The logits' own buffer
+    becomes the gradient dL/dz = (scatter(g at the ids) - (sum g) q) / T, where g = dL/dlog q comes from
+    the small graph of `loss_of`: block by block of rows (`SOFTMAX_BLOCK`), the logits are scaled in
+    fp32, once for log-sum-exp and once for the gradient; no [M, V] copy is made.
     """
     normed = normed.detach().requires_grad_()
     with torch.enable_grad():
         logits = head.logits(normed)  # [M, V] in the head's dtype; its graph reaches `normed` only
-    scaled = logits.detach().float().div_(temperature[:, None])
-    lse = torch.logsumexp(scaled, dim=-1, keepdim=True)
-    logq = (scaled.gather(-1, ids.long()) - lse).requires_grad_()
+    values = logits.detach()  # its storage: the logits, then the gradient (no saved tensor reads it)
+    temperature, ids = temperature.float()[:, None], ids.long()
+    rows = max(1, SOFTMAX_BLOCK.get(values.device.type, SOFTMAX_BLOCK["cpu"]) // values.shape[-1])
+    blocks = [slice(lo, lo + rows) for lo in range(0, values.shape[0], rows)]
+    lse = torch.cat([torch.logsumexp(values[b].float() / temperature[b], -1, keepdim=True) for b in blocks])
+    logq = (values.gather(-1, ids).float() / temperature - lse).requires_grad_()  # log softmax at the ids
     with torch.enable_grad():
         loss = loss_of(logq)
         (grad_logq,) = torch.autograd.grad(loss, logq)
-    grad_scaled = scaled.sub_(lse).exp_().mul_(-grad_logq.sum(-1, keepdim=True))
-    grad_scaled.scatter_add_(-1, ids.long(), grad_logq).div_(temperature[:, None])
-    (grad_normed,) = torch.autograd.grad(logits, normed, grad_scaled.to(logits.dtype))
+    scale = -grad_logq.sum(-1, keepdim=True) / temperature
+    for b in blocks:
+        grad = (values[b].float() / temperature[b]).sub_(lse[b]).exp_().mul_(scale[b])
+        values[b] = grad.scatter_add_(-1, ids[b], grad_logq[b] / temperature[b])
+    (grad_normed,) = torch.autograd.grad(logits, normed, values)
     return loss.detach(), grad_normed

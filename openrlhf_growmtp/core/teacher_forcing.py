@@ -16,7 +16,7 @@ import torch
 
 from .head import HeadKVCache, MTPHead
 from .records import SequenceRecord
-from .scoring import DraftStates, HeadLossStats, chunk_loss_backward, score_groups
+from .scoring import DraftStates, HeadLossStats, chunk_loss_backward
 
 
 @dataclass
@@ -132,25 +132,24 @@ def plan_teacher_forcing(targets: Sequence[tuple | None], chunk_cycles: int | No
 
 def teacher_forced_loss_backward(head: MTPHead, records: Sequence[SequenceRecord],
                                  hidden_of: Callable[[int], torch.Tensor], kind: str, chunk_cycles: int | None,
-                                 backward: Callable[[torch.Tensor], None], agree: Callable[[bool], bool]
-                                 ) -> HeadLossStats:
+                                 backward: Callable[[torch.Tensor], None], agree: Callable[[bool], bool],
+                                 agree_max: Callable[[int], int]) -> HeadLossStats:
     """Teacher-forced head loss over the records, backpropagated group by group (`plan_teacher_forcing`);
     each chain's loss weighted 1 / (the batch's chains). Every depth's length is set by the available
     targets (no cycles, no VGM). hidden_of(i): record i's H_p. A group whose loss is not finite on some
-    rank (`agree`) stops the loop before its backward, and the stats say finite=False."""
+    rank (`agree`) stops the loop before its backward, and the stats say finite=False; ranks score as
+    many lm_head groups per group of chains (`agree_max`, see `chunk_loss_backward`)."""
     targets = [_teacher_forcing_targets(rec) for rec in records]
     total = sum(int(t[0].shape[0]) for t in targets if t is not None)
     if total == 0:
         return HeadLossStats(loss=0.0, num_cycles=0, num_chunks=0)
     groups = plan_teacher_forcing(targets, chunk_cycles)
-    num_groups = score_groups(None if chunk_cycles is None else chunk_cycles * records[0].depth,
-                              head.config.vocab_size)
     loss_sum = 0.0
     for group in groups:
         batch = _teacher_forced_group(head, [records[i] for i in group], [hidden_of(i) for i in group],
                                       [targets[i] for i in group])
         chunk_loss, _, _ = chunk_loss_backward(head, batch.draft_states(), batch.topk_ids, batch.topk_logprobs,
-                                               batch.lengths - 1, kind, 1.0 / total, num_groups, backward, agree)
+                                               batch.lengths - 1, kind, 1.0 / total, backward, agree, agree_max)
         if chunk_loss is None:
             return HeadLossStats(loss=float("nan"), num_cycles=total, num_chunks=len(groups), finite=False)
         loss_sum += chunk_loss

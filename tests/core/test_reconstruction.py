@@ -270,15 +270,43 @@ def test_every_rank_makes_the_same_module_calls_whatever_its_records(monkeypatch
     # records differ (cycle counts, accepted lengths) must still call every module the same number of times.
     from openrlhf_growmtp.core import scoring
 
-    monkeypatch.setattr(scoring, "GROUP_LOGITS", 10 * 97)  # several scored groups per chunk
+    monkeypatch.setattr(scoring, "GROUP_LOGITS", 2 * 97)  # two slots' logits per group: 14 groups for 27 slots
     head = make_head("qwen3")
     mixed = make_records(k=4)  # full accepts and early rejections
     rejected = make_records(k=4, seed=5)[1:2]  # two cycles, both rejected at once: no chain reaches depth 2
     assert int(rejected[0].accepted.max()) == 0
     for kind in ("dca", "kl"):
-        first = _module_calls(head, mixed, kind=kind, chunk_cycles=64)
-        second = _module_calls(head, rejected, kind=kind, chunk_cycles=64)
+        mode = dict(kind=kind, chunk_cycles=64)
+        assert _module_calls(head, mixed, **mode) != _module_calls(head, rejected, **mode)  # left to themselves
+        first, second = _as_two_ranks(lambda agree_max, recs: _module_calls(head, recs, agree_max=agree_max, **mode),
+                                      mixed, rejected)
         assert first == second and first["lm_head"] > 2 * 3, (first, second)
+
+
+def test_scored_groups_are_whole_cycles_with_about_equal_slots():
+    from openrlhf_growmtp.core.scoring import group_bounds
+
+    slots = [3, 1, 4, 2, 1, 1, 1, 4, 4, 2, 4]  # per cycle, as VGM's chain lengths at K=4
+    cycle = torch.repeat_interleave(torch.arange(len(slots)), torch.tensor(slots))
+    for groups in (1, 2, 3, 5, 11, 27, 40):
+        bounds = group_bounds(cycle, len(slots), groups)
+        assert len(bounds) == groups + 1 and bounds[0] == 0 and bounds[-1] == len(slots)
+        assert bounds == sorted(bounds)
+        sizes = [sum(slots[lo:hi]) for lo, hi in zip(bounds, bounds[1:])]
+        # a group ends at the last whole cycle within its share: at most a share plus one cycle's slots
+        assert max(sizes) <= -(-sum(slots) // groups) + max(slots) - 1, (groups, sizes)
+
+
+def _as_two_ranks(run, first, second):
+    """run(agree_max, records) on two 'ranks' whose agree_max answers the most of both ranks' counts, call by
+    call, as the trainer's all-reduce does: each rank runs once alone to learn its counts, then again."""
+    counts = []
+    for records in (first, second):
+        counts.append([])
+        run(lambda count, seen=counts[-1]: seen.append(count) or count, records)
+    assert len(counts[0]) == len(counts[1]), counts  # the same collectives, in the same order
+    agreed = [max(a, b) for a, b in zip(*counts)]
+    return [run(lambda count, answers=iter(agreed): next(answers), records) for records in (first, second)]
 
 
 @pytest.mark.parametrize("one_chunk_everywhere", [True, False])
@@ -307,7 +335,7 @@ def test_ranks_run_as_many_prefix_pieces_as_the_busiest_rank(one_chunk_everywher
 
 
 @pytest.mark.parametrize("kind", ["dca", "kl"])
-def test_gradients_are_exact_when_the_slots_are_scored_in_many_groups(kind, monkeypatch):
+def test_gradients_are_exact_when_the_slots_are_scored_in_many_groups_and_blocks(kind, monkeypatch):
     from openrlhf_growmtp.core import scoring
 
     head = make_head("qwen3")
@@ -315,8 +343,10 @@ def test_gradients_are_exact_when_the_slots_are_scored_in_many_groups(kind, monk
     stats = head_loss_backward(head, records, kind=kind, chunk_cycles=64)
     reference = _grads(head)
     _zero(head)
-    # 64 cycles x 4 positions x 97 / 300 -> 83 groups for 11 cycles: one or no cycle per group (passengers)
-    monkeypatch.setattr(scoring, "GROUP_LOGITS", 300)
+    # one slot's logits per group: 27 groups for 27 slots in 11 cycles, so most groups are passengers;
+    # and the softmax's passes in blocks of one row
+    monkeypatch.setattr(scoring, "GROUP_LOGITS", 97)
+    monkeypatch.setattr(scoring, "SOFTMAX_BLOCK", {"cpu": 97, "cuda": 97})
     grouped = head_loss_backward(head, records, kind=kind, chunk_cycles=64)
     assert abs(grouped.loss - stats.loss) <= 1e-6 * max(1.0, abs(stats.loss))
     assert grouped.alpha_mean == pytest.approx(stats.alpha_mean, abs=1e-6)
