@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from openrlhf_growmtp.core.records import DEFAULT_TOPK, RecordError, SequenceRecord
+from openrlhf_growmtp.core.records import DEFAULT_TOPK, SequenceRecord, validate_records
 
 from . import check_vllm_version
 from .capture import CYCLE_FIELDS
@@ -154,10 +154,11 @@ class RecordCollector:
 
     def pop(self, output) -> SequenceRecord:
         """The validated record of an added output; forgets the request."""
-        return self._claim(output.request_id)
+        return self._claim([output.request_id])[0]
 
     def pop_all(self, outputs) -> list[SequenceRecord]:
-        return [self.pop(output) for output in outputs]
+        """`pop` for each output, in order, validated side by side (`records.validate_records`)."""
+        return self._claim([output.request_id for output in outputs])
 
     def pop_by_tokens(self, token_ids) -> SequenceRecord:
         """The record of the earliest added output whose prompt + response ids equal `token_ids`."""
@@ -166,32 +167,39 @@ class RecordCollector:
             raise RecordCollectionError(
                 f"no finished output has these {len(token_ids)} committed tokens (outputs must be added with "
                 "add_output; multi-turn executors and responses edited after generation are not supported)")
-        return self._claim(queue[0])
+        return self._claim([queue[0]])[0]
 
     @property
     def unclaimed_request_ids(self) -> set[str]:
         """Requests with an added output or drained cycles that no pop has claimed yet."""
         return set(self._finished) | set(self._pending)
 
-    def _claim(self, request_id: str) -> SequenceRecord:
-        finished = self._finished.get(request_id)
-        if finished is None:
-            raise RecordCollectionError(f"request {request_id!r}: no finished output was added for it (add_output)")
-        if self._num_drains <= finished.drains_before:
-            raise RecordCollectionError(
-                f"request {request_id!r}: no capture payload was drained after its output finished, so its last "
-                "cycles may still sit in the engine; add_drained(growmtp_drain_records) before popping")
-        del self._finished[request_id]
+    def _claim(self, request_ids: list[str]) -> list[SequenceRecord]:
+        if len(set(request_ids)) != len(request_ids):
+            raise RecordCollectionError(f"a request is claimed twice in one pop_all: {request_ids}")
+        for request_id in request_ids:  # all claimable, before any is forgotten
+            finished = self._finished.get(request_id)
+            if finished is None:
+                raise RecordCollectionError(f"request {request_id!r}: no finished output was added for it "
+                                            "(add_output)")
+            if self._num_drains <= finished.drains_before:
+                raise RecordCollectionError(
+                    f"request {request_id!r}: no capture payload was drained after its output finished, so its "
+                    "last cycles may still sit in the engine; add_drained(growmtp_drain_records) before popping")
+        records = [self._build(request_id, self._forget(request_id), self._pending.pop(request_id, _Pending()))
+                   for request_id in request_ids]
+        validate_records(records, depth=self.depth, vocab_size=self.vocab_size,
+                         topk=self.topk if self.vocab_size else None,
+                         names=[f"request {request_id!r}" for request_id in request_ids])
+        return records
+
+    def _forget(self, request_id: str) -> _Finished:
+        finished = self._finished.pop(request_id)
         key = _committed(finished.output)
         self._by_tokens[key].remove(request_id)
         if not self._by_tokens[key]:
             del self._by_tokens[key]
-        record = self._build(request_id, finished, self._pending.pop(request_id, _Pending()))
-        try:
-            return record.validate(depth=self.depth, vocab_size=self.vocab_size,
-                                   topk=self.topk if self.vocab_size else None)
-        except RecordError as err:
-            raise RecordError(f"request {request_id!r}: {err}") from err
+        return finished
 
     def _build(self, request_id: str, finished: _Finished, pending: _Pending) -> SequenceRecord:
         output = finished.output

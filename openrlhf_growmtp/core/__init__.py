@@ -7,7 +7,7 @@ from .metrics import AcceptanceSummary, acceptance_summary
 from .objectives import acceptance_rates, chain_loss, log_acceptance_rates, position_loss
 from .reconstruction import head_loss_backward, reconstruct_draft_logits
 from .teacher_forcing import teacher_forced_chains
-from .records import RecordError, SequenceRecord, validate_record
+from .records import RecordError, SequenceRecord, validate_record, validate_records
 from .schedule import HeadLRSchedule
 
 __all__ = [
@@ -15,5 +15,5 @@ __all__ = [
     "RecordError", "SequenceRecord", "acceptance_rates", "acceptance_summary", "chain_loss", "export_head",
     "family_for_backbone", "get_family", "head_loss_backward", "init_random_head_", "load_head", "load_native_head",
     "log_acceptance_rates", "make_head_config", "materialize_random_head", "position_loss",
-    "reconstruct_draft_logits", "teacher_forced_chains", "validate_record",
+    "reconstruct_draft_logits", "teacher_forced_chains", "validate_record", "validate_records",
 ]

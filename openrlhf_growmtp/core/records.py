@@ -23,8 +23,10 @@ Mean acceptance length (tau) counts the recovered/bonus token: tau = 1 + mean(ac
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -237,17 +239,89 @@ def validate_record(rec: SequenceRecord, depth: int | None = None, vocab_size: i
     top-k ids, monotone starts, committed tokens that equal the accepted drafts, finite hidden states.
     """
     check_fits(rec, depth=depth, vocab_size=vocab_size, hidden_size=hidden_size, topk=topk)
+    _check_rest(rec)
     if rec.num_cycles:
-        _check_cycles(rec)
+        _check_cycles(_Cycles.of([rec]))
+
+
+def validate_records(records: Sequence[SequenceRecord], depth: int | None = None, vocab_size: int | None = None,
+                     hidden_size: int | None = None, topk: int | None = None,
+                     names: Sequence[str] | None = None) -> None:
+    """`validate_record` for each record, with the per-cycle checks run once over all their cycles side by
+    side: a generate's records cost a few tensor operations in all, not a few per record. A bad record's
+    RecordError is one that `validate_record` raises for it, after its name (names[i], default "record i")."""
+    named = names or [f"record {i}" for i in range(len(records))]
+    for name, rec in zip(named, records):
+        with _named(name):
+            check_fits(rec, depth=depth, vocab_size=vocab_size, hidden_size=hidden_size, topk=topk)
+            _check_rest(rec)
+    with_cycles = [rec for rec in records if rec.num_cycles]
+    layouts = {(rec.topk_logprobs.dtype, tuple(rec.topk_logprobs.shape[1:])) for rec in with_cycles}
+    if len(layouts) == 1:  # side by side (else: one at a time)
+        try:
+            return _check_cycles(_Cycles.of(with_cycles))
+        except RecordError:
+            pass  # which record, and what validate_record says of it:
+    for name, rec in zip(named, records):
+        if rec.num_cycles:
+            with _named(name):
+                _check_cycles(_Cycles.of([rec]))
+
+
+@contextlib.contextmanager
+def _named(name: str):
+    try:
+        yield
+    except RecordError as err:
+        raise RecordError(f"{name}: {err}") from err
+
+
+def _check_rest(rec: SequenceRecord) -> None:
+    """Finite hidden states, a positive temperature."""
     if rec.hidden is not None:
         _require(bool(torch.isfinite(rec.hidden).all()), "hidden", "non-finite hidden states")
     _require(isinstance(rec.temperature, (int, float)) and rec.temperature > 0, "temperature",
              f"must be > 0 (greedy drafting has no q to learn from), got {rec.temperature!r}")
 
 
-def _check_cycles(rec: SequenceRecord) -> None:
+@dataclass
+class _Cycles:
+    """The cycles of one or more records side by side (one record: its own fields): fields concatenated,
+    token positions shifted into the concatenated token_ids, and per cycle its record's end there and
+    whether it is its record's first cycle."""
+
+    start: torch.Tensor  # [C], shifted by its record's offset in `tokens`
+    accepted: torch.Tensor  # [C]
+    drafts: torch.Tensor  # [C, K]
+    topk_ids: torch.Tensor  # [C, K, k]
+    topk_logprobs: torch.Tensor  # [C, K, k]
+    tokens: torch.Tensor  # [sum of T]
+    end: torch.Tensor  # [C] its record's end in `tokens`
+    first: torch.Tensor  # [C] bool
+
+    @classmethod
+    def of(cls, records: Sequence[SequenceRecord]) -> "_Cycles":
+        if len(records) == 1:
+            rec = records[0]
+            first = torch.zeros(rec.num_cycles, dtype=torch.bool)
+            first[0] = True
+            return cls(rec.start, rec.accepted, rec.drafts, rec.topk_ids, rec.topk_logprobs, rec.token_ids,
+                       torch.full_like(rec.start, int(rec.token_ids.shape[0])), first)
+        counts = torch.tensor([rec.num_cycles for rec in records])
+        ends = torch.cumsum(torch.tensor([int(rec.token_ids.shape[0]) for rec in records]), 0)
+        offsets = torch.cat([ends.new_zeros(1), ends[:-1]])
+        first = torch.zeros(int(counts.sum()), dtype=torch.bool)
+        first[torch.cumsum(counts, 0) - counts] = True
+        cat = {name: torch.cat([getattr(rec, name) for rec in records])
+               for name in ("start", "accepted", "drafts", "topk_ids", "topk_logprobs", "token_ids")}
+        return cls(cat["start"] + torch.repeat_interleave(offsets, counts), cat["accepted"], cat["drafts"],
+                   cat["topk_ids"], cat["topk_logprobs"], cat["token_ids"], torch.repeat_interleave(ends, counts),
+                   first)
+
+
+def _check_cycles(c: _Cycles) -> None:
     """Normalised, finite, distinct top-k rows; monotone starts; committed tokens equal accepted drafts."""
-    lp = rec.topk_logprobs
+    lp = c.topk_logprobs
     _require(bool(torch.isfinite(lp).all()), "topk_logprobs", "non-finite log-probs")
     tolerance = mass_tolerance(lp.dtype, lp.shape[-1])
     _require(bool((lp <= tolerance).all()), "topk_logprobs",
@@ -257,34 +331,33 @@ def _check_cycles(rec: SequenceRecord) -> None:
              f"top-k probabilities sum to {float(log_mass.exp().max()):.6g}, more than {lp.dtype} rounding of "
              f"a normalised distribution allows (log mass <= {tolerance:.4g}): not normalised over the full "
              "vocabulary")
-    if rec.topk_ids.shape[2] > 1:
-        ids_sorted = rec.topk_ids.sort(dim=-1).values
+    if c.topk_ids.shape[2] > 1:
+        ids_sorted = c.topk_ids.sort(dim=-1).values
         _require(bool((ids_sorted[..., 1:] != ids_sorted[..., :-1]).all()), "topk_ids", "repeated ids within a row")
-    # A cycle commits accepted + 1 tokens, so the next one starts at least that far on.
-    earliest_next = rec.start[:-1] + rec.accepted[:-1] + 1
-    bad = (rec.start[1:] < earliest_next).nonzero()
+    # A cycle commits accepted + 1 tokens, so the next one (of the same record) starts at least that far on.
+    earliest_next = c.start[:-1] + c.accepted[:-1] + 1
+    bad = ((c.start[1:] < earliest_next) & ~c.first[1:]).nonzero()
     if bad.numel():
         r = int(bad[0, 0])
-        raise RecordError(f"start: starts are not monotone: cycle {r + 1} starts at {int(rec.start[r + 1])}, "
+        raise RecordError(f"start: starts are not monotone: cycle {r + 1} starts at {int(c.start[r + 1])}, "
                           f"before {int(earliest_next[r])} = previous start + accepted + 1")
-    _check_committed_prefix(rec)
+    _check_committed_prefix(c)
 
 
-def _check_committed_prefix(rec: SequenceRecord) -> None:
+def _check_committed_prefix(c: _Cycles) -> None:
     """token_ids[s+2 .. s+1+a] must equal the accepted drafts d_1..d_a (where the sequence reaches)."""
-    length, depth = int(rec.token_ids.shape[0]), rec.depth
-    offsets = torch.arange(depth)
-    positions = rec.start[:, None] + 2 + offsets[None, :]  # [R, K] position of draft k
-    in_accepted = offsets[None, :] < rec.accepted[:, None]
+    offsets = torch.arange(c.drafts.shape[1])
+    positions = c.start[:, None] + 2 + offsets[None, :]  # [C, K] position of draft k
+    in_accepted = offsets[None, :] < c.accepted[:, None]
     # EOS or max_tokens may cut a cycle short: accepted drafts past the end were never committed.
-    checked = in_accepted & (positions < length)
-    committed = rec.token_ids[positions.clamp(max=length - 1)]
-    bad = (checked & (committed != rec.drafts)).nonzero()
+    checked = in_accepted & (positions < c.end[:, None])
+    committed = c.tokens[torch.minimum(positions, c.end[:, None] - 1)]
+    bad = (checked & (committed != c.drafts)).nonzero()
     if bad.numel():
         r, j = int(bad[0, 0]), int(bad[0, 1])
         raise RecordError(
-            f"drafts: cycle {r} accepted {int(rec.accepted[r])} drafts but draft {j + 1} "
-            f"({int(rec.drafts[r, j])}) differs from the committed token_ids[{int(positions[r, j])}] "
+            f"drafts: cycle {r} accepted {int(c.accepted[r])} drafts but draft {j + 1} "
+            f"({int(c.drafts[r, j])}) differs from the committed token_ids[{int(positions[r, j])}] "
             f"= {int(committed[r, j])}")
 
 

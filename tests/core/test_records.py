@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from openrlhf_growmtp.core import RecordError, SequenceRecord
-from openrlhf_growmtp.core.records import total_cycles
+from openrlhf_growmtp.core.records import total_cycles, validate_records
 from tiny import HIDDEN, VOCAB
 
 
@@ -115,6 +115,54 @@ def test_malformed_record_raises_naming_the_field(case, mutate, field_name, kwar
     with pytest.raises(RecordError) as err:
         rec.validate(**kwargs)
     assert str(err.value).startswith(f"{field_name}:"), str(err.value)
+
+
+@pytest.mark.parametrize("case, mutate, field_name, kwargs", MALFORMED, ids=[m[0] for m in MALFORMED])
+def test_records_validated_side_by_side_name_the_bad_one_with_its_own_error(case, mutate, field_name, kwargs):
+    bad = _valid()
+    mutate(bad)
+    with pytest.raises(RecordError) as alone:
+        bad.validate(**kwargs)
+    shape = {name: value for name, value in kwargs.items() if name in ("depth", "topk", "hidden_size")}
+    others = [_valid(seed=s, accepted=[3, 1, 0], **shape) for s in (1, 2)]  # fine under the case's kwargs
+    for fine in others:
+        fine.validate(**kwargs)
+    with pytest.raises(RecordError) as batched:
+        validate_records([others[0], bad, others[1]], names=["a", "b", "c"], **kwargs)
+    assert str(batched.value) == f"b: {alone.value}"
+
+
+def _cut_short(seed: int, prompt_len: int = 4) -> SequenceRecord:
+    """A record whose last cycle EOS cut short: it accepted 3 drafts, only the first was committed."""
+    rec = SequenceRecord.make_dummy(prompt_len=prompt_len, accepted=[1, 3], depth=3, topk=4, vocab_size=VOCAB,
+                                    hidden_size=None, trailing_tokens=0, seed=seed)
+    rec.token_ids = rec.token_ids[:int(rec.start[-1]) + 3]
+    return rec
+
+
+def test_records_side_by_side_read_no_token_of_the_next_record():
+    # The side-by-side check itself (records._check_cycles over _Cycles.of) must pass valid records: a
+    # false alarm would only send validate_records to the one-at-a-time path, so test it directly.
+    from openrlhf_growmtp.core.records import _check_cycles, _Cycles
+
+    first, second = _cut_short(0), _cut_short(1, prompt_len=1)
+    # side by side, the first record's uncommitted drafts sit on the second record's first tokens
+    first.drafts[-1, 1:] = (second.token_ids[:2] + 1) % VOCAB
+    first.validate(vocab_size=VOCAB)
+    second.validate(vocab_size=VOCAB)
+    # and the second record's first cycle starts (at 0) before the first's cut-short cycle would end
+    assert int(second.start[0]) == 0
+    _check_cycles(_Cycles.of([first, second]))
+    validate_records([first, second], vocab_size=VOCAB)
+
+
+def test_records_of_different_layouts_are_validated_one_at_a_time():
+    fp32, bf16 = _valid(seed=1), _valid(seed=2)
+    bf16.topk_logprobs = bf16.topk_logprobs.bfloat16()
+    validate_records([fp32, bf16, _valid(seed=3, depth=4)])
+    bf16.topk_logprobs[0, 0, 0] = float("nan")
+    with pytest.raises(RecordError, match="^record 1: topk_logprobs: non-finite"):
+        validate_records([fp32, bf16])
 
 
 def test_cycle_cut_short_by_the_end_of_the_sequence_is_valid():

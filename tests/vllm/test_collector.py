@@ -263,18 +263,24 @@ def test_capture_config_crosses_rpc_as_a_dict_and_is_checked_on_arrival():
 
 # ---- the real engine ----------------------------------------------------------------------------------
 def test_each_record_is_validated_exactly_once_per_generate(engine, monkeypatch):
-    validated = []
-    original = records_module.validate_record
+    from vllm_patches import collector as collector_module
 
-    def counting(record, *args, **kwargs):
-        validated.append(id(record))
-        return original(record, *args, **kwargs)
+    batches = []
+    original = collector_module.validate_records
 
-    monkeypatch.setattr(records_module, "validate_record", counting)
+    def counting(records, *args, **kwargs):
+        batches.append([id(r) for r in records])
+        return original(records, *args, **kwargs)
+
+    cycle_checks = []
+    check_cycles = records_module._check_cycles
+    monkeypatch.setattr(collector_module, "validate_records", counting)
+    monkeypatch.setattr(records_module, "_check_cycles", lambda c: cycle_checks.append(c) or check_cycles(c))
     prompts = random_prompts(5, 128, seed=31)
     result = engine.generate(prompts, SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True))
     assert sum(r.num_cycles for r in result.records) > 0
-    assert sorted(validated) == sorted(id(r) for r in result.records)  # each record once, nothing else
+    assert batches == [[id(r) for r in result.records]]  # all of them, once, in one call
+    assert len(cycle_checks) == 1  # side by side: no record was checked again on its own
 
 
 def test_records_equal_vllms_own_per_request_counts(engine):
