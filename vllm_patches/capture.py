@@ -74,12 +74,11 @@ class CaptureState:
     """Per-process capture state (one per vLLM worker; in-process engines share it)."""
 
     config: CaptureConfig = field(default_factory=lambda: CaptureConfig(enabled=False))
-    # one entry per verification step: {"req_ids": [N names], field: tensor with N rows}
+    # one entry per verification step, as record_verification kept it (per batch row: req_ids, computed,
+    # counts, accepted; per draft position: drafts, topk_ids, topk_logprobs, q); drain makes cycle rows
     steps: list[dict] = field(default_factory=list)
     # exact mode: internal id -> [(positions [n], hidden [n, H]), ...] per propose call
     hidden: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=dict)
-    # internal id -> [(start, accepted), ...] of its dropped cycles, in step order
-    dropped: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
     errors: list[str] = field(default_factory=list)
     verify: dict | None = None  # what rejection_sample saw in the current step
     proposal: tuple | None = None  # what propose saw in the current step (exact mode)
@@ -87,7 +86,6 @@ class CaptureState:
     def clear(self) -> None:
         self.steps.clear()
         self.hidden.clear()
-        self.dropped.clear()
         self.errors.clear()
 
 
@@ -117,7 +115,8 @@ def _rejection_sample_hook(original):
         config = STATE.config
         if config.enabled:
             logprobs = torch.log_softmax(target_logits.float(), dim=-1)  # [num_tokens, V]
-            top = logprobs.topk(min(config.topk, logprobs.shape[-1]), dim=-1)  # [num_tokens, k]
+            # a row's top k is a set (records keep no order): unsorted, CPU topk is ~10x faster at k ~ V / 2
+            top = logprobs.topk(min(config.topk, logprobs.shape[-1]), dim=-1, sorted=False)  # [num_tokens, k]
             STATE.verify = {
                 "topk_ids": _host(top.indices, torch.int32),
                 "topk_logprobs": _host(top.values, getattr(torch, config.logprob_dtype)),
@@ -155,41 +154,50 @@ def _sample_hook(original):
 
 def record_verification(req_ids: list[str], computed: list[int], metadata, sampled: torch.Tensor,
                         verify: dict, depth: int) -> None:
-    """Store one verification step, vectorised: one cycle row per request whose K = `depth` drafts were
-    sampled from q and verified; a request with fewer drafts, or a step without q, drops its cycle.
+    """Keep one verification step for `drain`, which turns all kept steps into cycle rows at once: one
+    cycle row per request whose K = `depth` drafts were sampled from q and verified; a request with fewer
+    drafts, or a step without q, drops its cycle. The step itself only copies what it must.
 
     req_ids, computed: per batch row; metadata: vLLM's SpecDecodeMetadata (num_draft_tokens per row,
     draft_token_ids [num_tokens]); sampled: [batch, max_spec_len + 1]; verify: what the
     rejection_sample hook saw (topk_ids / topk_logprobs [num_tokens, k], q [num_tokens, V] or None).
     """
     assert sampled.ndim == 2, sampled.shape
-    counts = torch.tensor(metadata.num_draft_tokens)  # [batch]
-    rows = counts.nonzero().flatten()  # [N] batch rows with drafts
-    if rows.numel() == 0:
+    counts = list(metadata.num_draft_tokens)
+    if sum(counts) != verify["topk_ids"].shape[0]:
+        STATE.errors.append(f"a verification step verified {verify['topk_ids'].shape[0]} draft positions, but its "
+                            f"requests drafted {sum(counts)}")
         return
-    start = torch.as_tensor(computed, dtype=torch.int64)[rows] - 1  # [N]
-    accepted = (sampled[rows] != PLACEHOLDER_TOKEN_ID).sum(dim=1) - 1  # [N]
-    keep = counts[rows] == depth  # [N]
-    if not verify["has_q"]:
-        keep[:] = False
-    for i in (~keep).nonzero().flatten().tolist():
-        STATE.dropped.setdefault(req_ids[int(rows[i])], []).append((int(start[i]), int(accepted[i])))
-    if not bool(keep.any()):
-        return
-    # flat draft positions of the kept rows: the sampler's rows are each request's drafts, concatenated
-    first = (torch.cumsum(counts, 0) - counts)[rows[keep]]  # [n]
-    flat = first[:, None] + torch.arange(depth)  # [n, K]
-    step = {
-        "req_ids": [req_ids[i] for i in rows[keep].tolist()],
-        "start": start[keep],
-        "drafts": _host(metadata.draft_token_ids, torch.int32)[flat],  # [n, K]
-        "topk_ids": verify["topk_ids"][flat],  # [n, K, k]
-        "topk_logprobs": verify["topk_logprobs"][flat],  # [n, K, k]
-        "accepted": accepted[keep],
-    }
-    if verify["q"] is not None:
-        step["q"] = verify["q"][flat]  # [n, K, V]
-    STATE.steps.append(step)
+    STATE.steps.append({
+        "req_ids": list(req_ids), "computed": list(computed)[:len(counts)], "counts": counts, "depth": depth,
+        "accepted": (sampled != PLACEHOLDER_TOKEN_ID).sum(dim=1) - 1,  # [batch]
+        "drafts": _host(metadata.draft_token_ids, torch.int32), **verify})
+
+
+def _cycle_rows(steps: list[dict]) -> tuple[list[str], dict[str, torch.Tensor], dict[str, list[tuple[int, int]]]]:
+    """The kept steps' cycle rows, step-major: (owner of each row, field -> [C, ...], dropped cycles)."""
+    depth = steps[0]["depth"]
+    owners_all = [req_id for step in steps for req_id in step["req_ids"][:len(step["counts"])]]  # batch rows
+    counts = torch.tensor([c for step in steps for c in step["counts"]], dtype=torch.int64)
+    has_q = torch.tensor([step["has_q"] for step in steps]).repeat_interleave(
+        torch.tensor([len(step["counts"]) for step in steps]))
+    start = torch.tensor([c for step in steps for c in step["computed"]], dtype=torch.int64) - 1
+    accepted = torch.cat([step["accepted"][:len(step["counts"])] for step in steps])
+    keep = (counts == depth) & has_q
+    dropped: dict[str, list[tuple[int, int]]] = {}
+    for i in ((counts > 0) & ~keep).nonzero().flatten().tolist():
+        dropped.setdefault(owners_all[i], []).append((int(start[i]), int(accepted[i])))
+    kept = keep.nonzero().flatten()
+    # the steps' draft positions side by side: a row's drafts follow the earlier rows' (of every step)
+    flat = (torch.cumsum(counts, 0) - counts)[kept][:, None] + torch.arange(depth)  # [C, K]
+    rows = {"start": start[kept], "accepted": accepted[kept]}
+    for name in ("drafts", "topk_ids", "topk_logprobs"):
+        rows[name] = torch.cat([step[name] for step in steps])[flat]
+    if any(step["q"] is not None for step in steps):  # capture_q: a step without q has only dropped rows
+        width = next(step["q"] for step in steps if step["q"] is not None).shape[-1]
+        rows["q"] = torch.cat([step["q"] if step["q"] is not None else torch.zeros(sum(step["counts"]), width)
+                               for step in steps])[flat]
+    return [owners_all[i] for i in kept.tolist()], rows, dropped
 
 
 def _propose_hook(original):
@@ -250,19 +258,17 @@ def install_hooks() -> None:
 def drain() -> bytes:
     """Everything captured since the last drain, as one payload blob (see the module docstring)."""
     payload: dict = {"errors": list(STATE.errors), "req_ids": [], "counts": torch.zeros(0, dtype=torch.int64)}
-    if STATE.steps:
-        owners = [req_id for step in STATE.steps for req_id in step["req_ids"]]  # [C], step-major
+    owners, rows, dropped = _cycle_rows(STATE.steps) if STATE.steps else ([], {}, {})
+    if owners:
         req_ids = list(dict.fromkeys(owners))
         index = {req_id: i for i, req_id in enumerate(req_ids)}
         owner = torch.tensor([index[r] for r in owners])
         order = torch.sort(owner, stable=True).indices  # group rows by request; a request's rows stay in step order
         payload.update(req_ids=req_ids, counts=torch.bincount(owner, minlength=len(req_ids)))
-        for name in CYCLE_FIELDS:
-            if name in STATE.steps[0]:
-                payload[name] = torch.cat([step[name] for step in STATE.steps])[order]
+        payload.update({name: rows[name][order] for name in CYCLE_FIELDS if name in rows})
     payload["hidden"] = {req_id: (torch.cat([p for p, _ in chunks]), torch.cat([h for _, h in chunks]))
                          for req_id, chunks in STATE.hidden.items()}
     payload["dropped"] = {req_id: tuple(torch.tensor(column, dtype=torch.int64) for column in zip(*cycles))
-                          for req_id, cycles in STATE.dropped.items()}
+                          for req_id, cycles in dropped.items()}
     STATE.clear()
     return dump_blob(payload)

@@ -182,6 +182,13 @@ def check_fits(rec: SequenceRecord, depth: int | None = None, vocab_size: int | 
     The trainer runs only this on records the engine boundary already validated: it is what a head of
     this depth, vocabulary and width needs to reconstruct them without indexing out of range.
     """
+    _check_layout(rec, depth=depth, hidden_size=hidden_size, topk=topk)
+    _check_ranges(_Cycles.of([rec]), vocab_size)
+
+
+def _check_layout(rec: SequenceRecord, depth: int | None = None, hidden_size: int | None = None,
+                  topk: int | None = None) -> None:
+    """`check_fits` without a tensor operation: types, dtypes, shapes."""
     _check_int(rec.token_ids, "token_ids", 1)
     _check_int(rec.start, "start", 1)
     _check_int(rec.drafts, "drafts", 2)
@@ -208,19 +215,6 @@ def check_fits(rec: SequenceRecord, depth: int | None = None, vocab_size: int | 
              f"expected a {', '.join(map(str, UNIT_ROUNDOFF))} tensor, got {getattr(lp, 'dtype', type(lp).__name__)}")
     _require(tuple(lp.shape) == tuple(rec.topk_ids.shape), "topk_logprobs",
              f"shape {tuple(lp.shape)} differs from topk_ids {tuple(rec.topk_ids.shape)}")
-    if vocab_size is not None:
-        for name, ids in (("token_ids", rec.token_ids), ("drafts", rec.drafts), ("topk_ids", rec.topk_ids)):
-            if ids.numel():
-                _require(int(ids.min()) >= 0 and int(ids.max()) < vocab_size, name,
-                         f"token ids must lie in [0, {vocab_size}), got [{int(ids.min())}, {int(ids.max())}]")
-    if num_cycles:
-        _require(int(rec.accepted.min()) >= 0 and int(rec.accepted.max()) <= found_depth, "accepted",
-                 f"must lie in 0..K={found_depth}, got [{int(rec.accepted.min())}, {int(rec.accepted.max())}]")
-        _require(int(rec.start[0]) >= rec.prompt_len - 1, "start",
-                 f"first cycle starts at {int(rec.start[0])}, before the last prompt position {rec.prompt_len - 1}")
-        _require(int(rec.start[-1]) + 1 < length, "start",
-                 f"last cycle starts at {int(rec.start[-1])}: its next token x_(s+1) is past the sequence "
-                 f"(len(token_ids) = {length})")
     if rec.hidden is not None:
         h = rec.hidden
         _require(isinstance(h, torch.Tensor) and h.is_floating_point() and h.ndim == 2, "hidden",
@@ -238,34 +232,32 @@ def validate_record(rec: SequenceRecord, depth: int | None = None, vocab_size: i
     `check_fits`, plus what makes a record true to its rollout: finite, normalised log-probs, distinct
     top-k ids, monotone starts, committed tokens that equal the accepted drafts, finite hidden states.
     """
-    check_fits(rec, depth=depth, vocab_size=vocab_size, hidden_size=hidden_size, topk=topk)
+    _check_layout(rec, depth=depth, hidden_size=hidden_size, topk=topk)
     _check_rest(rec)
-    if rec.num_cycles:
-        _check_cycles(_Cycles.of([rec]))
+    _check_values(_Cycles.of([rec]), vocab_size)
 
 
 def validate_records(records: Sequence[SequenceRecord], depth: int | None = None, vocab_size: int | None = None,
                      hidden_size: int | None = None, topk: int | None = None,
                      names: Sequence[str] | None = None) -> None:
-    """`validate_record` for each record, with the per-cycle checks run once over all their cycles side by
-    side: a generate's records cost a few tensor operations in all, not a few per record. A bad record's
-    RecordError is one that `validate_record` raises for it, after its name (names[i], default "record i")."""
+    """`validate_record` for each record, with the checks on tensor values run once over all the records
+    side by side: a generate's records cost a few tensor operations in all, not a few per record. A bad
+    record's RecordError is the one `validate_record` raises for it, after its name (names[i], default
+    "record i")."""
     named = names or [f"record {i}" for i in range(len(records))]
     for name, rec in zip(named, records):
         with _named(name):
-            check_fits(rec, depth=depth, vocab_size=vocab_size, hidden_size=hidden_size, topk=topk)
+            _check_layout(rec, depth=depth, hidden_size=hidden_size, topk=topk)
             _check_rest(rec)
-    with_cycles = [rec for rec in records if rec.num_cycles]
-    layouts = {(rec.topk_logprobs.dtype, tuple(rec.topk_logprobs.shape[1:])) for rec in with_cycles}
-    if len(layouts) == 1:  # side by side (else: one at a time)
+    layouts = {(rec.topk_logprobs.dtype, tuple(rec.topk_logprobs.shape[1:])) for rec in records if rec.num_cycles}
+    if len(layouts) <= 1:  # side by side (else: one at a time)
         try:
-            return _check_cycles(_Cycles.of(with_cycles))
+            return _check_values(_Cycles.of(records), vocab_size)
         except RecordError:
             pass  # which record, and what validate_record says of it:
     for name, rec in zip(named, records):
-        if rec.num_cycles:
-            with _named(name):
-                _check_cycles(_Cycles.of([rec]))
+        with _named(name):
+            _check_values(_Cycles.of([rec]), vocab_size)
 
 
 @contextlib.contextmanager
@@ -286,37 +278,75 @@ def _check_rest(rec: SequenceRecord) -> None:
 
 @dataclass
 class _Cycles:
-    """The cycles of one or more records side by side (one record: its own fields): fields concatenated,
-    token positions shifted into the concatenated token_ids, and per cycle its record's end there and
-    whether it is its record's first cycle."""
+    """One or more records side by side (one record: its own fields): token_ids and the cycle fields
+    concatenated, token positions shifted into the concatenated token_ids, and per cycle where its
+    record's prompt ends and its tokens end there, and whether it is its record's first or last cycle."""
 
+    tokens: torch.Tensor  # [sum of T]
     start: torch.Tensor  # [C], shifted by its record's offset in `tokens`
     accepted: torch.Tensor  # [C]
     drafts: torch.Tensor  # [C, K]
     topk_ids: torch.Tensor  # [C, K, k]
     topk_logprobs: torch.Tensor  # [C, K, k]
-    tokens: torch.Tensor  # [sum of T]
+    prompt_end: torch.Tensor  # [C] its record's last prompt position in `tokens`
     end: torch.Tensor  # [C] its record's end in `tokens`
     first: torch.Tensor  # [C] bool
+    last: torch.Tensor  # [C] bool
 
     @classmethod
     def of(cls, records: Sequence[SequenceRecord]) -> "_Cycles":
+        counts = torch.tensor([rec.num_cycles for rec in records])
+        lengths = [int(rec.token_ids.shape[0]) for rec in records]
+        ends = torch.cumsum(torch.tensor(lengths), 0)
+        offsets = ends - torch.tensor(lengths)
+        first, last = (torch.zeros(int(counts.sum()), dtype=torch.bool) for _ in range(2))
+        bounds = torch.cumsum(counts, 0)[counts > 0]
+        first[bounds - counts[counts > 0]] = True
+        last[bounds - 1] = True
         if len(records) == 1:
             rec = records[0]
-            first = torch.zeros(rec.num_cycles, dtype=torch.bool)
-            first[0] = True
-            return cls(rec.start, rec.accepted, rec.drafts, rec.topk_ids, rec.topk_logprobs, rec.token_ids,
-                       torch.full_like(rec.start, int(rec.token_ids.shape[0])), first)
-        counts = torch.tensor([rec.num_cycles for rec in records])
-        ends = torch.cumsum(torch.tensor([int(rec.token_ids.shape[0]) for rec in records]), 0)
-        offsets = torch.cat([ends.new_zeros(1), ends[:-1]])
-        first = torch.zeros(int(counts.sum()), dtype=torch.bool)
-        first[torch.cumsum(counts, 0) - counts] = True
-        cat = {name: torch.cat([getattr(rec, name) for rec in records])
-               for name in ("start", "accepted", "drafts", "topk_ids", "topk_logprobs", "token_ids")}
-        return cls(cat["start"] + torch.repeat_interleave(offsets, counts), cat["accepted"], cat["drafts"],
-                   cat["topk_ids"], cat["topk_logprobs"], cat["token_ids"], torch.repeat_interleave(ends, counts),
-                   first)
+            fields = {name: getattr(rec, name) for name in ("start", "accepted", "drafts", "topk_ids", "topk_logprobs",
+                                                             "token_ids")}
+        else:
+            fields = {name: torch.cat([getattr(rec, name) for rec in records])
+                      for name in ("start", "accepted", "drafts", "topk_ids", "topk_logprobs", "token_ids")}
+            fields["start"] = fields["start"] + torch.repeat_interleave(offsets, counts)
+        prompt_ends = offsets + torch.tensor([rec.prompt_len - 1 for rec in records])
+        return cls(fields["token_ids"], fields["start"], fields["accepted"], fields["drafts"], fields["topk_ids"],
+                   fields["topk_logprobs"], torch.repeat_interleave(prompt_ends, counts),
+                   torch.repeat_interleave(ends, counts), first, last)
+
+
+def _check_values(c: _Cycles, vocab_size: int | None) -> None:
+    _check_ranges(c, vocab_size)
+    if c.start.numel():
+        _check_cycles(c)
+
+
+def _check_ranges(c: _Cycles, vocab_size: int | None) -> None:
+    """The index ranges of `check_fits`: token ids in the vocabulary, accepted in 0..K, cycles that start
+    after the prompt's last position and leave their next token inside the sequence."""
+    if vocab_size is not None:
+        for name, ids in (("token_ids", c.tokens), ("drafts", c.drafts), ("topk_ids", c.topk_ids)):
+            if ids.numel():
+                low, high = int(ids.min()), int(ids.max())
+                _require(low >= 0 and high < vocab_size, name,
+                         f"token ids must lie in [0, {vocab_size}), got [{low}, {high}]")
+    if not c.start.numel():
+        return
+    depth = int(c.drafts.shape[1])
+    low, high = int(c.accepted.min()), int(c.accepted.max())
+    _require(low >= 0 and high <= depth, "accepted", f"must lie in 0..K={depth}, got [{low}, {high}]")
+    early = (c.first & (c.start < c.prompt_end)).nonzero()
+    if early.numel():
+        r = int(early[0, 0])
+        raise RecordError(f"start: first cycle starts at {int(c.start[r])}, before the last prompt position "
+                          f"{int(c.prompt_end[r])}")
+    late = (c.last & (c.start + 1 >= c.end)).nonzero()
+    if late.numel():
+        r = int(late[0, 0])
+        raise RecordError(f"start: last cycle starts at {int(c.start[r])}: its next token x_(s+1) is past the "
+                          f"sequence (len(token_ids) = {int(c.end[r])})")
 
 
 def _check_cycles(c: _Cycles) -> None:

@@ -66,6 +66,12 @@ def _assign(name, index, value):
     return apply
 
 
+def _cut_tokens(length):
+    def apply(rec):
+        rec.token_ids, rec.hidden = rec.token_ids[:length], rec.hidden[:length]
+    return apply
+
+
 def _repeat_topk_id(rec):
     rec.topk_ids[2, 0, 1] = rec.topk_ids[2, 0, 0]
 
@@ -92,7 +98,7 @@ MALFORMED = [
     ("accepted < 0", _assign("accepted", 3, -1), "accepted", {}),
     ("non-monotone starts", _assign("start", 2, 5), "start", {}),
     ("start before the prompt end", _assign("start", 0, 1), "start", {}),
-    ("start past the sequence", _set("token_ids", lambda t: t[:8]), "start", {}),
+    ("start past the sequence", _cut_tokens(8), "start", {}),
     ("non-finite log-prob", _assign("topk_logprobs", (1, 1, 1), float("nan")), "topk_logprobs", {}),
     ("infinite log-prob", _assign("topk_logprobs", (1, 1, 1), float("-inf")), "topk_logprobs", {}),
     ("positive log-prob", _assign("topk_logprobs", (0, 2, 0), 0.5), "topk_logprobs", {}),
@@ -140,20 +146,30 @@ def _cut_short(seed: int, prompt_len: int = 4) -> SequenceRecord:
     return rec
 
 
+def _without_cycles(rec: SequenceRecord) -> SequenceRecord:
+    for name in ("start", "accepted", "drafts", "topk_ids", "topk_logprobs"):
+        setattr(rec, name, getattr(rec, name)[:0])
+    return rec
+
+
 def test_records_side_by_side_read_no_token_of_the_next_record():
-    # The side-by-side check itself (records._check_cycles over _Cycles.of) must pass valid records: a
-    # false alarm would only send validate_records to the one-at-a-time path, so test it directly.
-    from openrlhf_growmtp.core.records import _check_cycles, _Cycles
+    # The side-by-side checks themselves (records._check_values over _Cycles.of) must pass valid records:
+    # a false alarm would only send validate_records to the one-at-a-time path, so test them directly.
+    from openrlhf_growmtp.core.records import _check_values, _Cycles
 
     first, second = _cut_short(0), _cut_short(1, prompt_len=1)
     # side by side, the first record's uncommitted drafts sit on the second record's first tokens
     first.drafts[-1, 1:] = (second.token_ids[:2] + 1) % VOCAB
-    first.validate(vocab_size=VOCAB)
-    second.validate(vocab_size=VOCAB)
-    # and the second record's first cycle starts (at 0) before the first's cut-short cycle would end
+    # a record without cycles between them (finished at prefill), with a long prompt
+    empty = _without_cycles(_valid(prompt_len=9, hidden_size=None))
+    for rec in (first, empty, second):
+        rec.validate(vocab_size=VOCAB)
+    # the second record's first cycle starts (at 0) before the first's cut-short cycle would end, and
+    # before the empty record's prompt ends
     assert int(second.start[0]) == 0
-    _check_cycles(_Cycles.of([first, second]))
-    validate_records([first, second], vocab_size=VOCAB)
+    _check_values(_Cycles.of([first, second]), VOCAB)
+    _check_values(_Cycles.of([first, empty, second]), VOCAB)
+    validate_records([first, empty, second], vocab_size=VOCAB)
 
 
 def test_records_of_different_layouts_are_validated_one_at_a_time():
