@@ -19,11 +19,12 @@ import torch
 from .head import MTPHead
 from .objectives import chain_lengths, head_loss_per_cycle_at
 
-# At most this many full-vocabulary logits in one scored group (on average): 128 MiB in bf16, i.e. 441 rows
-# at Qwen's 151,936 tokens. A group holds its logits in the head's dtype (they become the gradient in
-# place) and one fp32 block of them at a time (`SOFTMAX_BLOCK`). Fewer rows per group cost time: each
-# group reads the lm_head's weight once, and under ZeRO-3 gathers it (at H=2560 on a 2-core CPU, the
-# lm_head's forward and backward take 1.4x the time per row at 44 rows that they take at 440).
+# Full-vocabulary logits per scored group: 128 MiB in bf16, i.e. 441 rows at Qwen's 151,936 tokens (a
+# group ends at a cycle's end, so it may hold up to K - 1 rows more). A group holds its logits in the
+# head's dtype (they become the gradient in place) and one fp32 block of them at a time
+# (`SOFTMAX_BLOCK`). Fewer rows per group cost time: each group reads the lm_head's weight once, and
+# under ZeRO-3 gathers it (at H=2560 on a 2-core CPU, the lm_head's forward and backward take 1.4x the
+# time per row at 44 rows that they take at 440).
 GROUP_LOGITS = 2**26
 
 # At most this many logits per fp32 block of the softmax's elementwise passes: on a CPU a block that stays
@@ -80,9 +81,9 @@ def chunk_loss_backward(head: MTPHead, states: DraftStates, topk_ids: torch.Tens
 
     The cycles are scored in groups of whole cycles with about equally many slots, as many groups as the
     busiest rank needs: `agree_max(this rank's slots) -> the most over ranks` (`score_groups`; a caller
-    on one rank passes the identity). For each group the lm_head runs
-    once over the group's slots: log q at the recorded ids, the group's loss, and its gradient with
-    respect to the slots' states; then the group's [rows, V] logits are freed. So no [N, K, V] logits
+    on one rank passes the identity). For each group the lm_head runs once over the group's slots: log q
+    at the recorded ids, the group's loss, and its gradient with respect to the slots' states; then the
+    group's [rows, V] logits are freed. So no [N, K, V] logits
     exist, and each slot costs one lm_head forward and one backward to its input. Once every group is
     scored and the chunk's loss is finite on every rank (`agree`), the head's own graph is
     backpropagated once, through `backward`, from the surrogate sum(normed * dL/dnormed), whose
