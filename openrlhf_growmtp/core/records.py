@@ -249,8 +249,8 @@ def validate_records(records: Sequence[SequenceRecord], depth: int | None = None
         with _named(name):
             _check_layout(rec, depth=depth, hidden_size=hidden_size, topk=topk)
             _check_rest(rec)
-    layouts = {(rec.topk_logprobs.dtype, tuple(rec.topk_logprobs.shape[1:])) for rec in records if rec.num_cycles}
-    if len(layouts) <= 1:  # side by side (else: one at a time)
+    layouts = {(rec.topk_logprobs.dtype, tuple(rec.topk_logprobs.shape[1:])) for rec in records}
+    if len(layouts) == 1:  # side by side (else: one at a time, or none)
         try:
             return _check_values(_Cycles.of(records), vocab_size)
         except RecordError:
