@@ -34,7 +34,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from openrlhf_growmtp.core.records import DEFAULT_TOPK, SequenceRecord, validate_records
+from openrlhf_growmtp.core.records import DEFAULT_TOPK, SequenceRecord
+from openrlhf_growmtp.core.validation import validate_records
 
 from . import check_vllm_version
 from .capture import CYCLE_FIELDS
@@ -157,7 +158,7 @@ class RecordCollector:
         return self._claim([output.request_id])[0]
 
     def pop_all(self, outputs) -> list[SequenceRecord]:
-        """`pop` for each output, in order, validated side by side (`records.validate_records`)."""
+        """`pop` for each output, in order, validated side by side (`validation.validate_records`)."""
         return self._claim([output.request_id for output in outputs])
 
     def pop_by_tokens(self, token_ids) -> SequenceRecord:

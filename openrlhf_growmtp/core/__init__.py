@@ -7,7 +7,8 @@ from .metrics import AcceptanceSummary, acceptance_summary
 from .objectives import acceptance_rates, chain_loss, log_acceptance_rates, position_loss
 from .reconstruction import head_loss_backward, reconstruct_draft_logits
 from .teacher_forcing import teacher_forced_chains
-from .records import RecordError, SequenceRecord, validate_record, validate_records
+from .records import RecordError, SequenceRecord
+from .validation import validate_record, validate_records
 from .schedule import HeadLRSchedule
 
 __all__ = [

@@ -37,9 +37,10 @@ from .head import MTPHead
 from .objectives import chain_lengths
 from .prefix import PrefixStore, hidden_of
 from .recompute import elementwise_recomputed, worth_recomputing
-from .records import RecordError, SequenceRecord, check_fits
+from .records import RecordError, SequenceRecord
 from .scoring import DraftStates, HeadLossStats, chunk_loss_backward
 from .teacher_forcing import count_teacher_forcing_chunks, teacher_forced_loss_backward
+from .validation import check_fits
 
 DEFAULT_CHUNK_CYCLES = 1024
 
@@ -232,7 +233,7 @@ def count_chunks(records: Sequence[SequenceRecord], chunk_cycles: int | None = D
 
 def check_batch(head: MTPHead, records: Sequence[SequenceRecord],
                 hiddens: Sequence[torch.Tensor] | None = None) -> None:
-    """Check that every record fits the head (`records.check_fits`: one depth, the head's vocabulary and
+    """Check that every record fits the head (`validation.check_fits`: one depth, the head's vocabulary and
     width) before any model work; errors name the record and field. Records are validated in full once,
     where they are made (the engine boundary): this is not that validation again."""
     if hiddens is not None and len(hiddens) != len(records):

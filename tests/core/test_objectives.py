@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from openrlhf_growmtp.core import acceptance_rates, chain_loss, head_loss_backward, position_loss
+from openrlhf_growmtp.core import acceptance_rates, chain_loss, head_loss_backward, position_loss, validate_record
 from openrlhf_growmtp.core.objectives import log_acceptance_rates
 from tiny import make_head, make_records
 
@@ -91,7 +91,7 @@ def test_dca_gradient_is_tv_gradient_divided_by_chain_value_on_a_single_cycle():
     rec = make_records(k=4)[0]
     rec.start, rec.drafts, rec.accepted = rec.start[:1], rec.drafts[:1], rec.accepted[:1]
     rec.topk_ids, rec.topk_logprobs = rec.topk_ids[:1], rec.topk_logprobs[:1]
-    rec.validate()
+    validate_record(rec)
     grads = {}
     for kind in ("dca", "tv"):
         for p in head.parameters():

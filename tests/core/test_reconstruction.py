@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from openrlhf_growmtp.core import head_loss_backward, reconstruct_draft_logits
+from openrlhf_growmtp.core import head_loss_backward, reconstruct_draft_logits, validate_record
 from openrlhf_growmtp.core.objectives import chain_lengths, head_loss_per_cycle
 from openrlhf_growmtp.core.reconstruction import count_chunks, plan_chunks, reconstruct_states
 from openrlhf_growmtp.core.teacher_forcing import teacher_forced_chains
@@ -119,7 +119,7 @@ def test_mask_blocks_attention_across_draft_paths():
         before = reconstruct_draft_logits(head, records)
         records[0].drafts[1, :] = (records[0].drafts[1, :] + 5) % 97  # cycle 1 rejected everything: legal
         records[0].accepted[1] = 0
-        records[0].validate()
+        validate_record(records[0])
         after = reconstruct_draft_logits(head, records)
     changed = (after - before).abs().amax(dim=(1, 2))
     assert changed[1] > 1e-3  # its own deeper positions moved

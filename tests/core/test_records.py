@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from openrlhf_growmtp.core import RecordError, SequenceRecord
-from openrlhf_growmtp.core.records import total_cycles, validate_records
+from openrlhf_growmtp.core.records import total_cycles
+from openrlhf_growmtp.core.validation import validate_record, validate_records
 from tiny import HIDDEN, VOCAB
 
 
@@ -16,7 +17,8 @@ def _valid(**kw):
 
 
 def test_dummy_record_is_valid_and_its_committed_tokens_follow_the_cycles():
-    rec = _valid().validate(depth=3, vocab_size=VOCAB, hidden_size=HIDDEN, topk=4)
+    rec = _valid()
+    validate_record(rec, depth=3, vocab_size=VOCAB, hidden_size=HIDDEN, topk=4)
     # each cycle commits accepted + 1 tokens, so starts advance by exactly that
     assert (rec.start[1:] - rec.start[:-1]).tolist() == (rec.accepted[:-1] + 1).tolist()
     assert rec.start[0].item() == rec.prompt_len - 1
@@ -32,7 +34,7 @@ def test_record_roundtrip():
     assert torch.equal(back.topk_logprobs, rec.topk_logprobs.to(torch.bfloat16))
     assert torch.equal(back.hidden, rec.hidden.to(torch.bfloat16))
     assert (back.prompt_len, back.temperature, back.meta) == (rec.prompt_len, 0.7, rec.meta)
-    back.validate(depth=3, vocab_size=VOCAB, hidden_size=HIDDEN)
+    validate_record(back, depth=3, vocab_size=VOCAB, hidden_size=HIDDEN)
 
 
 def test_bytes_per_token_counts_the_packed_size_and_hidden_dominates():
@@ -119,13 +121,13 @@ def test_malformed_record_raises_naming_the_field_alone_and_among_others(case, m
     bad = _valid()
     mutate(bad)
     with pytest.raises(RecordError) as alone:
-        bad.validate(**kwargs)
+        validate_record(bad, **kwargs)
     assert str(alone.value).startswith(f"{field_name}:"), str(alone.value)
     # validated side by side with valid records, the error names it and is the one it raises alone
     shape = {name: value for name, value in kwargs.items() if name in ("depth", "topk", "hidden_size")}
     others = [_valid(seed=s, accepted=[3, 1, 0], **shape) for s in (1, 2)]  # fine under the case's kwargs
     for fine in others:
-        fine.validate(**kwargs)
+        validate_record(fine, **kwargs)
     with pytest.raises(RecordError) as batched:
         validate_records([others[0], bad, others[1]], names=["a", "b", "c"], **kwargs)
     assert str(batched.value) == f"b: {alone.value}"
@@ -146,9 +148,9 @@ def _without_cycles(rec: SequenceRecord) -> SequenceRecord:
 
 
 def test_records_side_by_side_read_no_token_of_the_next_record():
-    # The side-by-side checks themselves (records._check_values over _Cycles.of) must pass valid records:
+    # The side-by-side checks themselves (validation._check_values over _Cycles.of) must pass valid records:
     # a false alarm would only send validate_records to the one-at-a-time path, so test them directly.
-    from openrlhf_growmtp.core.records import _check_values, _Cycles
+    from openrlhf_growmtp.core.validation import _check_values, _Cycles
 
     first, second = _cut_short(0), _cut_short(1, prompt_len=1)
     # side by side, the first record's uncommitted drafts sit on the second record's first tokens
@@ -156,7 +158,7 @@ def test_records_side_by_side_read_no_token_of_the_next_record():
     # a record without cycles between them (finished at prefill), with a long prompt
     empty = _without_cycles(_valid(prompt_len=9, hidden_size=None))
     for rec in (first, empty, second):
-        rec.validate(vocab_size=VOCAB)
+        validate_record(rec, vocab_size=VOCAB)
     # the second record's first cycle starts (at 0) before the first's cut-short cycle would end, and
     # before the empty record's prompt ends
     assert int(second.start[0]) == 0
@@ -182,10 +184,10 @@ def test_cycle_cut_short_by_the_end_of_the_sequence_is_valid():
                                     trailing_tokens=0)
     s = int(rec.start[-1])
     rec.token_ids = rec.token_ids[:s + 3]  # keeps x_{s+1} and the first accepted draft only
-    rec.validate(vocab_size=VOCAB)
+    validate_record(rec, vocab_size=VOCAB)
     rec.drafts[-1, 0] = (rec.drafts[-1, 0] + 1) % VOCAB  # but the committed part is still checked
     with pytest.raises(RecordError, match="^drafts:"):
-        rec.validate()
+        validate_record(rec)
 
 
 def test_total_cycles_counts_every_sequence():
@@ -207,19 +209,19 @@ def test_bf16_rounding_of_a_normalised_row_is_accepted_and_real_excess_mass_is_n
     rec.topk_logprobs = normalised.expand_as(rec.topk_logprobs).to(torch.bfloat16)
     stored = float(torch.logsumexp(rec.topk_logprobs[0, 0].double(), 0))
     assert 1e-2 < stored < 2.0**-8 * math.log(64)
-    rec.validate(topk=64)
+    validate_record(rec, topk=64)
     # the same entries 0.05 above a normalised row: mass 1.05, more than any rounding explains
     rec.topk_logprobs = (normalised + 0.05).expand_as(rec.topk_logprobs).to(torch.bfloat16)
     with pytest.raises(RecordError, match="^topk_logprobs: .*rounding"):
-        rec.validate(topk=64)
+        validate_record(rec, topk=64)
     # fp32 storage leaves no such room: 0.001 above normalised is refused
     rec.topk_logprobs = (normalised + 1e-3).expand_as(rec.topk_logprobs).float()
     with pytest.raises(RecordError, match="^topk_logprobs:"):
-        rec.validate(topk=64)
+        validate_record(rec, topk=64)
 
 
 def test_log_probs_stored_in_another_dtype_are_refused():
     rec = _valid()
     rec.topk_logprobs = rec.topk_logprobs.double()
     with pytest.raises(RecordError, match="^topk_logprobs: expected a"):
-        rec.validate()
+        validate_record(rec)

@@ -1,5 +1,5 @@
 """The engine in bf16, as users run it (this CPU has AMX): records are stored with bf16 log-probs and must
-validate under the mass bound bf16 rounding allows (`core.records.mass_tolerance`), rebuild every response
+validate under the mass bound bf16 rounding allows (`core.validation.mass_tolerance`), rebuild every response
 and agree with vLLM's own counters, exactly as in fp32."""
 
 import pytest
@@ -7,6 +7,8 @@ import torch
 from conftest import K, close_engine, make_engine
 from test_records_engine import assert_records_rebuild_responses
 from vllm import SamplingParams
+
+from openrlhf_growmtp.core import validate_record
 
 from toy import random_prompts
 
@@ -28,6 +30,6 @@ def test_bf16_records_validate_rebuild_responses_and_match_vllms_counters(world,
     vocab = world["policy"].config.vocab_size
     for rec in result.records:
         assert rec.topk_logprobs.dtype == torch.bfloat16 and rec.topk_ids.shape[-1] == TOPK
-        rec.validate(depth=K, vocab_size=vocab, topk=TOPK)
+        validate_record(rec, depth=K, vocab_size=vocab, topk=TOPK)
     assert_records_rebuild_responses(prompts, result)
 

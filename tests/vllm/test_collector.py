@@ -15,8 +15,9 @@ from vllm.sampling_params import RequestOutputKind
 from vllm.v1.metrics.stats import RequestSpecDecodeMetrics
 from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
 
-from openrlhf_growmtp.core import records as records_module
+from openrlhf_growmtp.core import validation
 from openrlhf_growmtp.core.records import SequenceRecord
+from openrlhf_growmtp.core.validation import validate_record
 from toy import policy_hidden_states, random_prompts
 from vllm_patches import capture
 from vllm_patches.collector import RecordCollectionError, RecordCollector
@@ -273,9 +274,9 @@ def test_each_record_is_validated_exactly_once_per_generate(engine, monkeypatch)
         return original(records, *args, **kwargs)
 
     cycle_checks = []
-    check_cycles = records_module._check_cycles
+    check_cycles = validation._check_cycles
     monkeypatch.setattr(collector_module, "validate_records", counting)
-    monkeypatch.setattr(records_module, "_check_cycles", lambda c: cycle_checks.append(c) or check_cycles(c))
+    monkeypatch.setattr(validation, "_check_cycles", lambda c: cycle_checks.append(c) or check_cycles(c))
     prompts = random_prompts(5, 128, seed=31)
     result = engine.generate(prompts, SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True))
     assert sum(r.num_cycles for r in result.records) > 0
@@ -301,7 +302,7 @@ def test_a_request_that_finished_before_any_cycle_gives_a_valid_empty_record(eng
         assert record.num_cycles == 0 and record.num_generated == 1 and record.token_ids.tolist()[:-1] == prompt
         # the same per-cycle shapes as the other records, so batches of records concatenate
         assert record.drafts.shape == (0, K) and record.topk_ids.shape[1:] == longer.topk_ids.shape[1:]
-        SequenceRecord.unpack(record.pack()).validate(depth=K, topk=longer.topk_ids.shape[-1])
+        validate_record(SequenceRecord.unpack(record.pack()), depth=K, topk=longer.topk_ids.shape[-1])
 
 
 def test_n_greater_than_one_is_refused_on_the_engine(engine):
