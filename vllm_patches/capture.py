@@ -168,21 +168,22 @@ def record_verification(req_ids: list[str], computed: list[int], metadata, sampl
         STATE.errors.append(f"a verification step verified {verify['topk_ids'].shape[0]} draft positions, but its "
                             f"requests drafted {sum(counts)}")
         return
+    rows = len(counts)  # the batch rows
     STATE.steps.append({
-        "req_ids": list(req_ids), "computed": list(computed)[:len(counts)], "counts": counts, "depth": depth,
-        "accepted": (sampled != PLACEHOLDER_TOKEN_ID).sum(dim=1) - 1,  # [batch]
+        "req_ids": list(req_ids[:rows]), "computed": list(computed[:rows]), "counts": counts, "depth": depth,
+        "accepted": (sampled[:rows] != PLACEHOLDER_TOKEN_ID).sum(dim=1) - 1,  # [batch]
         "drafts": _host(metadata.draft_token_ids, torch.int32), **verify})
 
 
 def _cycle_rows(steps: list[dict]) -> tuple[list[str], dict[str, torch.Tensor], dict[str, list[tuple[int, int]]]]:
     """The kept steps' cycle rows, step-major: (owner of each row, field -> [C, ...], dropped cycles)."""
     depth = steps[0]["depth"]
-    owners_all = [req_id for step in steps for req_id in step["req_ids"][:len(step["counts"])]]  # batch rows
+    owners_all = [req_id for step in steps for req_id in step["req_ids"]]  # batch rows
     counts = torch.tensor([c for step in steps for c in step["counts"]], dtype=torch.int64)
     has_q = torch.tensor([step["has_q"] for step in steps]).repeat_interleave(
         torch.tensor([len(step["counts"]) for step in steps]))
     start = torch.tensor([c for step in steps for c in step["computed"]], dtype=torch.int64) - 1
-    accepted = torch.cat([step["accepted"][:len(step["counts"])] for step in steps])
+    accepted = torch.cat([step["accepted"] for step in steps])
     keep = (counts == depth) & has_q
     dropped: dict[str, list[tuple[int, int]]] = {}
     for i in ((counts > 0) & ~keep).nonzero().flatten().tolist():
