@@ -19,7 +19,7 @@ setup(
     description="OpenRLHF extended so that an RL run grows its own speculative-decoding draft head (GrowMTP).",
     packages=find_packages(include=["openrlhf_growmtp", "openrlhf_growmtp.*", "vllm_patches", "vllm_patches.*"]),
     python_requires=">=3.10",
-    install_requires=[STACK["torch"], STACK["transformers"], "safetensors>=0.4"],
+    install_requires=[STACK["torch"], STACK["transformers"], "safetensors>=0.4", "numpy"],
     extras_require={
         # openrlhf itself is installed with --no-deps on CPU (its requirements pull CUDA builds); see Makefile
         # plus what openrlhf imports on the training path (its flash-attn requirement is served by a CPU shim)

@@ -14,8 +14,8 @@ Terms, defined once (the record's own terms -- cycle, draft path, accepted -- ar
 - *q rows* (debug, `capture_q`): the full draft distribution the rejection sampler received.
 - *committed hidden rows* (exact mode, `capture_hidden`): per propose call and request, the target's
   final-norm hidden states of the positions committed so far, exactly as the head's first pass consumed them.
-- *payload*: what `drain` returns (as a `transport.dump_blob`), with C = total cycle rows and
-  k = the recorded top-k width (`min(topk, V)`):
+- *payload*: what `drain` returns (as a `transport.dump_blob`, or the dict itself in-process), with
+  C = total cycle rows and k = the recorded top-k width (`min(topk, V)`):
       errors         list[str]      engine-side failures; the driver raises on any
       req_ids        list[str]      internal ids that own cycle rows, first-seen order
       counts         [len(req_ids)] int64, cycle rows per request; req_ids[i] owns the next counts[i] rows
@@ -115,7 +115,8 @@ def _rejection_sample_hook(original):
         config = STATE.config
         if config.enabled:
             logprobs = torch.log_softmax(target_logits.float(), dim=-1)  # [num_tokens, V]
-            # a row's top k is a set (records keep no order): unsorted, CPU topk is ~10x faster at k ~ V / 2
+            # a row's top k is a set (records keep no order): unsorted, CPU topk takes half the time at the
+            # toy's k ~ V / 2 (0.13 vs 0.24 ms for [96, 128] rows of fresh data)
             top = logprobs.topk(min(config.topk, logprobs.shape[-1]), dim=-1, sorted=False)  # [num_tokens, k]
             STATE.verify = {
                 "topk_ids": _host(top.indices, torch.int32),
@@ -256,8 +257,9 @@ def install_hooks() -> None:
     _INSTALLED = True
 
 
-def drain() -> bytes:
-    """Everything captured since the last drain, as one payload blob (see the module docstring)."""
+def drain(as_blob: bool = True) -> bytes | dict:
+    """Everything captured since the last drain, as one payload (see the module docstring): a blob for
+    RPCs that serialise what they return, or the dict itself where the caller shares this process."""
     payload: dict = {"errors": list(STATE.errors), "req_ids": [], "counts": torch.zeros(0, dtype=torch.int64)}
     owners, rows, dropped = _cycle_rows(STATE.steps) if STATE.steps else ([], {}, {})
     if owners:
@@ -272,4 +274,4 @@ def drain() -> bytes:
     payload["dropped"] = {req_id: tuple(torch.tensor(column, dtype=torch.int64) for column in zip(*cycles))
                           for req_id, cycles in dropped.items()}
     STATE.clear()
-    return dump_blob(payload)
+    return dump_blob(payload) if as_blob else payload

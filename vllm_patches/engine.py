@@ -106,6 +106,7 @@ class SpecEngine:
         self.k, self.capture, self.head_dir = int(k), capture, Path(head_dir)
         self.llm = LLM(model=str(model), **llm_kwargs)
         self.vocab_size = self.llm.llm_engine.model_config.get_vocab_size()
+        self._in_process = _in_process(self.llm)
         self._head_state: dict[str, torch.Tensor] | None = None
         self._slept_level = 0
         # always configured: in-process engines share the worker module state with earlier engines
@@ -140,7 +141,9 @@ class SpecEngine:
             logger.warning("GrowMTP: %d preemption(s) in this generate; dropping engine-captured hidden states "
                            "(the trainer recomputes them)", counters["num_preemptions"])
         # only the recording rank (worker_ext.RECORDING_RANK, the first) of a tensor-parallel engine captures
-        collector.add_drained(self.llm.collective_rpc("growmtp_drain_records")[0], keep_hidden=keep_hidden)
+        # an in-process worker hands the payload over as it is; across processes it travels as a blob
+        drained = self.llm.collective_rpc("growmtp_drain_records", args=(not self._in_process,))[0]
+        collector.add_drained(drained, keep_hidden=keep_hidden)
         draft_probs = [collector.peek_draft_probs(o) for o in outputs]
         records = collector.pop_all(outputs)
         accepted = torch.cat([r.accepted for r in records]) if records else torch.zeros(0)
@@ -153,12 +156,11 @@ class SpecEngine:
         """Stop the engine now, with the worker processes of a tensor-parallel engine (which would otherwise
         live until the interpreter exits, with their KV caches). An in-process engine core stops only its
         executor: vLLM's full in-process shutdown hangs here in zmq's context teardown."""
-        core = self.llm.llm_engine.engine_core
-        in_process = getattr(core, "engine_core", None)  # InprocClient (VLLM_ENABLE_V1_MULTIPROCESSING=0)
+        in_process = _in_process_core(self.llm)
         if in_process is not None:
             in_process.model_executor.shutdown()
         else:
-            core.shutdown()
+            self.llm.llm_engine.engine_core.shutdown()
         del self.llm
 
     # ---- weights ------------------------------------------------------------------------------------
@@ -200,6 +202,20 @@ class SpecEngine:
         if self._slept_level == 2:
             self.load_head(self._head_state if self._head_state is not None else self.head_dir)
         self._slept_level = 0
+
+
+def _in_process_core(llm):
+    """The EngineCore of an in-process engine (InprocClient, VLLM_ENABLE_V1_MULTIPROCESSING=0), else None."""
+    return getattr(llm.llm_engine.engine_core, "engine_core", None)
+
+
+def _in_process(llm) -> bool:
+    """Whether `llm`'s worker runs in this process, so that collective_rpc returns its results unserialised
+    (an in-process engine core with a single-process executor)."""
+    from vllm.v1.executor.uniproc_executor import UniProcExecutor
+
+    core = _in_process_core(llm)
+    return core is not None and isinstance(core.model_executor, UniProcExecutor)
 
 
 def _host(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -38,8 +38,10 @@ class GrowMTPWorkerExtension(WorkerWrap):
         capture.configure(config if self.rank == RECORDING_RANK else CaptureConfig(enabled=False))
         return type(runner).__qualname__
 
-    def growmtp_drain_records(self) -> bytes:
-        return capture.drain()
+    def growmtp_drain_records(self, as_blob: bool = True) -> bytes | dict:
+        """The capture payload (`capture.drain`); as_blob=False returns the dict itself, for a caller in this
+        process (an in-process executor hands results over without serialising them)."""
+        return capture.drain(as_blob)
 
     def growmtp_load_head_weights(self, blob: bytes) -> list[str]:
         """Load core-head-named weights into the live draft head (vLLM's layerwise reload protocol).

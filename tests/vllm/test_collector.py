@@ -316,6 +316,18 @@ def test_n_greater_than_one_is_refused_on_the_engine(engine):
         RecordCollector(K).add_output(outputs[0], SamplingParams(temperature=1.0))
 
 
+def test_an_in_process_worker_hands_its_payload_over_as_it_is(engine):
+    """In-process, the drained payload is the dict itself (SpecEngine asks for it so); by default a blob."""
+    assert engine._in_process
+    params = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
+    for as_blob in (False, True):
+        engine.llm.generate([{"prompt_token_ids": [5, 6, 7, 8]}], params, use_tqdm=False)
+        drained = engine.llm.collective_rpc("growmtp_drain_records", args=(as_blob,))[0]
+        payload = load_blob(drained) if as_blob else drained
+        assert isinstance(drained, bytes if as_blob else dict)
+        assert not payload["errors"] and len(payload["req_ids"]) == 1 and int(payload["counts"].sum()) > 0
+
+
 def test_cycles_drained_while_requests_run_join_into_exact_records(world, engine):
     """The rollout actor's order on the real engine: a drain while requests run, outputs, a drain after."""
     vocab = world["policy"].config.vocab_size

@@ -51,6 +51,7 @@ def test_each_cycle_is_recorded_once(tp_engine):
 def test_only_rank_0_captures(tp_engine):
     """The other ranks ship empty payloads: nothing is captured, serialised and dropped twice."""
     engine = tp_engine["engine"]
+    assert not engine._in_process  # worker processes: payloads cross as blobs
     engine.llm.generate([{"prompt_token_ids": p} for p in random_prompts(2, 128, seed=3)], PARAMS, use_tqdm=False)
     payloads = [load_blob(blob) for blob in engine.llm.collective_rpc("growmtp_drain_records")]
     assert len(payloads) == RANKS
