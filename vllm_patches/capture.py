@@ -46,7 +46,9 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
+import torch.nn.functional as F
 
 from . import check_vllm_version
 from .settings import CaptureConfig
@@ -62,6 +64,7 @@ PLACEHOLDER_TOKEN_ID = -1  # rejected slots in the sampler's output (vLLM's PLAC
 _HOOK_MARK = "__growmtp_hook__"
 # the per-cycle tensors of a payload (q only with capture_q), in the order the collector reads them
 CYCLE_FIELDS = ("start", "drafts", "topk_ids", "topk_logprobs", "accepted", "q")
+NUMPY_SELECT_DTYPES = (torch.float32, torch.float64)  # what top_k_rows hands to numpy (the hook's log-probs are fp32)
 
 
 def _host(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -75,7 +78,7 @@ class CaptureState:
 
     config: CaptureConfig = field(default_factory=lambda: CaptureConfig(enabled=False))
     # one entry per verification step, as record_verification kept it (per batch row: req_ids, computed,
-    # counts, accepted; per draft position: drafts, topk_ids, topk_logprobs, q); drain makes cycle rows
+    # counts, sampled; per draft position: drafts, topk_ids, topk_logprobs, q); drain makes cycle rows
     steps: list[dict] = field(default_factory=list)
     # exact mode: internal id -> [(positions [n], hidden [n, H]), ...] per propose call
     hidden: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=dict)
@@ -115,12 +118,10 @@ def _rejection_sample_hook(original):
         config = STATE.config
         if config.enabled:
             logprobs = torch.log_softmax(target_logits.float(), dim=-1)  # [num_tokens, V]
-            # a row's top k is a set (records keep no order): unsorted, CPU topk takes half the time at the
-            # toy's k ~ V / 2 (0.13 vs 0.24 ms for [96, 128] rows of fresh data)
-            top = logprobs.topk(min(config.topk, logprobs.shape[-1]), dim=-1, sorted=False)  # [num_tokens, k]
+            values, ids = top_k_rows(logprobs, min(config.topk, logprobs.shape[-1]))  # [num_tokens, k]
             STATE.verify = {
-                "topk_ids": _host(top.indices, torch.int32),
-                "topk_logprobs": _host(top.values, getattr(torch, config.logprob_dtype)),
+                "topk_ids": _host(ids, torch.int32),
+                "topk_logprobs": _host(values, getattr(torch, config.logprob_dtype)),
                 "has_q": draft_probs is not None,
                 "q": _host(draft_probs, torch.float32) if config.capture_q and draft_probs is not None else None,
             }
@@ -129,6 +130,19 @@ def _rejection_sample_hook(original):
 
     setattr(rejection_sample, _HOOK_MARK, True)
     return rejection_sample
+
+
+def top_k_rows(rows: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k largest entries of each row of [N, n] `rows` and their indices, in no order (a record's row is
+    a set): torch.topk, except on CPU where torch would run std::nth_element per row (ATen's TopKImpl.h:
+    k * 64 > n) and numpy's vectorised argpartition is faster (`benchmarks/bench_topk.py`)."""
+    n = rows.shape[-1]
+    if rows.device.type != "cpu" or k * 64 <= n or rows.dtype not in NUMPY_SELECT_DTYPES:
+        top = rows.topk(k, dim=-1, sorted=False)
+        return top.values, top.indices
+    array = rows.numpy()
+    ids = np.argpartition(array, n - k, axis=-1)[:, n - k:]  # everything from the (n - k)-th on is >= it
+    return torch.from_numpy(np.take_along_axis(array, ids, axis=-1)), torch.from_numpy(ids)
 
 
 def _sample_hook(original):
@@ -172,24 +186,34 @@ def record_verification(req_ids: list[str], computed: list[int], metadata, sampl
     rows = len(counts)  # the batch rows
     STATE.steps.append({
         "req_ids": list(req_ids[:rows]), "computed": list(computed[:rows]), "counts": counts, "depth": depth,
-        "accepted": (sampled[:rows] != PLACEHOLDER_TOKEN_ID).sum(dim=1) - 1,  # [batch]
-        "drafts": _host(metadata.draft_token_ids, torch.int32), **verify})
+        "sampled": sampled[:rows], "drafts": _host(metadata.draft_token_ids, torch.int32), **verify})
 
 
-def _cycle_rows(steps: list[dict]) -> tuple[list[str], dict[str, torch.Tensor], dict[str, list[tuple[int, int]]]]:
-    """The kept steps' cycle rows, step-major: (owner of each row, field -> [C, ...], dropped cycles)."""
+def _cycle_rows(steps: list[dict]) -> tuple[list[str], torch.Tensor, dict[str, torch.Tensor],
+                                            dict[str, list[tuple[int, int]]]]:
+    """The kept steps' cycle rows grouped by request, each request's in step order: (request ids in
+    first-seen order, rows per request, field -> [C, ...], dropped cycles)."""
     depth = steps[0]["depth"]
     owners_all = [req_id for step in steps for req_id in step["req_ids"]]  # batch rows
     counts = torch.tensor([c for step in steps for c in step["counts"]], dtype=torch.int64)
     has_q = torch.tensor([step["has_q"] for step in steps]).repeat_interleave(
         torch.tensor([len(step["counts"]) for step in steps]))
     start = torch.tensor([c for step in steps for c in step["computed"]], dtype=torch.int64) - 1
-    accepted = torch.cat([step["accepted"] for step in steps])
+    width = max(step["sampled"].shape[1] for step in steps)  # max_spec_len + 1 (a trimmed step's is less)
+    sampled = torch.cat([step["sampled"] if step["sampled"].shape[1] == width else
+                         F.pad(step["sampled"], (0, width - step["sampled"].shape[1]), value=PLACEHOLDER_TOKEN_ID)
+                         for step in steps])
+    accepted = (sampled != PLACEHOLDER_TOKEN_ID).sum(dim=1) - 1  # valid sampled tokens - 1, per batch row
     keep = (counts == depth) & has_q
     dropped: dict[str, list[tuple[int, int]]] = {}
     for i in ((counts > 0) & ~keep).nonzero().flatten().tolist():
         dropped.setdefault(owners_all[i], []).append((int(start[i]), int(accepted[i])))
     kept = keep.nonzero().flatten()
+    owners = [owners_all[i] for i in kept.tolist()]
+    req_ids = list(dict.fromkeys(owners))
+    index = {req_id: i for i, req_id in enumerate(req_ids)}
+    owner = torch.tensor([index[r] for r in owners], dtype=torch.int64)
+    kept = kept[torch.sort(owner, stable=True).indices]  # grouped by request, each request's in step order
     # the steps' draft positions side by side: a row's drafts follow the earlier rows' (of every step)
     flat = (torch.cumsum(counts, 0) - counts)[kept][:, None] + torch.arange(depth)  # [C, K]
     rows = {"start": start[kept], "accepted": accepted[kept]}
@@ -199,7 +223,7 @@ def _cycle_rows(steps: list[dict]) -> tuple[list[str], dict[str, torch.Tensor], 
         width = next(step["q"] for step in steps if step["q"] is not None).shape[-1]
         rows["q"] = torch.cat([step["q"] if step["q"] is not None else torch.zeros(sum(step["counts"]), width)
                                for step in steps])[flat]
-    return [owners_all[i] for i in kept.tolist()], rows, dropped
+    return req_ids, torch.bincount(owner, minlength=len(req_ids)), rows, dropped
 
 
 def _propose_hook(original):
@@ -261,14 +285,10 @@ def drain(as_blob: bool = True) -> bytes | dict:
     """Everything captured since the last drain, as one payload (see the module docstring): a blob for
     RPCs that serialise what they return, or the dict itself where the caller shares this process."""
     payload: dict = {"errors": list(STATE.errors), "req_ids": [], "counts": torch.zeros(0, dtype=torch.int64)}
-    owners, rows, dropped = _cycle_rows(STATE.steps) if STATE.steps else ([], {}, {})
-    if owners:
-        req_ids = list(dict.fromkeys(owners))
-        index = {req_id: i for i, req_id in enumerate(req_ids)}
-        owner = torch.tensor([index[r] for r in owners])
-        order = torch.sort(owner, stable=True).indices  # group rows by request; a request's rows stay in step order
-        payload.update(req_ids=req_ids, counts=torch.bincount(owner, minlength=len(req_ids)))
-        payload.update({name: rows[name][order] for name in CYCLE_FIELDS if name in rows})
+    dropped: dict[str, list[tuple[int, int]]] = {}
+    if STATE.steps:
+        req_ids, counts, rows, dropped = _cycle_rows(STATE.steps)
+        payload.update(req_ids=req_ids, counts=counts, **rows)
     payload["hidden"] = {req_id: (torch.cat([p for p, _ in chunks]), torch.cat([h for _, h in chunks]))
                          for req_id, chunks in STATE.hidden.items()}
     payload["dropped"] = {req_id: tuple(torch.tensor(column, dtype=torch.int64) for column in zip(*cycles))

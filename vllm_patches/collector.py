@@ -205,7 +205,9 @@ class RecordCollector:
     def _build(self, request_id: str, finished: _Finished, pending: _Pending) -> SequenceRecord:
         output = finished.output
         token_ids = torch.tensor(_committed(output), dtype=torch.int64)  # [T]
-        if pending.cycles:
+        if len(pending.cycles) == 1:  # views of the payload's rows (packed records hold only their own)
+            cycles = {name: pending.cycles[0][name] for name in RECORD_FIELDS}
+        elif pending.cycles:
             cycles = {name: torch.cat([c[name] for c in pending.cycles]) for name in RECORD_FIELDS}
         else:  # finished before any cycle (e.g. at prefill)
             cycles = {"start": torch.zeros(0, dtype=torch.int64),

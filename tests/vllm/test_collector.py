@@ -77,7 +77,8 @@ def verify(rows: list[tuple[Request, int] | tuple[str, None]], seed: int, has_q:
     metadata = SpecDecodeMetadata.make_dummy(drafts, torch.device("cpu"))
     num_tokens = sum(len(d) for d in drafts)
     top = torch.log_softmax(torch.randn(num_tokens, VOCAB, generator=g), dim=-1).topk(WIDTH, dim=-1)
-    sampled = torch.full((len(rows), K + 1), capture.PLACEHOLDER_TOKEN_ID)
+    # vLLM's [batch, max_spec_len + 1]: a step whose rows all have fewer than K drafts is narrower
+    sampled = torch.full((len(rows), max(map(len, drafts)) + 1), capture.PLACEHOLDER_TOKEN_ID)
     offset = 0
     for i, (req, r) in enumerate(rows):
         if r is not None:
@@ -158,15 +159,33 @@ def test_pop_by_tokens_is_first_in_first_out_among_identical_sequences(capture_s
         collector.pop_by_tokens(tokens)
 
 
+@pytest.mark.parametrize("rows, width, k, dtype", [
+    (96, 128, 64, torch.float32),  # the toy's rows: numpy's selection (k * 64 > width)
+    (7, 4096, 100, torch.float32),  # numpy's, wider
+    (3, 10, 10, torch.float32),  # the whole row
+    (5, 8192, 64, torch.float32),  # torch's partial sort (k * 64 <= width)
+    (6, 128, 64, torch.bfloat16),  # a dtype numpy lacks: torch's
+])
+def test_top_k_rows_are_torch_topk_s_entries_in_some_order(rows, width, k, dtype):
+    logprobs = torch.log_softmax(torch.randn(rows, width, generator=torch.Generator().manual_seed(width)), -1)
+    logprobs = logprobs.to(dtype)
+    values, ids = capture.top_k_rows(logprobs, k)
+    assert values.shape == ids.shape == (rows, k) and values.dtype == dtype
+    assert torch.equal(values.sort(dim=-1, descending=True).values, logprobs.topk(k, dim=-1).values)
+    assert torch.equal(logprobs.gather(1, ids.long()), values)  # each value sits at its id
+    assert all(len(set(row)) == k for row in ids.tolist())
+
+
 # ---- unit: refusals -------------------------------------------------------------------------------------
 def test_cycles_without_q_or_with_fewer_than_k_drafts_are_dropped_and_counted(capture_state):
     # near max_model_len vLLM drafts without q for a whole batch, and trims a request's drafts to what fits
     a = Request("a", prompt_len=4, accepted=[1, 0, 2, 1], seed=6)
-    b = Request("b", prompt_len=5, accepted=[2, 0, 1], seed=7)
+    b = Request("b", prompt_len=5, accepted=[2, 0, 1, 1], seed=7)
     verify([(a, 0), (b, 0)], seed=40)
     verify([(a, 1), (b, 1)], seed=41, has_q=False)  # the whole step: both cycles dropped
     verify([(a, 2), (b, 2)], seed=42, trimmed={1: 2})  # b had 2 drafts left: only b's cycle dropped
     verify([(a, 3)], seed=43)
+    verify([(b, 3)], seed=44, trimmed={0: 1})  # a step narrower than the others: b's cycle dropped
     collector = RecordCollector(K, topk=WIDTH, vocab_size=VOCAB)
     outputs = [a.output(per_step_accepted=a.accepted), b.output(per_step_accepted=b.accepted)]
     for output in outputs:
@@ -177,7 +196,7 @@ def test_cycles_without_q_or_with_fewer_than_k_drafts_are_dropped_and_counted(ca
     assert record_a.accepted.tolist() == [1, 2, 1] and record_a.meta["dropped_cycles"] == 1
     assert record_a.drafts.tolist() == [a.drafts[i] for i in (0, 2, 3)]
     assert torch.equal(record_a.topk_ids, torch.stack([a.topk_ids[i] for i in (0, 2, 3)]))
-    assert record_b.start.tolist() == [b.starts[0]] and record_b.meta["dropped_cycles"] == 2
+    assert record_b.start.tolist() == [b.starts[0]] and record_b.meta["dropped_cycles"] == 3
     assert torch.equal(record_b.topk_ids[0], b.topk_ids[0])
 
 
