@@ -70,7 +70,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--repeats", type=int, default=5, help="timed generate calls per engine (its best counts)")
-    parser.add_argument("--rounds", type=int, default=3, help="spec: pairs of engines without and with capture")
+    parser.add_argument("--rounds", type=int, default=5, help="spec: pairs of engines without and with capture")
     parser.add_argument("--train-steps", type=int, default=30)
     parser.add_argument("--sweep", action="store_true", help="the break-even map (see above)")
     parser.add_argument("--deep", action="store_true", help="compare on the deeper target of --sweep, not the toy")

@@ -36,14 +36,21 @@ def mass_tolerance(dtype: torch.dtype, width: int) -> float:
 
 def _require(condition: bool, field_name: str, message: str) -> None:
     if not condition:
-        raise RecordError(f"{field_name}: {message}")
+        _fail(field_name, message)
+
+
+def _fail(field_name: str, message: str) -> None:
+    raise RecordError(f"{field_name}: {message}")
 
 
 def _check_int(tensor, field_name: str, ndim: int) -> None:
-    _require(isinstance(tensor, torch.Tensor), field_name, f"expected a tensor, got {type(tensor).__name__}")
-    _require(tensor.ndim == ndim, field_name, f"expected {ndim} dims, got shape {tuple(tensor.shape)}")
-    _require(not tensor.is_floating_point() and not tensor.is_complex() and tensor.dtype != torch.bool,
-             field_name, f"expected an integer dtype, got {tensor.dtype}")
+    # per record, like _check_layout: the messages are formatted only on failure
+    if not isinstance(tensor, torch.Tensor):
+        _fail(field_name, f"expected a tensor, got {type(tensor).__name__}")
+    if tensor.ndim != ndim:
+        _fail(field_name, f"expected {ndim} dims, got shape {tuple(tensor.shape)}")
+    if tensor.is_floating_point() or tensor.is_complex() or tensor.dtype == torch.bool:
+        _fail(field_name, f"expected an integer dtype, got {tensor.dtype}")
 
 
 def check_fits(rec: SequenceRecord, depth: int | None = None, vocab_size: int | None = None,
@@ -67,33 +74,38 @@ def _check_layout(rec: SequenceRecord, depth: int | None = None, hidden_size: in
     _check_int(rec.accepted, "accepted", 1)
     length = int(rec.token_ids.shape[0])
     num_cycles, found_depth = int(rec.drafts.shape[0]), int(rec.drafts.shape[1])
-    _require(isinstance(rec.prompt_len, int) and 1 <= rec.prompt_len <= length, "prompt_len",
-             f"must be an int in 1..{length} (len(token_ids)), got {rec.prompt_len!r}")
-    _require(found_depth >= 1, "drafts", "K (second dim) must be at least 1")
-    if depth is not None:
-        _require(found_depth == depth, "drafts", f"K = {found_depth} drafts per cycle, expected K = {depth}")
-    _require(rec.start.shape[0] == num_cycles, "start", f"{rec.start.shape[0]} cycles, drafts has {num_cycles}")
-    _require(rec.accepted.shape[0] == num_cycles, "accepted",
-             f"{rec.accepted.shape[0]} cycles, drafts has {num_cycles}")
-    _require(rec.topk_ids.shape[:2] == (num_cycles, found_depth), "topk_ids",
-             f"shape {tuple(rec.topk_ids.shape)} does not start with [R={num_cycles}, K={found_depth}]")
+    if not (isinstance(rec.prompt_len, int) and 1 <= rec.prompt_len <= length):
+        _fail("prompt_len", f"must be an int in 1..{length} (len(token_ids)), got {rec.prompt_len!r}")
+    if found_depth < 1:
+        _fail("drafts", "K (second dim) must be at least 1")
+    if depth is not None and found_depth != depth:
+        _fail("drafts", f"K = {found_depth} drafts per cycle, expected K = {depth}")
+    if rec.start.shape[0] != num_cycles:
+        _fail("start", f"{rec.start.shape[0]} cycles, drafts has {num_cycles}")
+    if rec.accepted.shape[0] != num_cycles:
+        _fail("accepted", f"{rec.accepted.shape[0]} cycles, drafts has {num_cycles}")
+    if rec.topk_ids.shape[:2] != (num_cycles, found_depth):
+        _fail("topk_ids", f"shape {tuple(rec.topk_ids.shape)} does not start with [R={num_cycles}, K={found_depth}]")
     width = int(rec.topk_ids.shape[2])
-    _require(width >= 1, "topk_ids", "top-k width must be at least 1")
-    if topk is not None:
-        _require(width == topk, "topk_ids", f"top-k width {width}, expected {topk}")
+    if width < 1:
+        _fail("topk_ids", "top-k width must be at least 1")
+    if topk is not None and width != topk:
+        _fail("topk_ids", f"top-k width {width}, expected {topk}")
     lp = rec.topk_logprobs
-    _require(isinstance(lp, torch.Tensor) and lp.dtype in UNIT_ROUNDOFF, "topk_logprobs",
-             f"expected a {', '.join(map(str, UNIT_ROUNDOFF))} tensor, got {getattr(lp, 'dtype', type(lp).__name__)}")
-    _require(tuple(lp.shape) == tuple(rec.topk_ids.shape), "topk_logprobs",
-             f"shape {tuple(lp.shape)} differs from topk_ids {tuple(rec.topk_ids.shape)}")
-    if rec.hidden is not None:
-        h = rec.hidden
-        _require(isinstance(h, torch.Tensor) and h.is_floating_point() and h.ndim == 2, "hidden",
-                 f"expected a floating [T, H] tensor, got {getattr(h, 'dtype', type(h).__name__)} "
-                 f"{tuple(getattr(h, 'shape', ()))}")
-        _require(h.shape[0] == length, "hidden", f"{h.shape[0]} rows, token_ids has T = {length}")
-        if hidden_size is not None:
-            _require(h.shape[1] == hidden_size, "hidden", f"width {h.shape[1]}, expected H = {hidden_size}")
+    if not (isinstance(lp, torch.Tensor) and lp.dtype in UNIT_ROUNDOFF):
+        _fail("topk_logprobs", f"expected a {', '.join(map(str, UNIT_ROUNDOFF))} tensor, got "
+                               f"{getattr(lp, 'dtype', type(lp).__name__)}")
+    if lp.shape != rec.topk_ids.shape:
+        _fail("topk_logprobs", f"shape {tuple(lp.shape)} differs from topk_ids {tuple(rec.topk_ids.shape)}")
+    h = rec.hidden
+    if h is not None:
+        if not (isinstance(h, torch.Tensor) and h.is_floating_point() and h.ndim == 2):
+            _fail("hidden", f"expected a floating [T, H] tensor, got {getattr(h, 'dtype', type(h).__name__)} "
+                            f"{tuple(getattr(h, 'shape', ()))}")
+        if h.shape[0] != length:
+            _fail("hidden", f"{h.shape[0]} rows, token_ids has T = {length}")
+        if hidden_size is not None and h.shape[1] != hidden_size:
+            _fail("hidden", f"width {h.shape[1]}, expected H = {hidden_size}")
 
 
 def validate_record(rec: SequenceRecord, depth: int | None = None, vocab_size: int | None = None,
