@@ -48,6 +48,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_reconstruction.py
 	$(PY) benchmarks/bench_head_update.py
 	$(PY) benchmarks/bench_rollout.py
+	$(PY) benchmarks/bench_topk.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info
