@@ -215,10 +215,13 @@ class RecordCollector:
                       "topk_ids": torch.zeros(0, self.depth, self.topk, dtype=torch.int32),
                       "topk_logprobs": torch.zeros(0, self.depth, self.topk, dtype=torch.bfloat16),
                       "accepted": torch.zeros(0, dtype=torch.int64)}
-        dropped_start = torch.cat([d[0] for d in pending.dropped]) if pending.dropped else cycles["start"][:0]
-        dropped_accepted = torch.cat([d[1] for d in pending.dropped]) if pending.dropped else cycles["accepted"][:0]
-        order = torch.cat([cycles["start"], dropped_start]).argsort(stable=True)
-        _check_against_vllm(request_id, output, torch.cat([cycles["accepted"], dropped_accepted])[order])
+        accepted, num_dropped = cycles["accepted"], 0  # of every verify step of the request (kept, dropped)
+        if pending.dropped:
+            dropped_start = torch.cat([d[0] for d in pending.dropped])
+            num_dropped = len(dropped_start)
+            order = torch.cat([cycles["start"], dropped_start]).argsort(stable=True)
+            accepted = torch.cat([accepted, torch.cat([d[1] for d in pending.dropped])])[order]
+        _check_against_vllm(request_id, output, accepted)
         hidden = None
         if pending.hidden and not pending.hidden_dropped:
             hidden = _hidden_rows(pending.hidden, len(token_ids), cycles["start"], self.hidden_dtype)
@@ -227,7 +230,7 @@ class RecordCollector:
                                         "states for its cycles")
         return SequenceRecord(token_ids=token_ids, prompt_len=len(output.prompt_token_ids), hidden=hidden,
                               temperature=finished.temperature,
-                              meta={"request_id": request_id, DROPPED_META: len(dropped_start)}, **cycles)
+                              meta={"request_id": request_id, DROPPED_META: num_dropped}, **cycles)
 
 
 def _committed(output) -> tuple[int, ...]:
