@@ -5,6 +5,7 @@
     result.records[i]      # SequenceRecord of prompt i (validated), or None without capture
     result.metrics         # tau, alpha_k, cycles, record bytes per generated token, tokens/s
     engine.load_head(state_dict_or_dir); engine.load_target(hf_state_dict)
+    engine.set_capture(False)  # e.g. evaluation rollouts: no records, no capture work; True switches it back
 
 The engine's settings come from `settings.spec_engine_kwargs` (sampled drafts from q, standard rejection
 sampling; configurations that would verify against a one-hot q are refused there), and its records from
@@ -27,7 +28,7 @@ from openrlhf_growmtp.core.records import DEFAULT_TOPK, SequenceRecord
 
 from . import check_vllm_version
 from .collector import DROPPED_META, RecordCollector
-from .settings import CaptureConfig, check_sampling_params, spec_engine_kwargs
+from .settings import CaptureConfig, SpecConfigError, check_sampling_params, spec_engine_kwargs
 from .transport import dump_blob
 
 check_vllm_version()
@@ -113,6 +114,18 @@ class SpecEngine:
         self.llm.collective_rpc("growmtp_configure_capture", args=(self.capture_config.as_dict(),))
 
     # ---- generation -------------------------------------------------------------------------------
+    def set_capture(self, enabled: bool) -> None:
+        """Switch record capture off or back on between generates (e.g. off for evaluation rollouts that need
+        no records: their generates then return no records and cost no capture work). Only an engine built
+        with capture=True can capture: vLLM takes what capture needs (synchronous scheduling, per-request
+        spec-decode metrics) when it starts."""
+        if enabled and not self.capture_config.enabled:
+            raise SpecConfigError("this engine was built with capture=False: vLLM's settings for record capture "
+                                  "are fixed when it starts; build it with capture=True to switch capture on")
+        config = self.capture_config if enabled else CaptureConfig(enabled=False)
+        self.llm.collective_rpc("growmtp_configure_capture", args=(config.as_dict(),))
+        self.capture = bool(enabled)
+
     def generate(self, prompts: list[list[int]], sampling_params) -> GenerateResult:
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
         for p in params:

@@ -347,6 +347,31 @@ def test_an_in_process_worker_hands_its_payload_over_as_it_is(engine):
         assert not payload["errors"] and len(payload["req_ids"]) == 1 and int(payload["counts"].sum()) > 0
 
 
+def test_capture_switched_off_and_back_on_between_generates(engine):
+    prompts = random_prompts(3, 128, seed=5)
+    params = SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True)
+    engine.set_capture(False)
+    try:
+        off = engine.generate(prompts, params)
+        leftover = engine.llm.collective_rpc("growmtp_drain_records", args=(False,))[0]
+    finally:
+        engine.set_capture(True)
+    assert off.records == [None] * 3 and off.metrics.acceptance.cycles > 0  # from vLLM's own counters
+    assert not leftover["req_ids"] and not leftover["dropped"]  # the hooks kept nothing
+    on = engine.generate(prompts, params)
+    assert all(record.num_cycles > 0 for record in on.records)
+
+
+def test_an_engine_built_without_capture_cannot_switch_it_on():
+    """vLLM fixes capture's settings (synchronous scheduling, per-request metrics) when it starts."""
+    from vllm_patches.engine import SpecEngine
+
+    engine = SpecEngine.__new__(SpecEngine)  # the refusal comes before the engine is reached
+    engine.capture_config = CaptureConfig(enabled=False)
+    with pytest.raises(SpecConfigError, match="built with capture=False"):
+        engine.set_capture(True)
+
+
 def test_cycles_drained_while_requests_run_join_into_exact_records(world, engine):
     """The rollout actor's order on the real engine: a drain while requests run, outputs, a drain after."""
     vocab = world["policy"].config.vocab_size
