@@ -20,8 +20,9 @@ Chunks of cycles run their forwards and their own backward (`scoring.chunk_loss_
 holds a chunk's full-vocabulary logits); each chunk's loss is weighted by its share of the batch's
 cycles, so accumulated gradients equal one backward over the whole batch (chunk graphs are disjoint:
 the prefix keys and values they read are leaves, computed once per sequence and backpropagated once
-after its last chunk, `prefix.PrefixStore`; a call of one chunk keeps them in its graph instead). During the update the head keeps only inputs and matrix
-products' outputs for backward where chunks are large (`recompute.elementwise_recomputed`).
+after its last chunk, `prefix.PrefixStore`; a call of one chunk keeps them in its graph instead).
+During the update the head keeps only inputs and matrix products' outputs for backward where chunks
+are large (`recompute.elementwise_recomputed`).
 """
 
 from __future__ import annotations

@@ -1,5 +1,7 @@
 """Batched draft-path reconstruction equals chain-by-chain drafting: values, gradients, chunking, mask."""
 
+import functools
+
 import pytest
 import torch
 
@@ -255,8 +257,10 @@ def _module_calls(head, records, **kwargs):
     """Forward calls per module (the backward's recomputations included) during one head update."""
     calls = {}
     modules = dict(head.named_modules(), lm_head=head.lm_head)
-    handles = [m.register_forward_hook(lambda mod, args, out, name=name: calls.__setitem__(name, calls.get(name, 0) + 1))
-               for name, m in modules.items()]
+    def count(module, args, out, name):
+        calls[name] = calls.get(name, 0) + 1
+
+    handles = [m.register_forward_hook(functools.partial(count, name=name)) for name, m in modules.items()]
     try:
         head_loss_backward(head, records, **kwargs)
     finally:
