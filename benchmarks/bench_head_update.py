@@ -34,7 +34,8 @@ import torch
 from bench_reconstruction import measure_peak, qwen3_4b_config, sync
 from transformers import Qwen3ForCausalLM
 
-from openrlhf_growmtp.core import MTPHead, SequenceRecord, head_loss_backward, init_random_head_, make_head_config
+from openrlhf_growmtp.core import (HeadLossConfig, MTPHead, SequenceRecord, head_loss_backward, init_random_head_,
+                                   make_head_config)
 from openrlhf_growmtp.core.families import get_family
 
 K, TOPK, REAL_LAYERS = 5, 64, 36
@@ -136,7 +137,7 @@ def main() -> None:
     def update():
         for p in head.parameters():
             p.grad.zero_()
-        return head_loss_backward(head, [record], hiddens, chunk_cycles=args.chunk_cycles)
+        return head_loss_backward(head, [record], hiddens, HeadLossConfig(chunk_cycles=args.chunk_cycles))
 
     stats, head_s, head_mb = timed(update, args.device, args.repeats)
     tau = 1.0 + float(record.accepted.float().mean())

@@ -36,8 +36,8 @@ import torch
 from torch import nn
 from transformers import Qwen3Config
 
-from openrlhf_growmtp.core import (MTPHead, SequenceRecord, head_loss_backward, init_random_head_, make_head_config,
-                                   reconstruct_draft_logits)
+from openrlhf_growmtp.core import (HeadLossConfig, Lockstep, MTPHead, SequenceRecord, head_loss_backward,
+                                   init_random_head_, make_head_config, reconstruct_draft_logits)
 from openrlhf_growmtp.core.families import get_family
 from openrlhf_growmtp.core.head import HeadKVCache
 from openrlhf_growmtp.core.objectives import head_loss_per_cycle
@@ -105,7 +105,7 @@ def compare(head: MTPHead, rec: SequenceRecord, device: str) -> dict:
     for _ in range(3):  # the median of three: one run is too short to time alone
         sync(device)
         t0 = time.perf_counter()
-        head_loss_backward(head, [rec], kind="dca", chunk_cycles=1024)
+        head_loss_backward(head, [rec], cfg=HeadLossConfig(objective="dca", chunk_cycles=1024))
         sync(device)
         times.append(time.perf_counter() - t0)
         batched_grad = grads_of(head)
@@ -167,7 +167,7 @@ def peak_memory_mb(head: MTPHead, rec: SequenceRecord, chunk: int, device: str) 
     """{"activations": MB, "prefix_state": MB} on CPU (`SavedBytes`); on CUDA both are in "activations"."""
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
-        head_loss_backward(head, [rec], chunk_cycles=chunk)
+        head_loss_backward(head, [rec], cfg=HeadLossConfig(chunk_cycles=chunk))
         grads_of(head)
         return {"activations": torch.cuda.max_memory_allocated() / 2**20, "prefix_state": 0.0}
     meter = SavedBytes(head)
@@ -177,7 +177,7 @@ def peak_memory_mb(head: MTPHead, rec: SequenceRecord, chunk: int, device: str) 
         loss.backward()
 
     with torch.autograd.graph.saved_tensors_hooks(meter.pack, lambda t: t):
-        head_loss_backward(head, [rec], chunk_cycles=chunk, backward=backward)
+        head_loss_backward(head, [rec], cfg=HeadLossConfig(chunk_cycles=chunk), lockstep=Lockstep(backward=backward))
     grads_of(head)
     return {"activations": meter.peak_activations / 2**20, "prefix_state": meter.peak_state / 2**20}
 
@@ -286,10 +286,11 @@ def real_shape_chunk(device: str, cycles: int = 1024, dtype: torch.dtype = torch
         p.grad = torch.zeros_like(p)
     sync(device)
     t0 = time.perf_counter()
-    stats = head_loss_backward(head, [rec], [hidden], chunk_cycles=cycles)
+    stats = head_loss_backward(head, [rec], [hidden], HeadLossConfig(chunk_cycles=cycles))
     sync(device)
     seconds = time.perf_counter() - t0
-    _, peak, rss = measure_peak(lambda: head_loss_backward(head, [rec], [hidden], chunk_cycles=cycles), device)
+    cfg = HeadLossConfig(chunk_cycles=cycles)
+    _, peak, rss = measure_peak(lambda: head_loss_backward(head, [rec], [hidden], cfg), device)
     return {"cycles": cycles, "tokens": int(rec.token_ids.numel()), "dtype": str(dtype).replace("torch.", ""),
             "peak_mb": peak, "peak_rss_mb": rss, "seconds": seconds, "finite": stats.finite}
 

@@ -36,7 +36,6 @@ import argparse
 import gc
 import json
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -45,9 +44,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 from openrlhf_growmtp.core.checkpoint import export_head, load_head, materialize_random_head  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the tests' toy world
-from toy import load_policy, make_policy, random_prompts, train_head_on_records  # noqa: E402
+from openrlhf_growmtp.toy_world import load_policy, make_policy, random_prompts, train_head_on_records  # noqa: E402
 
 ENGINE_ARGS = dict(dtype="float32", enforce_eager=True, max_model_len=512, max_num_seqs=32, seed=0)
 

@@ -67,7 +67,7 @@ CYCLE_FIELDS = ("start", "drafts", "topk_ids", "topk_logprobs", "accepted", "q")
 NUMPY_SELECT_DTYPES = (torch.float32, torch.float64)  # what top_k_rows hands to numpy (the hook's log-probs are fp32)
 
 
-def _host(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+def _private_copy(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """A host copy that never aliases vLLM's persistent buffers (on CPU, .cpu() and .long() may not copy)."""
     return tensor.detach().to("cpu", dtype=dtype, copy=True)
 
@@ -120,10 +120,11 @@ def _rejection_sample_hook(original):
             logprobs = torch.log_softmax(target_logits.float(), dim=-1)  # [num_tokens, V]
             values, ids = top_k_rows(logprobs, min(config.topk, logprobs.shape[-1]))  # [num_tokens, k]
             STATE.verify = {
-                "topk_ids": _host(ids, torch.int32),
-                "topk_logprobs": _host(values, getattr(torch, config.logprob_dtype)),
+                "topk_ids": _private_copy(ids, torch.int32),
+                "topk_logprobs": _private_copy(values, getattr(torch, config.logprob_dtype)),
                 "has_q": draft_probs is not None,
-                "q": _host(draft_probs, torch.float32) if config.capture_q and draft_probs is not None else None,
+                "q": (_private_copy(draft_probs, torch.float32) if config.capture_q and draft_probs is not None
+                      else None),
             }
         return original(draft_token_ids, num_draft_tokens, max_spec_len, cu_num_draft_tokens, draft_probs,
                         target_logits, *args, **kwargs)
@@ -159,7 +160,7 @@ def _sample_hook(original):
             STATE.errors.append("a verification step bypassed rejection_sample (hook not reached)")
             return output
         # sampled_token_ids: [batch, max_spec_len + 1], PLACEHOLDER_TOKEN_ID after the first rejection
-        record_verification(req_ids, computed, spec_decode_metadata, _host(output.sampled_token_ids), verify,
+        record_verification(req_ids, computed, spec_decode_metadata, _private_copy(output.sampled_token_ids), verify,
                             depth=self.speculative_config.num_speculative_tokens)
         return output
 
@@ -186,7 +187,7 @@ def record_verification(req_ids: list[str], computed: list[int], metadata, sampl
     rows = len(counts)  # the batch rows
     STATE.steps.append({
         "req_ids": list(req_ids[:rows]), "computed": list(computed[:rows]), "counts": counts, "depth": depth,
-        "sampled": sampled[:rows], "drafts": _host(metadata.draft_token_ids, torch.int32), **verify})
+        "sampled": sampled[:rows], "drafts": _private_copy(metadata.draft_token_ids, torch.int32), **verify})
 
 
 def _cycle_rows(steps: list[dict]) -> tuple[list[str], torch.Tensor, dict[str, torch.Tensor],
@@ -233,14 +234,14 @@ def _propose_hook(original):
         # target_positions: [num_tokens] (or [3, num_tokens] with M-RoPE); target_hidden_states: [num_tokens, H]
         config = STATE.config
         if config.enabled and config.capture_hidden:
-            starts = _host(common_attn_metadata.query_start_loc_cpu, torch.int64)  # [batch + 1]
+            starts = _private_copy(common_attn_metadata.query_start_loc_cpu, torch.int64)  # [batch + 1]
             last = token_indices_to_sample  # [batch], the slot each request samples from
             if last is None:
                 last = common_attn_metadata.query_start_loc[1:] - 1
             positions = target_positions if target_positions.dim() == 1 else target_positions[0]
             total = int(starts[-1])
-            STATE.proposal = (starts, _host(last, torch.int64), _host(positions[:total], torch.int64),
-                              _host(target_hidden_states[:total], torch.float32))
+            STATE.proposal = (starts, _private_copy(last, torch.int64), _private_copy(positions[:total], torch.int64),
+                              _private_copy(target_hidden_states[:total], torch.float32))
         return original(self, num_speculative_tokens, target_token_ids, target_positions, target_hidden_states,
                         next_token_ids, token_indices_to_sample, common_attn_metadata, *args, **kwargs)
 

@@ -180,7 +180,7 @@ class SpecEngine:
     def load_head(self, head: str | Path | dict[str, torch.Tensor]) -> list[str]:
         """Load head weights (a head directory or a core-head state dict) into the running engine."""
         state = load_file(str(Path(head) / HEAD_WEIGHTS)) if isinstance(head, (str, Path)) else head
-        state = _host(state)
+        state = _cpu_state(state)
         loaded = self.llm.collective_rpc("growmtp_load_head_weights", args=(dump_blob(state),))[0]
         self._head_state = state
         return loaded
@@ -191,11 +191,11 @@ class SpecEngine:
         head = self._head_state if head is None else head
         if head is None:
             raise ValueError("no head to compare with: pass a state dict, or load_head one first")
-        return self.llm.collective_rpc("growmtp_head_sync_diff", args=(dump_blob(_host(head)),))
+        return self.llm.collective_rpc("growmtp_head_sync_diff", args=(dump_blob(_cpu_state(head)),))
 
     def load_target(self, state: dict[str, torch.Tensor]) -> int:
         """Load HF-named policy weights into the running engine (the drafter shares embed/lm_head)."""
-        return self.llm.collective_rpc("growmtp_load_target_weights", args=(dump_blob(_host(state)),))[0]
+        return self.llm.collective_rpc("growmtp_load_target_weights", args=(dump_blob(_cpu_state(state)),))[0]
 
     # ---- sleep / wake -----------------------------------------------------------------------------
     def sleep(self, level: int = 1) -> None:
@@ -231,7 +231,8 @@ def _in_process(llm) -> bool:
     return core is not None and isinstance(core.model_executor, UniProcExecutor)
 
 
-def _host(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def _cpu_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A state dict's tensors on the host, contiguous (what `dump_blob` ships)."""
     return {name: tensor.detach().to("cpu").contiguous() for name, tensor in state.items()}
 
 

@@ -1,22 +1,22 @@
 """The attention of batched draft-path reconstruction: every query scores only the keys it can see.
 
-At depth j of a chunk, the query of cycle c (sequence i, start s) sees two sets of keys:
+At draft position j of a chunk, the query of cycle c (sequence i, start s) sees two sets of keys:
 
 - the committed prefix of its own sequence, positions p < s. Queries are taken per sequence in blocks
   of consecutive cycles (ascending starts), and a block scores the keys up to its own largest start
   only: no other sequence's keys, and about half of a long prefix;
-- its own chain entries of depths 1..j (at most K keys).
+- its own chain entries of draft positions 1..j (at most K keys).
 
 One autograd function (`draft_attention`) runs both and merges them by their log-sum-exps. It keeps for
 backward only its inputs, the output and the log-sum-exp (nothing of size queries x keys): the backward
 recomputes each block's probabilities, as flash attention does. The prefix keys and values are read in
-place by every depth, never copied or expanded to the query heads: grouped-query attention folds the
+place at every draft position, never copied or expanded to the query heads: grouped-query attention folds the
 query heads sharing a key head into one matrix product. Scores and sums are in fp32.
 
 The head's decoder layer reaches this through transformers' attention interface: the head's config
 names `ATTENTION_NAME`, which runs SDPA unless the call passes `draft_path=` (`DraftPathAttention`, or
 any callable with its signature). `DraftPathAttention` is also the layer's cache: `update` receives the
-depth's new keys and values.
+draft position's new keys and values.
 """
 
 from __future__ import annotations
@@ -30,9 +30,8 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 ATTENTION_NAME = "growmtp_draft_path"
 
 # At most this many fp32 scores in one block of the prefix. On CPU small blocks stay in cache and skip
-# more of the masked keys: at the benchmark's shape 2^18 (1 MiB) took 0.36 s per head update against
-# 0.39 s at 2^17 and 2^20 and 0.50 s at 2^22 (bench_reconstruction, 1024 cycles). A GPU wants fewer,
-# larger launches (not measured here: no GPU was lent).
+# more of the masked keys (`benchmarks/bench_reconstruction.py` chose 2^18); a GPU wants fewer, larger
+# launches.
 BLOCK_SCORES = {"cpu": 2**18, "cuda": 2**24}
 
 
@@ -112,7 +111,7 @@ class _DraftAttention(torch.autograd.Function):
         scores = torch.einsum("nkrd,nkjd->nkrj", q, chain_keys.float()).mul_(scale)
         lse_c = torch.logsumexp(scores, dim=-1)
         out_c = torch.einsum("nkrj,nkjd->nkrd", scores.sub_(lse_c[..., None]).exp_(), chain_values.float())
-        lse = torch.logaddexp(lse_p, lse_c)  # finite: every query sees its own depth-1 entry
+        lse = torch.logaddexp(lse_p, lse_c)  # finite: every query sees its own position-1 entry
         out = (torch.exp(lse_p - lse)[..., None] * out_p + torch.exp(lse_c - lse)[..., None] * out_c).to(query.dtype)
         # the output as returned (the head's dtype, as flash attention keeps it; o_proj keeps it anyway)
         ctx.save_for_backward(query, chain_keys, chain_values, start, out, lse, *prefix)
@@ -161,12 +160,12 @@ def draft_attention(query: torch.Tensor, chain_keys: torch.Tensor, chain_values:
 
 
 class DraftPathAttention:
-    """One chunk's attention: the head's cache (`update` stores each depth's chain entries) and, passed as
-    `draft_path=`, its attention function.
+    """One chunk's attention: the head's cache (`update` stores each draft position's chain entries) and,
+    passed as `draft_path=`, its attention function.
 
     prefix: (keys, values) [kv, L_i, d] per sequence of the chunk; seq, start [N]: each cycle's sequence
-    (index into prefix) and start. Before each depth, `next_depth(cycles)` names the depth's queries: the
-    cycles still drafting, ascending (a subset of the previous depth's).
+    (index into prefix) and start. Before each draft position, `next_position(cycles)` names its queries:
+    the cycles still drafting, ascending (a subset of the previous position's).
     """
 
     def __init__(self, prefix: Sequence[tuple[torch.Tensor, torch.Tensor]], seq: torch.Tensor, start: torch.Tensor,
@@ -174,30 +173,30 @@ class DraftPathAttention:
         self.prefix, self.heads = list(prefix), heads
         self.seq, self.start = seq, start
         self.seq_list, self.start_list = seq.tolist(), start.tolist()
-        self.depth_cycles: list[torch.Tensor] = []
-        self.depth_keys: list[torch.Tensor] = []  # [N_j, kv, d] per depth
-        self.depth_values: list[torch.Tensor] = []
+        self.position_cycles: list[torch.Tensor] = []
+        self.position_keys: list[torch.Tensor] = []  # [N_j, kv, d] per draft position
+        self.position_values: list[torch.Tensor] = []
 
-    def next_depth(self, cycles: torch.Tensor) -> None:
-        self.depth_cycles.append(cycles)
+    def next_position(self, cycles: torch.Tensor) -> None:
+        self.position_cycles.append(cycles)
         chosen = cycles.tolist()
         self.blocks = plan_blocks([self.seq_list[c] for c in chosen], [self.start_list[c] for c in chosen],
                                   self.heads, BLOCK_SCORES.get(self.start.device.type, BLOCK_SCORES["cuda"]))
 
-    # transformers' Cache duck type: the layer writes the depth's keys and values [1, kv, N_j, d]
+    # transformers' Cache duck type: the layer writes the position's keys and values [1, kv, N_j, d]
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int = 0, cache_kwargs=None):
-        self.depth_keys.append(key[0].transpose(0, 1))
-        self.depth_values.append(value[0].transpose(0, 1))
+        self.position_keys.append(key[0].transpose(0, 1))
+        self.position_values.append(value[0].transpose(0, 1))
         return key, value
 
     def __call__(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float):
-        """query [1, heads, N_j, d] of this depth's cycles -> ([1, N_j, heads, d], None)."""
-        cycles = self.depth_cycles[-1]
+        """query [1, heads, N_j, d] of this position's cycles -> ([1, N_j, heads, d], None)."""
+        cycles = self.position_cycles[-1]
         num, kv = cycles.shape[0], key.shape[1]
         q = query[0].transpose(0, 1).reshape(num, kv, -1, query.shape[-1])
-        # this depth's cycles' entries at every depth so far: rows of cycles in each depth's (sorted) list
-        rows = [torch.searchsorted(c, cycles) for c in self.depth_cycles]
-        keys = torch.stack([k[r] for k, r in zip(self.depth_keys, rows)], dim=2)
-        values = torch.stack([v[r] for v, r in zip(self.depth_values, rows)], dim=2)
+        # this position's cycles' entries at every position so far: their rows in each position's sorted list
+        rows = [torch.searchsorted(c, cycles) for c in self.position_cycles]
+        keys = torch.stack([k[r] for k, r in zip(self.position_keys, rows)], dim=2)
+        values = torch.stack([v[r] for v, r in zip(self.position_values, rows)], dim=2)
         out = draft_attention(q, keys, values, self.start[cycles], self.blocks, scaling, self.prefix)
         return out.reshape(1, num, -1, query.shape[-1]), None

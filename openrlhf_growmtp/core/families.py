@@ -7,7 +7,7 @@ of `HeadFamily`, never a branch spread through the code:
 - the parameter names of the native checkpoint (so one state dict serves trainer, engine and export);
 - the concat order of the native fc (our implementation always computes `fc(cat[e, h])`; a native
   `[h, e]` checkpoint has its fc halves swapped on load and swapped back on export);
-- whether the state fed back to the next draft step is the layer output before or after the final norm;
+- whether the state fed back to the next draft position is the layer output before or after the final norm;
 - whether the token embedding is zeroed at absolute position 0 (MiMo's and DeepSeek's MTP do this);
 - the RMSNorm weight that means "scale 1" (Qwen3.5 norms compute `x * (1 + w)`).
 """

@@ -3,7 +3,7 @@
     x   = fc(cat[norm_e(embed(token)), norm_h(hidden)])      (bias-free 2H -> H)
     o   = decoder_layer(x)                                     (one layer of the backbone's family)
     q   = softmax(lm_head(norm(o)) / T)                        (the backbone's lm_head)
-    h'  = o or norm(o), per family                             (the state fed to the next draft step)
+    h'  = o or norm(o), per family                             (the state fed to the next draft position)
 
 The embedding and the lm_head are the backbone's modules, passed in and never copied or registered:
 the head's state dict holds only its own parameters, under the native checkpoint names.
@@ -75,7 +75,7 @@ class HeadKVCache:
 class HeadOutput:
     hidden: torch.Tensor  # [B, T, H] decoder-layer output o (pre-norm)
     normed: torch.Tensor  # [B, T, H] norm(o), what the lm_head reads
-    feed_back: torch.Tensor  # [B, T, H] the state the next draft step consumes
+    feed_back: torch.Tensor  # [B, T, H] the state the next draft position consumes
 
     def last(self) -> "HeadOutput":
         """The last slot only ([B, 1, H] each): the output a cycle's chain starts from."""
@@ -91,7 +91,7 @@ class MTPHead(nn.Module):
         self.family = get_family(getattr(config, HEAD_CONFIG_FIELD))
         config = copy.deepcopy(config)
         # SDPA unless a call passes draft_path= (draft_attention.py). NOTE: prefill relies on SDPA's
-        # is_causal; chain steps pass an explicit additive mask.
+        # is_causal; later draft positions pass an explicit additive mask.
         config._attn_implementation = ATTENTION_NAME
         self.config = config
         fam, hidden, eps = self.family, config.hidden_size, config.rms_norm_eps
@@ -207,9 +207,10 @@ class MTPHead(nn.Module):
             mask = prefix_extension_mask(len(cache), length, target_hidden.dtype, target_hidden.device)
         return self.forward(target_hidden, next_token_ids, positions, cache=cache, attention_mask=mask)
 
-    def step(self, feed_back: torch.Tensor, token_ids: torch.Tensor, position: int | torch.Tensor,
+    def next_position(self, feed_back: torch.Tensor, token_ids: torch.Tensor, position: int | torch.Tensor,
              cache: HeadKVCache) -> HeadOutput:
-        """One chain step: feed_back [B, H], token_ids [B] at `position`; attends to the whole cache."""
+        """The chain's next draft position: feed_back [B, H], token_ids [B] at `position`; attends to the whole
+        cache."""
         positions = torch.as_tensor(position, device=token_ids.device).reshape(-1, 1).expand(token_ids.shape[0], 1)
         return self.forward(feed_back.unsqueeze(1), token_ids.unsqueeze(1), positions, cache=cache)
 
@@ -233,7 +234,7 @@ class MTPHead(nn.Module):
                 token = torch.multinomial(torch.softmax(step_logits, dim=-1), 1, generator=generator).squeeze(-1)
             drafts.append(token)
             if j + 1 < num_steps:
-                out = self.step(out.feed_back[:, -1], token, start + j + 1, cache)
+                out = self.next_position(out.feed_back[:, -1], token, start + j + 1, cache)
         return torch.stack(drafts, dim=1), torch.stack(logits, dim=1)
 
 

@@ -20,9 +20,9 @@ import math
 
 import torch
 
-CHAIN_KINDS = ("dca", "tv")
-POSITION_KINDS = ("ce", "kl")
-LOSS_KINDS = CHAIN_KINDS + POSITION_KINDS
+CHAIN_OBJECTIVES = ("dca", "tv")  # on the acceptance chain
+POSITION_OBJECTIVES = ("ce", "kl")  # per draft position (the ablations)
+OBJECTIVES = CHAIN_OBJECTIVES + POSITION_OBJECTIVES
 # A target residual below this is fp32/bf16 rounding of a top-k that holds all the mass: the bin is
 # dropped, since which side of min() wins there is noise (the error stays <= the target residual).
 MIN_RESIDUAL_MASS = 1e-6
@@ -100,20 +100,20 @@ def chain_lengths(accepted: torch.Tensor | None, num_cycles: int, k: int, device
     return (accepted.long() + 1).clamp(max=k)
 
 
-def chain_loss(alpha: torch.Tensor, accepted: torch.Tensor | None = None, kind: str = "dca", *,
+def chain_loss(alpha: torch.Tensor, accepted: torch.Tensor | None = None, objective: str = "dca", *,
                alpha_is_log: bool = False) -> torch.Tensor:
     """Mean over cycles of the DCA or TV chain loss. alpha [N, K] (or log alpha with alpha_is_log).
 
     accepted [N] (0..K) enables verify-gated masking: the chain sum stops at and includes position
     min(accepted + 1, K). None: no masking, the chain runs over all K positions.
     """
-    return chain_loss_per_cycle(alpha, accepted, kind, alpha_is_log=alpha_is_log).mean()
+    return chain_loss_per_cycle(alpha, accepted, objective, alpha_is_log=alpha_is_log).mean()
 
 
-def chain_loss_per_cycle(alpha: torch.Tensor, accepted: torch.Tensor | None = None, kind: str = "dca", *,
+def chain_loss_per_cycle(alpha: torch.Tensor, accepted: torch.Tensor | None = None, objective: str = "dca", *,
                          alpha_is_log: bool = False) -> torch.Tensor:
-    if kind not in CHAIN_KINDS:
-        raise ValueError(f"chain loss kind must be one of {CHAIN_KINDS}, got {kind!r}")
+    if objective not in CHAIN_OBJECTIVES:
+        raise ValueError(f"chain loss objective must be one of {CHAIN_OBJECTIVES}, got {objective!r}")
     assert alpha.ndim == 2, f"alpha must be [N, K], got {tuple(alpha.shape)}"
     num_cycles, k = alpha.shape
     log_alpha = alpha.float() if alpha_is_log else alpha.float().log()
@@ -123,36 +123,36 @@ def chain_loss_per_cycle(alpha: torch.Tensor, accepted: torch.Tensor | None = No
     keep = torch.arange(k, device=alpha.device)[None, :] < lengths[:, None]
     log_terms = torch.where(keep, log_terms, torch.full_like(log_terms, float("-inf")))
     log_chain = torch.logsumexp(log_terms, dim=1)  # log M, [N]
-    return -log_chain if kind == "dca" else -log_chain.exp()
+    return -log_chain if objective == "dca" else -log_chain.exp()
 
 
 def position_loss(draft_logits: torch.Tensor, topk_ids: torch.Tensor, topk_logprobs: torch.Tensor,
-                  accepted: torch.Tensor | None = None, kind: str = "kl") -> torch.Tensor:
+                  accepted: torch.Tensor | None = None, objective: str = "kl") -> torch.Tensor:
     """Mean over cycles of the per-position CE or KL(p || q), averaged over positions 1..L.
 
     p is the recorded top-k plus its residual bin; q is gathered at the same ids plus its own residual.
     """
-    return position_loss_per_cycle(draft_logits, topk_ids, topk_logprobs, accepted, kind).mean()
+    return position_loss_per_cycle(draft_logits, topk_ids, topk_logprobs, accepted, objective).mean()
 
 
 def position_loss_per_cycle(draft_logits: torch.Tensor, topk_ids: torch.Tensor, topk_logprobs: torch.Tensor,
-                            accepted: torch.Tensor | None = None, kind: str = "kl") -> torch.Tensor:
+                            accepted: torch.Tensor | None = None, objective: str = "kl") -> torch.Tensor:
     _check(draft_logits, topk_ids, topk_logprobs)
-    return position_loss_per_cycle_at(_gathered_logq(draft_logits, topk_ids), topk_logprobs, accepted, kind)
+    return position_loss_per_cycle_at(_gathered_logq(draft_logits, topk_ids), topk_logprobs, accepted, objective)
 
 
 def position_loss_per_cycle_at(logq: torch.Tensor, topk_logprobs: torch.Tensor, accepted: torch.Tensor | None = None,
-                               kind: str = "kl") -> torch.Tensor:
+                               objective: str = "kl") -> torch.Tensor:
     """`position_loss_per_cycle` from log q at the recorded ids, logq [N, K, k]."""
-    if kind not in POSITION_KINDS:
-        raise ValueError(f"position loss kind must be one of {POSITION_KINDS}, got {kind!r}")
+    if objective not in POSITION_OBJECTIVES:
+        raise ValueError(f"position loss objective must be one of {POSITION_OBJECTIVES}, got {objective!r}")
     num_cycles, k = logq.shape[:2]
     logp = topk_logprobs.float()
     logp_all = torch.cat([logp, _residual_logprob(logp).unsqueeze(-1)], dim=-1)  # [N, K, k+1]
     logq_all = torch.cat([logq, _residual_logprob(logq, MIN_RESIDUAL_MASS).unsqueeze(-1)], dim=-1)
     p = logp_all.exp()
     cross = -(p * logq_all).sum(-1)  # [N, K]
-    if kind == "kl":
+    if objective == "kl":
         # p log p is 0 where p is 0; where() keeps the -inf of an empty residual bin out of the sum.
         entropy_term = torch.where(p > 0, p * logp_all, torch.zeros_like(p)).sum(-1)
         per_position = cross + entropy_term
@@ -164,21 +164,23 @@ def position_loss_per_cycle_at(logq: torch.Tensor, topk_logprobs: torch.Tensor, 
 
 
 def head_loss_per_cycle(draft_logits: torch.Tensor, topk_ids: torch.Tensor, topk_logprobs: torch.Tensor,
-                        accepted: torch.Tensor | None, kind: str = "dca") -> tuple[torch.Tensor, torch.Tensor]:
+                        accepted: torch.Tensor | None, objective: str = "dca"
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """(loss per cycle [N], alpha [N, K] detached) for any objective; `accepted` None disables VGM."""
     _check(draft_logits, topk_ids, topk_logprobs)
-    return head_loss_per_cycle_at(_gathered_logq(draft_logits, topk_ids), topk_logprobs, accepted, kind)
+    return head_loss_per_cycle_at(_gathered_logq(draft_logits, topk_ids), topk_logprobs, accepted, objective)
 
 
 def head_loss_per_cycle_at(logq: torch.Tensor, topk_logprobs: torch.Tensor, accepted: torch.Tensor | None,
-                           kind: str = "dca") -> tuple[torch.Tensor, torch.Tensor]:
-    """`head_loss_per_cycle` from log q at the recorded ids, logq [N, K, k]: what reconstruction computes
-    without full-vocabulary logits. Positions past the chain length (VGM) get no gradient; they must be finite."""
-    if kind not in LOSS_KINDS:
-        raise ValueError(f"head loss must be one of {LOSS_KINDS}, got {kind!r}")
+                           objective: str = "dca") -> tuple[torch.Tensor, torch.Tensor]:
+    """`head_loss_per_cycle` from log q at the recorded ids, logq [N, K, k]: what the head update computes
+    without full-vocabulary logits. Positions past the chain length (VGM) get no gradient; they must be
+    finite."""
+    if objective not in OBJECTIVES:
+        raise ValueError(f"the head's objective must be one of {OBJECTIVES}, got {objective!r}")
     log_alpha = log_acceptance_rates_at(logq, topk_logprobs)
-    if kind in CHAIN_KINDS:
-        loss = chain_loss_per_cycle(log_alpha, accepted, kind, alpha_is_log=True)
+    if objective in CHAIN_OBJECTIVES:
+        loss = chain_loss_per_cycle(log_alpha, accepted, objective, alpha_is_log=True)
     else:
-        loss = position_loss_per_cycle_at(logq, topk_logprobs, accepted, kind)
+        loss = position_loss_per_cycle_at(logq, topk_logprobs, accepted, objective)
     return loss, log_alpha.detach().exp()

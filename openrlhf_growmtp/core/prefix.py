@@ -23,8 +23,9 @@ this is needed: `open` computes the keys and values with their graph, the chunk'
 the prefix (and, in joint mode, the backbone), and `close` does nothing. That saves a prefix pass and a
 backward per call, which is most of the cost for small heads.
 
-Head calls: `open` and `close` run their positions in pieces, one call each, as many on every rank
-(one-token passengers where a rank has fewer), so that data-parallel ranks stay in step under ZeRO-3.
+Head calls: `open` and `close` run their positions in pieces, one call each; the caller says how many
+(`count_pieces` is this rank's need; the ranks' lockstep pads it to the busiest rank's), and a piece
+without positions is one token of padding, so that data-parallel ranks stay in step under ZeRO-3.
 """
 
 from __future__ import annotations
@@ -56,27 +57,29 @@ class PrefixStore:
     gradients the chunks accumulate, or with `graph` the keys and values with their graph.
 
     `open` and `close` run their positions in pieces of at most `piece_tokens` (None: one piece), one
-    head call each, so that neither holds more than a piece's activations. Under ZeRO-3 every rank must
-    make the same calls: `agree_max(local pieces) -> the most over ranks` (default: this rank's), and a
-    rank with fewer pieces runs one-token passengers.
+    head call each, so that neither holds more than a piece's activations; `pieces` (at least
+    `count_pieces`) is how many calls to make, the rest one token of padding each.
     """
 
     def __init__(self, head: MTPHead, records: Sequence[SequenceRecord],
                  hiddens: Sequence[torch.Tensor] | None = None, piece_tokens: int | None = None,
-                 agree_max: Callable[[int], int] | None = None, graph: bool = False):
+                 graph: bool = False):
         param = next(head.parameters())
         self.head, self.records, self.hiddens = head, records, hiddens
         self.device, self.dtype = param.device, param.dtype
-        self.piece_tokens, self.agree_max = piece_tokens, agree_max or (lambda count: count)
-        self.graph = graph
+        self.piece_tokens, self.graph = piece_tokens, graph
         self.keys: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # seq -> fp32 (K, V) [kv, L, d]
         self.hidden: dict[int, torch.Tensor] = {}  # seq -> H_p [T, H] as the chunks read it
         self._source: dict[int, torch.Tensor] = {}  # seq -> H_p with its graph (joint mode)
         self.factor: torch.Tensor | None = None  # the last chunk's backward factor (None: no graph)
 
-    def _pieces(self, seqs: Sequence[int]) -> list[list[Span]]:
-        """The sequences' prefixes (positions p < their last start) cut into pieces, as many as every rank
-        runs (trailing pieces empty: passengers)."""
+    def count_pieces(self, seqs: Sequence[int], closing: bool = False) -> int:
+        """Head calls that `open` (or, `closing`, `close`) needs for these sequences (no model work)."""
+        return 0 if closing and self.graph else len(self._pieces(seqs, 0))
+
+    def _pieces(self, seqs: Sequence[int], count: int) -> list[list[Span]]:
+        """The sequences' prefixes (positions p < their last start) cut into pieces, then empty pieces
+        (padding) up to `count`."""
         pieces: list[list[Span]] = [[]]
         room = self.piece_tokens
         for i in seqs:
@@ -89,22 +92,22 @@ class PrefixStore:
                 pieces[-1].append((i, lo, hi))
                 room = None if room is None else room - (hi - lo)
                 lo = hi
-        count = self.agree_max(len(pieces))
         return pieces + [[] for _ in range(count - len(pieces))]
 
     def _keys_values(self, piece: Sequence[Span]) -> tuple[torch.Tensor, torch.Tensor]:
-        """One head call over a piece's positions side by side: (K, V) [kv, T, d] (a passenger if empty)."""
+        """One head call over a piece's positions side by side: (K, V) [kv, T, d] (padding if empty)."""
         hidden = [self._source[i][lo:hi] for i, lo, hi in piece]
         ids = [self.records[i].token_ids[lo + 1:hi + 1].to(self.device) for i, lo, hi in piece]
         positions = [torch.arange(lo, hi, device=self.device) for _, lo, hi in piece]
-        if not piece:  # the passenger
+        if not piece:  # padding
             hidden = [torch.zeros(1, self.head.config.hidden_size, device=self.device, dtype=self.dtype)]
             ids = positions = [torch.zeros(1, dtype=torch.long, device=self.device)]
         key, value = self.head.keys_values(torch.cat(hidden)[None], torch.cat(ids)[None], torch.cat(positions)[None])
         return key[0], value[0]
 
-    def open(self, seqs: Sequence[int]) -> None:
-        """Compute these sequences' prefix keys and values (without a graph unless `graph`)."""
+    def open(self, seqs: Sequence[int], pieces: int = 0) -> None:
+        """Compute these sequences' prefix keys and values (without a graph unless `graph`) in `pieces` head
+        calls (at least `count_pieces(seqs)`)."""
         for i in seqs:
             source = hidden_of(self.records, self.hiddens, i).to(device=self.device, dtype=self.dtype)
             self._source[i] = source
@@ -112,7 +115,7 @@ class PrefixStore:
             self.hidden[i] = source.detach().requires_grad_() if leaf else source
         parts: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {i: [] for i in seqs}
         with contextlib.nullcontext() if self.graph else torch.no_grad():
-            for piece in self._pieces(seqs):
+            for piece in self._pieces(seqs, pieces):
                 key, value = self._keys_values(piece)
                 offset = 0
                 for i, lo, hi in piece:
@@ -136,13 +139,14 @@ class PrefixStore:
 
         return run
 
-    def close(self, seqs: Sequence[int], backward: Callable[[torch.Tensor], None]) -> None:
-        """After these sequences' last chunk: backpropagate their prefixes once (unless `graph`: their
-        chunk's backward did), then forget them."""
+    def close(self, seqs: Sequence[int], backward: Callable[[torch.Tensor], None], pieces: int = 0) -> None:
+        """After these sequences' last chunk: backpropagate their prefixes once in `pieces` head calls (at
+        least `count_pieces(seqs, closing=True)`; none if `graph`: their chunk's backward did), then forget
+        them."""
         factor = self.factor
-        for piece in [] if self.graph else self._pieces(seqs):
+        for piece in [] if self.graph else self._pieces(seqs, pieces):
             key, value = self._keys_values(piece)
-            surrogate = (key.float().sum() + value.float().sum()) * 0.0  # the passenger's, and the others' base
+            surrogate = (key.float().sum() + value.float().sum()) * 0.0  # padding's, and the others' base
             offset = 0
             for i, lo, hi in piece:
                 for full, leaf in zip((key, value), self.keys[i]):

@@ -7,14 +7,13 @@ wraps, for its duration, every RMSNorm of the head in activation checkpointing (
 and the MLP in selective checkpointing that keeps the matrix products' outputs and recomputes the rest.
 The backward then redoes elementwise work only: no matrix product runs twice.
 
-Measured (`benchmarks/bench_reconstruction.py`, one 1024-cycle chunk of Qwen3-4B's head in bf16, CPU):
-peak allocated 0.96-1.02 GB without, 0.75-0.81 GB with. It pays where a chunk's activations are large:
-for small heads its per-call cost dominates (a 4-sequence update of the tests' tiny head took 25 ms with
-it, 12 ms without; the demo's head update rose from 0.70 to 0.80 s per step), so `worth_recomputing`
-turns it on from `RECOMPUTE_BYTES` of MLP activations per chunk, decided from the configuration only
-(under ZeRO-3 the recompute calls the MLP's projections again, which gathers their weights: every rank
-must do it alike). The wrapped call still goes through the module's own __call__ (its hooks, e.g.
-ZeRO-3's parameter gathers, run as before); the recompute runs inside that module's backward.
+It pays where a chunk's activations are large (`benchmarks/bench_reconstruction.py` measures the peak
+memory of a chunk of Qwen3-4B's head with it); for small heads its per-call cost dominates, so
+`worth_recomputing` turns it on from `RECOMPUTE_BYTES` of MLP activations per chunk, decided from the
+configuration only (under ZeRO-3 the recompute calls the MLP's projections again, which gathers their
+weights: every rank must do it alike). The wrapped call still goes through the module's own __call__
+(its hooks, e.g. ZeRO-3's parameter gathers, run as before); the recompute runs inside that module's
+backward.
 """
 
 from __future__ import annotations
@@ -29,7 +28,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from .head import MTPHead
 
 # From this many bytes of one MLP activation over a chunk's slots ([slots, intermediate] in the head's
-# dtype) on: 100 MB at Qwen3-4B (1024 cycles x K=5 x 9728 x bf16), 16 MB at the toy benchmark's head.
+# dtype) on: 100 MB at Qwen3-4B's head (1024 cycles x K=5 x 9728 x bf16).
 RECOMPUTE_BYTES = 2**26
 
 _MATRIX_PRODUCTS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}

@@ -1,46 +1,38 @@
 """Draft-path reconstruction: rebuild every recorded cycle's q_1..q_K exactly as drafting computed them.
 
 Chain by chain, cycle r (start s, drafts d) is: a head KV cache with one entry per committed position
-p = 0..s from (H_p, x_{p+1}) at RoPE position p; q_1 from the output at s; then step j = 2..K feeds
-(h'_{j-1}, d_{j-1}) at position s+j-1. Nothing is sampled: the recorded drafts are inputs.
+p = 0..s from (H_p, x_{p+1}) at RoPE position p; q_1 from the output at s; then draft position j = 2..K
+feeds (h'_{j-1}, d_{j-1}) at position s+j-1. Nothing is sampled: the recorded drafts are inputs.
 
 Batched, the prefix's keys and values come from the layer's input norm and projections alone (no
-attention, no MLP), and K steps advance every cycle of a chunk by one position each: depth 1 feeds
-(H_s, x_{s+1}) at s, depth j feeds (h'_{j-1}, d_{j-1}). At every depth a cycle's query sees its own
-sequence's committed prefix (p < s) and its own chain entries of depths 1..j (at depth 1, the entry of
-s itself), and nothing else: `draft_attention.DraftPathAttention` scores exactly those keys. Worked
-example, one sequence of 4 prefix slots, 2 cycles starting at s = 1 and 3, at depth 3 (keys: prefix
-p0..p3 | the depth-1, depth-2 and depth-3 entries of cycles c0 c1):
+attention, no MLP; `prefix.PrefixStore`), and K forwards advance every cycle of a chunk by one draft
+position each: position 1 feeds (H_s, x_{s+1}) at s, position j feeds (h'_{j-1}, d_{j-1}). At every
+position a cycle's query sees its own sequence's committed prefix (p < s) and its own chain entries of
+positions 1..j (at position 1, the entry of s itself), and nothing else: `draft_attention` scores
+exactly those keys. Worked example, one sequence of 4 prefix slots, 2 cycles starting at s = 1 and 3,
+at draft position 3 (keys: prefix p0..p3 | the position-1, -2 and -3 entries of cycles c0 c1):
 
     cycle 0 (s=1):  1 0 0 0 | 1 0 | 1 0 | 1 0
     cycle 1 (s=3):  1 1 1 0 | 0 1 | 0 1 | 0 1
 
 Under VGM a chain stops at its first rejection: the positions after it carry no loss and are not built.
-Chunks of cycles run their forwards and their own backward (`scoring.chunk_loss_backward`, which never
-holds a chunk's full-vocabulary logits); each chunk's loss is weighted by its share of the batch's
-cycles, so accumulated gradients equal one backward over the whole batch (chunk graphs are disjoint:
-the prefix keys and values they read are leaves, computed once per sequence and backpropagated once
-after its last chunk, `prefix.PrefixStore`; a call of one chunk keeps them in its graph instead).
-During the update the head keeps only inputs and matrix products' outputs for backward where chunks
-are large (`recompute.elementwise_recomputed`).
+`DraftPaths` is this work for the head update, chunk by chunk (`head_loss.head_loss_backward`).
 """
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
 
+from .chunks import Chunk, ChunkWork, DraftStates, slots_per_chunk
 from .draft_attention import DraftPathAttention
 from .head import MTPHead
 from .objectives import chain_lengths
-from .prefix import PrefixStore, hidden_of
-from .recompute import elementwise_recomputed, worth_recomputing
+from .prefix import PrefixStore
 from .records import RecordError, SequenceRecord
-from .scoring import DraftStates, HeadLossStats, chunk_loss_backward
-from .teacher_forcing import count_teacher_forcing_chunks, teacher_forced_loss_backward
+from .topk_logq import score_groups
 from .validation import check_fits
 
 DEFAULT_CHUNK_CYCLES = 1024
@@ -83,10 +75,10 @@ def reconstruct_states(head: MTPHead, records: Sequence[SequenceRecord], pieces:
     the prefixes `prefix` holds (opened for every sequence of `pieces`).
 
     A chain stops at its length: under VGM the positions after the first rejection carry no loss, so
-    their chain steps are never run. Rows are ordered by position, then cycle. Every depth runs, and
-    once no chain reaches a depth, one passenger (a cycle already past its length) runs it alone: under
-    ZeRO-3 each head call gathers parameters, so data-parallel ranks must make the same calls. The
-    passenger's rows lie past its length, where the loss reads nothing (`chunk_loss_backward`).
+    their positions are never built. Rows are ordered by position, then cycle. Every position runs, and
+    once no chain reaches a position, one padding slot (a cycle already past its length) runs it alone:
+    under ZeRO-3 each head call gathers parameters, so data-parallel ranks must make the same calls. The
+    padding slot lies past its cycle's length, where the loss reads nothing.
     """
     device = prefix.device
     depth = records[pieces[0].seq].depth
@@ -98,22 +90,22 @@ def reconstruct_states(head: MTPHead, records: Sequence[SequenceRecord], pieces:
     num_cycles = int(start.shape[0])
     lengths = torch.full((num_cycles,), depth, device=device) if lengths is None else lengths.to(device)
 
-    # Depth 1 feeds (H_s, x_{s+1}) at s, over the prefix p < s; depth j feeds (h'_{j-1}, d_{j-1}).
+    # Position 1 feeds (H_s, x_{s+1}) at s, over the prefix p < s; position j feeds (h'_{j-1}, d_{j-1}).
     feed = torch.cat([prefix.hidden[pc.seq][records[pc.seq].start[pc.lo:pc.hi].to(device)] for pc in pieces])
     token = torch.cat([records[pc.seq].token_ids[records[pc.seq].start[pc.lo:pc.hi] + 1] for pc in pieces])
     token = token.to(device)
     path = DraftPathAttention([prefix.keys[pc.seq] for pc in pieces], seq_local, start,
                               head.config.num_attention_heads)
-    cycles = torch.arange(num_cycles, device=device)  # the cycles still drafting at this depth
+    cycles = torch.arange(num_cycles, device=device)  # the cycles still drafting at this position
     normed, slot_cycle = [], []
     for j in range(1, depth + 1):
         if j > 1:
             alive = lengths[cycles] >= j
             if not bool(alive.any()):
-                alive[0] = True  # the passenger
+                alive[0] = True  # the padding slot
             cycles, feed = cycles[alive], feed[alive]
             token = drafts[cycles, j - 2]
-        path.next_depth(cycles)
+        path.next_position(cycles)
         out = head(feed.unsqueeze(0), token.unsqueeze(0), (start[cycles] + j - 1).unsqueeze(0), cache=path,
                    draft_path=path)
         normed.append(out.normed[0])
@@ -127,7 +119,7 @@ def reconstruct_chunk(head: MTPHead, records: Sequence[SequenceRecord], pieces: 
                       hiddens: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
     """Draft logits [N, K, V] (divided by each request's temperature) for the cycles of `pieces`, in order.
 
-    Full-vocabulary logits: for the invariant tests and small batches (training: `chunk_loss_backward`)."""
+    Full-vocabulary logits: for the invariant tests and small batches (training: `DraftPaths`)."""
     prefix = PrefixStore(head, records, hiddens)
     prefix.open(sorted({pc.seq for pc in pieces}))
     states = reconstruct_states(head, records, pieces, prefix)
@@ -148,93 +140,80 @@ def _cat_cycles(records: Sequence[SequenceRecord], pieces: Sequence[Piece], name
     return torch.cat([getattr(records[pc.seq], name)[pc.lo:pc.hi] for pc in pieces])
 
 
-# ---- the head update -----------------------------------------------------------------------------------
-def head_loss_backward(head: MTPHead, records: Sequence[SequenceRecord],
-                       hiddens: Sequence[torch.Tensor] | None = None, *, kind: str = "dca", vgm: bool = True,
-                       chunk_cycles: int | None = DEFAULT_CHUNK_CYCLES, teacher_forcing: bool = False,
-                       backward: Callable[[torch.Tensor], None] | None = None,
-                       agree: Callable[[bool], bool] | None = None, check: bool = True,
-                       agree_max: Callable[[int], int] | None = None,
-                       one_chunk_everywhere: bool | None = None) -> HeadLossStats:
-    """Reconstruct, score and backpropagate the head loss over a batch of records, chunk by chunk.
+class DraftPaths:
+    """The head update's chunks of recorded cycles, reconstructed as drafted.
 
-    Gradients accumulate into the head's .grad (via `backward`, default loss.backward()). If a chunk's
-    loss is not finite, it is not backpropagated and the returned stats say finite=False: the caller must
-    then drop the head's gradients for this step (earlier chunks may have accumulated some).
-    `agree(local_finite) -> global_finite` is asked before every chunk's backward; data-parallel callers
-    pass an all-reduce so that every rank stops at the same chunk, and `agree_max(local count) -> max
-    over ranks` (an all-reduce MAX) so that every rank runs as many prefix pieces (`prefix.PrefixStore`)
-    and scores as many groups per chunk (`scoring.chunk_loss_backward`).
-    `one_chunk_everywhere`: every rank runs this call in one chunk, so each prefix keeps its graph into
-    the chunk's backward (`PrefixStore(graph=True)`); data-parallel callers must agree on it (the
-    trainer: its busiest rank has one chunk); None: decided from this call alone.
-    `check=False` skips `check_batch` for a caller that ran it already (the trainer agrees on it across
-    ranks first).
+    A sequence's prefix opens in its first chunk and closes after its last one (`prefix.PrefixStore`);
+    where every rank runs one chunk (`one_chunk`, set before any work) the prefixes keep their graph into
+    that chunk's backward instead. `work` is a chunk's module calls without model work; `chunk` builds its
+    states; `backward` backpropagates its loss (and closes the prefixes whose last chunk it was).
     """
-    backward = backward or (lambda loss: loss.backward())
-    agree = agree or (lambda finite: finite)
-    agree_max = agree_max or (lambda count: count)
-    if check:
-        check_batch(head, records, hiddens)
-    if teacher_forcing:
-        return teacher_forced_loss_backward(head, records, lambda i: hidden_of(records, hiddens, i), kind,
-                                            chunk_cycles, backward, agree, agree_max)
-    total = sum(rec.num_cycles for rec in records)
-    if total == 0:
-        return HeadLossStats(loss=0.0, num_cycles=0, num_chunks=0)
-    depth = records[0].depth
-    # a prefix piece holds at most as many positions as a chunk has slots (one piece in a single chunk)
-    chunks = plan_chunks(records, chunk_cycles)
-    graph = len(chunks) == 1 if one_chunk_everywhere is None else one_chunk_everywhere
-    prefix = PrefixStore(head, records, hiddens, None if chunk_cycles is None else chunk_cycles * depth, agree_max,
-                         graph=graph)
-    recompute = worth_recomputing(head, None if chunk_cycles is None else chunk_cycles * depth)
-    with elementwise_recomputed(head) if recompute else contextlib.nullcontext():
-        return _chunks_loss_backward(head, records, chunks, prefix, kind, vgm, backward, agree, agree_max)
+
+    def __init__(self, head: MTPHead, records: Sequence[SequenceRecord], hiddens: Sequence[torch.Tensor] | None,
+                 chunk_cycles: int | None, vgm: bool):
+        self.head, self.records, self.vgm = head, records, vgm
+        self.chunks = plan_chunks(records, chunk_cycles)
+        depth = records[0].depth if records else 0
+        # a prefix piece holds at most as many positions as a chunk has slots (one piece in a single chunk)
+        self.prefix = PrefixStore(head, records, hiddens, None if chunk_cycles is None else chunk_cycles * depth)
+        self.total = sum(rec.num_cycles for rec in records)
+        self._first, self._last = {}, {}
+        for i, pieces in enumerate(self.chunks):
+            for pc in pieces:
+                self._first.setdefault(pc.seq, i)
+                self._last[pc.seq] = i
+
+    def __len__(self) -> int:
+        return len(self.chunks)
+
+    @property
+    def one_chunk(self) -> bool:
+        return self.prefix.graph
+
+    @one_chunk.setter
+    def one_chunk(self, value: bool) -> None:
+        self.prefix.graph = value
+
+    def _opens(self, i: int) -> list[int]:
+        return [pc.seq for pc in self.chunks[i] if self._first[pc.seq] == i]
+
+    def _closes(self, i: int) -> list[int]:
+        return [pc.seq for pc in self.chunks[i] if self._last[pc.seq] == i]
+
+    def _lengths(self, i: int) -> torch.Tensor:
+        pieces = self.chunks[i]
+        accepted = _cat_cycles(self.records, pieces, "accepted") if self.vgm else None
+        return chain_lengths(accepted, sum(pc.hi - pc.lo for pc in pieces), self.records[0].depth)
+
+    def work(self, i: int) -> ChunkWork:
+        slots = slots_per_chunk(self._lengths(i), self.records[0].depth)
+        return ChunkWork(prefix_open=self.prefix.count_pieces(self._opens(i)),
+                         prefix_close=self.prefix.count_pieces(self._closes(i), closing=True),
+                         score_groups=score_groups(slots, self.head.config.vocab_size))
+
+    def chunk(self, i: int, work: ChunkWork, weight: float) -> Chunk:
+        """Chunk i's states (opening the prefixes it is the first to read in `work.prefix_open` calls)."""
+        pieces, device = self.chunks[i], self.prefix.device
+        self.prefix.open(self._opens(i), work.prefix_open)
+        states = reconstruct_states(self.head, self.records, pieces, self.prefix, self._lengths(i))
+        accepted = _cat_cycles(self.records, pieces, "accepted").to(device) if self.vgm else None
+        return Chunk(states, _cat_cycles(self.records, pieces, "topk_ids").to(device),
+                     _cat_cycles(self.records, pieces, "topk_logprobs").to(device), accepted, weight)
+
+    def backward(self, i: int, work: ChunkWork, surrogate: torch.Tensor,
+                 backward: Callable[[torch.Tensor], None]) -> None:
+        self.prefix.chunk_backward(backward)(surrogate)
+        self.prefix.close(self._closes(i), backward, work.prefix_close)
 
 
-def _chunks_loss_backward(head: MTPHead, records: Sequence[SequenceRecord], chunks: list[list[Piece]],
-                          prefix: PrefixStore, kind: str, vgm: bool, backward, agree, agree_max
-                          ) -> HeadLossStats:
-    device, depth, total = prefix.device, records[0].depth, sum(rec.num_cycles for rec in records)
-    # each sequence's prefix opens in its first chunk and closes after its last one (prefix.py)
-    first, last = {}, {}
-    for i, pieces in enumerate(chunks):
-        for pc in pieces:
-            first.setdefault(pc.seq, i)
-            last[pc.seq] = i
-    loss_sum, alpha_sum, alpha_count = 0.0, 0.0, 0.0
-    for i, pieces in enumerate(chunks):
-        prefix.open([pc.seq for pc in pieces if first[pc.seq] == i])
-        accepted = _cat_cycles(records, pieces, "accepted").to(device) if vgm else None
-        lengths = chain_lengths(accepted, sum(pc.hi - pc.lo for pc in pieces), depth, device=device)
-        states = reconstruct_states(head, records, pieces, prefix, lengths)
-        # weight 1/total: the chunk's mean x its share of the batch's cycles
-        chunk_loss, alpha, read = chunk_loss_backward(
-            head, states, _cat_cycles(records, pieces, "topk_ids").to(device),
-            _cat_cycles(records, pieces, "topk_logprobs").to(device), accepted, kind, 1.0 / total,
-            prefix.chunk_backward(backward), agree, agree_max)
-        if chunk_loss is None:
-            return HeadLossStats(loss=float("nan"), num_cycles=total, num_chunks=len(chunks), finite=False)
-        prefix.close([pc.seq for pc in pieces if last[pc.seq] == i], backward)
-        loss_sum += chunk_loss
-        alpha_sum = alpha_sum + (alpha * read).sum(0)
-        alpha_count = alpha_count + read.sum(0)
-    return HeadLossStats(loss=loss_sum, num_cycles=total, num_chunks=len(chunks), alpha_sum=alpha_sum.tolist(),
-                         alpha_count=alpha_count.float().tolist())
-
-
-def count_chunks(records: Sequence[SequenceRecord], chunk_cycles: int | None = DEFAULT_CHUNK_CYCLES,
-                 teacher_forcing: bool = False) -> int:
-    """How many forward/backward chunks `head_loss_backward` runs for this batch (no model work)."""
-    if teacher_forcing:
-        return count_teacher_forcing_chunks(records, chunk_cycles)
+def count_chunks(records: Sequence[SequenceRecord], chunk_cycles: int | None = DEFAULT_CHUNK_CYCLES) -> int:
+    """How many chunks the head update reconstructs this batch in (no model work)."""
     return len(plan_chunks(records, chunk_cycles))
 
 
 def check_batch(head: MTPHead, records: Sequence[SequenceRecord],
                 hiddens: Sequence[torch.Tensor] | None = None) -> None:
-    """Check that every record fits the head (`validation.check_fits`: one depth, the head's vocabulary and
+    """Check that every record fits the head (`validation.check_fits`: one K, the head's vocabulary and
     width) before any model work; errors name the record and field. Records are validated in full once,
     where they are made (the engine boundary): this is not that validation again."""
     if hiddens is not None and len(hiddens) != len(records):

@@ -2,7 +2,7 @@
 
 Terms, defined once:
 
-- *cycle*: one draft-then-verify step of one sequence. It starts at position s, the last committed
+- *cycle*: one draft-then-verify round of one sequence. It starts at position s, the last committed
   position whose target hidden state H_s is known; x_{s+1} is the token the previous verification emitted.
 - *draft path*: the K tokens d_1..d_K the head sampled in that cycle, proposed for positions
   s+2..s+K+1. Draft d_k was sampled from q_k, the head's distribution after consuming d_1..d_{k-1}.
@@ -12,7 +12,7 @@ Terms, defined once:
   first rejected position is j = a + 1, or j = K + 1 when all passed).
 - *recovered token*: on a rejection at j, the token sampled from norm(max(p_j - q_j, 0)) instead of d_j.
 - *bonus token*: when all K drafts pass, the extra token sampled from the target at position s+K+2.
-  Either way a cycle commits a + 1 tokens, so the next cycle starts at s + a + 1 (or later, if steps
+  Either way a cycle commits a + 1 tokens, so the next cycle starts at s + a + 1 (or later, if engine steps
   without drafts happened in between).
 - *verification record*: per sequence, the committed token ids (and optionally the target hidden states
   the head consumed), plus per cycle: start, drafts, the target's top-k log-probs at each draft position

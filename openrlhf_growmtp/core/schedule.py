@@ -1,7 +1,8 @@
 """The head's learning-rate schedule: linear warm-up, then cosine decay to min_lr_ratio of the peak.
 
-The head is updated from the first RL step (no freeze phase), so warm-up starts above zero:
-step 0 runs at peak / warmup_steps. The policy's LR is upstream's and is not touched here.
+Steps are counted in the caller's unit: RL steps under the paper's schedule (one head step per RL step),
+policy optimizer steps otherwise. The head is updated from the first step (no freeze phase), so warm-up
+starts above zero: step 0 runs at peak / warmup_steps. The policy's LR is upstream's, not touched here.
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """Teacher forcing (the paper's ablation of draft-path reconstruction): chains on the committed sequence.
 
-Every committed position m starts a chain: depth 1 reads (H_m, x_{m+1}) and depth k the depth-(k-1)
-state, all over the committed tokens, whatever the head drafted. A chain's targets are the recorded p of
-the cycles that verified its tokens with an accepted context (`_teacher_forcing_targets`). A rank's
-sequences run side by side in groups of whole sequences, and are scored like reconstruction's slots
-(`scoring.chunk_loss_backward`).
+Every committed position m starts a chain: draft position 1 reads (H_m, x_{m+1}) and position k the
+position-(k-1) state, all over the committed tokens, whatever the head drafted. A chain's targets are
+the recorded p of the cycles that verified its tokens with an accepted context
+(`_teacher_forcing_targets`). A rank's sequences run side by side in chunks of whole sequences
+(`TeacherForcedChains`), scored like reconstruction's slots (`head_loss.head_loss_backward`).
 """
 
 from __future__ import annotations
@@ -14,24 +14,26 @@ from typing import Callable, Sequence
 
 import torch
 
+from .chunks import Chunk, ChunkWork, DraftStates
 from .head import HeadKVCache, MTPHead
+from .prefix import hidden_of
 from .records import SequenceRecord
-from .scoring import DraftStates, HeadLossStats, chunk_loss_backward
+from .topk_logq import score_groups
 
 
 @dataclass
 class TeacherForcedBatch:
-    """Teacher-forced chains of one or more sequences: one chain per committed start m, depths 1..K."""
+    """Teacher-forced chains of one or more sequences: one chain per committed start m, draft positions 1..K."""
 
     starts: torch.Tensor  # [M] start position m of each chain (in its own sequence)
-    normed: torch.Tensor  # [M, K, H] the head's state at each depth
+    normed: torch.Tensor  # [M, K, H] the head's state at each draft position
     temperature: torch.Tensor  # [M] the temperature of each chain's request
-    topk_ids: torch.Tensor  # [M, K, k] recorded target at the token each depth predicts
+    topk_ids: torch.Tensor  # [M, K, k] recorded target at the token each draft position predicts
     topk_logprobs: torch.Tensor  # [M, K, k]
-    lengths: torch.Tensor  # [M] consecutive depths (from 1) that have a recorded target
+    lengths: torch.Tensor  # [M] consecutive draft positions (from 1) that have a recorded target
 
     def draft_states(self) -> DraftStates:
-        """The depths that have a target (the rest carry no loss), as reconstruction's slots."""
+        """The positions that have a target (the rest carry no loss), as reconstruction's slots."""
         chain, position = torch.nonzero(torch.arange(self.normed.shape[1], device=self.lengths.device)[None, :]
                                         < self.lengths[:, None], as_tuple=True)
         return DraftStates(self.normed[chain, position], chain, position, self.temperature)
@@ -51,9 +53,9 @@ def _teacher_forcing_targets(rec: SequenceRecord):
                 target_ids[t], target_lp[t], has_target[t] = rec.topk_ids[r, kk - 1], rec.topk_logprobs[r, kk - 1], True
     starts = torch.arange(rec.prompt_len - 1, max(rec.prompt_len - 1, length - 2))
     offsets = torch.arange(1, depth + 1)
-    token_index = starts[:, None] + 1 + offsets[None, :]  # [M, K] token each depth predicts
+    token_index = starts[:, None] + 1 + offsets[None, :]  # [M, K] token each draft position predicts
     available = (token_index < length) & has_target[token_index.clamp(max=length - 1)]
-    lengths = torch.cumprod(available.long(), dim=1).sum(1)  # consecutive depths from 1
+    lengths = torch.cumprod(available.long(), dim=1).sum(1)  # consecutive draft positions from 1
     keep = lengths > 0
     if not bool(keep.any()):
         return None
@@ -70,9 +72,9 @@ def _teacher_forced_group(head: MTPHead, records: Sequence[SequenceRecord], hidd
                           targets: Sequence[tuple]) -> TeacherForcedBatch:
     """Teacher forcing on the committed sequences, as the ablation of the paper's Appendix on it.
 
-    K causal forwards over the committed tokens: depth 1 reads (H_p, x_{p+1}); depth k reads the
-    depth-(k-1) state of position p-1 with x_{p+1} (position 0 keeps H_0). The chain from start m at
-    depth k is the depth-k state at m+k-1 and predicts token m+1+k. Its target is the recorded p of the
+    K causal forwards over the committed tokens: draft position 1 reads (H_p, x_{p+1}); position k reads
+    the position-(k-1) state of slot p-1 with x_{p+1} (slot 0 keeps H_0). The chain from start m at draft
+    position k is the position-k state at slot m+k-1 and predicts token m+1+k. Its target is the recorded p of the
     cycle that verified that token with an accepted (= committed) context: row k' of cycle r covers token
     s_r+1+k' for k' <= accepted+1. The sequences run side by side, right-padded: under the causal mask
     a real slot never sees a pad, and the chains read real slots only. targets: `_teacher_forcing_targets`
@@ -100,7 +102,7 @@ def _teacher_forced_group(head: MTPHead, records: Sequence[SequenceRecord], hidd
         features = torch.cat([first, out.feed_back[:, :-1]], dim=1)
     normed = torch.stack(normed, dim=2)  # [B, width, K, H]
 
-    # ---- each sequence's chains: depth k of the chain from m is the depth-k state of slot m+k-1 ---------
+    # ---- each sequence's chains: position k of the chain from m is the position-k state of slot m+k-1 --
     chains = []
     for i, (rec, n, (starts, token_index, lengths, target_ids, target_lp)) in enumerate(
             zip(records, num_slots, targets)):
@@ -114,8 +116,8 @@ def _teacher_forced_group(head: MTPHead, records: Sequence[SequenceRecord], hidd
 
 
 def plan_teacher_forcing(targets: Sequence[tuple | None], chunk_cycles: int | None) -> list[list[int]]:
-    """Groups of whole sequences, in order, of at most chunk_cycles teacher-forced chains each (a longer
-    sequence alone; None: one group), from each record's `_teacher_forcing_targets`. Sequences without a
+    """Chunks of whole sequences, in order, of at most chunk_cycles teacher-forced chains each (a longer
+    sequence alone; None: one chunk), from each record's `_teacher_forcing_targets`. Sequences without a
     target are left out."""
     groups, current, count = [], [], 0
     for i, target in enumerate(targets):
@@ -130,32 +132,34 @@ def plan_teacher_forcing(targets: Sequence[tuple | None], chunk_cycles: int | No
     return groups + [current] if current else groups
 
 
-def teacher_forced_loss_backward(head: MTPHead, records: Sequence[SequenceRecord],
-                                 hidden_of: Callable[[int], torch.Tensor], kind: str, chunk_cycles: int | None,
-                                 backward: Callable[[torch.Tensor], None], agree: Callable[[bool], bool],
-                                 agree_max: Callable[[int], int]) -> HeadLossStats:
-    """Teacher-forced head loss over the records, backpropagated group by group (`plan_teacher_forcing`);
-    each chain's loss weighted 1 / (the batch's chains). Every depth's length is set by the available
-    targets (no cycles, no VGM). hidden_of(i): record i's H_p. A group whose loss is not finite on some
-    rank (`agree`) stops the loop before its backward, and the stats say finite=False; ranks score as
-    many lm_head groups per group of chains (`agree_max`, see `chunk_loss_backward`)."""
-    targets = [_teacher_forcing_targets(rec) for rec in records]
-    total = sum(int(t[0].shape[0]) for t in targets if t is not None)
-    if total == 0:
-        return HeadLossStats(loss=0.0, num_cycles=0, num_chunks=0)
-    groups = plan_teacher_forcing(targets, chunk_cycles)
-    loss_sum = 0.0
-    for group in groups:
-        batch = _teacher_forced_group(head, [records[i] for i in group], [hidden_of(i) for i in group],
-                                      [targets[i] for i in group])
-        chunk_loss, _, _ = chunk_loss_backward(head, batch.draft_states(), batch.topk_ids, batch.topk_logprobs,
-                                               batch.lengths - 1, kind, 1.0 / total, backward, agree, agree_max)
-        if chunk_loss is None:
-            return HeadLossStats(loss=float("nan"), num_cycles=total, num_chunks=len(groups), finite=False)
-        loss_sum += chunk_loss
-    return HeadLossStats(loss=loss_sum, num_cycles=total, num_chunks=len(groups))
+class TeacherForcedChains:
+    """The teacher-forcing ablation's chunks (`plan_teacher_forcing`), as `reconstruction.DraftPaths` offers
+    draft paths to the head update: each chain counts as a cycle, its length set by the targets it has
+    (no VGM)."""
 
+    one_chunk = False  # no prefix to keep a graph of
 
-def count_teacher_forcing_chunks(records: Sequence[SequenceRecord], chunk_cycles: int | None) -> int:
-    """How many groups `teacher_forced_loss_backward` runs for these records (no model work)."""
-    return len(plan_teacher_forcing([_teacher_forcing_targets(rec) for rec in records], chunk_cycles))
+    def __init__(self, head: MTPHead, records: Sequence[SequenceRecord], hiddens: Sequence[torch.Tensor] | None,
+                 chunk_cycles: int | None):
+        self.head, self.records, self.hiddens = head, records, hiddens
+        self.targets = [_teacher_forcing_targets(rec) for rec in records]
+        self.chunks = plan_teacher_forcing(self.targets, chunk_cycles)
+        self.total = sum(int(t[0].shape[0]) for t in self.targets if t is not None)
+
+    def __len__(self) -> int:
+        return len(self.chunks)
+
+    def work(self, i: int) -> ChunkWork:
+        slots = sum(int(self.targets[seq][2].sum()) for seq in self.chunks[i])
+        return ChunkWork(score_groups=score_groups(slots, self.head.config.vocab_size))
+
+    def chunk(self, i: int, work: ChunkWork, weight: float) -> Chunk:
+        group = self.chunks[i]
+        batch = _teacher_forced_group(self.head, [self.records[s] for s in group],
+                                      [hidden_of(self.records, self.hiddens, s) for s in group],
+                                      [self.targets[s] for s in group])
+        return Chunk(batch.draft_states(), batch.topk_ids, batch.topk_logprobs, batch.lengths - 1, weight)
+
+    def backward(self, i: int, work: ChunkWork, surrogate: torch.Tensor,
+                 backward: Callable[[torch.Tensor], None]) -> None:
+        backward(surrogate)

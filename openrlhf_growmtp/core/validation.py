@@ -247,8 +247,7 @@ def _check_cycles(c: _Cycles) -> None:
                           f"a normalised distribution allows (log mass <= {tolerance:.4g}): not normalised over the "
                           "full vocabulary")
     if c.topk_ids.shape[2] > 1:
-        # numpy's sort is vectorised (AVX-512 / AVX2): 0.16 ms for a toy generate's 2,913 rows of 64 ids on
-        # this CPU, against 1.8 ms for torch's per-row sort
+        # numpy's sort is vectorised (AVX-512 / AVX2); torch sorts row by row on CPU
         ids_sorted = np.sort(c.topk_ids.cpu().numpy(), axis=-1)
         _require(bool((ids_sorted[..., 1:] != ids_sorted[..., :-1]).all()), "topk_ids", "repeated ids within a row")
     # A cycle commits accepted + 1 tokens, so the next one (of the same record) starts at least that far on.

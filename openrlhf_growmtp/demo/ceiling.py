@@ -34,7 +34,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 import torch  # noqa: E402
 
 from openrlhf_growmtp.core.checkpoint import export_head, load_head  # noqa: E402
-from openrlhf_growmtp.core.reconstruction import head_loss_backward  # noqa: E402
+from openrlhf_growmtp.core.head_loss import head_loss_backward  # noqa: E402
 
 
 def read_prompts(path: Path, tokenizer, skip: int, count: int) -> list[list[int]]:

@@ -14,14 +14,15 @@ import json
 from pathlib import Path
 
 from ..core.checkpoint import HeadCheckpointError, native_head_layers, read_head_config, resolve_backbone
-from ..core.objectives import LOSS_KINDS
+from ..core.objectives import OBJECTIVES
 from ..core.reconstruction import DEFAULT_CHUNK_CYCLES
 from ..core.records import DEFAULT_TOPK
 from ..core.schedule import DEFAULT_HEAD_LR, DEFAULT_MIN_LR_RATIO, DEFAULT_WARMUP_STEPS
 
-SUPPORTED_STAGES = (2, 3)  # DeepSpeed ZeRO stages whose optimizer trainer/head_group.py knows
+SUPPORTED_STAGES = (2, 3)  # DeepSpeed ZeRO stages whose optimizer trainer/head_optimizer.py knows
 
 MODES = ("detached", "joint", "frozen")
+HEAD_UPDATES = ("rl_step", "policy_step")  # once per RL step (the paper's), or with every policy optimizer step
 HEAD_SOURCES = ("random", "native")
 # The deepest drafting the records, VGM and reconstruction are tested at; a head directory may declare
 # a smaller `max_draft_depth` in its config.json.
@@ -48,10 +49,15 @@ def add_growmtp_args(parser: argparse.ArgumentParser) -> None:
               "or a head directory written by growmtp-make-head / a previous run")
     flag("head_lr", type=float, default=None,
          help=f"peak head LR (default {DEFAULT_HEAD_LR['random']} random, {DEFAULT_HEAD_LR['native']} native)")
+    flag("head_update", type=str, default="rl_step", choices=HEAD_UPDATES,
+         help="when the head takes an optimizer step: rl_step (the paper's schedule: once per RL step, on all of "
+              "that step's records, in its first accumulation window) or policy_step (with every policy optimizer "
+              "step, on the records of that step's samples; not the paper's). Default: %(default)s")
     flag("warmup_steps", type=int, default=DEFAULT_WARMUP_STEPS,
-         help="head LR warm-up, in RL steps (the schedule itself advances with every policy optimizer step)")
+         help="head LR warm-up, in RL steps (under --growmtp_head_update policy_step the schedule advances with "
+              "every policy optimizer step)")
     flag("min_lr_ratio", type=float, default=DEFAULT_MIN_LR_RATIO, help="head LR cosine floor, fraction of peak")
-    flag("loss", type=str, default="dca", choices=LOSS_KINDS, help="head objective")
+    flag("loss", type=str, default="dca", choices=OBJECTIVES, help="the head's objective")
     group.add_argument("--growmtp_vgm", "--growmtp.vgm", dest="growmtp.vgm", action="store_true", default=True,
                        help="verify-gated masking: stop each chain at its first rejection (default on)")
     group.add_argument("--growmtp_no_vgm", "--growmtp.no_vgm", dest="growmtp.vgm", action="store_false",

@@ -2,7 +2,7 @@
 
 The rest of the adapter extends upstream by subclassing (one module per upstream role: `strategy`,
 `ppo_actor`, `rollout_actor`, `samples_generator`, `ppo_trainer`, `ppo_trainer_async`; DeepSpeed's optimizer in
-`head_group`). What subclassing cannot reach is rebound here, visibly:
+`head_optimizer`). What subclassing cannot reach is rebound here, visibly:
 
 - module attributes, so upstream's own `train()` builds the classes it is handed (`install_driver`:
   the policy actor, the rollout actor, and for a GrowMTP run the strategy and the controller;

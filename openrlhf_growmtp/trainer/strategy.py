@@ -23,7 +23,7 @@ from openrlhf.utils.distributed_util import torch_dist_barrier_and_cuda_sync
 
 from ..core.checkpoint import HEAD_CONFIG, export_head, load_head, read_head_config
 from ..core.schedule import HeadLRSchedule
-from . import head_group
+from . import head_optimizer
 from .args import policy_steps_per_rl_step, resolve_head_lr
 
 HEAD_ATTR = "mtp_head"  # the head's name inside the HF model DeepSpeed wraps
@@ -65,7 +65,15 @@ def trained_head_dir(args) -> str | None:
 
 class GrowMTPStrategy(DeepspeedStrategy):
     """Upstream's strategy plus the head: attached before DeepSpeed wraps the actor, its own param group
-    and LR schedule, and an HF export without it (the head goes to its own directory)."""
+    and LR schedule, an HF export without it (the head goes to its own directory), and the RL step's
+    head update where it runs between the policy's forward and its backward (`head_step`)."""
+
+    head_step = None  # the actor's `head_step.HeadStep` while an RL step trains
+
+    def backward(self, loss, model, _optimizer, **kwargs):
+        if self.head_step is not None and isinstance(model, Actor):
+            self.head_step.before_policy_backward()
+        return super().backward(loss, model, _optimizer, **kwargs)
 
     def _ds_init_train_model(self, model, cfg):
         head_dir = trained_head_dir(self.args)
@@ -74,14 +82,8 @@ class GrowMTPStrategy(DeepspeedStrategy):
         wrapped, optimizer, scheduler = super()._ds_init_train_model(model, cfg)
         engine = wrapped.model if isinstance(wrapped, Actor) else wrapped
         if head_of(engine.module) is not None:
-            g, a = self.args.growmtp, self.args
-            # The schedule advances with every optimizer step (upstream's scheduler_steps count those too);
-            # --growmtp_warmup_steps counts RL steps, each of which takes this many:
-            per_rl_step = max(1, policy_steps_per_rl_step(a.rollout.batch_size, a.rollout.n_samples_per_prompt,
-                                                          a.train.batch_size, a.train.max_epochs))
-            schedule = HeadLRSchedule(total_steps=max(1, int(cfg["scheduler_steps"])),
-                                      warmup_steps=g.warmup_steps * per_rl_step, min_lr_ratio=g.min_lr_ratio)
-            head_group.attach_head_optimizer(engine, scheduler, schedule)
+            multiplier = head_lr_multiplier(self.args, cfg["scheduler_steps"])
+            head_optimizer.attach_head_optimizer(engine, scheduler, multiplier)
         return wrapped, optimizer, scheduler
 
     def _get_model_parameters(self, model, *, optim=None, weight_decay=0.0):
@@ -96,7 +98,7 @@ class GrowMTPStrategy(DeepspeedStrategy):
             group["params"] = [p for p in group["params"] if id(p) not in head_ids]
         groups = [group for group in groups if group["params"]]
         groups.append({"params": list(head.parameters()), "weight_decay": 0.0,
-                       "lr": resolve_head_lr(vars(self.args.growmtp)), "name": head_group.HEAD_GROUP})
+                       "lr": resolve_head_lr(vars(self.args.growmtp)), "name": head_optimizer.HEAD_GROUP})
         return raw_model, groups
 
     def save_model(self, model, tokenizer, output_dir, **kwargs) -> None:
@@ -115,6 +117,22 @@ class GrowMTPStrategy(DeepspeedStrategy):
         elif g is not None and g.k and g.mode == "frozen" and self.is_rank_0():
             # a frozen head drafted unchanged all run: the export carries it, as a trained run's does
             _export_frozen_head(g.head_dir, Path(output_dir) / HEAD_EXPORT_DIR, g.k)
+
+
+def head_lr_multiplier(args, policy_steps: int) -> head_optimizer.HeadLR:
+    """The head's LR schedule over the run (`policy_steps`: upstream's scheduler steps, the policy's optimizer
+    steps): per RL step under `--growmtp_head_update rl_step`; per policy step otherwise, where
+    --growmtp_warmup_steps (in RL steps) spans that many policy steps per RL step."""
+    g, a = args.growmtp, args
+    per_rl_step = max(1, policy_steps_per_rl_step(a.rollout.batch_size, a.rollout.n_samples_per_prompt,
+                                                  a.train.batch_size, a.train.max_epochs))
+    if g.head_update == "rl_step":
+        schedule = HeadLRSchedule(total_steps=max(1, int(policy_steps) // per_rl_step), warmup_steps=g.warmup_steps,
+                                  min_lr_ratio=g.min_lr_ratio)
+        return head_optimizer.HeadLR(schedule, per_rl_step=True)
+    schedule = HeadLRSchedule(total_steps=max(1, int(policy_steps)), warmup_steps=g.warmup_steps * per_rl_step,
+                              min_lr_ratio=g.min_lr_ratio)
+    return head_optimizer.HeadLR(schedule, per_rl_step=False)
 
 
 def _export_frozen_head(head_dir: str, out_dir: Path, k: int) -> None:

@@ -11,7 +11,7 @@ from openrlhf_growmtp.cli.make_head import main as make_head_main
 from openrlhf_growmtp.core import export_head, load_head, load_native_head, materialize_random_head
 from openrlhf_growmtp.core.checkpoint import HeadCheckpointError, init_random_head_
 from openrlhf_growmtp.core.head import HeadKVCache
-from tiny import FAMILY_NAMES, HIDDEN, VOCAB, backbone_modules, make_head, tiny_backbone_config
+from helpers.tiny import FAMILY_NAMES, HIDDEN, VOCAB, backbone_modules, make_head, tiny_backbone_config
 
 
 def _backbone_dir(tmp_path, family, native_head=None, sharded=False, **overrides):

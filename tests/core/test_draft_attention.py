@@ -73,8 +73,8 @@ def test_plan_blocks_cover_every_query_that_sees_a_key_once_within_its_sequence(
 
 
 def test_draft_path_attention_matches_the_worked_example():
-    # reconstruction.py's example: one sequence, 4 prefix slots, cycles starting at s = 1 and 3, depth 3
-    # (keys: p0..p3 | depth-1, depth-2 and depth-3 entries of c0 c1)
+    # reconstruction.py's example: one sequence, 4 prefix slots, cycles starting at s = 1 and 3, draft
+    # position 3 (keys: p0..p3 | position-1, -2 and -3 entries of c0 c1)
     visible = torch.tensor([[1, 0, 0, 0, 1, 0, 1, 0, 1, 0],
                             [1, 1, 1, 0, 0, 1, 0, 1, 0, 1]], dtype=torch.bool)
     g = torch.Generator().manual_seed(1)
@@ -82,8 +82,8 @@ def test_draft_path_attention_matches_the_worked_example():
     path = DraftPathAttention([(prefix_k, prefix_v)], torch.tensor([0, 0]), torch.tensor([1, 3]), KV * REP)
     cycles = torch.tensor([0, 1])
     chain_k, chain_v = [], []
-    for depth in range(1, 4):
-        path.next_depth(cycles)
+    for position in range(1, 4):
+        path.next_position(cycles)
         key, value = torch.randn(1, KV, 2, DIM, generator=g), torch.randn(1, KV, 2, DIM, generator=g)
         path.update(key, value)
         chain_k.append(key[0])
@@ -93,5 +93,5 @@ def test_draft_path_attention_matches_the_worked_example():
         keys = torch.cat([prefix_k] + chain_k, dim=1)
         values = torch.cat([prefix_v] + chain_v, dim=1)
         q = query[0].transpose(0, 1).reshape(2, KV, REP, DIM)
-        ref, _ = dense(q, keys, values, visible[:, :4 + 2 * depth])
-        assert (out[0].double() - ref.reshape(2, KV * REP, DIM)).abs().max() <= 1e-5, depth
+        ref, _ = dense(q, keys, values, visible[:, :4 + 2 * position])
+        assert (out[0].double() - ref.reshape(2, KV * REP, DIM)).abs().max() <= 1e-5, position

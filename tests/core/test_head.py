@@ -5,7 +5,7 @@ import torch
 
 from openrlhf_growmtp.core import HeadLRSchedule, acceptance_summary, head_loss_backward
 from openrlhf_growmtp.core.head import HeadKVCache
-from tiny import FAMILY_NAMES, HIDDEN, VOCAB, make_head, make_records
+from helpers.tiny import FAMILY_NAMES, HIDDEN, VOCAB, make_head, make_records
 
 NATIVE_NAMES = {
     "qwen3_5": {"fc.weight", "pre_fc_norm_embedding.weight", "pre_fc_norm_hidden.weight", "norm.weight",

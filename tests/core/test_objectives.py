@@ -5,9 +5,10 @@ import math
 import pytest
 import torch
 
-from openrlhf_growmtp.core import acceptance_rates, chain_loss, head_loss_backward, position_loss, validate_record
+from openrlhf_growmtp.core import (HeadLossConfig, acceptance_rates, chain_loss, head_loss_backward, position_loss,
+                                   validate_record)
 from openrlhf_growmtp.core.objectives import log_acceptance_rates
-from tiny import make_head, make_records
+from helpers.tiny import make_head, make_records
 
 
 def _full_alpha(draft_logits, target_logprobs):
@@ -66,7 +67,7 @@ def test_chain_losses_match_hand_computed_values():
     # mean over cycles
     two = torch.tensor([[0.5, 0.4, 0.2], [1.0, 1.0, 1.0]])
     assert chain_loss(two, None, "tv").item() == pytest.approx(-(0.74 + 3.0) / 2, abs=1e-6)
-    with pytest.raises(ValueError, match="kind"):
+    with pytest.raises(ValueError, match="objective"):
         chain_loss(alpha, None, "ce")
 
 
@@ -93,11 +94,11 @@ def test_dca_gradient_is_tv_gradient_divided_by_chain_value_on_a_single_cycle():
     rec.topk_ids, rec.topk_logprobs = rec.topk_ids[:1], rec.topk_logprobs[:1]
     validate_record(rec)
     grads = {}
-    for kind in ("dca", "tv"):
+    for objective in ("dca", "tv"):
         for p in head.parameters():
             p.grad = None
-        stats = head_loss_backward(head, [rec], kind=kind)
-        grads[kind] = (stats.loss, torch.cat([p.grad.flatten() for p in head.parameters()]))
+        stats = head_loss_backward(head, [rec], cfg=HeadLossConfig(objective=objective))
+        grads[objective] = (stats.loss, torch.cat([p.grad.flatten() for p in head.parameters()]))
     chain_value = math.exp(-grads["dca"][0])  # M, from the DCA loss -log M
     assert chain_value == pytest.approx(-grads["tv"][0], rel=1e-5)  # and TV = -M
     g_dca, g_tv = grads["dca"][1], grads["tv"][1]
@@ -165,16 +166,17 @@ def test_log1mexp_has_finite_gradients_where_exp_rounds_to_one():
     assert y[:5].double().sub(ref).abs().max() < 1e-6 * ref.abs().max()
 
 
-@pytest.mark.parametrize("kind", ["dca", "tv", "kl", "ce"])
-def test_a_head_sure_of_the_recorded_ids_gets_finite_gradients(kind):
-    """The head's mass outside the recorded ids is 1 - exp(lse of log q there); once that is below fp32's
-    resolution (this happened offline at tau 3 on the demo world) the gradient was NaN and destroyed the head."""
+@pytest.mark.parametrize("objective", ["dca", "tv", "kl", "ce"])
+def test_a_head_sure_of_the_recorded_ids_gets_finite_gradients(objective):
+    """The head's mass outside the recorded ids is 1 - exp(lse of log q there); below fp32's resolution a naive
+    log(1 - exp(x)) has an infinite derivative, and its gradient turns NaN."""
     from openrlhf_growmtp.core.objectives import head_loss_per_cycle_at
 
     outside = torch.tensor([1e-2, 1e-5, 1e-7, 3e-8, 1e-9, 1e-20, 1e-30, 0.0])  # q's mass outside the one id
     logq = torch.log1p(-outside).reshape(-1, 1, 1).repeat(1, 2, 1).requires_grad_()  # [N, K=2, k=1]
     p_top = torch.tensor([0.9, 0.5]).reshape(1, 2, 1).expand(len(outside), 2, 1)
-    loss, alpha = head_loss_per_cycle_at(logq, p_top.log(), torch.ones(len(outside), dtype=torch.long), kind)
+    loss, alpha = head_loss_per_cycle_at(logq, p_top.log(), torch.ones(len(outside), dtype=torch.long),
+                                         objective)
     (grad,) = torch.autograd.grad(loss.sum(), logq)
     assert torch.isfinite(loss).all() and torch.isfinite(grad).all()
     # alpha = min(p, q) at the id + min of the residuals; the residual of q is floored at 1e-6

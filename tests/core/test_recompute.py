@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from openrlhf_growmtp.core.recompute import elementwise_recomputed
-from tiny import FAMILY_NAMES, make_head
+from helpers.tiny import FAMILY_NAMES, make_head
 
 
 def _step(head, hidden, ids, positions):

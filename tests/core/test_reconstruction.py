@@ -5,13 +5,20 @@ import functools
 import pytest
 import torch
 
-from openrlhf_growmtp.core import head_loss_backward, reconstruct_draft_logits, validate_record
+from helpers.ranks import TwoRanks
+from helpers.tiny import FAMILY_NAMES, chain_by_chain_logits, make_head, make_records
+from openrlhf_growmtp.core import HeadLossConfig, Lockstep, reconstruct_draft_logits, validate_record
+from openrlhf_growmtp.core.head_loss import head_loss_backward
 from openrlhf_growmtp.core.objectives import chain_lengths, head_loss_per_cycle
-from openrlhf_growmtp.core.reconstruction import count_chunks, plan_chunks, reconstruct_states
-from openrlhf_growmtp.core.teacher_forcing import teacher_forced_chains
 from openrlhf_growmtp.core.prefix import PrefixStore
+from openrlhf_growmtp.core.reconstruction import count_chunks, plan_chunks, reconstruct_states
 from openrlhf_growmtp.core.records import RecordError
-from tiny import FAMILY_NAMES, chain_by_chain_logits, make_head, make_records
+from openrlhf_growmtp.core.teacher_forcing import TeacherForcedChains, teacher_forced_chains
+
+
+def update(head, records, hiddens=None, lockstep=None, **cfg):
+    """One head update (head_loss_backward) with these HeadLossConfig fields."""
+    return head_loss_backward(head, records, hiddens, HeadLossConfig(**cfg), lockstep or Lockstep())
 
 
 def _grads(head):
@@ -33,7 +40,7 @@ def test_batched_reconstruction_equals_chain_by_chain(family):
     assert batched.shape == reference.shape == (sum(r.num_cycles for r in records), 4, 97)
     diff = (batched.log_softmax(-1) - reference.log_softmax(-1)).abs().max().item()
     assert diff <= 1e-5, diff
-    # the comparison is not vacuous: depths differ from each other and q is far from uniform
+    # the comparison is not vacuous: positions differ from each other and q is far from uniform
     assert (reference[:, 0] - reference[:, 1]).abs().max() > 1e-2
     assert reference.softmax(-1).max() > 5.0 / 97
 
@@ -49,7 +56,7 @@ def test_head_gradients_equal_chain_by_chain(family):
     loss.mean().backward()
     reference = _grads(head)
     _zero(head)
-    stats = head_loss_backward(head, records, kind="dca", chunk_cycles=1024)
+    stats = update(head, records, objective="dca", chunk_cycles=1024)
     assert stats.finite and stats.num_chunks == 1
     batched = _grads(head)
     assert set(batched) == set(reference) and len(batched) == len(list(head.parameters()))
@@ -60,14 +67,14 @@ def test_head_gradients_equal_chain_by_chain(family):
     assert abs(stats.loss - loss.mean().item()) <= 1e-5
 
 
-@pytest.mark.parametrize("kind", ["dca", "tv", "kl", "ce"])
-def test_chunked_gradients_equal_unchunked(kind):
+@pytest.mark.parametrize("objective", ["dca", "tv", "kl", "ce"])
+def test_chunked_gradients_equal_unchunked(objective):
     head = make_head("qwen3")
     records = make_records(k=4)
-    whole = head_loss_backward(head, records, kind=kind, chunk_cycles=10_000)
+    whole = update(head, records, objective=objective, chunk_cycles=10_000)
     reference = _grads(head)
     _zero(head)
-    chunked = head_loss_backward(head, records, kind=kind, chunk_cycles=3)
+    chunked = update(head, records, objective=objective, chunk_cycles=3)
     assert chunked.num_chunks == 4 and whole.num_chunks == 1
     assert abs(chunked.loss - whole.loss) <= 1e-6 * max(1.0, abs(whole.loss))
     assert chunked.alpha_mean == pytest.approx(whole.alpha_mean, abs=1e-6)
@@ -92,8 +99,8 @@ def test_gradients_are_exact_under_a_scaling_backward_and_reach_hidden_states_wi
     reference.update({f"hidden{i}": rec.hidden.grad for i, rec in enumerate(records)})
     _zero(head)
     hiddens = [rec.hidden.detach().clone().requires_grad_() for rec in records]
-    stats = head_loss_backward(head, records, hiddens, chunk_cycles=chunk_cycles,
-                               backward=lambda surrogate: (surrogate * 3.0).backward())
+    stats = update(head, records, hiddens, Lockstep(backward=lambda surrogate: (surrogate * 3.0).backward()),
+                   chunk_cycles=chunk_cycles)
     assert stats.num_chunks == (4 if chunk_cycles == 3 else 1)
     got = _grads(head)
     got.update({f"hidden{i}": h.grad for i, h in enumerate(hiddens)})
@@ -126,12 +133,12 @@ def test_mask_blocks_attention_across_draft_paths():
     changed = (after - before).abs().amax(dim=(1, 2))
     assert changed[1] > 1e-3  # its own deeper positions moved
     assert changed[torch.arange(len(changed)) != 1].max() == 0.0  # no other chain saw those drafts
-    assert (after[1, 0] - before[1, 0]).abs().max() == 0.0  # depth 1 reads only the committed prefix
+    assert (after[1, 0] - before[1, 0]).abs().max() == 0.0  # position 1 reads only the committed prefix
 
 
-def test_teacher_forcing_agrees_with_reconstruction_only_at_depth_one():
+def test_teacher_forcing_agrees_with_reconstruction_only_at_draft_position_one():
     head = make_head("qwen3")
-    rec = make_records(k=4)[2]  # cycles with full accepts: every cycle start has a target at depth 1
+    rec = make_records(k=4)[2]  # cycles with full accepts: every cycle start has a target at position 1
     with torch.no_grad():
         recon = reconstruct_draft_logits(head, [rec])
         tf = teacher_forced_chains(head, rec, rec.hidden)
@@ -140,17 +147,17 @@ def test_teacher_forcing_agrees_with_reconstruction_only_at_depth_one():
     tf_starts = tf.starts.tolist()
     rows = [tf_starts.index(s) for s in starts]
     assert (tf_logits[rows, 0] - recon[:, 0]).abs().max() <= 1e-5
-    # cycle 0 accepted all K drafts, so both paths feed the same tokens; only the caches differ at depth >= 2
+    # cycle 0 accepted all K drafts, so both paths feed the same tokens; only the caches differ at positions >= 2
     assert torch.equal(rec.drafts[0], rec.token_ids[starts[0] + 2:starts[0] + 2 + rec.depth])
     assert (tf_logits[rows[0], 1:] - recon[0, 1:]).abs().max() > 1e-3
-    # targets: depth 1 of the chain at s is verified by row 1 of the cycle starting at s
+    # targets: position 1 of the chain at s is verified by row 1 of the cycle starting at s
     assert torch.equal(tf.topk_ids[rows, 0], rec.topk_ids[:, 0])
 
 
-def test_teacher_forcing_trains_through_head_loss_backward():
+def test_teacher_forcing_trains_through_the_head_update():
     head = make_head("qwen3")
     records = make_records(k=3)
-    stats = head_loss_backward(head, records, kind="dca", teacher_forcing=True)
+    stats = update(head, records, objective="dca", teacher_forcing=True)
     assert stats.finite and stats.num_cycles > sum(r.num_cycles for r in records)  # every position is a start
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in head.parameters())
 
@@ -159,7 +166,7 @@ def test_nonfinite_head_loss_is_reported_and_not_backpropagated():
     head = make_head("qwen3")
     with torch.no_grad():
         head.fc.weight[0, 0] = float("nan")
-    stats = head_loss_backward(head, make_records(k=3), chunk_cycles=100)
+    stats = update(head, make_records(k=3), chunk_cycles=100)
     assert not stats.finite
     assert all(p.grad is None for p in head.parameters())
 
@@ -181,11 +188,11 @@ def test_a_malformed_record_fails_before_any_model_work_naming_record_and_field(
     records = make_records(k=4)
     records[2].drafts[0, 0] = 97  # out of the head's vocabulary
     with pytest.raises(RecordError, match=r"^record 2: drafts:"):
-        head_loss_backward(head, records)
+        update(head, records)
     assert all(p.grad is None for p in head.parameters())
     mixed = make_records(k=4)[:2] + make_records(k=3)[2:]
     with pytest.raises(RecordError, match=r"^record 2: drafts: K = 3"):
-        head_loss_backward(head, mixed)
+        update(head, mixed)
 
 
 def test_vgm_builds_only_the_positions_up_to_the_first_rejection_with_unchanged_states():
@@ -220,14 +227,14 @@ def test_alpha_statistics_average_each_position_over_the_cycles_whose_loss_reads
     lengths = chain_lengths(accepted if vgm else None, len(accepted), 4)
     reads = torch.arange(4)[None, :] < lengths[:, None]
     expected = (alpha * reads).sum(0) / reads.sum(0)
-    stats = head_loss_backward(head, records, kind="dca", vgm=vgm, chunk_cycles=5)
+    stats = update(head, records, objective="dca", vgm=vgm, chunk_cycles=5)
     assert stats.alpha_count == reads.sum(0).float().tolist()
     assert stats.alpha_mean == pytest.approx(expected.tolist(), abs=1e-5)
 
 
-@pytest.mark.parametrize("kind", ["dca", "kl"])
+@pytest.mark.parametrize("objective", ["dca", "kl"])
 @pytest.mark.parametrize("chunk_cycles", [None, 12])
-def test_teacher_forced_loss_and_gradients_equal_the_full_vocabulary_path(kind, chunk_cycles):
+def test_teacher_forced_loss_and_gradients_equal_the_full_vocabulary_path(objective, chunk_cycles):
     # The reference runs each sequence alone with full-vocabulary logits; the update runs the sequences
     # side by side (right-padded, of different lengths and temperatures), in one group or in several.
     head = make_head("qwen3")
@@ -238,13 +245,13 @@ def test_teacher_forced_loss_and_gradients_equal_the_full_vocabulary_path(kind, 
     for b in batches:
         if b is not None:
             logits = head.logits(b.normed).float() / b.temperature[:, None, None]
-            loss, _ = head_loss_per_cycle(logits, b.topk_ids, b.topk_logprobs, b.lengths - 1, kind)
+            loss, _ = head_loss_per_cycle(logits, b.topk_ids, b.topk_logprobs, b.lengths - 1, objective)
             reference = reference + loss.sum() / total
     reference.backward()
     expected = _grads(head)
     _zero(head)
-    stats = head_loss_backward(head, records, kind=kind, teacher_forcing=True, chunk_cycles=chunk_cycles)
-    assert stats.num_chunks == count_chunks(records, chunk_cycles, teacher_forcing=True)
+    stats = update(head, records, objective=objective, teacher_forcing=True, chunk_cycles=chunk_cycles)
+    assert stats.num_chunks == len(TeacherForcedChains(head, records, None, chunk_cycles))
     assert stats.num_chunks == (1 if chunk_cycles is None else 2)  # 12 chains: the sequences do not fit in one
     assert abs(stats.loss - reference.item()) <= 1e-5 * max(1.0, abs(reference.item()))
     for name, grad in _grads(head).items():
@@ -253,7 +260,7 @@ def test_teacher_forced_loss_and_gradients_equal_the_full_vocabulary_path(kind, 
         assert (grad - expected[name]).abs().max().item() <= 1e-5 * max(1.0, scale), name
 
 
-def _module_calls(head, records, **kwargs):
+def _module_calls(head, records, lockstep=None, **cfg):
     """Forward calls per module (the backward's recomputations included) during one head update."""
     calls = {}
     modules = dict(head.named_modules(), lm_head=head.lm_head)
@@ -262,7 +269,7 @@ def _module_calls(head, records, **kwargs):
 
     handles = [m.register_forward_hook(functools.partial(count, name=name)) for name, m in modules.items()]
     try:
-        head_loss_backward(head, records, **kwargs)
+        update(head, records, lockstep=lockstep, **cfg)
     finally:
         for h in handles:
             h.remove()
@@ -272,23 +279,37 @@ def _module_calls(head, records, **kwargs):
 def test_every_rank_makes_the_same_module_calls_whatever_its_records(monkeypatch):
     # Under ZeRO-3 each call of a partitioned module gathers its parameters, a collective: ranks whose
     # records differ (cycle counts, accepted lengths) must still call every module the same number of times.
-    from openrlhf_growmtp.core import scoring
+    from openrlhf_growmtp.core import topk_logq
 
-    monkeypatch.setattr(scoring, "GROUP_LOGITS", 2 * 97)  # two slots' logits per group: 14 groups for 27 slots
-    head = make_head("qwen3")
+    monkeypatch.setattr(topk_logq, "GROUP_LOGITS", 2 * 97)  # two slots' logits per group: 14 groups for 27 slots
     mixed = make_records(k=4)  # full accepts and early rejections
-    rejected = make_records(k=4, seed=5)[1:2]  # two cycles, both rejected at once: no chain reaches depth 2
+    rejected = make_records(k=4, seed=5)[1:2]  # two cycles, both rejected at once: no chain reaches position 2
     assert int(rejected[0].accepted.max()) == 0
-    for kind in ("dca", "kl"):
-        mode = dict(kind=kind, chunk_cycles=64)
-        assert _module_calls(head, mixed, **mode) != _module_calls(head, rejected, **mode)  # left to themselves
-        first, second = _as_two_ranks(lambda agree_max, recs: _module_calls(head, recs, agree_max=agree_max, **mode),
-                                      mixed, rejected)
+    for objective in ("dca", "kl"):
+        mode = dict(objective=objective, chunk_cycles=64)
+        assert _module_calls(make_head("qwen3"), mixed, **mode) != _module_calls(make_head("qwen3"), rejected, **mode)
+        first, second = TwoRanks.run(lambda lockstep, recs: _module_calls(make_head("qwen3"), recs, lockstep, **mode),
+                                     mixed, rejected)
         assert first == second and first["lm_head"] > 2 * 3, (first, second)
 
 
+def test_a_rank_with_fewer_chunks_runs_padding_chunks_that_change_no_gradient():
+    # one rank has 4 chunks, the other 1: the second pads with 3 zero-weighted padding chunks
+    busy, idle = make_records(k=4), make_records(k=4, seed=5)[1:2]
+    mode = dict(objective="dca", chunk_cycles=3)
+    assert count_chunks(busy, 3) == 4 and count_chunks(idle, 3) == 1
+    alone = make_head("qwen3")
+    update(alone, idle, **mode)
+    heads = [make_head("qwen3"), make_head("qwen3")]
+    first, second = TwoRanks.run(lambda lockstep, recs: _module_calls(heads[recs is idle], recs, lockstep, **mode),
+                                 busy, idle)
+    assert first == second
+    for (name, grad), (_, padded) in zip(alone.named_parameters(), heads[1].named_parameters()):
+        assert (padded.grad - grad.grad).abs().max().item() <= 1e-6 * max(1.0, grad.grad.abs().max().item()), name
+
+
 def test_scored_groups_are_whole_cycles_with_about_equal_slots():
-    from openrlhf_growmtp.core.scoring import group_bounds
+    from openrlhf_growmtp.core.topk_logq import group_bounds
 
     slots = [3, 1, 4, 2, 1, 1, 1, 4, 4, 2, 4]  # per cycle, as VGM's chain lengths at K=4
     cycle = torch.repeat_interleave(torch.arange(len(slots)), torch.tensor(slots))
@@ -301,57 +322,43 @@ def test_scored_groups_are_whole_cycles_with_about_equal_slots():
         assert max(sizes) <= -(-sum(slots) // groups) + max(slots) - 1, (groups, sizes)
 
 
-def _as_two_ranks(run, first, second):
-    """run(agree_max, records) on two 'ranks' whose agree_max answers the most of both ranks' counts, call by
-    call, as the trainer's all-reduce does: each rank runs once alone to learn its counts, then again."""
-    counts = []
-    for records in (first, second):
-        counts.append([])
-        run(lambda count, seen=counts[-1]: seen.append(count) or count, records)
-    assert len(counts[0]) == len(counts[1]), counts  # the same collectives, in the same order
-    agreed = [max(a, b) for a, b in zip(*counts)]
-    return [run(lambda count, answers=iter(agreed): next(answers), records) for records in (first, second)]
-
-
-@pytest.mark.parametrize("one_chunk_everywhere", [True, False])
-def test_ranks_run_as_many_prefix_pieces_as_the_busiest_rank(one_chunk_everywhere):
+@pytest.mark.parametrize("busy_chunks", [1, 2])
+def test_ranks_run_as_many_prefix_pieces_as_the_busiest_rank(busy_chunks):
     # A prefix opens (and, unless every rank runs one chunk, closes) in pieces of at most chunk_cycles x K
-    # positions (prefix.py): a long prompt takes several, a short one one; with the counts agreed (the
-    # trainer all-reduces the max), every rank makes the same calls, and the passengers change no gradient.
+    # positions (prefix.py): a long prompt takes several, a short one one; padded to the busiest rank's
+    # count, every rank makes the same calls, and the padding changes no gradient.
     from openrlhf_growmtp.core.records import SequenceRecord
 
-    head = make_head("qwen3")
-    long = [SequenceRecord.make_dummy(prompt_len=60, accepted=[1, 4], depth=4, topk=8, vocab_size=97,
-                                      hidden_size=head.config.hidden_size, seed=3)]
+    long = [SequenceRecord.make_dummy(prompt_len=60, accepted=[1, 4, 0, 0, 2][:4 * busy_chunks - 3], depth=4,
+                                      topk=8, vocab_size=97, hidden_size=64, seed=3)]
     short = make_records(k=4, seed=5)[1:2]  # prompt of 3, two cycles
-    assert count_chunks(long, 4) == count_chunks(short, 4) == 1
-    mode = dict(chunk_cycles=4, one_chunk_everywhere=one_chunk_everywhere)
-    alone = _module_calls(head, long, **mode)
-    assert alone != _module_calls(head, short, **mode)  # 61 positions in pieces of 16 vs one piece
-    _zero(head)
-    agreed = _module_calls(head, short, agree_max=lambda count: max(count, 4), **mode)
-    assert agreed == alone
-    reference = _grads(head)
-    _zero(head)
-    head_loss_backward(head, short, **mode)
-    for name, grad in _grads(head).items():
-        assert (grad - reference[name]).abs().max().item() <= 1e-6 * max(1.0, reference[name].abs().max().item())
+    assert count_chunks(long, 4) == busy_chunks and count_chunks(short, 4) == 1
+    mode = dict(chunk_cycles=4)
+    assert _module_calls(make_head("qwen3"), long, **mode) != _module_calls(make_head("qwen3"), short, **mode)
+    alone = make_head("qwen3")
+    update(alone, short, **mode)
+    heads = [make_head("qwen3"), make_head("qwen3")]
+    first, second = TwoRanks.run(lambda lockstep, recs: _module_calls(heads[recs is short], recs, lockstep, **mode),
+                                 long, short)
+    assert first == second
+    for (name, want), (_, got) in zip(alone.named_parameters(), heads[1].named_parameters()):
+        assert (got.grad - want.grad).abs().max().item() <= 1e-6 * max(1.0, want.grad.abs().max().item()), name
 
 
-@pytest.mark.parametrize("kind", ["dca", "kl"])
-def test_gradients_are_exact_when_the_slots_are_scored_in_many_groups_and_blocks(kind, monkeypatch):
-    from openrlhf_growmtp.core import scoring
+@pytest.mark.parametrize("objective", ["dca", "kl"])
+def test_gradients_are_exact_when_the_slots_are_scored_in_many_groups_and_blocks(objective, monkeypatch):
+    from openrlhf_growmtp.core import topk_logq
 
     head = make_head("qwen3")
     records = make_records(k=4)
-    stats = head_loss_backward(head, records, kind=kind, chunk_cycles=64)
+    stats = update(head, records, objective=objective, chunk_cycles=64)
     reference = _grads(head)
     _zero(head)
-    # one slot's logits per group: 27 groups for 27 slots in 11 cycles, so most groups are passengers;
+    # one slot's logits per group: 27 groups for 27 slots in 11 cycles, so most groups are padding;
     # and the softmax's passes in blocks of one row
-    monkeypatch.setattr(scoring, "GROUP_LOGITS", 97)
-    monkeypatch.setattr(scoring, "SOFTMAX_BLOCK", {"cpu": 97, "cuda": 97})
-    grouped = head_loss_backward(head, records, kind=kind, chunk_cycles=64)
+    monkeypatch.setattr(topk_logq, "GROUP_LOGITS", 97)
+    monkeypatch.setattr(topk_logq, "SOFTMAX_BLOCK", {"cpu": 97, "cuda": 97})
+    grouped = update(head, records, objective=objective, chunk_cycles=64)
     assert abs(grouped.loss - stats.loss) <= 1e-6 * max(1.0, abs(stats.loss))
     assert grouped.alpha_mean == pytest.approx(stats.alpha_mean, abs=1e-6)
     for name, grad in _grads(head).items():

@@ -8,7 +8,7 @@ import torch
 from openrlhf_growmtp.core import RecordError, SequenceRecord
 from openrlhf_growmtp.core.records import total_cycles
 from openrlhf_growmtp.core.validation import validate_record, validate_records
-from tiny import HIDDEN, VOCAB
+from helpers.tiny import HIDDEN, VOCAB
 
 
 def _valid(**kw):

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from openrlhf_growmtp.core.checkpoint import export_head
-from tiny import make_head, tiny_backbone_config
+from helpers.tiny import make_head, tiny_backbone_config
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "examples" / "scripts"
 MODELS = {"QWEN3_4B": "qwen3", "QWEN3_5_4B_BASE": "qwen3_5", "MIMO_7B_SFT": "mimo"}

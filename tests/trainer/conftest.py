@@ -6,9 +6,9 @@ import os
 
 import pytest
 import torch
-from trainer_helpers import free_port
+from helpers.trainer import free_port
 
-import toy
+from openrlhf_growmtp import toy_world as toy
 from openrlhf_growmtp.core.checkpoint import materialize_random_head
 from openrlhf_growmtp.trainer import installer
 

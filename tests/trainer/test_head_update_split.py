@@ -6,10 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from openrlhf_growmtp.trainer.head_update import HeadStepTotals, HeadUpdateConfig, rows_per_sample, update_head
-from tiny import make_head, make_records
+from helpers.tiny import make_head, make_records
+from openrlhf_growmtp.core import HeadLossConfig, Lockstep
+from openrlhf_growmtp.trainer.head_update import HeadStepTotals, HeadUpdateConfig, update_head
+from openrlhf_growmtp.trainer.hidden_states import rows_per_sample
 
-CFG = HeadUpdateConfig(chunk_cycles=3)
+CFG = HeadUpdateConfig(HeadLossConfig(chunk_cycles=3))
 
 
 def _grads(head) -> dict[str, torch.Tensor]:
@@ -19,8 +21,8 @@ def _grads(head) -> dict[str, torch.Tensor]:
 
 
 def _call(head, records, cycles_per_step=None) -> HeadStepTotals:
-    return update_head(head, None, records, CFG, backward=lambda loss: loss.backward(),
-                       hiddens=[rec.hidden for rec in records], cycles_per_step=cycles_per_step)
+    return update_head(head, records, [rec.hidden for rec in records], CFG, Lockstep(),
+                       cycles_per_step=cycles_per_step)
 
 
 def test_micro_batch_calls_add_up_to_one_call_over_every_record():
@@ -64,7 +66,7 @@ def test_a_non_finite_call_makes_the_totals_non_finite():
 
 
 def test_a_micro_batch_without_cycles_still_runs_one_zero_weight_backward():
-    # every sample ended before its first cycle: the call still makes a filler chunk's head backward (under
+    # every sample ended before its first cycle: the call still makes a padding chunk's head backward (under
     # optimizer offload DeepSpeed hands each parameter's gradient over at the window's last backward that
     # reaches it); one chunk on every rank, so its prefix goes back with it (core/prefix.py)
     from dataclasses import replace
@@ -76,8 +78,9 @@ def test_a_micro_batch_without_cycles_still_runs_one_zero_weight_backward():
                      topk_logprobs=rec.topk_logprobs[:0], accepted=rec.accepted[:0]) for rec in make_records(k=4)]
     assert all(rec.num_cycles == 0 for rec in empty)
     losses = []
-    totals = update_head(head, None, empty, CFG, backward=lambda loss: (losses.append(loss), loss.backward()),
-                         hiddens=[rec.hidden for rec in empty], cycles_per_step=0.0)  # an RL step without cycles
+    lockstep = Lockstep(backward=lambda loss: (losses.append(loss), loss.backward()))
+    totals = update_head(head, empty, [rec.hidden for rec in empty], CFG, lockstep,
+                         cycles_per_step=0.0)  # an RL step without cycles
     assert len(losses) == 1 and float(losses[0]) == 0.0
     assert all(p.grad is None or not p.grad.any() for p in head.parameters())
     assert totals.cycles == 0 and totals.finite

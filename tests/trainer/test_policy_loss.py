@@ -20,7 +20,7 @@ import math
 import pytest
 import torch
 
-from trainer_helpers import cpu_support  # noqa: F401  (the CPU layer before openrlhf.models is imported)
+from helpers.trainer import cpu_support  # noqa: F401  (the CPU layer before openrlhf.models is imported)
 
 from openrlhf.models.loss import PolicyLoss  # noqa: E402
 

@@ -13,13 +13,13 @@ import deepspeed
 import pytest
 import torch
 
-import toy
+from openrlhf_growmtp import toy_world as toy
 from openrlhf_growmtp.core.checkpoint import load_head
 from openrlhf_growmtp.core.records import SequenceRecord
 from openrlhf_growmtp.core.schedule import DEFAULT_HEAD_LR
-from openrlhf_growmtp.trainer.head_group import head_optimizer_state
+from openrlhf_growmtp.trainer.head_optimizer import head_optimizer_state
 
-from trainer_helpers import K, TOPK, train_args
+from helpers.trainer import K, TOPK, train_args
 
 BATCH, PROMPT, RESPONSE = 4, 5, 7
 
@@ -160,7 +160,7 @@ def test_hidden_states_from_the_training_forward_policy_identical_no_extra_forwa
                                                                                    head_dir, tmp_path, monkeypatch):
     # one policy step per RL step and records of exactly their samples' tokens: the head reads H_p from the
     # policy's own training forward of each micro-batch, and no forward of its own runs
-    from openrlhf_growmtp.trainer import head_update, ppo_actor
+    from openrlhf_growmtp.trainer import head_step, hidden_states
 
     assert matching_sequences().shape == (BATCH, PROMPT + RESPONSE)
     flags = ("--ds.packing_samples",) if packed else ()
@@ -168,18 +168,20 @@ def test_hidden_states_from_the_training_forward_policy_identical_no_extra_forwa
                                              sequences=matching_sequences())
     given = []
 
-    def spy_head(head, backbone, records, *args, hiddens=None, **kwargs):
+    def spy_update(self, indices, hiddens):
         # the policy's weights are still the rollout's here: its own forward of the same sequences
-        reference = head_update.backbone_hidden_states(backbone, records, 1, len(records), grad=False)
-        given.append([(h, r) for h, r in zip(hiddens, reference)])
-        return real_head(head, backbone, records, *args, hiddens=hiddens, **kwargs)
+        records = [self.records[i] for i in indices]
+        reference = hidden_states.backbone_hidden_states(self.engine.module.model, records, 1, len(records),
+                                                         grad=False)
+        given.append(list(zip(hiddens, reference)))
+        return real_update(self, indices, hiddens)
 
     def no_forward_of_its_own(*args, **kwargs):
         raise AssertionError("the head ran a policy forward of its own")
 
-    real_head = ppo_actor.update_head
-    monkeypatch.setattr(ppo_actor, "update_head", spy_head)
-    monkeypatch.setattr(ppo_actor, "step_hidden_states", no_forward_of_its_own)
+    real_update = head_step.HeadStep._update
+    monkeypatch.setattr(head_step.HeadStep, "_update", spy_update)
+    monkeypatch.setattr(head_step, "step_hidden_states", no_forward_of_its_own)
     status, policy, head, _, _ = ours(policy_dir, head_dir, tmp_path / "ours", extra=flags, matching=True)
     assert_identical(policy, up_policy)
     assert status["policy_loss"] == up_status["policy_loss"]
@@ -206,16 +208,18 @@ def test_joint_policy_differs(upstream, single_rank, policy_dir, head_dir, tmp_p
 
 def test_nonfinite_head_loss_skips_head_update(upstream, single_rank, policy_dir, head_dir, tmp_path, monkeypatch,
                                               caplog):
-    from openrlhf_growmtp.core import scoring
+    from openrlhf_growmtp.core import head_loss
 
-    real = scoring.head_loss_per_cycle_at
+    real = head_loss.head_loss_per_cycle_at
 
     def poisoned(*args, **kwargs):
         per_cycle, alpha = real(*args, **kwargs)
         return per_cycle * float("nan"), alpha
 
-    monkeypatch.setattr(scoring, "head_loss_per_cycle_at", poisoned)
-    status, policy, head, _, _ = ours(policy_dir, head_dir, tmp_path)
+    monkeypatch.setattr(head_loss, "head_loss_per_cycle_at", poisoned)
+    status, policy, head, optimizer, _ = ours(policy_dir, head_dir, tmp_path)
+    # the shared optimizer stepped the policy, and the head's Adam state never came to exist
+    assert head_optimizer_state(SimpleNamespace(optimizer=optimizer)) == {}
     _, up_policy, _, _, _ = upstream
     assert status["growmtp/head_finite"] == 0.0
     assert "head update is skipped" in caplog.text
@@ -269,52 +273,103 @@ def layout(request, single_rank, policy_dir, tmp_path_factory):
     return flags, steps, one_step(args, policy_dir, ours=False)
 
 
-def test_several_policy_steps_policy_identical_records_follow_their_samples(layout, single_rank, policy_dir, head_dir,
-                                                                            tmp_path, monkeypatch):
+def head_state_after_each_step(monkeypatch, optimizer_cls) -> list[dict]:
+    """After every optimizer step: the head group's fp32 partitions and Adam state (moments, step count)."""
+    from openrlhf_growmtp.trainer.head_optimizer import _head_step_indices, head_group_index
+
+    states = []
+    real = optimizer_cls.step
+
+    def step(self, *args, **kwargs):
+        out = real(self, *args, **kwargs)
+        zero3 = hasattr(self, "fp32_partitioned_groups_flat")
+        flats = self.fp32_partitioned_groups_flat if zero3 else self.single_partition_of_fp32_groups
+        indices = _head_step_indices(self, 3 if zero3 else 2, head_group_index(self))
+        states.append({**{f"param{i}": flats[i].detach().clone() for i in indices},
+                       **head_optimizer_state(SimpleNamespace(optimizer=self))})
+        return out
+
+    monkeypatch.setattr(optimizer_cls, "step", step)
+    return states
+
+
+@pytest.mark.parametrize("schedule", ["rl_step", "policy_step"])
+def test_several_policy_steps_policy_identical_records_follow_their_samples(layout, schedule, single_rank, policy_dir,
+                                                                            head_dir, tmp_path, monkeypatch):
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
     from openrlhf.trainer.ray.ppo_actor import ActorPPOTrainer
 
-    from openrlhf_growmtp.trainer import ppo_actor
+    from openrlhf_growmtp.trainer import head_step
 
     flags, steps, (up_status, up_policy, _, _, _) = layout
+    if schedule == "policy_step" and steps == 1:
+        pytest.skip("one policy step per RL step: the two schedules are one (test_one_policy_step_...)")
     sample_of = {}  # a sample's tokens and its record's tokens -> the sample's index
     for i, (row, rec) in enumerate(zip(make_experience(policy_dir, None).sequences, make_records())):
         sample_of[tuple(row.tolist())] = sample_of[tuple(rec.token_ids.tolist())] = i
     head_calls, policy_calls = [], []
 
-    def spy_head(head, backbone, records, *args, **kwargs):
+    def spy_head(head, records, *args, **kwargs):
         head_calls.append(sorted(sample_of[tuple(rec.token_ids.tolist())] for rec in records))
-        return real_head(head, backbone, records, *args, **kwargs)
+        return real_head(head, records, *args, **kwargs)
 
     def spy_policy(self, experience, *args, **kwargs):
         rows = [row[mask.bool()] for row, mask in zip(experience.sequences, experience.attention_mask)]
         policy_calls.append(sorted(sample_of[tuple(row.tolist())] for row in rows))
         return real_policy(self, experience, *args, **kwargs)
 
-    real_head, real_policy = ppo_actor.update_head, ActorPPOTrainer.training_step
-    monkeypatch.setattr(ppo_actor, "update_head", spy_head)
+    real_head, real_policy = head_step.update_head, ActorPPOTrainer.training_step
+    monkeypatch.setattr(head_step, "update_head", spy_head)
     monkeypatch.setattr(ActorPPOTrainer, "training_step", spy_policy)
-    status, policy, head, optimizer, _ = ours(policy_dir, head_dir, tmp_path, extra=flags)
+    zero2 = "--ds.zero_stage" in flags
+    after_step = head_state_after_each_step(monkeypatch, DeepSpeedZeroOptimizer if zero2 else
+                                            DeepSpeedZeroOptimizer_Stage3)
+    status, policy, head, optimizer, _ = ours(policy_dir, head_dir, tmp_path,
+                                              extra=flags + ("--growmtp_head_update", schedule))
 
     offloaded = optimizer.offload_optimizer if hasattr(optimizer, "offload_optimizer") else optimizer.cpu_offload
     assert bool(offloaded) == ("--ds.adam_offload" in flags)  # ZeRO-3's name for it, then ZeRO-2's
-    assert type(optimizer).__name__ == ("DeepSpeedZeroOptimizer" if "--ds.zero_stage" in flags else "DeepSpeedZeroOptimizer_Stage3")
+    assert type(optimizer).__name__ == ("DeepSpeedZeroOptimizer" if zero2 else "DeepSpeedZeroOptimizer_Stage3")
     assert_identical(policy, up_policy)
     assert status["policy_loss"] == up_status["policy_loss"]
-    # each micro-batch's head work ran on exactly its own samples' records, and every epoch saw every record;
-    # with one step per RL step (not offloaded) it runs once over every record, at the first micro-batch
-    assert len(policy_calls) > steps
-    if steps == 1 and "--ds.adam_offload" not in flags:
-        assert head_calls == [list(range(BATCH))]
-    else:
-        assert head_calls == policy_calls
+    assert len(policy_calls) > steps and len(after_step) == steps
     epochs = 2 if "--train.max_epochs" in flags else 1
-    assert sorted(i for call in head_calls for i in call) == sorted(list(range(BATCH)) * epochs)
-    assert status["growmtp/head_steps"] == steps and status["growmtp/head_epochs"] == epochs
+    if schedule == "rl_step":
+        # the paper's schedule: every record once, spread over the first window's micro-batches in order, one
+        # head step; in every other optimizer step the head's parameters and Adam state stay bit for bit
+        window = len(head_calls)
+        assert 1 <= window <= len(policy_calls) // (steps // epochs) and window <= BATCH
+        assert [i for call in head_calls for i in call] == list(range(BATCH))
+        assert status["growmtp/head_steps"] == 1 and status["growmtp/head_epochs"] == 1
+        for before, after in zip(after_step, after_step[1:]):
+            assert before.keys() == after.keys() and any(k.endswith(".step") for k in after)
+            assert all(torch.equal(before[k], after[k]) for k in after)
+        assert all(float(v) == 1 for k, v in after_step[-1].items() if k.endswith(".step"))
+    else:
+        # each micro-batch's head update ran on exactly its own samples' records, every epoch saw every
+        # record, and the head stepped with every policy step
+        assert head_calls == policy_calls
+        assert sorted(i for call in head_calls for i in call) == sorted(list(range(BATCH)) * epochs)
+        assert status["growmtp/head_steps"] == steps and status["growmtp/head_epochs"] == epochs
+        assert all(float(v) == steps for k, v in after_step[-1].items() if k.endswith(".step"))
     assert status["growmtp/head_cycles"] == 10 and status["growmtp/head_finite"] == 1.0  # first epoch: each once
     initial = {n: p.to(torch.bfloat16).float() for n, p in load_head(head_dir).state_dict().items()}
     assert all(not torch.equal(head[n], initial[n]) for n in head if head[n].ndim == 2)
     moments = head_optimizer_state(SimpleNamespace(optimizer=optimizer))  # what a checkpoint's snapshot records
     assert moments and all(float(m.abs().sum()) > 0 for m in moments.values())
+
+
+def test_one_policy_step_per_rl_step_makes_the_two_schedules_one_run(upstream, single_rank, policy_dir, head_dir,
+                                                                      tmp_path):
+    runs = [ours(policy_dir, head_dir, tmp_path / schedule, extra=("--growmtp_head_update", schedule))
+            for schedule in ("rl_step", "policy_step")]
+    (status, policy, head, _, _), (other_status, other_policy, other_head, _, _) = runs
+    assert status["growmtp/head_steps"] == 1
+    assert_identical(policy, other_policy)
+    assert_identical(head, other_head)
+    assert {k: v for k, v in status.items() if not k.endswith("_s")} == \
+        {k: v for k, v in other_status.items() if not k.endswith("_s")}
 
 
 def test_zero2_and_zero3_step_the_head_with_the_same_gradient(single_rank, policy_dir, head_dir, tmp_path,
@@ -330,7 +385,7 @@ def test_zero2_and_zero3_step_the_head_with_the_same_gradient(single_rank, polic
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
-    from openrlhf_growmtp.trainer.head_group import head_group_index
+    from openrlhf_growmtp.trainer.head_optimizer import head_group_index
 
     stepped = {}
     for cls in (DeepSpeedZeroOptimizer, DeepSpeedZeroOptimizer_Stage3):

@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from trainer_helpers import train_args
+from helpers.trainer import train_args
 
 from openrlhf_growmtp import cpu_support
 from openrlhf_growmtp.trainer import installer

@@ -4,13 +4,13 @@ and agree with vLLM's own counters, exactly as in fp32."""
 
 import pytest
 import torch
-from conftest import K, close_engine, make_engine
+from helpers.engines import K, close_engine, make_engine
 from test_records_engine import assert_records_rebuild_responses
 from vllm import SamplingParams
 
 from openrlhf_growmtp.core import validate_record
 
-from toy import random_prompts
+from openrlhf_growmtp.toy_world import random_prompts
 
 TOPK = 64  # the default width, narrower than the toy's 128 words: the top-k mass is below one
 

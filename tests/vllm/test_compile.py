@@ -1,12 +1,12 @@
 """The head compiles like vLLM's own draft heads (`@support_torch_compile`): an engine without enforce_eager
 compiles the target and the head, and the compiled head's q is still what the trainer reconstructs."""
 
-from conftest import close_engine, core_head, make_engine
+from helpers.engines import close_engine, core_head, make_engine
 from test_records_engine import assert_records_rebuild_responses, engine_q_vs_reconstruction
 from vllm import SamplingParams
 from vllm.compilation.counter import compilation_counter
 
-from toy import random_prompts
+from openrlhf_growmtp.toy_world import random_prompts
 
 
 def compiled_models() -> int:

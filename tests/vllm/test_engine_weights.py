@@ -2,11 +2,11 @@
 
 import pytest
 import torch
-from conftest import K, close_engine, core_head, hf_logprobs_on_path, make_engine
+from helpers.engines import K, close_engine, core_head, hf_logprobs_on_path, make_engine
 from test_records_engine import engine_q_vs_reconstruction
 from vllm import SamplingParams
 
-from toy import random_prompts, train_head_on_records
+from openrlhf_growmtp.toy_world import random_prompts, train_head_on_records
 from vllm_patches.transport import dump_blob
 
 PARAMS = SamplingParams(temperature=1.0, max_tokens=48, ignore_eos=True)

@@ -8,10 +8,10 @@ import json
 import pytest
 import torch
 
-from conftest import ENGINE_ARGS, close_engine, core_head
+from helpers.engines import ENGINE_ARGS, close_engine, core_head
 from openrlhf_growmtp.cli import evaluate
 from openrlhf_growmtp.core.checkpoint import export_head
-from toy import random_prompts, train_head_on_records
+from openrlhf_growmtp.toy_world import random_prompts, train_head_on_records
 from vllm_patches.engine import SpecEngine, engine_counters
 
 

@@ -4,7 +4,7 @@ import os
 
 import pytest
 import torch
-from conftest import make_engine
+from helpers.engines import make_engine
 from vllm import SamplingParams
 
 import vllm_patches

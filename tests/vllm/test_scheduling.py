@@ -1,10 +1,10 @@
 """Records stay exact when the scheduler reuses cached prefixes or preempts requests."""
 
-from conftest import close_engine, core_head, make_engine
+from helpers.engines import close_engine, core_head, make_engine
 from test_records_engine import assert_records_rebuild_responses, engine_q_vs_reconstruction
 from vllm import SamplingParams
 
-from toy import random_prompts
+from openrlhf_growmtp.toy_world import random_prompts
 
 PARAMS = SamplingParams(temperature=1.0, max_tokens=40, ignore_eos=True)
 

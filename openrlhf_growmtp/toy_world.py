@@ -1,5 +1,5 @@
-"""The tests' toy world (also timed by benchmarks/bench_rollout.py): a tiny Qwen3 policy vLLM can serve,
-and a few-step head trainer on records.
+"""The toy world of the tests and of benchmarks/bench_rollout.py: a tiny Qwen3 policy vLLM can serve, and a
+few-step head trainer on records.
 
 A word-level tokenizer ("t0".."t{V-1}", whitespace-split) comes with it, because vLLM 0.29's `LLM`
 cannot start without one; prompts are token ids anyway. The policy's lm_head is
@@ -69,16 +69,16 @@ def policy_hidden_states(policy: Qwen3ForCausalLM, token_ids: torch.Tensor) -> t
 
 
 def train_head_on_records(head, policy: Qwen3ForCausalLM, records, steps: int, lr: float = 3e-3,
-                          kind: str = "dca") -> list[float]:
+                          objective: str = "dca") -> list[float]:
     """A few Adam steps of the GrowMTP head loss on fixed records (transport-free hiddens). Returns losses."""
-    from openrlhf_growmtp.core.reconstruction import head_loss_backward
+    from openrlhf_growmtp.core.head_loss import HeadLossConfig, head_loss_backward
 
     hiddens = [policy_hidden_states(policy, rec.token_ids) for rec in records]
     optimizer = torch.optim.Adam([p for p in head.parameters() if p.requires_grad], lr=lr)
     losses = []
     for _ in range(steps):
         optimizer.zero_grad(set_to_none=True)
-        stats = head_loss_backward(head, records, hiddens=hiddens, kind=kind)
+        stats = head_loss_backward(head, records, hiddens, HeadLossConfig(objective=objective))
         if not stats.finite:
             raise FloatingPointError("non-finite head loss while training the toy head")
         optimizer.step()

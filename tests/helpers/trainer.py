@@ -1,4 +1,4 @@
-"""Helpers for the OpenRLHF integration tests (imported by conftest and the tests)."""
+"""Helpers for the OpenRLHF integration tests: parsed arguments for a one-rank step, a free port."""
 
 from __future__ import annotations
 

@@ -1,12 +1,15 @@
 """The head's param group inside DeepSpeed's ZeRO-2 or ZeRO-3 optimizer, next to the policy's (deepspeed 0.19.6).
 
-The head is a submodule of the model DeepSpeed wraps, so ZeRO partitions and reduces it with the policy;
-these functions keep it from touching the policy's update:
+The head is a submodule of the model DeepSpeed wraps, so ZeRO partitions and reduces it with the policy
+and one optimizer steps both; these functions keep the head from touching the policy's update, and the
+policy's steps from moving the head:
 - gradient-norm clipping per group (the policy's clip norm is exactly upstream's),
-- accumulation windows that the head's backwards may open (they run before each micro-batch's policy
-  forward, so they close the previous backward as the engine's forward would, and ZeRO-3's buffer is
-  zeroed where they open a window),
-- a skipped head step (non-finite head loss) that leaves the head's parameters as they are.
+- the head group steps only in an accumulation window where the head's update ran and was finite
+  (`head_updated`); in every other step of the shared optimizer the head's parameters and its Adam state
+  stay exactly as they are,
+- accumulation windows that the head's backwards may open (they run before a micro-batch's policy
+  backward, so they close the previous backward as the engine's forward would, and ZeRO-3's buffer is
+  zeroed where they open a window).
 ZeRO-2 (`DeepSpeedZeroOptimizer`, `partition_gradients`) and ZeRO-3 (`DeepSpeedZeroOptimizer_Stage3`)
 differ in where gradients accumulate and how norms are grouped; each function handles both. The
 DeepSpeed internals used here are listed in `installer.CONTRACT` and checked at start-up.
@@ -14,13 +17,16 @@ DeepSpeed internals used here are listed in `installer.CONTRACT` and checked at 
 
 from __future__ import annotations
 
-import contextlib
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
+from ..core.schedule import HeadLRSchedule
+
 HEAD_GROUP = "growmtp_head"  # the optimizer param group's name
 _WINDOW_ATTR = "_growmtp_head_window"  # on the engine: its global step when the head's backwards last ran
+_UPDATED_ATTR = "_growmtp_head_updated"  # on the engine: its global step when the head's update last completed
 
 
 class HeadGroupError(RuntimeError):
@@ -48,25 +54,95 @@ def head_group_index(optimizer) -> int:
 
 
 def attach_head_optimizer(engine, scheduler, lr_multiplier: Callable[[int], float]) -> None:
-    """Give the head group its own LR schedule and keep its gradients out of the policy's clipping.
+    """Give the head group its own LR schedule, keep its gradients out of the policy's clipping, and hold it
+    still in the optimizer steps without a head update (`head_updated`).
 
     DeepSpeed clips with one norm over all groups; here the policy's groups are clipped with the norm of
     the policy's gradients alone (exactly upstream's) and the head's with the head's own norm.
     """
     optimizer, stage = _zero_optimizer(engine)
     group = head_group_index(optimizer)
-    (_clip_per_group_zero3 if stage == 3 else _clip_per_group_zero2)(optimizer, group)
+    if stage == 3:
+        _clip_per_group_zero3(optimizer, _head_step_indices(optimizer, stage, group))
+    else:
+        _clip_per_group_zero2(optimizer, group)
+    _hold_head_between_updates(engine, optimizer, _head_step_indices(optimizer, stage, group))
     # LambdaLR keeps one multiplier per group; the head's replaces upstream's for its group only.
     scheduler.lr_lambdas[group] = lr_multiplier
-    base = scheduler.base_lrs[group]
-    optimizer.param_groups[group]["lr"] = base * lr_multiplier(scheduler.last_epoch)
+    refresh_head_lr(engine, scheduler)
+
+
+def refresh_head_lr(engine, scheduler) -> float:
+    """Set the head group's LR from its multiplier now (as the scheduler's next step would); returns it."""
+    optimizer, _ = _zero_optimizer(engine)
+    group = head_group_index(optimizer)
+    lr = scheduler.base_lrs[group] * scheduler.lr_lambdas[group](scheduler.last_epoch)
+    optimizer.param_groups[group]["lr"] = lr
     scheduler._last_lr = [g["lr"] for g in optimizer.param_groups]
+    return lr
 
 
-def _clip_per_group_zero3(optimizer, group: int) -> None:
+def _head_step_indices(optimizer, stage: int, group: int) -> list[int]:
+    """What `_optimizer_step` is called with for the head's parameters: ZeRO-3's sub-groups, ZeRO-2's group."""
+    if stage == 3:
+        return sorted(sub for sub, grp in optimizer.sub_group_to_group_id.items() if grp == group)
+    return [group]
+
+
+def _hold_head_between_updates(engine, optimizer, head_indices: list[int]) -> None:
+    # The optimizer steps one group (ZeRO-2) or sub-group (ZeRO-3) at a time through `_optimizer_step`,
+    # then copies each fp32 partition back to the model's parameters: a skipped step leaves the fp32
+    # partition, the Adam moments and step count, and so the parameters, bit for bit as they were.
+    original = optimizer._optimizer_step
+
+    def step(index: int):
+        if index in head_indices and getattr(engine, _UPDATED_ATTR, None) != engine.global_steps:
+            return None
+        return original(index)
+
+    optimizer._optimizer_step = step
+
+
+def head_updated(engine, finite: bool) -> None:
+    """The head's latest update in the current accumulation window: finite on every rank (the window's
+    optimizer step then steps the head group too, unless a later update of the window is not) or not."""
+    setattr(engine, _UPDATED_ATTR, engine.global_steps if finite else None)
+
+
+@dataclass
+class HeadLR:
+    """The head group's LR multiplier (its LambdaLR lambda): the schedule at the RL step (`per_rl_step`), or at
+    the policy's optimizer step. LambdaLR saves and restores its fields with the scheduler's state, so the
+    count of completed RL steps survives a resume."""
+
+    schedule: HeadLRSchedule
+    per_rl_step: bool
+    rl_steps: int = 0  # completed RL steps
+
+    def __call__(self, policy_steps: int) -> float:
+        return self.schedule(self.rl_steps if self.per_rl_step else policy_steps)
+
+
+def head_lr(engine) -> float:
+    optimizer, _ = _zero_optimizer(engine)
+    return optimizer.param_groups[head_group_index(optimizer)]["lr"]
+
+
+def start_rl_step(engine, scheduler) -> float:
+    """Before an RL step's head update: its LR, set on the head group now."""
+    return refresh_head_lr(engine, scheduler)
+
+
+def end_rl_step(engine, scheduler) -> None:
+    """After an RL step: the next one's LR follows (per RL step), whether or not its update was finite."""
+    multiplier = scheduler.lr_lambdas[head_group_index(_zero_optimizer(engine)[0])]
+    multiplier.rl_steps += 1
+    refresh_head_lr(engine, scheduler)
+
+
+def _clip_per_group_zero3(optimizer, head_subgroups: list[int]) -> None:
     # ZeRO-3 computes one norm per sub-group and clips sub-group by sub-group: the head's sub-groups count
     # zero towards the policy's norm (which is then upstream's) and are clipped with their own.
-    head_subgroups = {sub for sub, grp in optimizer.sub_group_to_group_id.items() if grp == group}
     norms = {}
     original_norms = optimizer._get_norm_groups
     original_clip = optimizer.unscale_and_clip_grads
@@ -174,35 +250,15 @@ def head_backward(engine) -> Callable[[torch.Tensor], None]:
     return backward
 
 
-@contextlib.contextmanager
-def head_step_skipped(engine, scheduler):
-    """Optimizer steps inside run with the head group's LR at zero: head parameters stay as they are.
-
-    The scheduler's own step (inside engine.step) still sets the next LR; it is kept when it ran.
-    """
-    optimizer, _ = _zero_optimizer(engine)
-    index = head_group_index(optimizer)
-    group, lr, epoch = optimizer.param_groups[index], optimizer.param_groups[index]["lr"], scheduler.last_epoch
-    group["lr"] = 0.0
-    try:
-        yield
-    finally:
-        if scheduler.last_epoch == epoch:
-            group["lr"] = lr
-
-
 def head_optimizer_state(engine) -> dict[str, torch.Tensor]:
-    """This rank's partition of the head group's Adam moments (for checkpoint tests)."""
+    """This rank's partition of the head group's Adam state: moments and step count (checkpoint snapshots)."""
     optimizer, stage = _zero_optimizer(engine)
-    group = head_group_index(optimizer)
-    if stage == 3:
-        partitions = {sub: optimizer.fp32_partitioned_groups_flat[sub]
-                      for sub, grp in sorted(optimizer.sub_group_to_group_id.items()) if grp == group}
-    else:
-        partitions = {group: optimizer.single_partition_of_fp32_groups[group]}
+    flats = optimizer.fp32_partitioned_groups_flat if stage == 3 else optimizer.single_partition_of_fp32_groups
+    partitions = {i: flats[i] for i in _head_step_indices(optimizer, stage, head_group_index(optimizer))}
     out = {}
     for sub, flat in partitions.items():
-        state = optimizer.optimizer.state[flat]
-        for key in ("exp_avg", "exp_avg_sq"):
-            out[f"{sub}.{key}"] = state[key].detach().cpu().clone()
+        state = optimizer.optimizer.state[flat]  # empty until the head's first step
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            if key in state:
+                out[f"{sub}.{key}"] = torch.as_tensor(state[key]).detach().cpu().clone()
     return out

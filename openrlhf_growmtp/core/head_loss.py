@@ -1,0 +1,206 @@
+"""The head update of the paper's algorithm (Algorithm 1, lines 4-11) over a batch of verification records.
+
+Terms, defined once:
+
+- *cycle* r: one draft-then-verify round of one sequence; its record (`records.py`) holds the start s_r,
+  the drafts d_{r,1..K}, the target's top-k log-probs log p_{r,k} at every draft position and the
+  accepted count a_r.
+- *draft position* k = 1..K, the k-th draft of a cycle; K is the *drafting depth*.
+- *draft path*: the head's input at draft position k as drafting ran it, [c_r, d_{r,1}, ..., d_{r,k-1}];
+  q_{r,k} is the head's distribution there, rebuilt from the records (`reconstruction.py`), not resampled.
+- *alpha* α_{r,k} = Σ_d min(p_{r,k}(d), q_{r,k}(d)): the probability that rejection sampling accepts a
+  draft sampled from q_{r,k}; estimated on the recorded top-k plus one residual bin (`objectives.py`).
+- *first rejection* j_r = a_r + 1 (K + 1 when every draft passed). Verify-gated masking (VGM) stops the
+  chain at L_r = min(j_r, K); without VGM, L_r = K.
+- the *objective* of a cycle, DCA: -log Σ_{l≤L_r} Π_{i≤l} α_{r,i}. The ablations swap in TV, CE or KL,
+  or train on the committed response instead of the draft paths (teacher forcing, `teacher_forcing.py`).
+- the *batch loss* is the mean over cycles; its gradient reaches the head's parameters only (recorded p
+  and j are constants; the backbone's hidden states enter detached unless they carry a graph).
+- *chunk*: cycles reconstructed in one forward and one backward, so that memory stays bounded.
+
+The function below is the algorithm box: for each chunk, reconstruct the draft paths (`paths.chunk`),
+score log q at the top-k into α and each cycle's loss (`score`), and backpropagate (`paths.backward`).
+Data-parallel ranks run it in lockstep (`lockstep.py`): each computes its own work (`ChunkWork`), the
+ranks pad it once to the busiest rank's, and a rank with fewer chunks runs zero-weighted padding chunks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from .chunks import Chunk, ChunkWork
+from .lockstep import ONE_RANK, Lockstep
+from .objectives import chain_lengths, head_loss_per_cycle_at
+from .recompute import elementwise_recomputed, worth_recomputing
+from .records import RecordError, SequenceRecord
+from .reconstruction import DEFAULT_CHUNK_CYCLES, DraftPaths, check_batch
+from .teacher_forcing import TeacherForcedChains
+from .topk_logq import TopKLogQ, group_bounds
+
+
+@dataclass(frozen=True)
+class HeadLossConfig:
+    objective: str = "dca"  # objectives.OBJECTIVES
+    vgm: bool = True
+    chunk_cycles: int | None = DEFAULT_CHUNK_CYCLES  # None: one chunk
+    teacher_forcing: bool = False
+
+
+@dataclass
+class HeadLossStats:
+    """What one head update measured: its loss, and the head's α per draft position."""
+
+    loss: float = 0.0  # batch loss (mean over cycles, or over teacher-forced chains)
+    num_cycles: int = 0
+    num_chunks: int = 0
+    # per draft position: the sum and count of the head's α over the cycles whose loss reads it (all of
+    # them without VGM; under VGM those whose earlier drafts were all accepted)
+    alpha_sum: list[float] = field(default_factory=list)
+    alpha_count: list[float] = field(default_factory=list)
+    finite: bool = True
+
+    @property
+    def alpha_mean(self) -> list[float]:
+        return [s / max(n, 1.0) for s, n in zip(self.alpha_sum, self.alpha_count)]
+
+
+@dataclass
+class Scored:
+    """One chunk scored: its summed loss, the gradient of weight x that sum at the states, α and which
+    (cycle, position) the loss reads."""
+
+    loss: torch.Tensor  # [] sum over the chunk's cycles
+    grad_normed: torch.Tensor | None  # [M, H], None when not training
+    alpha: torch.Tensor  # [N, K]
+    read: torch.Tensor  # [N, K] bool: positions up to the chain length
+
+
+def head_loss_backward(head, records: Sequence[SequenceRecord], hiddens: Sequence[torch.Tensor] | None = None,
+                       cfg: HeadLossConfig = HeadLossConfig(), lockstep: Lockstep = ONE_RANK,
+                       train: bool = True) -> HeadLossStats:
+    """Accumulate the gradient of the batch loss into the head's .grad, chunk by chunk (or, with `train`
+    False, only measure it: no backward).
+
+    hiddens: H_p [T, H] per record (the trainer's), or None to read each record's own. A record that does
+    not fit the head fails on every rank before any model work (RecordError naming the record and field).
+    If a chunk's loss is not finite on some rank, no rank backpropagates it and the stats say
+    finite=False: the caller must then drop this update (earlier chunks may have added gradients).
+    """
+    _agree_records_fit(head, records, hiddens, lockstep)
+    paths, padding, work = _agreed_work(head, records, hiddens, cfg, lockstep)
+    stats = HeadLossStats(num_cycles=paths.total if paths else 0, num_chunks=len(paths) if paths else 0)
+    if not work:
+        return stats
+    depth = padding.records[0].depth
+    alpha_sum, alpha_count = torch.zeros(depth), torch.zeros(depth)
+    recompute = train and worth_recomputing(head, None if cfg.chunk_cycles is None else cfg.chunk_cycles * depth)
+    with elementwise_recomputed(head) if recompute else contextlib.nullcontext():
+        for i, chunk_work in enumerate(work):
+            source, index, weight = (paths, i, 1.0 / paths.total) if i < len(paths) else (padding, 0, 0.0)
+            chunk = source.chunk(index, chunk_work, weight)  # the draft paths, as drafted
+            scored = score(head, chunk, cfg.objective, chunk_work.score_groups, train)  # α, each cycle's loss
+            if not lockstep.every(bool(torch.isfinite(scored.loss))):  # never backpropagate a non-finite loss
+                stats.loss, stats.finite = float("nan"), False
+                break
+            if train:
+                surrogate = (chunk.states.normed * scored.grad_normed).sum()  # its gradient is the loss's
+                source.backward(index, chunk_work, surrogate, lockstep.backward)
+            if weight:
+                stats.loss += float(scored.loss) * weight
+                alpha_sum += (scored.alpha * scored.read).sum(0).cpu()
+                alpha_count += scored.read.sum(0).cpu()
+    stats.alpha_sum, stats.alpha_count = alpha_sum.tolist(), alpha_count.tolist()
+    return stats
+
+
+def score(head, chunk: Chunk, objective: str, groups: int, train: bool = True) -> Scored:
+    """α and the loss of every cycle of `chunk`, and (with `train`) the gradient of weight x their sum at the
+    chunk's states. The slots are scored in `groups` groups of whole cycles (`topk_logq`); a group without
+    cycles scores one padding slot with weight 0 (ranks make the same lm_head calls). Positions past a
+    chain's length hold a padding slot's log q or the target's own log p there: finite, and read by nothing.
+    """
+    states, num_cycles, depth = chunk.states, chunk.num_cycles, int(chunk.topk_ids.shape[1])
+    device = states.normed.device
+    order = torch.argsort(states.cycle * depth + states.position)  # the slots of a cycle side by side
+    bounds = group_bounds(states.cycle, num_cycles, groups)  # group g: cycles [b_g, b_g+1)
+    row_bounds = torch.searchsorted(states.cycle[order], torch.tensor(bounds, device=device)).tolist()
+    grad_normed = torch.zeros_like(states.normed) if train else None
+    alpha = torch.zeros(num_cycles, depth, device=device)
+    loss_sum = torch.zeros((), device=device)
+    for g in range(groups):
+        lo, hi = bounds[g], bounds[g + 1]
+        rows = order[row_bounds[g]:row_bounds[g + 1]]
+        pad = rows.numel() == 0
+        rows = order[:1] if pad else rows
+        cycle, position = states.cycle[rows], states.position[rows]
+        scores = TopKLogQ(head, states.normed[rows], chunk.topk_ids[cycle, position], states.temperature[cycle])
+        with torch.enable_grad():
+            if pad:
+                loss = scores.logq.sum() * 0.0
+            else:
+                target = chunk.topk_logprobs[lo:hi].float()
+                accepted = None if chunk.accepted is None else chunk.accepted[lo:hi]
+                per_cycle, alpha[lo:hi] = head_loss_per_cycle_at(
+                    target.index_put((cycle - lo, position), scores.logq), target, accepted, objective)
+                loss = per_cycle.sum()
+            if train:
+                (grad_logq,) = torch.autograd.grad(loss * (0.0 if pad else chunk.weight), scores.logq)
+                # added, not assigned: a padding row is some group's real slot, and its gradient here is 0
+                grad_normed.index_add_(0, rows, scores.input_grad(grad_logq))
+        loss_sum = loss_sum + loss.detach()
+    lengths = chain_lengths(chunk.accepted, num_cycles, depth, device=device)
+    read = torch.arange(depth, device=device)[None, :] < lengths[:, None]
+    return Scored(loss_sum, grad_normed, alpha, read)
+
+
+def _agree_records_fit(head, records, hiddens, lockstep: Lockstep) -> None:
+    error = ""
+    try:
+        check_batch(head, records, hiddens)
+    except RecordError as err:
+        error = str(err)
+    if not lockstep.every(not error):
+        raise RecordError(error or "a malformed record on another data-parallel rank (see its log)")
+
+
+def _agreed_work(head, records, hiddens, cfg: HeadLossConfig, lockstep: Lockstep):
+    """(this rank's chunks, a padding chunk of one dummy cycle, every chunk's work padded across ranks).
+
+    No work where no rank has a record. Otherwise at least one chunk runs on every rank (padding where no
+    rank has a cycle): a call is then always one head backward at least, which the trainer relies on.
+    """
+    def source(recs, hids):
+        if cfg.teacher_forcing:
+            return TeacherForcedChains(head, recs, hids, cfg.chunk_cycles)
+        return DraftPaths(head, recs, hids, cfg.chunk_cycles, cfg.vgm)
+
+    paths = source(records, hiddens)
+    depth, width = (records[0].depth, int(records[0].topk_ids.shape[2])) if records else (0, 0)
+    count, depth, width = lockstep.most([len(paths), depth, width])
+    if depth == 0:
+        return None, None, []
+    count = max(count, 1)
+    padding = source(*_padding_cycle(head, depth, width, hiddens))
+    for chunks in (paths, padding):
+        chunks.one_chunk = count == 1
+    mine = [paths.work(i) for i in range(len(paths))] + [padding.work(0)] * (count - len(paths))
+    agreed = lockstep.most([n for w in mine for n in w.as_list()])
+    return paths, padding, [ChunkWork(*agreed[3 * i:3 * i + 3]) for i in range(count)]
+
+
+def _padding_cycle(head, depth: int, width: int, hiddens) -> tuple[list[SequenceRecord], list[torch.Tensor]]:
+    """One cycle in the head's shapes, whose loss weighs 0 (rank padding). Where the batch's hidden states
+    carry a graph (joint mode), the padding's does too, so that its backward reaches the same modules."""
+    config = head.config
+    record = SequenceRecord.make_dummy(prompt_len=2, accepted=(0,), depth=depth, topk=min(width, config.vocab_size),
+                                       vocab_size=config.vocab_size, hidden_size=config.hidden_size)
+    like = hiddens[0] if hiddens else None
+    param = next(head.parameters())
+    hidden = record.hidden.to(device=param.device, dtype=param.dtype)
+    if like is not None and like.requires_grad:
+        hidden = hidden + like.sum().to(hidden.dtype) * 0.0
+    return [record], [hidden]

@@ -1,0 +1,75 @@
+"""log q at the recorded top-k ids, without holding [cycles, K, V] logits.
+
+q is the head's full-vocabulary softmax, lm_head(norm(o)) / T; the loss reads it only at the target's
+recorded top-k ids. `TopKLogQ` runs the lm_head once over a group of slots, keeps log q at the ids as a
+small leaf for the loss's own graph, and turns the loss's gradient there into the gradient with respect
+to the slots' states in the logits' own buffer: no [rows, V] copy is made, and nothing reaches the
+lm_head. A chunk's slots are scored in groups of whole cycles (`group_bounds`), as many as the busiest
+rank needs (`score_groups`): under ZeRO-3 every lm_head call gathers its weight, a collective.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .head import MTPHead
+
+# Full-vocabulary logits per scored group: 128 MiB in bf16, i.e. 441 rows at Qwen's 151,936 tokens (a
+# group ends at a cycle's end, so it may hold up to K - 1 rows more). A group holds its logits in the
+# head's dtype (they become the gradient in place) and one fp32 block of them at a time
+# (`SOFTMAX_BLOCK`). Fewer rows per group cost time: each group reads the lm_head's weight once, and
+# under ZeRO-3 gathers it.
+GROUP_LOGITS = 2**26
+
+# At most this many logits per fp32 block of the softmax's elementwise passes: on a CPU a block that stays
+# in cache (4 MiB) takes about half the time of passes over the whole group; a GPU streams larger blocks.
+SOFTMAX_BLOCK = {"cpu": 2**20, "cuda": 2**24}
+
+
+def score_groups(slots: int, vocab_size: int) -> int:
+    """How many lm_head groups score a chunk of `slots` slots (the busiest rank's count decides)."""
+    return max(1, math.ceil(slots * vocab_size / GROUP_LOGITS))
+
+
+def group_bounds(cycle: torch.Tensor, num_cycles: int, num_groups: int) -> list[int]:
+    """Cycle bounds [b_0 = 0, ..., b_G = num_cycles] of `num_groups` groups of whole cycles with about
+    equally many slots each (cycle: every slot's cycle); trailing groups may be empty."""
+    ends = torch.cumsum(torch.bincount(cycle, minlength=num_cycles), 0)  # slots up to each cycle
+    shares = torch.tensor([cycle.numel() * g // num_groups for g in range(1, num_groups)], device=cycle.device)
+    return [0, *torch.searchsorted(ends, shares, right=True).tolist(), num_cycles]
+
+
+class TopKLogQ:
+    """log q [M, k] (fp32) at `ids` [M, k] for the slots' states `normed` [M, H], with q the softmax of
+    lm_head(normed) / temperature [M] over the full vocabulary.
+
+    `logq` is a leaf: build the loss on it, take d loss / d logq, and `input_grad` gives d loss / d normed
+    [M, H]. The logits' buffer then becomes dL/dz = (scatter(g at the ids) - (sum g) q) / T, written block
+    by block of rows (`SOFTMAX_BLOCK`), scaled in fp32 once for the log-sum-exp and once for the gradient.
+    """
+
+    def __init__(self, head: MTPHead, normed: torch.Tensor, ids: torch.Tensor, temperature: torch.Tensor):
+        assert normed.ndim == 2 and ids.ndim == 2 and ids.shape[0] == normed.shape[0] == temperature.shape[0]
+        self._normed = normed.detach().requires_grad_()
+        with torch.enable_grad():
+            self._logits = head.logits(self._normed)  # [M, V] in the head's dtype; its graph reaches normed only
+        values = self._logits.detach()  # the logits, then the gradient: no saved tensor reads this storage
+        self._temperature, self._ids = temperature.float()[:, None], ids.long()
+        rows = max(1, SOFTMAX_BLOCK.get(values.device.type, SOFTMAX_BLOCK["cpu"]) // values.shape[-1])
+        self._blocks = [slice(lo, lo + rows) for lo in range(0, values.shape[0], rows)]
+        self._lse = torch.cat([torch.logsumexp(values[b].float() / self._temperature[b], -1, keepdim=True)
+                               for b in self._blocks])
+        self.logq = (values.gather(-1, self._ids).float() / self._temperature - self._lse).requires_grad_()
+
+    def input_grad(self, grad_logq: torch.Tensor) -> torch.Tensor:
+        """d loss / d normed [M, H] from d loss / d logq [M, k]; consumes the logits (call once)."""
+        values, temperature = self._logits.detach(), self._temperature
+        scale = -grad_logq.sum(-1, keepdim=True) / temperature
+        for b in self._blocks:
+            grad = (values[b].float() / temperature[b]).sub_(self._lse[b]).exp_().mul_(scale[b])
+            values[b] = grad.scatter_add_(-1, self._ids[b], grad_logq[b] / temperature[b])
+        (grad_normed,) = torch.autograd.grad(self._logits, self._normed, values)
+        self._logits = None
+        return grad_normed
