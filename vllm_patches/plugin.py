@@ -10,7 +10,9 @@ def register() -> None:
     from .capture import install_hooks
     from .cpu_fixes import apply_cpu_fixes
     from .head_model import register_head_model
+    from .seeded_drafts import install_seeded_drafts
 
     register_head_model()
     apply_cpu_fixes()
     install_hooks()
+    install_seeded_drafts()

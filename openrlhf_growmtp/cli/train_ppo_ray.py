@@ -82,15 +82,17 @@ def growmtp_classes(flat: dict):
 def plain_classes(cpu: bool):
     """A plain run (K = 0) that needs more than upstream: the actor-side trainer applies the
     negative-advantage weight, and without CUDA the engines take weights through Ray (upstream's
-    weight sync is NCCL/CUDA only)."""
+    weight sync is NCCL/CUDA only), and the controller can make rollouts reproducible with them."""
     from openrlhf.trainer.ray import vllm_engine
 
     from openrlhf_growmtp.trainer.installer import RunClasses
     from openrlhf_growmtp.trainer.ppo_actor import PolicyActor
+    from openrlhf_growmtp.trainer.ppo_trainer import OrderedPPOTrainer
     from openrlhf_growmtp.trainer.rollout_actor import cpu_rollout_actor
 
-    rollout = cpu_rollout_actor() if cpu else vllm_engine.RolloutRayActor
-    return RunClasses(policy_actor=PolicyActor, rollout_actor=rollout)
+    if not cpu:
+        return RunClasses(policy_actor=PolicyActor, rollout_actor=vllm_engine.RolloutRayActor)
+    return RunClasses(policy_actor=PolicyActor, rollout_actor=cpu_rollout_actor(), controller=OrderedPPOTrainer)
 
 
 def prepare(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> None:

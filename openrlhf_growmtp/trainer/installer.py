@@ -1,8 +1,8 @@
 """The upstream contract and every rebind of an upstream name. Pinned to openrlhf 0.11.2.
 
 The rest of the adapter extends upstream by subclassing (one module per upstream role: `strategy`,
-`ppo_actor`, `rollout_actor`, `samples_generator`, `ppo_trainer`, `ppo_trainer_async`; DeepSpeed's optimizer in
-`head_optimizer`). What subclassing cannot reach is rebound here, visibly:
+`ppo_actor`, `rollout_actor`, `samples_generator`, `ppo_trainer`, `ppo_trainer_async`; DeepSpeed's
+optimizer in `head_optimizer`). What subclassing cannot reach is rebound here, visibly:
 
 - module attributes, so upstream's own `train()` builds the classes it is handed (`install_driver`:
   the policy actor, the rollout actor, and for a GrowMTP run the strategy and the controller;
@@ -36,7 +36,8 @@ CONTRACT = [
     ("openrlhf.utils", "get_strategy", ("args",)),
     ("openrlhf.utils.deepspeed.deepspeed", "init_device_mesh", None),
     ("openrlhf.utils.deepspeed.deepspeed", "get_train_ds_config", ("optim_config",)),
-    ("openrlhf.utils.deepspeed.deepspeed.DeepspeedStrategy", "_get_model_parameters", ("model", "optim", "weight_decay")),
+    ("openrlhf.utils.deepspeed.deepspeed.DeepspeedStrategy", "_get_model_parameters",
+     ("model", "optim", "weight_decay")),
     ("openrlhf.utils.deepspeed.deepspeed.DeepspeedStrategy", "_ds_init_train_model", ("model", "cfg")),
     ("openrlhf.utils.deepspeed.deepspeed.DeepspeedStrategy", "save_model", ("model", "tokenizer", "output_dir")),
     ("openrlhf.utils.deepspeed.deepspeed.DeepspeedStrategy", "backward", ("loss", "model")),
@@ -67,6 +68,12 @@ CONTRACT = [
     ("openrlhf.trainer.ppo_utils.samples_generator.SamplesGenerator", "_process_response_into_experience",
      ("response",)),
     ("openrlhf.trainer.ppo_utils.samples_generator.SamplesGenerator", "generate_samples", ()),
+    # reproducible rollouts: dispatch through our engine handles, then the step's samples back in order
+    ("openrlhf.trainer.ppo_utils.samples_generator.SamplesGenerator", "_dispatch_prompts_to_vllm",
+     ("prompts", "labels", "images")),
+    ("openrlhf.trainer.ppo_utils.samples_generator.SamplesGenerator", "_generate_vllm",
+     ("dataloader_iter", "num_prompts", "dynamic_filtering")),
+    ("openrlhf.trainer.ray.vllm_engine.RolloutRayActor.__ray_actor_class__", "get_num_unfinished_requests", ()),
     ("deepspeed.runtime.zero.stage3.DeepSpeedZeroOptimizer_Stage3", "_get_norm_groups", ()),
     # decorated with DeepSpeed's nvtx wrapper (signature *args, **kwargs): existence only
     ("deepspeed.runtime.zero.stage3.DeepSpeedZeroOptimizer_Stage3", "unscale_and_clip_grads", None),

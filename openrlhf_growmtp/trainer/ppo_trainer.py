@@ -1,6 +1,11 @@
-"""The controller of a GrowMTP run (upstream: trainer/ppo_trainer.py): GrowMTP's samples generator and
-the per-step GrowMTP metrics (console line, upstream's loggers, `<ckpt.path>/growmtp_metrics.jsonl`).
-`GrowMTPStepMetrics` is shared with the async controller's training actor (`ppo_trainer_async`)."""
+"""The controllers (upstream: trainer/ppo_trainer.py).
+
+- `OrderedPPOTrainer`: upstream's, with the samples generator that makes rollouts reproducible under
+  `--train.full_determinism_enable` (a plain run on CPU, whose rollout actors are ours);
+- `GrowMTPPPOTrainer`: a GrowMTP run's, with GrowMTP's samples generator and the per-step GrowMTP metrics
+  (console line, upstream's loggers, `<ckpt.path>/growmtp_metrics.jsonl`). `GrowMTPStepMetrics` is shared
+  with the async controller's training actor (`ppo_trainer_async`).
+"""
 
 from __future__ import annotations
 
@@ -11,11 +16,12 @@ from pathlib import Path
 
 import ray
 import torch
+import transformers
 from openrlhf.trainer.ppo_trainer import PPOTrainer
 
 from ..core.metrics import acceptance_summary
 from .keys import ACCEPTED_KEY, DROPPED_KEY, RECORD_KEY
-from .samples_generator import GrowMTPSamplesGenerator
+from .samples_generator import GrowMTPSamplesGenerator, OrderedSamplesGenerator
 
 logger = logging.getLogger("growmtp")
 
@@ -84,13 +90,35 @@ class GrowMTPStepMetrics:
             f.write(json.dumps(row, default=float) + "\n")
 
 
-@ray.remote
-class GrowMTPPPOTrainer(GrowMTPStepMetrics, PPOTrainer.__ray_actor_class__):
+class _OrderedController(PPOTrainer.__ray_actor_class__):
+    """Upstream's controller generating with `samples_generator_cls`."""
+
+    samples_generator_cls = OrderedSamplesGenerator
+
+    def __init__(self, pretrain, strategy, *args, **kwargs):
+        seed_data_order(strategy.args)  # before upstream builds its prompt dataloader
+        super().__init__(pretrain, strategy, *args, **kwargs)
+        self.samples_generator = self.samples_generator_cls(
+            strategy=strategy, prompts_dataloader=self.prompts_dataloader, eval_dataloader=self.eval_dataloader,
+            tokenizer=self.tokenizer, vllm_engines=self.vllm_engines)
+
+
+def seed_data_order(args) -> None:
+    """Under full determinism, seed this (the controller's) process: upstream's prompt dataloader shuffles
+    with the global RNG here (no sampler outside torch.distributed), which nothing else seeds."""
+    if getattr(args.train, "full_determinism_enable", False):
+        transformers.set_seed(args.train.seed)
+
+
+class _GrowMTPController(GrowMTPStepMetrics, _OrderedController):
     """Upstream's controller with GrowMTP's samples generator and per-step GrowMTP metrics."""
+
+    samples_generator_cls = GrowMTPSamplesGenerator
 
     def __init__(self, pretrain, strategy, *args, **kwargs):
         super().__init__(pretrain, strategy, *args, **kwargs)
-        self.samples_generator = GrowMTPSamplesGenerator(
-            strategy=strategy, prompts_dataloader=self.prompts_dataloader, eval_dataloader=self.eval_dataloader,
-            tokenizer=self.tokenizer, vllm_engines=self.vllm_engines)
         self._init_step_metrics(strategy.args)
+
+
+OrderedPPOTrainer = ray.remote(_OrderedController)
+GrowMTPPPOTrainer = ray.remote(_GrowMTPController)

@@ -15,7 +15,7 @@ import ray
 from openrlhf.trainer.ppo_trainer_async import GenerateSamplesActor, PPOTrainerAsync, TrainingActor
 
 from . import installer
-from .ppo_trainer import GrowMTPStepMetrics
+from .ppo_trainer import GrowMTPStepMetrics, seed_data_order
 from .samples_generator import GrowMTPSamplesGenerator
 
 
@@ -24,6 +24,7 @@ class GrowMTPGenerateSamplesActor(GenerateSamplesActor.__ray_actor_class__):
     """Upstream's generator actor, generating with GrowMTP's samples generator."""
 
     def __init__(self, pretrain, strategy, vllm_engines, **kwargs):
+        seed_data_order(strategy.args)  # before upstream builds its prompt dataloader
         super().__init__(pretrain, strategy, vllm_engines, **kwargs)
         upstream = self.samples_generator
         self.samples_generator = GrowMTPSamplesGenerator(

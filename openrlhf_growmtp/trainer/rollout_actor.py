@@ -18,6 +18,7 @@ run's `RolloutOptions` to those kwargs.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import os
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ import ray
 from openrlhf.trainer.ray.vllm_engine import RolloutRayActor
 
 from ..cpu_support import VLLM_THREADS_BIND_ENV, omp_threads_bind
+from . import rollout_order
 from .keys import ACCEPTED_KEY, DROPPED_KEY, RECORD_KEY
 
 
@@ -54,7 +56,9 @@ class WithOptions:
 
 class RolloutActor(RolloutRayActor.__ray_actor_class__):
     """Upstream's vLLM rollout actor with GrowMTP's worker extension (a subclass of upstream's), so that it
-    can also load the policy's weights sent through Ray (`ppo_actor.ActorTrainer` on CPU). fp32 on CPU."""
+    can also load the policy's weights sent through Ray (`ppo_actor.ActorTrainer` on CPU). fp32 on CPU.
+    Under upstream's `full_determinism` it schedules requests by their dispatch numbers and admits an RL
+    step's requests while paused (`rollout_order`)."""
 
     async def __init__(self, *args, cpu: bool, **kwargs):
         from vllm_patches.settings import WORKER_EXTENSION
@@ -66,7 +70,45 @@ class RolloutActor(RolloutRayActor.__ray_actor_class__):
                 kwargs["distributed_executor_backend"] = "mp"
                 os.environ.setdefault(VLLM_THREADS_BIND_ENV, omp_threads_bind(ranks))
         kwargs["worker_extension_cls"] = WORKER_EXTENSION
+        ordered = bool(kwargs.get("full_determinism"))
+        if ordered:
+            kwargs["scheduling_policy"] = "priority"  # a request's priority is its dispatch number
         await super().__init__(*args, **kwargs)
+        if ordered:
+            self.llm = rollout_order.PrioritizedLLM(self.llm)
+
+    async def generate(self, prompt_token_ids, sampling_params, multi_modal_data=None):
+        return await super().generate(prompt_token_ids, rollout_order.number_request(sampling_params),
+                                      multi_modal_data)
+
+    async def generate_responses(self, *args, growmtp_dispatch: tuple[int, int] | None = None, **kwargs):
+        """Upstream's; a numbered dispatch's responses carry (dispatch number, sample index)."""
+        if growmtp_dispatch is None:
+            return await super().generate_responses(*args, **kwargs)
+        token = rollout_order.start_dispatch(growmtp_dispatch)
+        try:
+            responses = await super().generate_responses(*args, **kwargs)
+        finally:
+            rollout_order.end_dispatch(token)
+        for sample, response in enumerate(responses):
+            response[rollout_order.ORDER_KEY] = (growmtp_dispatch[1], sample)
+        return responses
+
+    async def growmtp_hold(self) -> None:
+        """Before an RL step's dispatch: the engine queues new requests without scheduling them."""
+        await self.llm.pause_generation(mode="keep", clear_cache=False)
+
+    async def growmtp_release(self, expected: int, timeout_s: float = 600.0) -> None:
+        """Once this step's `expected` requests have reached the engine (each one registered with the output
+        processor is already queued to the engine core, in the same call): schedule them."""
+        waited = 0.0
+        while self.get_num_unfinished_requests() < expected:
+            if waited > timeout_s:
+                raise TimeoutError(f"GrowMTP: {self.get_num_unfinished_requests()} of {expected} requests reached "
+                                   f"the engine in {timeout_s:.0f} s; it stays paused")
+            await asyncio.sleep(0.005)
+            waited += 0.005
+        await self.llm.resume_generation()
 
     async def growmtp_load_target(self, blob: bytes) -> int:
         loaded = (await self.llm.collective_rpc("growmtp_load_target_weights", args=(blob,)))[0]

@@ -1,24 +1,69 @@
-"""The samples generator of a GrowMTP run (upstream: trainer/ppo_utils/samples_generator.py)."""
+"""The samples generators of our controllers (upstream: trainer/ppo_utils/samples_generator.py).
+
+- `OrderedSamplesGenerator`: under `--train.full_determinism_enable`, an RL step's requests are numbered
+  in dispatch order and admitted to each engine while it is paused, and the step's samples are put back in
+  that order (`rollout_order`); otherwise upstream's, unchanged.
+- `GrowMTPSamplesGenerator`: that, carrying each sample's record into its Experience.info, and timing
+  the rollout.
+"""
 
 from __future__ import annotations
 
+import itertools
 import time
 
+import ray
 from openrlhf.trainer.ppo_utils.samples_generator import SamplesGenerator
 
 from .keys import ACCEPTED_KEY, DROPPED_KEY, RECORD_KEY
+from .rollout_order import ORDER_KEY, NumberedEngines
 
 
-class GrowMTPSamplesGenerator(SamplesGenerator):
-    """Carries each sample's record into its Experience.info, and times the rollout."""
+class OrderedSamplesGenerator(SamplesGenerator):
+    """Upstream's samples generator; with full determinism, reproducible rollouts (module docstring)."""
 
     last_rollout_s: float = 0.0
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.ordered = bool(getattr(self.args.train, "full_determinism_enable", False))
+        self._numbers = itertools.count()
 
     def generate_samples(self, **generate_kwargs):
         began = time.perf_counter()
         result = super().generate_samples(**generate_kwargs)
         self.last_rollout_s = time.perf_counter() - began
         return result
+
+    def _dispatch_prompts_to_vllm(self, prompts, labels, *, images=None, **generate_kwargs):
+        if not self.ordered:
+            return super()._dispatch_prompts_to_vllm(prompts, labels, images=images, **generate_kwargs)
+        engines = self.vllm_engines
+        ray.get([engine.growmtp_hold.remote() for engine in engines])
+        numbered = NumberedEngines(engines, self.args.train.seed, self._numbers)
+        self.vllm_engines = numbered.handles
+        try:
+            refs = super()._dispatch_prompts_to_vllm(prompts, labels, images=images, **generate_kwargs)
+        finally:
+            self.vllm_engines = engines
+        ray.get([engine.growmtp_release.remote(count) for engine, count in zip(engines, numbered.requests)])
+        return refs
+
+    def _generate_vllm(self, *args, **kwargs):
+        experiences, prompts_consumed, exhausted = super()._generate_vllm(*args, **kwargs)
+        if self.ordered:  # upstream collects them as they finish
+            experiences.sort(key=lambda experience: experience.growmtp_order)
+        return experiences, prompts_consumed, exhausted
+
+    def _process_response_into_experience(self, response, **generate_kwargs):
+        experience = super()._process_response_into_experience(response, **generate_kwargs)
+        if ORDER_KEY in response:
+            experience.growmtp_order = tuple(response[ORDER_KEY])
+        return experience
+
+
+class GrowMTPSamplesGenerator(OrderedSamplesGenerator):
+    """Carries each sample's record into its Experience.info."""
 
     def _process_response_into_experience(self, response, **generate_kwargs):
         experience = super()._process_response_into_experience(response, **generate_kwargs)

@@ -1,4 +1,6 @@
-"""Speculative decoding with sampled drafts must sample exactly from the target (rejection sampling).
+"""Speculative decoding with sampled drafts must sample exactly from the target (rejection sampling), also
+where each request has a seed of its own (its drafts then come from its own generator, vllm_patches'
+seeded_drafts), and a seeded request's output is the same whatever requests share its batch.
 
 One prompt, N = 2000 independent requests of two tokens. Token 1 comes from the prefill sampler, token
 2 from the first draft-then-verify cycle (an accepted draft or a recovered token, ~35%/65% with the
@@ -11,8 +13,11 @@ deeper positions are covered by the acceptance and q-reconstruction tests.
 """
 
 import numpy as np
+import pytest
 import torch
 from vllm import SamplingParams
+
+from openrlhf_growmtp.toy_world import random_prompts
 
 N = 2000
 ALPHA = 1e-3
@@ -54,10 +59,14 @@ def simulated_test(probs: torch.Tensor, alternative: torch.Tensor, observed: np.
     return float(p_value), float(power)
 
 
-def test_spec_decode_output_distribution_equals_the_target(world, engine):
+@pytest.mark.parametrize("seeded", [False, True], ids=["global RNG", "a seed per request"])
+def test_spec_decode_output_distribution_equals_the_target(world, engine, seeded):
     policy = world["policy"]
     prompt = [5, 17, 99, 42, 8, 63, 21]
-    outputs = engine.generate([prompt] * N, SamplingParams(temperature=1.0, max_tokens=2, ignore_eos=True))
+    params = SamplingParams(temperature=1.0, max_tokens=2, ignore_eos=True)
+    if seeded:
+        params = [SamplingParams(temperature=1.0, max_tokens=2, ignore_eos=True, seed=10_000 + i) for i in range(N)]
+    outputs = engine.generate([prompt] * N, params)
     tokens = np.array([list(o.outputs[0].token_ids) for o in outputs.outputs])
     assert all(r.num_cycles == 1 for r in outputs.records), "token 2 must come from verification"
     joint = exact_joint(policy, prompt, (1.0, WRONG_TEMPERATURE))
@@ -66,3 +75,22 @@ def test_spec_decode_output_distribution_equals_the_target(world, engine):
     print(f"tokens (1, 2): chi-square p-value {p_value:.3f}, power vs temperature {WRONG_TEMPERATURE}: {power:.3f}")
     assert power >= 0.9, power
     assert p_value > ALPHA, p_value
+
+
+def test_a_seeded_request_drafts_and_samples_the_same_whatever_shares_its_batch(engine):
+    # The same 24 seeded requests in one batch, in reverse order, and split 5 + 19: every request's tokens
+    # (drafted, verified and recovered K=3 at a time) are the same, because its drafts, uniforms and
+    # recovered tokens all come from its own generator. Without seeded drafts, vLLM's draft noise for
+    # the whole batch comes from one global draw, and almost every request's tokens change with the order.
+    prompts = random_prompts(24, 128, seed=1)
+
+    def tokens(order, seed=1000):
+        params = [SamplingParams(temperature=1.0, max_tokens=40, seed=seed + i) for i in order]
+        outputs = engine.generate([prompts[i] for i in order], params).outputs
+        return {i: tuple(o.outputs[0].token_ids) for i, o in zip(order, outputs)}
+
+    together = tokens(list(range(24)))
+    assert tokens(list(reversed(range(24)))) == together
+    assert {**tokens(list(range(5))), **tokens(list(range(5, 24)))} == together
+    other_seeds = tokens(list(range(24)), seed=5000)
+    assert sum(other_seeds[i] != together[i] for i in together) >= 20  # the seeds decide the samples
