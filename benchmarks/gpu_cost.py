@@ -43,9 +43,10 @@ def make_records(plan: Plan, count: int, first_seed: int = 0) -> list[SequenceRe
         g = torch.Generator().manual_seed(first_seed + i)
         drawn.append(accepted_at_tau(max(1, int(plan.response_tokens / plan.tau)), plan.tau, plan.k, g))
     length = max(plan.prompt_tokens + sum(a) + len(a) for a in drawn) + 1
+    vocab = min(RECORD_VOCAB, plan.config.vocab_size)
     return [SequenceRecord.make_dummy(prompt_len=plan.prompt_tokens, accepted=a, depth=plan.k, topk=plan.topk,
-                                      vocab_size=min(RECORD_VOCAB, plan.config.vocab_size), hidden_size=None,
-                                      seed=first_seed + i, trailing_tokens=length - plan.prompt_tokens - sum(a) - len(a))
+                                      vocab_size=vocab, hidden_size=None, seed=first_seed + i,
+                                      trailing_tokens=length - plan.prompt_tokens - sum(a) - len(a))
             for i, a in enumerate(drawn)]
 
 
@@ -146,7 +147,8 @@ def check_cost(plan: Plan, policy, head: MTPHead, log) -> tuple[list[Row], dict]
         "tokens": tokens, "cycles": cycles, "tau": 1.0 + sum(float(r.accepted.float().sum()) for r in records) / cycles,
         "k": plan.k, "chunk_cycles": plan.chunk_cycles, "micro_batch": batch, "gradient_checkpointing": True,
         "repeats": plan.repeats, "budget_s": plan.budget_s, "seconds": times, "median_s": median,
-        "peak_mb": peak, "hidden_states_mb": hidden_mb, "hidden_states_mb_at_512_responses": hidden_mb * 512 / responses,
+        "peak_mb": peak, "hidden_states_mb": hidden_mb,
+        "hidden_states_mb_at_512_responses": hidden_mb * 512 / responses,
         "time_ratio": ratio, "time_ratio_with_own_forward": ratio_forward, "memory_ratio": memory_ratio,
         "head_loss": stats.loss, "head_alpha_mean": stats.alpha_mean,
         "policy_tokens_per_s": tokens / median["policy"], "head_cycles_per_s": cycles / median["head"],

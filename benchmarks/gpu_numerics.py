@@ -28,6 +28,7 @@ from gpu_world import Plan, head_copy
 
 from openrlhf_growmtp.core import MTPHead, SequenceRecord, acceptance_rates, reconstruct_draft_logits
 from openrlhf_growmtp.core.objectives import head_loss_per_cycle
+from openrlhf_growmtp.core.recompute import worth_recomputing
 
 NOISE_FACTOR = 4.0
 # (b)'s targets: logits with this spread over the vocabulary (top-64 mass ~0.88 on Gaussian logits at
@@ -117,11 +118,15 @@ def check_reconstruction(plan: Plan, head: MTPHead, log) -> tuple[list[Row], dic
         values = _compare_values(chain["logq"], batched["logq"], ref["logq"], u)
         grads = _compare_grads(chain["grads"], batched["grads"], ref["grads"], u)
         loss = _compare_loss(chain, batched["loss"], ref)
-        details[name] = {"log_q": values, "gradients": grads, "loss": loss}
+        # at Qwen3-4B's widths a chunking of 1024 cycles recomputes the MLP's elementwise work, 48 does not
+        recompute = {chunk: worth_recomputing(heads[dtype], chunk * plan.k) for chunk in chunks}
+        details[name] = {"log_q": values, "gradients": grads, "loss": loss, "recompute_by_chunk": recompute}
         rows.append(Row("a", f"log q, batched vs chain by chain, {name}", f"max|d| {sci(values['max_abs_diff'])}",
                         f"<= {NOISE_FACTOR:g} x {sci(values['eps'])} (vs fp64); depths differ by {depth_scale:.2f}",
                         values["max_abs_diff"] <= values["tolerance"], values))
-        rows.append(Row("a", f"gradients, {len(chunks)} chunkings, {name}",
+        on = [str(c) for c in chunks if recompute[c]]
+        rows.append(Row("a", f"gradients, chunks of {' and '.join(map(str, chunks))} cycles, {name}"
+                        + (f" (recompute at {', '.join(on)})" if on else ""),
                         f"worst |d|2/tol {grads['worst_ratio']:.2f} ({grads['worst_tensor']})",
                         f"<= 1; cos vs fp64 >= {grads['min_cosine_vs_fp64']:.5f}", grads["worst_ratio"] <= 1.0, grads))
         rows.append(Row("a", f"loss, batched vs chain by chain, {name}", f"|d| {sci(loss['max_abs_diff'])}",

@@ -73,8 +73,9 @@ def sampler_statistics(p: torch.Tensor, q: torch.Tensor, accepted: torch.Tensor,
         reached = emitted[:, j] >= 0
         tokens = emitted[reached, j]
         positions.append(chi_square(tokens, p[j], q[j] if j < depth else p[j]))
-    return {"alpha": alpha.tolist(), "first_rate": rate, "z_first": z_first, "mean_accepted": accepted.double().mean().item(),
-            "expected_mean_accepted": mean, "z_mean": z_mean, "positions": positions}
+    return {"alpha": alpha.tolist(), "first_rate": rate, "z_first": z_first,
+            "mean_accepted": accepted.double().mean().item(), "expected_mean_accepted": mean, "z_mean": z_mean,
+            "positions": positions}
 
 
 def chi_square(tokens: torch.Tensor, p: torch.Tensor, q: torch.Tensor) -> dict:
