@@ -13,8 +13,10 @@ computation in a dtype is measured, not guessed: eps = the chain-by-chain result
 the same computation in fp64 (the same weights and inputs, upcast exactly; transformers' RMSNorm and
 RoPE and the draft logits stay fp32, far below bf16's error). Then |batched - chain| <= |batched - fp64|
 + |chain - fp64|, and the batched path is allowed a rounding error up to 3 x the chain's: the bound is
-NOISE_FACTOR x eps (+ one unit roundoff of the reference's scale, should eps vanish). A path that reads
-a wrong key or position moves log q by the depth-to-depth scale, which the table prints beside it.
+NOISE_FACTOR x eps (+ one unit roundoff of the reference's scale, should eps vanish). eps is a max over
+the log q entries, an L2 norm per gradient tensor and a mean per-cycle error for the loss: statistics
+stable enough to hold to a factor (`_compare_grads`, `_compare_loss` say why). A path that reads a wrong
+key or position moves log q by the depth-to-depth scale, which the table prints beside it.
 """
 
 from __future__ import annotations
