@@ -31,11 +31,11 @@ import statistics
 import time
 
 import torch
-from bench_reconstruction import measure_peak, qwen3_4b_config, sync
+from bench_common import head_update, policy_step, qwen3_4b_config, records_at_tau, sync
+from bench_reconstruction import measure_peak
 from transformers import Qwen3ForCausalLM
 
-from openrlhf_growmtp.core import (HeadLossConfig, MTPHead, SequenceRecord, head_loss_backward, init_random_head_,
-                                   make_head_config)
+from openrlhf_growmtp.core import MTPHead, init_random_head_, make_head_config
 from openrlhf_growmtp.core.families import get_family
 
 K, TOPK, REAL_LAYERS = 5, 64, 36
@@ -47,14 +47,6 @@ def build_policy(num_layers: int, device: str, dtype: torch.dtype) -> Qwen3ForCa
     config = qwen3_4b_config(num_layers)
     config._attn_implementation = "sdpa"
     return Qwen3ForCausalLM(config).to(device=device, dtype=dtype).train()
-
-
-def policy_step(policy: Qwen3ForCausalLM, ids: torch.Tensor) -> torch.Tensor:
-    """Forward, token log-probs, mean, backward; returns the final hidden states (detached)."""
-    out = policy(input_ids=ids[None], output_hidden_states=True)
-    logp = torch.log_softmax(out.logits[0, :-1].float(), dim=-1).gather(-1, ids[1:, None])
-    (-logp.mean()).backward()
-    return out.hidden_states[-1][0].detach()
 
 
 def timed(fn, device: str, repeats: int):
@@ -71,23 +63,6 @@ def timed(fn, device: str, repeats: int):
     return value, statistics.median(seconds), peak
 
 
-def make_records_for(tokens: int, prompt: int, tau: float, seed: int = 0) -> SequenceRecord:
-    """Cycles covering ~`tokens` response tokens with mean accepted tau - 1 (accepted in 0..K)."""
-    g = torch.Generator().manual_seed(seed)
-    # a truncated geometric-like draw: P(a) ∝ r^a on 0..K, with r set so that the mean is tau - 1
-    target = tau - 1.0
-    lo, hi = 0.01, 100.0
-    for _ in range(60):
-        r = (lo * hi) ** 0.5
-        weights = torch.tensor([r ** a for a in range(K + 1)], dtype=torch.float64)
-        mean = float((weights * torch.arange(K + 1)).sum() / weights.sum())
-        lo, hi = (r, hi) if mean < target else (lo, r)
-    accepted = torch.multinomial(weights.float(), max(1, int(tokens / tau)), replacement=True, generator=g).tolist()
-    # drawn over the first 4,096 ids (a [cycles, K, 151936] draw would dwarf the run); all are valid ids
-    return SequenceRecord.make_dummy(prompt_len=prompt, accepted=accepted, depth=K, topk=TOPK, vocab_size=4096,
-                                     hidden_size=2560, seed=seed)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=2048, help="response length")
@@ -100,18 +75,18 @@ def main() -> None:
     args = parser.parse_args()
     dtype = torch.bfloat16
 
-    record = make_records_for(args.tokens, args.prompt, args.tau)
+    record = records_at_tau(args.tokens, args.prompt, args.tau, K, TOPK, vocab_size=4096, hidden_size=2560)
     ids = record.token_ids.to(args.device)
     length = int(ids.shape[0])
     policy_s, policy_mb, forward_s, hidden = {}, {}, {}, None
     few, more = LAYERS
     for layers in LAYERS:
         policy = build_policy(layers, args.device, dtype)
-        policy_step(policy, ids[:64])  # first-call overheads out of the timing
+        policy_step(policy, ids[None, :64])  # first-call overheads out of the timing
 
         def step():
             policy.zero_grad(set_to_none=True)
-            return policy_step(policy, ids)
+            return policy_step(policy, ids[None])[0]
 
         hidden, policy_s[layers], policy_mb[layers] = timed(step, args.device, args.repeats)
 
@@ -137,7 +112,7 @@ def main() -> None:
     def update():
         for p in head.parameters():
             p.grad.zero_()
-        return head_loss_backward(head, [record], hiddens, HeadLossConfig(chunk_cycles=args.chunk_cycles))
+        return head_update(head, [record], hiddens, args.chunk_cycles)
 
     stats, head_s, head_mb = timed(update, args.device, args.repeats)
     tau = 1.0 + float(record.accepted.float().mean())

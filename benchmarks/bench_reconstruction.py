@@ -33,13 +33,13 @@ import time
 import weakref
 
 import torch
+from bench_common import chain_by_chain, qwen3_4b_config, sync
 from torch import nn
 from transformers import Qwen3Config
 
 from openrlhf_growmtp.core import (HeadLossConfig, Lockstep, MTPHead, SequenceRecord, head_loss_backward,
                                    init_random_head_, make_head_config, reconstruct_draft_logits)
 from openrlhf_growmtp.core.families import get_family
-from openrlhf_growmtp.core.head import HeadKVCache
 from openrlhf_growmtp.core.objectives import head_loss_per_cycle
 
 K, TOPK = 5, 64
@@ -69,26 +69,6 @@ def make_record(num_cycles: int, seed: int = 0) -> SequenceRecord:
                                  generator=g).tolist()
     return SequenceRecord.make_dummy(prompt_len=128, accepted=accepted, depth=K, topk=TOPK, vocab_size=4096,
                                      hidden_size=256, seed=seed)
-
-
-def chain_by_chain(head: MTPHead, rec: SequenceRecord) -> torch.Tensor:
-    """Draft logits [R, K, V] the way drafting computes them, cycle after cycle."""
-    device = next(head.parameters()).device
-    hidden, ids = rec.hidden.to(device), rec.token_ids.to(device)
-    cache, written, out = HeadKVCache(), 0, []
-    for r in range(rec.num_cycles):
-        s = int(rec.start[r])
-        first = head.prefill(hidden[None, written:s + 1], ids[None, written + 1:s + 2], written, cache)
-        written = s + 1
-        _, logits = head.draft_chain(first.last(), s, rec.drafts[r:r + 1].to(device), K, cache, rec.temperature)
-        cache.crop(written)
-        out.append(logits[0])
-    return torch.stack(out)
-
-
-def sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
 
 
 def grads_of(head: MTPHead) -> torch.Tensor:
@@ -255,13 +235,6 @@ def measure_peak(fn, device: str):
     with PeakMemory() as memory:
         value = fn()
     return value, memory.mb, memory.rss_mb
-
-
-def qwen3_4b_config(num_layers: int = 1) -> Qwen3Config:
-    """Qwen3-4B's text config (its real widths, heads, vocabulary and tying) with `num_layers` layers."""
-    return Qwen3Config(hidden_size=2560, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-                       intermediate_size=9728, num_hidden_layers=num_layers, vocab_size=151936,
-                       tie_word_embeddings=True, initializer_range=0.02, max_position_embeddings=40960)
 
 
 def real_shape_chunk(device: str, cycles: int = 1024, dtype: torch.dtype = torch.bfloat16) -> dict:

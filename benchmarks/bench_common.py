@@ -1,0 +1,86 @@
+"""What the benchmarks share: Qwen3-4B's shapes, records drawn at a given τ, the chain-by-chain reference,
+the policy's training step, and the one place they call the core's head update.
+
+Imported by the scripts next to it (run as `python benchmarks/<script>.py`, so this directory is on the
+path); nothing here imports from tests/.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+from openrlhf_growmtp.core import HeadLossConfig, MTPHead, SequenceRecord, head_loss_backward
+from openrlhf_growmtp.core.head import HeadKVCache
+
+
+def qwen3_4b_config(num_layers: int = 1) -> Qwen3Config:
+    """Qwen3-4B's text config (its real widths, heads, vocabulary, RoPE base and tying) with `num_layers` layers."""
+    return Qwen3Config(hidden_size=2560, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                       intermediate_size=9728, num_hidden_layers=num_layers, vocab_size=151936,
+                       tie_word_embeddings=True, initializer_range=0.02, max_position_embeddings=40960,
+                       rope_theta=1000000.0, rms_norm_eps=1e-6)
+
+
+def sync(device: str | torch.device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def head_update(head: MTPHead, records: list[SequenceRecord], hiddens: list[torch.Tensor] | None,
+                chunk_cycles: int | None):
+    """One head update as the trainer runs it (DCA + VGM, gradients accumulated into the head's .grad):
+    the only call of the core's loss entry point in the benchmarks that use it. Returns its stats."""
+    return head_loss_backward(head, records, hiddens, HeadLossConfig(chunk_cycles=chunk_cycles))
+
+
+def accepted_at_tau(num_cycles: int, tau: float, k: int, generator: torch.Generator) -> list[int]:
+    """Accepted counts in 0..K with mean tau - 1: a truncated geometric draw, P(a) ∝ r^a, r set by bisection."""
+    target = tau - 1.0
+    lo, hi = 0.01, 100.0
+    for _ in range(60):
+        r = (lo * hi) ** 0.5
+        weights = torch.tensor([r ** a for a in range(k + 1)], dtype=torch.float64)
+        mean = float((weights * torch.arange(k + 1)).sum() / weights.sum())
+        lo, hi = (r, hi) if mean < target else (lo, r)
+    return torch.multinomial(weights.float(), num_cycles, replacement=True, generator=generator).tolist()
+
+
+def records_at_tau(tokens: int, prompt: int, tau: float, k: int, topk: int, vocab_size: int,
+                   hidden_size: int | None, seed: int = 0) -> SequenceRecord:
+    """One response of ~`tokens` tokens after a `prompt`-token prompt, in cycles of mean accepted tau - 1.
+
+    Its ids are drawn over the first `vocab_size` ids (a [cycles, K, 151936] draw would dwarf what is
+    measured; which ids a record holds does not change the cost of using it)."""
+    g = torch.Generator().manual_seed(seed)
+    accepted = accepted_at_tau(max(1, int(tokens / tau)), tau, k, g)
+    return SequenceRecord.make_dummy(prompt_len=prompt, accepted=accepted, depth=k, topk=topk, vocab_size=vocab_size,
+                                     hidden_size=hidden_size, seed=seed)
+
+
+def chain_by_chain(head: MTPHead, rec: SequenceRecord, hidden: torch.Tensor | None = None) -> torch.Tensor:
+    """Draft logits [R, K, V] the way drafting computes them, cycle after cycle: one incremental head KV
+    cache per response, each cycle appends its newly committed entries, runs its K chain steps one at a
+    time and crops them again. `hidden` [T, H] replaces the record's own hidden states."""
+    device = next(head.parameters()).device
+    hidden = (rec.hidden if hidden is None else hidden).to(device)
+    ids, depth = rec.token_ids.to(device), rec.depth
+    cache, written, out = HeadKVCache(), 0, []
+    for r in range(rec.num_cycles):
+        s = int(rec.start[r])
+        first = head.prefill(hidden[None, written:s + 1], ids[None, written + 1:s + 2], written, cache)
+        written = s + 1
+        _, logits = head.draft_chain(first.last(), s, rec.drafts[r:r + 1].to(device), depth, cache, rec.temperature)
+        cache.crop(written)
+        out.append(logits[0])
+    return torch.stack(out)
+
+
+def policy_step(policy: Qwen3ForCausalLM, ids: torch.Tensor) -> torch.Tensor:
+    """The part of a GRPO step that grows with the model, over ids [B, T]: forward, the token log-probs
+    (log-softmax in fp32, gather), their mean as the loss, backward. Returns the final-norm hidden states
+    [B, T, H] (detached), which the trainer hands the head."""
+    out = policy(input_ids=ids, output_hidden_states=True)
+    logp = torch.log_softmax(out.logits[:, :-1].float(), dim=-1).gather(-1, ids[:, 1:, None])
+    (-logp.mean()).backward()
+    return out.hidden_states[-1].detach()

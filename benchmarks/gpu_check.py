@@ -1,0 +1,180 @@
+"""The GrowMTP GPU check: the head's math and the head update on CUDA, in bf16, at Qwen3-4B's real shapes
+(hidden 2560, 36 layers, 32 query / 8 key-value heads of 128, MLP 9728, tied vocabulary of 151,936, RoPE
+base 1e6), K=5, top-64, with weights drawn at random from the config (nothing is downloaded).
+
+(a) batched draft-path reconstruction against chain-by-chain drafting: log q, gradients, loss (bf16, fp32);
+(b) alpha on the top-64 against the dense alpha;
+(c) one RL step's head update against one policy forward + backward over the same responses: time and
+    peak memory, side by side in one run;
+(d) a rejection sampler's acceptance against E_{x~q}[min(1, p/q)] = sum min(p, q), and its output ~ p.
+Each module says how its bounds follow from the dtype and the number of trials: gpu_numerics.py (a, b),
+gpu_cost.py (c), gpu_sampler.py (d). Prints one table and writes it as JSON, rewritten whole after every
+check ("complete": false until the last), so a run cut off by a time limit still leaves what it did.
+
+    python benchmarks/gpu_check.py [--json PATH]            # CUDA only (docs/gpu.md: how to run it)
+    python benchmarks/gpu_check.py --tiny [--device cuda]   # the same at tiny shapes, on a CPU by default
+
+Exit status: 0 every check passed, 1 a check failed, 2 it cannot run here (no CUDA without --tiny, bad
+arguments).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import platform
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import transformers
+from gpu_cost import check_cost
+from gpu_numerics import check_alpha, check_reconstruction
+from gpu_report import Row, all_passed, rows_json, table, write_json
+from gpu_sampler import check_sampler
+from gpu_world import REAL, TINY, build_head, build_policy
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tiny", action="store_true", help="tiny shapes (Qwen3-4B's layout), CPU unless --device")
+    parser.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda, or cpu with --tiny")
+    parser.add_argument("--json", type=Path, help="where the JSON goes (default runs/gpu_check[_tiny].json)")
+    parser.add_argument("--responses", type=int, help="(c): responses to time (default 64; tiny 4)")
+    parser.add_argument("--response-tokens", type=int, help="(c): tokens per response (default 4096; tiny 96)")
+    parser.add_argument("--prompt-tokens", type=int, help="(c): tokens per prompt (default 256; tiny 16)")
+    parser.add_argument("--micro-batch", type=int, help="(c): responses per policy forward (default 2)")
+    parser.add_argument("--repeats", type=int, help="(c): timed runs of each side (default 3; tiny 2)")
+    parser.add_argument("--budget-s", type=float, help="(c): seconds its timed runs may take (default 240)")
+    args = parser.parse_args(argv)
+    plan = TINY if args.tiny else REAL
+    overrides = {"responses": args.responses, "response_tokens": args.response_tokens,
+                 "prompt_tokens": args.prompt_tokens, "micro_batch": args.micro_batch, "repeats": args.repeats,
+                 "budget_s": args.budget_s}
+    for name, value in overrides.items():
+        if value is not None and value <= 0:
+            parser.error(f"--{name.replace('_', '-')} must be positive, got {value}")
+    args.plan = dataclasses.replace(plan, **{k: v for k, v in overrides.items() if v is not None})
+    if args.plan.micro_batch > args.plan.responses:
+        parser.error(f"--micro-batch {args.plan.micro_batch} is more than --responses {args.plan.responses}")
+    if args.plan.response_tokens < 2 * args.plan.k:
+        parser.error(f"--response-tokens must be at least {2 * args.plan.k}, got {args.plan.response_tokens}")
+    args.device = args.device or ("cpu" if args.tiny else "cuda")
+    args.json = args.json or ROOT / "runs" / ("gpu_check_tiny.json" if args.tiny else "gpu_check.json")
+    return args
+
+
+def environment(device: torch.device) -> dict:
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                                timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        commit = None
+    cuda = device.type == "cuda"
+    return {"device": torch.cuda.get_device_name(device) if cuda else platform.processor() or "cpu",
+            "device_type": device.type, "torch": torch.__version__, "cuda": torch.version.cuda,
+            "transformers": transformers.__version__, "python": platform.python_version(),
+            "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "git_commit": commit, "float32_matmul_precision": torch.get_float32_matmul_precision(),
+            "tf32_matmul": torch.backends.cuda.matmul.allow_tf32,
+            "bf16_reduced_precision_reduction": torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction,
+            "cpu_threads": torch.get_num_threads()}
+
+
+def shapes(plan) -> dict:
+    c = plan.config
+    return {"plan": plan.name, "hidden_size": c.hidden_size, "num_hidden_layers": c.num_hidden_layers,
+            "num_attention_heads": c.num_attention_heads, "num_key_value_heads": c.num_key_value_heads,
+            "head_dim": c.head_dim, "intermediate_size": c.intermediate_size, "vocab_size": c.vocab_size,
+            "rope_theta": c.rope_parameters["rope_theta"], "tie_word_embeddings": c.tie_word_embeddings,
+            "k": plan.k, "topk": plan.topk, "dtype": "bfloat16"}
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        what = "the check at Qwen3-4B's shapes needs" if not args.tiny else "--device cuda needs"
+        print(f"gpu_check: {what} CUDA, and torch {torch.__version__} sees no CUDA device here. "
+              "Run `python benchmarks/gpu_check.py --tiny` for the CPU version (docs/gpu.md).", file=sys.stderr)
+        return 2
+    plan, device = args.plan, torch.device(args.device)
+    if device.type == "cpu":
+        # tiny shapes' small ops gain nothing from more threads, and on a busy machine their spinning
+        # threads stall each other (measured: 1.6 s with one thread, 48 s with two, under load)
+        torch.set_num_threads(1)
+    started = time.perf_counter()
+    payload = {"complete": False, "all_passed": None, "environment": environment(device), "shapes": shapes(plan),
+               "rows": [], "errors": {}}
+    rows: list[Row] = []
+
+    def log(message: str) -> None:
+        print(f"[{time.perf_counter() - started:6.1f} s] {message}", flush=True)
+
+    def save() -> None:
+        payload.update(rows=rows_json(rows), all_passed=all_passed(rows), seconds=time.perf_counter() - started)
+        write_json(args.json, payload)
+
+    env = payload["environment"]
+    log(f"GrowMTP GPU check, {plan.name} shapes on {env['device']} (torch {env['torch']}, CUDA {env['cuda']}, "
+        f"transformers {env['transformers']})")
+    save()
+    policy = build_policy(plan.config, device, torch.bfloat16)
+    head = build_head(policy, torch.bfloat16)
+    log(f"policy ({plan.config.num_hidden_layers} layers) and head built")
+
+    state = {}
+
+    def run(check: str, fn) -> None:
+        try:
+            fn()
+        except Exception as err:  # one check's failure must not cost the others their results
+            payload["errors"][check] = traceback.format_exc()
+            rows.append(Row(check, f"error: {type(err).__name__}: {str(err).splitlines()[0][:80]}", "-", "-", False))
+            log(f"({check}) raised {type(err).__name__}; the traceback is in the JSON")
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        save()
+        log(f"({check}) done")
+
+    def reconstruction():
+        found, payload["reconstruction"], state["draft_logits"] = check_reconstruction(plan, head, log)
+        rows.extend(found)
+
+    def alpha():
+        row, payload["alpha"], state["logp"] = check_alpha(state["draft_logits"], plan.topk)
+        rows.append(row)
+
+    def sampler():
+        found, payload["rejection_sampler"] = check_sampler(state.pop("logp"), state.pop("draft_logits"),
+                                                            plan.sampler_chains, plan.sampler_trials)
+        rows.extend(found)
+
+    def cost():
+        found, payload["head_update_cost"] = check_cost(plan, policy, head, log)
+        rows.extend(found)
+
+    run("a", reconstruction)
+    for check, fn, needs in (("b", alpha, "draft_logits"), ("d", sampler, "logp")):
+        if needs in state:
+            run(check, fn)
+        else:
+            rows.append(Row(check, f"not run: an earlier check left no {needs}", "-", "-", False))
+    state.clear()
+    run("c", cost)
+    payload["complete"] = True
+    save()
+    print()
+    print(table(rows))
+    verdict = "every check passed" if all_passed(rows) else "SOME CHECK FAILED"
+    print(f"\n{verdict}; {time.perf_counter() - started:.0f} s; JSON: {args.json}")
+    return 0 if all_passed(rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,167 @@
+"""Check (c) of the GPU check: one RL step's head update against one policy forward + backward over the
+same responses, timed and measured side by side in one run.
+
+- policy: the whole model (all its layers) over the responses in micro-batches, gradient checkpointing
+  on as the example scripts train it: forward, the token log-probs (fp32 log-softmax), their mean,
+  backward (`bench_common.policy_step`). Its final-norm hidden states are what the head reads.
+- head update: DCA + VGM over the same responses' records (K=5, τ≈3, top-64, cycles in chunks of 1024),
+  reading those hidden states (`bench_common.head_update`), as the trainer does when the policy's own
+  training forward hands them over;
+- own forward: the no-grad policy forward a head update runs where it cannot read the policy's training
+  forward (several policy steps per RL step, the lag probe, joint mode).
+No optimizer step on either side. The repeats alternate policy, own forward and head update; times are
+medians. Peak memory is CUDA's peak allocation above what was allocated before each run: the models,
+their gradients (allocated beforehand, as they live across a step) and the hidden states already held.
+
+Both sides are sums over units of fixed size (micro-batches of responses; chunks of 1024 cycles), so
+their times grow with the number of responses alike and the ratio of a few dozen responses is the
+ratio of 512; their peaks are per unit and do not grow at all. What does grow is the hidden states the
+head update reads, 2 x H bytes per token, reported apart. The number of responses timed is the one asked
+for, or fewer where one warm-up pass says that `budget_s` would not hold them (said in the output).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+from bench_common import accepted_at_tau, head_update, policy_step, sync
+from gpu_report import Row
+from gpu_world import Plan
+
+from openrlhf_growmtp.core import MTPHead, SequenceRecord
+
+RECORD_VOCAB = 1024  # records' ids are drawn over the first 1,024 ids: which ids they hold costs nothing
+
+
+def make_records(plan: Plan, count: int, first_seed: int = 0) -> list[SequenceRecord]:
+    """`count` responses of exactly one length (so micro-batches need no padding): prompt, cycles at τ
+    covering ~response_tokens, then the few committed tokens that make every response equally long."""
+    drawn = []
+    for i in range(count):
+        g = torch.Generator().manual_seed(first_seed + i)
+        drawn.append(accepted_at_tau(max(1, int(plan.response_tokens / plan.tau)), plan.tau, plan.k, g))
+    length = max(plan.prompt_tokens + sum(a) + len(a) for a in drawn) + 1
+    vocab = min(RECORD_VOCAB, plan.config.vocab_size)
+    return [SequenceRecord.make_dummy(prompt_len=plan.prompt_tokens, accepted=a, depth=plan.k, topk=plan.topk,
+                                      vocab_size=vocab, hidden_size=None, seed=first_seed + i,
+                                      trailing_tokens=length - plan.prompt_tokens - sum(a) - len(a))
+            for i, a in enumerate(drawn)]
+
+
+class Meter:
+    """Seconds and peak bytes (CUDA's peak allocation above the level at entry; None on a CPU) of a block."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def __enter__(self):
+        sync(self.device)
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.base = torch.cuda.memory_allocated(self.device)
+        self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        sync(self.device)
+        self.seconds = time.perf_counter() - self.t0
+        self.peak_mb = None
+        if self.device.type == "cuda":
+            self.peak_mb = (torch.cuda.max_memory_allocated(self.device) - self.base) / 2**20
+
+
+def check_cost(plan: Plan, policy, head: MTPHead, log) -> tuple[list[Row], dict]:
+    device = policy.device
+    for module in (policy, head):  # gradients live across a step: allocated before anything is measured
+        for p in module.parameters():
+            if p.requires_grad and p.grad is None:
+                p.grad = torch.zeros_like(p)
+    batch = plan.micro_batch
+
+    def policy_pass(records):
+        policy.zero_grad(set_to_none=False)
+        hiddens = []
+        for lo in range(0, len(records), batch):
+            ids = torch.stack([r.token_ids for r in records[lo:lo + batch]]).to(device)
+            hiddens.extend(policy_step(policy, ids).unbind(0))
+        return hiddens
+
+    def own_forward(records):
+        with torch.no_grad():
+            for lo in range(0, len(records), batch):
+                policy.model(input_ids=torch.stack([r.token_ids for r in records[lo:lo + batch]]).to(device))
+
+    def head_pass(records, hiddens):
+        head.zero_grad(set_to_none=False)
+        stats = head_update(head, records, hiddens, plan.chunk_cycles)
+        if not stats.finite:
+            raise RuntimeError("the head update's loss is not finite")
+        return stats
+
+    # Warm-up on one micro-batch: first-call costs out of the timing, and a per-response cost estimate.
+    records = make_records(plan, batch)
+    hiddens = policy_pass(records)
+    own_forward(records)
+    head_pass(records, hiddens)
+    with Meter(device) as policy_once:
+        hiddens = policy_pass(records)
+    with Meter(device) as forward_once:
+        own_forward(records)
+    with Meter(device) as head_once:
+        head_pass(records, hiddens)
+    per_response = (policy_once.seconds + forward_once.seconds + head_once.seconds) / batch
+    fit = int(plan.budget_s / (plan.repeats * per_response)) // batch * batch
+    responses = max(batch, min(plan.responses, fit))
+    log(f"  (c) warm-up: {per_response:.2f} s per response per repeat; timing {responses} responses "
+        f"({plan.responses} asked, {plan.repeats} repeats, budget {plan.budget_s:.0f} s)")
+    records = records + make_records(plan, responses - batch, first_seed=batch)
+    del hiddens
+
+    times = {"policy": [], "own_forward": [], "head": []}
+    peaks = {"policy": [], "own_forward": [], "head": []}
+    stats = None
+    for _ in range(plan.repeats):
+        with Meter(device) as policy_meter:
+            hiddens = policy_pass(records)
+        with Meter(device) as forward_meter:
+            own_forward(records)
+        with Meter(device) as head_meter:
+            stats = head_pass(records, hiddens)
+        del hiddens
+        for key, meter in (("policy", policy_meter), ("own_forward", forward_meter), ("head", head_meter)):
+            times[key].append(meter.seconds)
+            peaks[key].append(meter.peak_mb)
+    median = {k: statistics.median(v) for k, v in times.items()}
+    peak = {k: (max(v) if v[0] is not None else None) for k, v in peaks.items()}
+    tokens = sum(int(r.token_ids.numel()) for r in records)
+    cycles = sum(r.num_cycles for r in records)
+    hidden_mb = tokens * plan.config.hidden_size * 2 / 2**20
+    ratio = median["head"] / median["policy"]
+    ratio_forward = (median["head"] + median["own_forward"]) / median["policy"]
+    memory_ratio = None if peak["policy"] is None else peak["head"] / peak["policy"]
+    details = {
+        "responses": responses, "responses_asked": plan.responses, "scaled_by_budget": responses < plan.responses,
+        "paper_responses_per_step": 512, "prompt_tokens": plan.prompt_tokens, "response_tokens": plan.response_tokens,
+        "tokens": tokens, "cycles": cycles, "tau": 1.0 + sum(float(r.accepted.float().sum()) for r in records) / cycles,
+        "k": plan.k, "chunk_cycles": plan.chunk_cycles, "micro_batch": batch, "gradient_checkpointing": True,
+        "repeats": plan.repeats, "budget_s": plan.budget_s, "seconds": times, "median_s": median,
+        "peak_mb": peak, "hidden_states_mb": hidden_mb,
+        "hidden_states_mb_at_512_responses": hidden_mb * 512 / responses,
+        "time_ratio": ratio, "time_ratio_with_own_forward": ratio_forward, "memory_ratio": memory_ratio,
+        "head_loss": stats.loss, "head_alpha_mean": stats.alpha_mean,
+        "policy_tokens_per_s": tokens / median["policy"], "head_cycles_per_s": cycles / median["head"],
+    }
+    scale = f"{responses} of 512 responses" + (" (cut by the time budget)" if responses < plan.responses else "")
+    mem = "CUDA only" if memory_ratio is None else f"{peak['head']:.0f} / {peak['policy']:.0f} MB"
+    rows = [
+        Row("c", f"time: head update / policy fwd+bwd, {scale}", f"{ratio:.3f}",
+            f"{median['head']:.2f} s / {median['policy']:.2f} s (medians of {plan.repeats})", None,
+            {"ratio": ratio}),
+        Row("c", "time: (head update + own no-grad forward) / policy fwd+bwd", f"{ratio_forward:.3f}",
+            f"own forward {median['own_forward']:.2f} s", None, {"ratio": ratio_forward}),
+        Row("c", "peak memory: head update / policy fwd+bwd", "-" if memory_ratio is None else f"{memory_ratio:.3f}",
+            mem, None, {"ratio": memory_ratio}),
+    ]
+    return rows, details

@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# `make gpu-check`: the GPU check on a lent machine (docs/gpu.md), with the machine's own python and torch.
+#   1. installs the carried wheels (.gpu-wheels/, from `make gpu-wheels`) into .gpu-site/, never into the
+#      machine's environment; without .gpu-wheels/ the environment is used as it is;
+#   2. without --tiny: refuses unless torch sees CUDA, runs the check at tiny shapes on CUDA (a smoke test
+#      of the environment, seconds), then at Qwen3-4B's shapes with the arguments given;
+#      with --tiny: runs only that, with the arguments given.
+# Everything lands in $OUT (the device tool's folder that comes back), else runs/gpu/: the JSONs, a log per
+# run and environment.txt. Exit status: the last run's (0 passed, 1 a check failed, 2 could not run).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+OUT=${OUT:-runs/gpu}
+mkdir -p "$OUT"
+
+if [[ -d .gpu-wheels && ! -f .gpu-site/.installed ]]; then
+  rm -rf .gpu-site
+  if "$PYTHON" -m pip --version >/dev/null 2>&1; then
+    "$PYTHON" -m pip install -q --no-deps --no-index --find-links .gpu-wheels --target .gpu-site \
+      -r benchmarks/gpu-wheels.txt || { echo "gpu_run: installing .gpu-wheels/ failed" >&2; exit 2; }
+  else  # no pip: a wheel of these is a zip to extract (pure, abi3, or this CPython's regex)
+    "$PYTHON" - <<'EOF' || { echo "gpu_run: extracting .gpu-wheels/ failed" >&2; exit 2; }
+import pathlib, sys, zipfile
+tag = f"-cp{sys.version_info.major}{sys.version_info.minor}-"
+for wheel in sorted(pathlib.Path(".gpu-wheels").glob("*.whl")):
+    if "-none-any" in wheel.name or "abi3" in wheel.name or tag in wheel.name:
+        zipfile.ZipFile(wheel).extractall(".gpu-site")
+EOF
+  fi
+  touch .gpu-site/.installed
+fi
+if [[ -d .gpu-site ]]; then
+  export PYTHONPATH="$PWD/.gpu-site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+else
+  export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+fi
+export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
+
+{
+  date -u +%Y-%m-%dT%H:%M:%SZ
+  nvidia-smi 2>&1 || echo "(no nvidia-smi)"
+  "$PYTHON" -c "import sys, torch, transformers; print(sys.version); \
+print('torch', torch.__version__, 'cuda', torch.version.cuda, 'available', torch.cuda.is_available()); \
+print('transformers', transformers.__version__, transformers.__file__)"
+} > "$OUT/environment.txt" 2>&1
+cat "$OUT/environment.txt"
+
+tiny=0
+for arg in "$@"; do
+  [[ "$arg" == --tiny ]] && tiny=1
+done
+if [[ $tiny == 1 ]]; then
+  "$PYTHON" benchmarks/gpu_check.py --json "$OUT/gpu_check_tiny.json" "$@" 2>&1 | tee "$OUT/gpu_check_tiny.log"
+  exit "${PIPESTATUS[0]}"
+fi
+if ! "$PYTHON" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+  echo "gpu_run: the check at Qwen3-4B's shapes needs CUDA, and torch sees none here" \
+       "(environment.txt says why); \`make gpu-check ARGS=--tiny\` runs the CPU version." >&2
+  exit 2
+fi
+"$PYTHON" benchmarks/gpu_check.py --tiny --device cuda --json "$OUT/gpu_check_tiny_cuda.json" 2>&1 \
+  | tee "$OUT/gpu_check_tiny_cuda.log"
+"$PYTHON" benchmarks/gpu_check.py --json "$OUT/gpu_check.json" "$@" 2>&1 | tee "$OUT/gpu_check.log"
+exit "${PIPESTATUS[0]}"

@@ -1,0 +1,117 @@
+"""The GPU check's world: Qwen3-4B's real config (or a tiny one of the same layout for CPUs), a policy of
+random weights, a random K=5 head bound to the policy's tied embedding, and the sizes of each check."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from bench_common import qwen3_4b_config
+from torch import nn
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+from openrlhf_growmtp.core import MTPHead, init_random_head_, make_head_config
+from openrlhf_growmtp.core.families import get_family
+
+# The head's logits are given this spread (std over the vocabulary) by its final norm's scale: a random
+# head's logits have std ~1 (q nearly uniform over 151,936 ids), a trained model's spread over tens of
+# units, and bf16 rounds a logit to within |logit| x 2^-9, so the check runs where rounding matters.
+# At std 4, q's top-64 holds ~0.7 of its mass (measured on Gaussian logits at V=151,936).
+LOGIT_STD = 4.0
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The sizes of one run of the check."""
+
+    name: str  # "Qwen3-4B" or "tiny"
+    config: Qwen3Config  # the policy's (num_hidden_layers included)
+    k: int
+    topk: int
+    # (a), (b): one response per prompt length (a long prompt puts cycles at long RoPE positions and
+    # over a long prefix), `recon_cycles` cycles each, reconstructed in chunks of `recon_chunk` cycles
+    # (chunks that cut through a response) and in one chunk
+    recon_prompts: tuple[int, ...]
+    recon_cycles: int
+    recon_chunk: int
+    # (c): the head update against the policy's forward + backward over the same responses
+    responses: int
+    prompt_tokens: int
+    response_tokens: int
+    tau: float
+    micro_batch: int
+    repeats: int
+    chunk_cycles: int
+    budget_s: float  # what (c)'s timed runs may take; fewer responses are timed where they would not fit
+    # (d): rejection-sampled chains and trials per chain
+    sampler_chains: int
+    sampler_trials: int
+
+
+def tiny_config(num_layers: int = 2) -> Qwen3Config:
+    """Qwen3-4B's layout (GQA 2:1, qk-norm, tied embedding, RoPE base 1e6) at widths a CPU runs in seconds."""
+    return Qwen3Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                       intermediate_size=192, num_hidden_layers=num_layers, vocab_size=2048, tie_word_embeddings=True,
+                       initializer_range=0.02, max_position_embeddings=4096, rope_theta=1000000.0, rms_norm_eps=1e-6)
+
+
+# The paper's step is 512 responses of up to 8,192 tokens on 8 GPUs (64 per GPU). 64 responses of 4,096
+# tokens are one GPU's share at half the cap; `budget_s` keeps (c) inside a 10-minute command.
+REAL = Plan(name="Qwen3-4B", config=qwen3_4b_config(36), k=5, topk=64, recon_prompts=(48, 2048), recon_cycles=64,
+            recon_chunk=48, responses=64, prompt_tokens=256, response_tokens=4096, tau=3.0, micro_batch=2,
+            repeats=3, chunk_cycles=1024, budget_s=240.0, sampler_chains=4, sampler_trials=2**20)
+TINY = Plan(name="tiny", config=tiny_config(), k=5, topk=64, recon_prompts=(12, 160), recon_cycles=24, recon_chunk=20,
+            responses=4, prompt_tokens=16, response_tokens=96, tau=3.0, micro_batch=2, repeats=2, chunk_cycles=64,
+            budget_s=60.0, sampler_chains=2, sampler_trials=2**16)
+
+
+def build_policy(config: Qwen3Config, device: torch.device, dtype: torch.dtype) -> Qwen3ForCausalLM:
+    """A causal LM of random weights (transformers' own init), in training mode with gradient checkpointing,
+    as the example scripts train it (`--actor.gradient_checkpointing_enable`)."""
+    torch.manual_seed(0)
+    config = Qwen3Config.from_dict(config.to_dict())
+    config._attn_implementation = "sdpa"
+    config.use_cache = False
+    with torch.device(device):
+        policy = Qwen3ForCausalLM(config)
+    policy = policy.to(dtype)
+    policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if config.tie_word_embeddings and policy.lm_head.weight is not policy.model.embed_tokens.weight:
+        raise RuntimeError("the policy's lm_head is not tied to its embedding, as Qwen3-4B's is")
+    return policy.train()
+
+
+def build_head(policy: Qwen3ForCausalLM, dtype: torch.dtype, seed: int = 0) -> MTPHead:
+    """The random head (`init_random_head_`), its final norm scaled to LOGIT_STD, bound to the policy's
+    embedding and lm_head and cast to `dtype` the way `load_head(dtype=...)` casts it."""
+    config = policy.config
+    head = init_random_head_(MTPHead(make_head_config(config, get_family("qwen3"))), seed)
+    # logit = sum over H of w_e * (norm weight x unit-RMS state): std = init_range * sqrt(H) * norm weight
+    scale = LOGIT_STD / (config.initializer_range * math.sqrt(config.hidden_size))
+    with torch.no_grad():
+        getattr(head, head.family.final_norm_name).weight.fill_(scale)
+    head.bind(policy.model.embed_tokens, policy.lm_head)
+    return head.to(device=policy.device, dtype=dtype)
+
+
+def head_copy(head: MTPHead, dtype: torch.dtype, fp32_rope: bool = False) -> MTPHead:
+    """The same head in `dtype`: its weights and RoPE tables upcast (or kept) from `head`'s values exactly,
+    bound to a `dtype` copy of its (tied) embedding, so that copies differ only in arithmetic.
+    fp32_rope: fresh fp32 RoPE tables instead of `head`'s (which `.to(bf16)` rounded)."""
+    copy = MTPHead(head.config)
+    copy.load_state_dict(head.state_dict())
+    copy = copy.to(device=head.embed_tokens.weight.device, dtype=dtype)
+    if not fp32_rope:
+        for name, buffer in head.rotary_emb.named_buffers():
+            setattr(copy.rotary_emb, name, buffer.to(dtype))
+    else:
+        fresh = type(head.rotary_emb)(head.config).to(head.embed_tokens.weight.device)
+        for name, buffer in fresh.named_buffers():
+            setattr(copy.rotary_emb, name, buffer)
+    weight = head.embed_tokens.weight.detach().to(dtype).clone()
+    embed = nn.Embedding(*weight.shape, device=weight.device, dtype=dtype)
+    lm_head = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device, dtype=dtype)
+    embed.weight = lm_head.weight = nn.Parameter(weight)
+    copy.bind(embed, lm_head)
+    return copy
