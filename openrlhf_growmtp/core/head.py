@@ -82,6 +82,22 @@ class HeadOutput:
         return HeadOutput(self.hidden[:, -1:], self.normed[:, -1:], self.feed_back[:, -1:])
 
 
+class FP32RoPE(nn.Module):
+    """The family's rotary embedding, kept out of the head's registered modules so that casting the head
+    (`load_head(dtype=...)`, DeepSpeed's bf16 engine) never rounds its inverse frequencies: a RoPE angle is
+    position x inv_freq, and vLLM computes it in fp32 from the base. It follows the inputs' device."""
+
+    def __init__(self, rotary: nn.Module):
+        super().__init__()
+        self.__dict__["rotary"] = rotary
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor):
+        rotary = self.__dict__["rotary"]
+        if rotary.inv_freq.device != x.device:
+            rotary.to(x.device)  # a device move keeps the buffers' fp32
+        return rotary(x, position_ids)
+
+
 class MTPHead(nn.Module):
     """One implementation for all families; see `families.FAMILIES` for what differs."""
 
@@ -109,7 +125,7 @@ class MTPHead(nn.Module):
                 self.add_module(child_name, child)
         self.__dict__["decoder_layer"] = layer
         self.add_module(fam.final_norm_name, fam.norm_class(hidden, eps=eps))
-        self.rotary_emb = fam.rotary_class(config)
+        self.rotary_emb = FP32RoPE(fam.rotary_class(config))
         self.bind(embed_tokens, lm_head)
 
     # ---- the backbone's modules -------------------------------------------------------------

@@ -139,3 +139,27 @@ def test_keys_values_are_what_a_forward_writes_to_the_cache(family):
         key, value = head.keys_values(hidden, ids, positions)
     assert key.shape == cache.key.shape and value.shape == cache.value.shape
     assert torch.equal(key, cache.key) and torch.equal(value, cache.value)
+
+
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_rope_angles_stay_fp32_in_a_bf16_head(family):
+    # RoPE's angle is position x inv_freq; vLLM computes it in fp32 from the base. A head cast to bf16 (as the
+    # trainer's is, by load_head and by DeepSpeed) must not round inv_freq to bf16: at position 8,000 an inv_freq
+    # near 1 rounded by 2^-9 would turn the angle by radians. Reference: the angles in float64 from the config.
+    import copy
+
+    head = copy.deepcopy(make_head(family)).to(torch.bfloat16)
+    config = head.config
+    dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    base = config.rope_parameters["rope_theta"]
+    positions = torch.tensor([[0, 1, 100, 8000, 16000]])
+    angles = positions[0, :, None].double() / base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+    cos, sin = head.rotary_emb(torch.zeros(1, 5, config.hidden_size, dtype=torch.bfloat16), positions)
+    if cos.shape[-1] != dim:  # a family that rotates part of each head (partial RoPE): its own width
+        dim = cos.shape[-1]
+        angles = positions[0, :, None].double() / base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+    want = torch.cat([angles, angles], -1)
+    # fp32 angles (position x fp32 inv_freq: relative 2^-24, i.e. 1e-3 rad at 16,000), then cos and sin rounded
+    # to bf16 (2^-8 of values <= 1): within 2^-8 + 1e-3 of float64's
+    assert (cos[0].double() - want.cos()).abs().max() <= 2 ** -8 + 1e-3
+    assert (sin[0].double() - want.sin()).abs().max() <= 2 ** -8 + 1e-3
