@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 export PIP_CONSTRAINT := $(CURDIR)/constraints.txt
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: test venv bench demo demo-quick ablations ablations-quick rehearse gpu-check gpu-wheels clean
+.PHONY: test venv bench demo demo-quick reproduce ablations ablations-quick rehearse gpu-check gpu-wheels clean
 
 venv: $(STAMP)
 
@@ -31,6 +31,10 @@ demo: $(STAMP)
 
 demo-quick: $(STAMP)
 	$(PY) -m openrlhf_growmtp.cli.demo --quick
+
+# the demo's quick run twice per arm with one seed: every logged number and exported tensor compared (~3 min)
+reproduce: $(STAMP)
+	$(PY) -m openrlhf_growmtp.cli.reproduce
 
 # the paper's ablations on the demo world: 9 arms x 2 seeds, the ceiling and the lag; writes docs/ablations.json and
 # docs/ablations_*.png (docs/ablations.md); ~1 h on 2 cores

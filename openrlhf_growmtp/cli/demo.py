@@ -79,6 +79,7 @@ def train_command(world: World, arm_dir: Path, preset: Preset, k: int, seed: int
         "--actor.lr_scheduler", "constant_with_warmup",
         "--ckpt.path", str(arm_dir / "ckpt"), "--ckpt.output_dir", str(arm_dir / "final"),
         "--logger.tensorboard_dir", str(arm_dir / "tensorboard"),
+        "--train.full_determinism_enable",  # reproducible rollouts and data order (trainer/rollout_order.py)
         "--growmtp_k", str(k),
     ]
     if k:

@@ -1,0 +1,20 @@
+"""`make reproduce`'s comparison: every logged number but wall-clock time, step by step."""
+
+from openrlhf_growmtp.cli.reproduce import compare_scalars, is_wall_clock
+
+
+def test_wall_clock_tags_are_left_out_and_everything_else_is_compared():
+    assert is_wall_clock("train/timing/generation") and is_wall_clock("train/growmtp/head_update_s")
+    assert not is_wall_clock("train/growmtp/tau") and not is_wall_clock("train/reward")
+    first = {"train/growmtp/tau": {1: 1.5, 2: 1.75, 3: 2.0}, "train/reward": {1: 0.5, 2: 0.5, 3: 0.25},
+             "train/timing/step_total": {1: 3.0, 2: 3.1, 3: 2.9}}
+    same = {tag: dict(values) for tag, values in first.items()}
+    same["train/timing/step_total"] = {1: 9.0, 2: 9.0, 3: 9.0}
+    assert compare_scalars(first, same) == (6, [])
+    drifted = {tag: dict(values) for tag, values in first.items()}
+    drifted["train/reward"][2] = 0.5000001
+    compared, differences = compare_scalars(first, drifted)
+    assert compared == 6 and len(differences) == 1 and "first differs at step 2 (1 of 3 steps)" in differences[0]
+    shorter = {tag: dict(values) for tag, values in first.items()}
+    del shorter["train/growmtp/tau"][3]
+    assert "logged at steps" in compare_scalars(first, shorter)[1][0]
