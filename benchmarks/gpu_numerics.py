@@ -133,10 +133,6 @@ def check_reconstruction(plan: Plan, head: MTPHead, log) -> tuple[list[Row], dic
                         f"<= 1; cos vs fp64 >= {grads['min_cosine_vs_fp64']:.5f}", grads["worst_ratio"] <= 1.0, grads))
         rows.append(Row("a", f"loss, batched vs chain by chain, {name}", f"|d| {sci(loss['max_abs_diff'])}",
                         f"<= {sci(loss['tolerance'])}", loss["max_abs_diff"] <= loss["tolerance"], loss))
-    rope = _rope_rounding(head, records, hidden_bf16, runs[torch.float32]["batched"]["logq"], plan.recon_chunk)
-    details["rope_table_in_bf16"] = rope
-    rows.append(Row("a", "RoPE tables rounded by head.to(bf16), fp32 math", f"max|d log q| {sci(rope['max_abs_diff'])}",
-                    f"positions up to {details['max_position']}", None, rope))
     return rows, details, runs[torch.bfloat16]["batched"]["logits"]
 
 
@@ -175,19 +171,6 @@ def _compare_loss(chain: dict, batched: dict, ref: dict) -> dict:
     return {"max_abs_diff": max(abs(v - chain["loss"]) for v in batched.values()), "eps_mean_per_cycle": eps,
             "tolerance": NOISE_FACTOR * eps + terms * unit_roundoff(torch.float32) * scale, "chain": chain["loss"],
             "batched": batched, "fp64": ref["loss"]}
-
-
-def _rope_rounding(head, records, hidden_bf16, logq_fp32, chunk) -> dict:
-    """How far the RoPE tables' bf16 rounding (MTPHead.to(bf16) casts its rotary buffers, as
-    load_head(dtype=bf16) does) moves log q, with the arithmetic in fp32: no bound, a measurement."""
-    exact = head_copy(head, torch.float32, fp32_rope=True)
-    with torch.no_grad():
-        logq = reconstruct_draft_logits(exact, records, [h.float() for h in hidden_bf16], chunk).log_softmax(-1)
-    per_cycle = (logq - logq_fp32).abs().amax(dim=(1, 2))
-    first = records[0].num_cycles  # the first response has the shortest prompt
-    return {"max_abs_diff": per_cycle.max().item(), "max_abs_diff_first_response": per_cycle[:first].max().item(),
-            "first_response_max_position": int(records[0].start[-1]) + records[0].depth,
-            "inv_freq_dtype_after_to_bf16": str(head.rotary_emb.inv_freq.dtype)}
 
 
 def check_alpha(draft_logits: torch.Tensor, topk: int, seed: int = 0) -> tuple[Row, dict, torch.Tensor]:

@@ -95,20 +95,13 @@ def build_head(policy: Qwen3ForCausalLM, dtype: torch.dtype, seed: int = 0) -> M
     return head.to(device=policy.device, dtype=dtype)
 
 
-def head_copy(head: MTPHead, dtype: torch.dtype, fp32_rope: bool = False) -> MTPHead:
-    """The same head in `dtype`: its weights and RoPE tables upcast (or kept) from `head`'s values exactly,
-    bound to a `dtype` copy of its (tied) embedding, so that copies differ only in arithmetic.
-    fp32_rope: fresh fp32 RoPE tables instead of `head`'s (which `.to(bf16)` rounded)."""
+def head_copy(head: MTPHead, dtype: torch.dtype) -> MTPHead:
+    """The same head in `dtype`: its weights upcast (or kept) from `head`'s values exactly, bound to a
+    `dtype` copy of its (tied) embedding, so that copies differ only in arithmetic (the RoPE tables are
+    fp32 in every head)."""
     copy = MTPHead(head.config)
     copy.load_state_dict(head.state_dict())
     copy = copy.to(device=head.embed_tokens.weight.device, dtype=dtype)
-    if not fp32_rope:
-        for name, buffer in head.rotary_emb.named_buffers():
-            setattr(copy.rotary_emb, name, buffer.to(dtype))
-    else:
-        fresh = type(head.rotary_emb)(head.config).to(head.embed_tokens.weight.device)
-        for name, buffer in fresh.named_buffers():
-            setattr(copy.rotary_emb, name, buffer)
     weight = head.embed_tokens.weight.detach().to(dtype).clone()
     embed = nn.Embedding(*weight.shape, device=weight.device, dtype=dtype)
     lm_head = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device, dtype=dtype)
