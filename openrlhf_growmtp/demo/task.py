@@ -24,7 +24,7 @@ SYMBOLS = [str(d) for d in range(10)] + ["+", "=", ",", "A"]
 # NOTE: the vocabulary is padded with never-used words to 32 so that every id decodes to a word.
 VOCAB = SPECIAL + SYMBOLS + [f"w{i}" for i in range(32 - len(SPECIAL) - len(SYMBOLS))]
 PAD_ID, EOS_ID = 0, 1
-ANSWER = re.compile(r"(?:^|\s)A((?:\s+\d)+)")
+MARKER = "A"  # what precedes the answer's digits
 
 
 def make_tokenizer() -> PreTrainedTokenizerFast:
@@ -45,7 +45,7 @@ def prompt_text(a: int, b: int) -> str:
     return " ".join(str(a)) + " + " + " ".join(str(b)) + " ="
 
 
-def solution_text(a: int, b: int) -> str:
+def solution_text(a: int, b: int, marker: str = MARKER) -> str:
     """The worked solution (without `<eos>`); a and b have the same number of digits."""
     xs, ys = str(a)[::-1], str(b)[::-1]
     assert len(xs) == len(ys), "operands must have the same number of digits"
@@ -55,18 +55,18 @@ def solution_text(a: int, b: int) -> str:
         terms = f"{x} + {y}" + (" + 1" if carry else "")
         steps.append(f"{terms} = {' '.join(str(column))}")
         carry = column // 10
-    return " , ".join(steps) + " , A " + " ".join(str(a + b))
+    return " , ".join(steps) + f" , {marker} " + " ".join(str(a + b))
 
 
-def extract_answer(response: str) -> int | None:
-    """The number after the last `A` marker, or None when the response has none."""
-    found = ANSWER.findall(response)
+def extract_answer(response: str, marker: str = MARKER) -> int | None:
+    """The number after the last `marker`, or None when the response has none."""
+    found = re.findall(rf"(?:^|\s){re.escape(marker)}((?:\s*\d)+)", response)
     if not found:
         return None
     return int("".join(found[-1].split()))
 
 
-def score(response: str, label: str) -> float:
+def score(response: str, label: str, marker: str = MARKER) -> float:
     """1.0 when the response's answer equals the label (an integer as text), else 0.0."""
-    answer = extract_answer(response)
+    answer = extract_answer(response, marker)
     return float(answer is not None and str(answer) == label.strip())

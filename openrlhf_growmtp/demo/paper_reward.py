@@ -1,0 +1,15 @@
+"""The paper world's reward function for OpenRLHF (`--reward.remote_url <this file>`): 1 for a correct final
+answer, read after the last `<answer>` (the thought before it may hold any text)."""
+
+from __future__ import annotations
+
+import torch
+
+from openrlhf_growmtp.demo.paper_world import score
+from openrlhf_growmtp.rewards.common import response_of
+
+
+def reward_func(queries: list[str], prompts: list[str], labels: list[str]) -> dict:
+    rewards = torch.tensor([score(response_of(query, prompt), label)
+                            for query, prompt, label in zip(queries, prompts, labels)])
+    return {"rewards": rewards, "scores": rewards}
