@@ -39,7 +39,7 @@ class Recipe:
     head_lr: str
     head_warmup_steps: int  # RL steps
     max_new_tokens: int
-    prompt_max_len: int = 128
+    max_len: int = 128  # --data.max_len: prompt and response together (upstream cuts the prompt to the rest)
     micro_batch: int = 8
     zero_stage: int = 2  # ZeRO-3's gathers cost more than they save at these sizes (tests run both stages)
 
@@ -60,10 +60,10 @@ WORLDS = {
     "paper": WorldRecipes(build_paper_world, DEMO_DIR / "paper_reward.py", {
         "full": Recipe(steps=40, prompts_per_step=8, samples_per_prompt=8, train_batch=64, epochs=1,
                        actor_lr="5e-5", k=5, topk=64, head_lr="1.5e-3", head_warmup_steps=10, max_new_tokens=160,
-                       prompt_max_len=64),
+                       max_len=256),
         "quick": Recipe(steps=3, prompts_per_step=4, samples_per_prompt=4, train_batch=16, epochs=1,
                         actor_lr="5e-5", k=5, topk=64, head_lr="1.5e-3", head_warmup_steps=1, max_new_tokens=160,
-                        prompt_max_len=64)}),
+                        max_len=256)}),
 }
 
 
@@ -79,7 +79,7 @@ def train_command(world: World, arm_dir: Path, recipe: Recipe, k: int, reward: P
         "--ds.zero_stage", str(recipe.zero_stage), "--vllm.num_engines", "1", "--vllm.enforce_eager",
         "--data.prompt_dataset", str(world.prompts), "--data.input_key", "input", "--data.label_key", "label",
         "--data.max_samples", str(recipe.steps * recipe.prompts_per_step),
-        "--data.max_len", str(recipe.prompt_max_len),
+        "--data.max_len", str(recipe.max_len),
         "--rollout.max_new_tokens", str(recipe.max_new_tokens), "--rollout.batch_size", str(recipe.prompts_per_step),
         "--rollout.n_samples_per_prompt", str(recipe.samples_per_prompt),
         "--rollout.micro_batch_size", str(recipe.micro_batch),

@@ -98,6 +98,12 @@ def check_args(flat: dict) -> list[str]:
     errors = []
     if not g.get("neg_adv_weight", 1.0) > 0:
         errors.append(f"--growmtp_neg_adv_weight must be > 0, got {g.get('neg_adv_weight')}")
+    max_len, new_tokens = flat.get("data.max_len"), flat.get("rollout.max_new_tokens")
+    if max_len is not None and new_tokens is not None and new_tokens >= max_len:
+        # upstream's agent counts --data.max_len as prompt + response and keeps the prompt's last
+        # (max_len - max_new_tokens) tokens: none here (vLLM then refuses the empty prompt mid-run)
+        errors.append(f"--rollout.max_new_tokens ({new_tokens}) must be below --data.max_len ({max_len}), the "
+                      "prompt and response together: it leaves no room for the prompt")
     if k == 0:
         return errors
     get = flat.get

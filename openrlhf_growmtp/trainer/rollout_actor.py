@@ -88,6 +88,9 @@ class RolloutActor(RolloutRayActor.__ray_actor_class__):
         token = rollout_order.start_dispatch(growmtp_dispatch)
         try:
             responses = await super().generate_responses(*args, **kwargs)
+        except Exception as err:  # a request refused before the engine: the held step cannot fill up
+            self._growmtp_refused = err
+            raise
         finally:
             rollout_order.end_dispatch(token)
         for sample, response in enumerate(responses):
@@ -96,6 +99,7 @@ class RolloutActor(RolloutRayActor.__ray_actor_class__):
 
     async def growmtp_hold(self) -> None:
         """Before an RL step's dispatch: the engine queues new requests without scheduling them."""
+        self._growmtp_refused = None
         await self.llm.pause_generation(mode="keep", clear_cache=False)
 
     async def growmtp_release(self, expected: int, timeout_s: float = 600.0) -> None:
@@ -103,6 +107,9 @@ class RolloutActor(RolloutRayActor.__ray_actor_class__):
         processor is already queued to the engine core, in the same call): schedule them."""
         waited = 0.0
         while self.get_num_unfinished_requests() < expected:
+            if getattr(self, "_growmtp_refused", None) is not None:
+                raise RuntimeError(f"GrowMTP: a request of this RL step was refused before it reached the engine "
+                                   f"({self._growmtp_refused!r}); the engine stays paused") from self._growmtp_refused
             if waited > timeout_s:
                 raise TimeoutError(f"GrowMTP: {self.get_num_unfinished_requests()} of {expected} requests reached "
                                    f"the engine in {timeout_s:.0f} s; it stays paused")

@@ -160,3 +160,27 @@ def test_an_engine_is_released_only_once_every_request_of_the_step_has_reached_i
 
     asyncio.run(step())
     assert events == [("pause", "keep", False), ("resume", 3)]
+
+
+def test_a_request_refused_while_the_engine_is_held_fails_the_release_at_once(monkeypatch):
+    """A request that vLLM refuses (an empty prompt, say) never reaches the held engine: the release says so
+    instead of waiting out its timeout for a count that cannot be reached."""
+    from openrlhf_growmtp.trainer.rollout_actor import RolloutActor
+
+    async def refused(self, *args, **kwargs):
+        raise ValueError("The decoder prompt cannot be empty")
+
+    monkeypatch.setattr(RolloutActor.__mro__[1], "generate_responses", refused)
+    actor = RolloutActor.__new__(RolloutActor)
+    actor.llm = SimpleNamespace(output_processor=SimpleNamespace(get_num_unfinished_requests=lambda: 0),
+                                pause_generation=lambda mode, clear_cache: asyncio.sleep(0))
+
+    async def step():
+        await actor.growmtp_hold()
+        return await asyncio.gather(actor.generate_responses(growmtp_dispatch=(0, 0)),
+                                    actor.growmtp_release(1, timeout_s=60.0), return_exceptions=True)
+
+    dispatched, released = asyncio.run(step())
+    assert isinstance(dispatched, ValueError)
+    assert isinstance(released, RuntimeError) and "refused before it reached the engine" in str(released)
+    assert "decoder prompt cannot be empty" in str(released)  # not a TimeoutError after 60 s

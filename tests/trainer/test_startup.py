@@ -39,7 +39,7 @@ def test_valid_configuration_has_no_errors(policy_dir):
     assert errors_for(policy_dir, "--growmtp_k", "3") == []
     assert errors_for(policy_dir, "--growmtp_k", "3", "--growmtp_log_lag") == []
     assert errors_for(policy_dir, "--growmtp_k", "0", "--ds.zero_stage", "2") == []  # off: upstream's rules only
-    # mini-batches, epochs and dynamic batching (a detached head steps with every policy step)
+    # mini-batches, epochs and dynamic batching (the head steps once per RL step whatever the layout)
     assert errors_for(policy_dir, "--growmtp_k", "3", "--train.batch_size", "4", "--train.max_epochs", "2",
                       "--train.dynamic_batch_enable") == []
     assert errors_for(policy_dir, "--growmtp_k", "3", "--ds.zero_stage", "2", "--ds.adam_offload") == []
@@ -47,6 +47,8 @@ def test_valid_configuration_has_no_errors(policy_dir):
 
 @pytest.mark.parametrize("argv, message", [
     (["--growmtp_k", "-1"], "--growmtp_k must be >= 0"),
+    (["--data.max_len", "64", "--rollout.max_new_tokens", "160"], "leaves no room for the prompt"),
+    (["--growmtp_k", "3", "--data.max_len", "64", "--rollout.max_new_tokens", "64"], "leaves no room for the prompt"),
     (["--growmtp_k", "3", "--growmtp_head", "native"], "ships no native MTP layer"),
     (["--growmtp_k", "17"], "deeper than this head supports (max 16)"),
     (["--growmtp_k", "3", "--rollout.temperature", "0"], "greedy drafting is not supported"),
