@@ -1,4 +1,4 @@
-"""The ablations' second world, in the paper's proportions (`python -m openrlhf_growmtp.cli.ablations --world
+"""The ablations' second world, in the paper's proportions (`python -m openrlhf_growmtp.cli.ablations --worlds
 paper`): built once and cached like the demo's, nothing downloaded.
 
 - Text with real entropy: the corpus is CPython's own standard library source (the running interpreter's
