@@ -25,13 +25,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
-from openrlhf_growmtp.core.checkpoint import materialize_random_head
 from openrlhf_growmtp.demo import task
 from openrlhf_growmtp.demo.text_stats import sampled_text_statistics
-from openrlhf_growmtp.demo.world import World
+from openrlhf_growmtp.demo.world import World, write_policy
 
 WORLD_VERSION = 1  # bump when anything below changes what a cached world holds
 THINK, END_THINK, ANSWER = "<think>", "</think>", "<answer>"
@@ -135,14 +133,7 @@ def _build(root: Path, spec: PaperWorldSpec, text: str, digest: str, log) -> Non
     log(f"  corpus {len(corpus):,} tokens; pretraining a {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M "
         f"Qwen3 of {spec.num_layers} layers on thought + worked addition")
     stats = _pretrain(model, tokenizer, corpus, spec, log)
-    policy_dir = root / "policy"
-    policy_dir.mkdir(exist_ok=True)
-    config.architectures = ["Qwen3ForCausalLM"]
-    config.save_pretrained(policy_dir)
-    save_file({n: t.contiguous() for n, t in model.state_dict().items()}, str(policy_dir / "model.safetensors"),
-              metadata={"format": "pt"})
-    tokenizer.save_pretrained(policy_dir)
-    materialize_random_head(policy_dir, root / "head-random", seed=0)
+    write_policy(root, model, tokenizer)
     _write_prompts(root / "prompts.jsonl", spec)
     rng = random.Random(20_000 + spec.seed)
     problems = [task.sample_problem(rng, spec.min_digits, spec.max_digits) for _ in range(spec.entropy_samples)]

@@ -86,19 +86,24 @@ def _build(root: Path, spec: WorldSpec, log) -> None:
         f"until its sampled accuracy reaches {spec.target_accuracy:.0%}")
     stats = pretrain(model, tokenizer, spec, log)
 
-    policy_dir = root / "policy"
-    policy_dir.mkdir(exist_ok=True)
-    config.architectures = ["Qwen3ForCausalLM"]
-    config.save_pretrained(policy_dir)
-    save_file({name: t.contiguous() for name, t in model.state_dict().items()}, str(policy_dir / "model.safetensors"),
-              metadata={"format": "pt"})
-    tokenizer.save_pretrained(policy_dir)
-    materialize_random_head(policy_dir, root / "head-random", seed=0)
+    write_policy(root, model, tokenizer)
     write_prompts(root / "prompts.jsonl", spec)
     info = {"spec": asdict(spec), "pretrain": stats, "build_s": round(time.perf_counter() - began, 1)}
     (root / "world.json").write_text(json.dumps(info, indent=2) + "\n")  # written last: marks the world complete
     log(f"world ready in {info['build_s']:.0f} s (pretraining steps {stats['steps']}, expected sampled accuracy "
         f"{stats['expected_accuracy']:.2f})")
+
+
+def write_policy(root: Path, model, tokenizer) -> None:
+    """root/policy (the pretrained policy, an HF model directory) and root/head-random (its random head, seed 0)."""
+    policy_dir = root / "policy"
+    policy_dir.mkdir(exist_ok=True)
+    model.config.architectures = [type(model).__name__]
+    model.config.save_pretrained(policy_dir)
+    save_file({name: t.contiguous() for name, t in model.state_dict().items()}, str(policy_dir / "model.safetensors"),
+              metadata={"format": "pt"})
+    tokenizer.save_pretrained(policy_dir)
+    materialize_random_head(policy_dir, root / "head-random", seed=0)
 
 
 def encode(tokenizer, a: int, b: int) -> tuple[list[int], list[int]]:
