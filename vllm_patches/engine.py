@@ -94,17 +94,18 @@ def _counter_delta(after: dict, before: dict) -> dict:
 class SpecEngine:
     """A vLLM `LLM` drafting with a GrowMTP head, with record capture and live weight updates."""
 
-    def __init__(self, model: str | Path, head_dir: str | Path, k: int, *, capture: bool = True,
+    def __init__(self, model: str | Path, head_dir: str | Path | None, k: int, *, capture: bool = True,
                  topk: int = DEFAULT_TOPK, logprob_dtype: str = "bfloat16", capture_q: bool = False,
                  capture_hidden: bool = False, **llm_kwargs):
-        read_head_config(head_dir)  # a clear error for a directory that is not a head, before vLLM starts
+        if head_dir is not None:  # None: the model's own native MTP layer drafts (vLLM's "mtp" method)
+            read_head_config(head_dir)  # a clear error for a directory that is not a head, before vLLM starts
         self.capture_config = CaptureConfig(enabled=capture, topk=topk, logprob_dtype=logprob_dtype,
                                             capture_q=capture_q, capture_hidden=capture_hidden)
         llm_kwargs = spec_engine_kwargs(head_dir, k, self.capture_config, **llm_kwargs)
         llm_kwargs.setdefault("disable_log_stats", False)
         from vllm import LLM
 
-        self.k, self.capture, self.head_dir = int(k), capture, Path(head_dir)
+        self.k, self.capture, self.head_dir = int(k), capture, None if head_dir is None else Path(head_dir)
         self.llm = LLM(model=str(model), **llm_kwargs)
         self.vocab_size = self.llm.llm_engine.model_config.get_vocab_size()
         self._in_process = _in_process(self.llm)

@@ -86,10 +86,12 @@ class CaptureConfig:
         return cls(**config)
 
 
-def speculative_config(head_dir: str | Path, depth: int) -> dict:
-    """vLLM's speculative_config for drafting K = depth tokens per cycle by sampling from the head."""
-    return {"method": "eagle", "model": str(head_dir), "num_speculative_tokens": int(depth),
-            "draft_sample_method": "probabilistic", "rejection_sample_method": "standard"}
+def speculative_config(head_dir: str | Path | None, depth: int) -> dict:
+    """vLLM's speculative_config for drafting K = depth tokens per cycle by sampling from the head: a GrowMTP
+    head directory, or with head_dir None the model's own native MTP layer (vLLM's "mtp" method)."""
+    head = {"method": "mtp"} if head_dir is None else {"method": "eagle", "model": str(head_dir)}
+    return {**head, "num_speculative_tokens": int(depth), "draft_sample_method": "probabilistic",
+            "rejection_sample_method": "standard"}
 
 
 def check_speculative_config(config: dict) -> None:
