@@ -7,7 +7,8 @@ STAMP := $(VENV)/.installed
 export PIP_CONSTRAINT := $(CURDIR)/constraints.txt
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: test venv bench demo demo-quick reproduce ablations ablations-quick rehearse gpu-check gpu-wheels clean
+.PHONY: test venv bench demo demo-quick reproduce serve serve-check ablations ablations-quick rehearse gpu-check gpu-wheels \
+	clean
 
 venv: $(STAMP)
 
@@ -35,6 +36,15 @@ demo-quick: $(STAMP)
 # the demo's quick run twice per arm with one seed: every logged number and exported tensor compared (~3 min)
 reproduce: $(STAMP)
 	$(PY) -m openrlhf_growmtp.cli.reproduce
+
+# vLLM's OpenAI-compatible server on 127.0.0.1:8000 for the newest demo run's policy, drafting with its grown head
+# (README, "Serve what the run grew"); Ctrl-C stops it
+serve: $(STAMP)
+	$(PY) -m openrlhf_growmtp.cli.serve
+
+# the same server for a minute: the run's own prompts, vLLM's /metrics acceptance against the run's τ
+serve-check: $(STAMP)
+	$(PY) -m openrlhf_growmtp.cli.serve_check
 
 # the paper's ablations on the demo world: 9 arms x 2 seeds, the ceiling and the lag; writes docs/ablations.json and
 # docs/ablations_*.png (docs/ablations.md); ~1 h on 2 cores

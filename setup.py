@@ -34,6 +34,7 @@ setup(
     entry_points={
         "console_scripts": [
             "growmtp-make-head = openrlhf_growmtp.cli.make_head:main",
+            "growmtp-export = openrlhf_growmtp.cli.export:main",
             "growmtp-demo = openrlhf_growmtp.cli.demo:main",
         ],
         # vLLM loads general plugins in every process it starts (engine core, workers)

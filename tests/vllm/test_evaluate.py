@@ -8,32 +8,15 @@ import json
 import pytest
 import torch
 
-from helpers.engines import ENGINE_ARGS, close_engine, core_head
+from helpers.engines import close_engine
 from openrlhf_growmtp.cli import evaluate
-from openrlhf_growmtp.core.checkpoint import export_head
-from openrlhf_growmtp.toy_world import random_prompts, train_head_on_records
+from openrlhf_growmtp.toy_world import random_prompts
 from vllm_patches.engine import SpecEngine, engine_counters
 
 
 def write(path, rows):
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     return path
-
-
-@pytest.fixture(scope="module")
-def trained_head(world, tmp_path_factory):
-    """A head trained on its own records (so τ is well above 1), exported with the depth it was trained at."""
-    from vllm import SamplingParams
-
-    engine = SpecEngine(world["policy_dir"], world["head_dir"], 3, **ENGINE_ARGS)
-    try:
-        result = engine.generate(random_prompts(12, 128, seed=5), SamplingParams(temperature=1.0, max_tokens=32))
-    finally:
-        close_engine(engine)
-    head = core_head(world)
-    train_head_on_records(head, world["policy"], result.records, steps=30)
-    head.config.growmtp_trained_k = 3
-    return export_head(head, tmp_path_factory.mktemp("head") / "growmtp_head")
 
 
 def test_evaluate_reports_the_engines_own_tau_and_recomputable_quality(world, trained_head, tmp_path):

@@ -1,0 +1,250 @@
+"""growmtp-export: a run's checkpoint -> a served model directory; native layouts read back exactly, bad input
+refused before anything is written, never a half-written directory."""
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from openrlhf_growmtp.cli.export import main as export_main
+from openrlhf_growmtp.core import model_export
+from openrlhf_growmtp.core.checkpoint import export_head, load_native_head, materialize_random_head
+from openrlhf_growmtp.core.families import get_family
+from openrlhf_growmtp.core.model_export import (NATIVE_HEAD_WEIGHTS, RUN_HEAD_DIR, SERVE_FILE, ExportError,
+                                                export_model, read_serve_config)
+from tiny import HIDDEN, backbone_modules, make_head, tiny_backbone_config
+
+ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "mimo": "Qwen2ForCausalLM", "qwen3_5": "Qwen3_5ForCausalLM"}
+NATIVE_ROOT = {"mimo": "model.mtp_layers.", "qwen3_5": "mtp."}
+
+
+def run_checkpoint(root, family, *, stale_native_head=False, sharded=False, wrapper=False, trained_k=3):
+    """A run's final export as trainer/strategy.py writes it: the policy's HF files + growmtp_head/.
+
+    stale_native_head: the policy's weights still hold the family's shipped MTP layers (a model class that
+    carries them), which the grown head must replace. wrapper: a multimodal-style config (text_config)."""
+    config = tiny_backbone_config(family)
+    raw = config.to_dict()
+    raw["architectures"] = [ARCHITECTURES[family]]
+    if wrapper:
+        raw = {"model_type": "qwen3_5", "architectures": ["Qwen3_5ForConditionalGeneration"], "text_config": raw}
+    final = root / "final"
+    final.mkdir(parents=True)
+    (final / "config.json").write_text(json.dumps(raw, indent=2))
+    (final / "tokenizer.json").write_text('{"a tokenizer": true}')
+    embed, lm_head = backbone_modules()
+    tensors = {"model.embed_tokens.weight": embed.weight.detach().clone(), "lm_head.weight": lm_head.weight.detach(),
+               "model.norm.weight": torch.ones(HIDDEN)}
+    if stale_native_head:
+        shipped = make_head(family, seed=7)
+        prefix = get_family(family).native_prefix
+        tensors.update({prefix + n: t.detach().clone() for n, t in shipped.state_dict().items()})
+        tensors[NATIVE_ROOT[family] + ("1.extra.weight" if family == "mimo" else "layers.1.extra.weight")] = torch.ones(3)
+    if sharded:
+        names = sorted(tensors)
+        shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+        for file, keys in shards.items():
+            save_file({k: tensors[k].contiguous() for k in keys}, str(final / file), metadata={"format": "pt"})
+        weight_map = {k: file for file, keys in shards.items() for k in keys}
+        (final / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    else:
+        save_file({k: t.contiguous() for k, t in tensors.items()}, str(final / "model.safetensors"),
+                  metadata={"format": "pt"})
+    head = make_head(family, seed=11)
+    head = head.to(torch.bfloat16)  # a run exports its head in the policy's training dtype
+    if trained_k is not None:
+        head.config.growmtp_trained_k = trained_k
+    export_head(head, final / RUN_HEAD_DIR)
+    return final, tensors
+
+
+def all_tensors(model_dir):
+    """Every tensor of a model directory, through its index when it has one (file name kept per tensor)."""
+    index = model_dir / "model.safetensors.index.json"
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else ["model.safetensors"]
+    out = {}
+    for file in files:
+        with safe_open(str(model_dir / file), framework="pt") as f:
+            for name in f.keys():
+                assert name not in out, f"{name} is stored twice"
+                out[name] = (file, f.get_tensor(name))
+    return out
+
+
+def test_qwen3_export_keeps_the_policy_and_puts_the_head_beside_it(tmp_path):
+    final, _ = run_checkpoint(tmp_path, "qwen3")
+    out = export_model(final, tmp_path / "served")
+    for name in ("config.json", "model.safetensors", "tokenizer.json"):
+        assert (out / name).read_bytes() == (final / name).read_bytes(), name
+    for name in ("config.json", "model.safetensors"):
+        assert (out / RUN_HEAD_DIR / name).read_bytes() == (final / RUN_HEAD_DIR / name).read_bytes(), name
+    serve = read_serve_config(out)
+    assert serve["layout"] == "growmtp" and serve["k"] == serve["trained_k"] == 3
+    assert serve["speculative_config"] == {"method": "eagle", "model": str((out / RUN_HEAD_DIR).resolve()),
+                                           "num_speculative_tokens": 3, "draft_sample_method": "probabilistic"}
+    assert json.loads((out / SERVE_FILE).read_text())["speculative_config"]["model"] == RUN_HEAD_DIR  # relocatable
+
+
+@pytest.mark.parametrize("family,sharded,stale,wrapper", [
+    ("mimo", False, False, False), ("mimo", True, True, False),
+    ("qwen3_5", False, False, False), ("qwen3_5", True, True, True)],
+    ids=["mimo", "mimo-sharded-stale-head", "qwen3_5", "qwen3_5-wrapper-sharded-stale-head"])
+def test_native_export_reads_back_exactly_the_grown_head(tmp_path, family, sharded, stale, wrapper):
+    final, policy = run_checkpoint(tmp_path, family, stale_native_head=stale, sharded=sharded, wrapper=wrapper)
+    out = export_model(final, tmp_path / "served")
+    grown = load_file(str(final / RUN_HEAD_DIR / "model.safetensors"))
+    read_back = load_native_head(out).state_dict()
+    assert read_back.keys() == grown.keys()
+    assert all(torch.equal(read_back[n].to(grown[n].dtype), grown[n]) for n in grown)
+    stored = all_tensors(out)
+    root = NATIVE_ROOT[family]
+    # every native tensor is the grown head's, in the head's own file, in its dtype; no shipped one is left
+    native = {n: t for n, (file, t) in stored.items() if n.startswith(root)}
+    assert {stored[n][0] for n in native} == {NATIVE_HEAD_WEIGHTS}
+    assert all(t.dtype == torch.bfloat16 for t in native.values())
+    assert len(native) == len(grown)
+    # the policy's own tensors are untouched
+    for name, tensor in policy.items():
+        if not name.startswith(root):
+            assert torch.equal(stored[name][1], tensor), name
+    # the layout, written out by hand: MiMo's fc input is [hidden, embedding] (ours is [embedding, hidden])
+    fc = grown["input_proj.weight" if family == "mimo" else "fc.weight"]
+    if family == "mimo":
+        assert torch.equal(native["model.mtp_layers.0.input_proj.weight"], torch.cat([fc[:, HIDDEN:], fc[:, :HIDDEN]], 1))
+        assert torch.equal(native["model.mtp_layers.0.self_attn.q_proj.weight"], grown["self_attn.q_proj.weight"])
+    else:
+        assert torch.equal(native["mtp.fc.weight"], fc)
+        assert torch.equal(native["mtp.layers.0.self_attn.q_proj.weight"], grown["layers.0.self_attn.q_proj.weight"])
+    config = json.loads((out / "config.json").read_text())
+    text = config["text_config"] if wrapper else config
+    assert text[get_family(family).native_layers_field] == 1
+    if wrapper:
+        assert get_family(family).native_layers_field not in config
+    if family == "mimo":
+        assert config["architectures"] == ["MiMoForCausalLM"]  # what vLLM's "mtp" method maps to MiMo's MTP model
+    serve = read_serve_config(out)
+    assert serve["layout"] == "native" and serve["speculative_config"] == {
+        "method": "mtp", "num_speculative_tokens": 3, "draft_sample_method": "probabilistic"}
+    assert (out / "tokenizer.json").read_bytes() == (final / "tokenizer.json").read_bytes()
+    assert not (out / RUN_HEAD_DIR).exists()
+
+
+def test_k_defaults_to_the_trained_depth_and_may_be_lowered(tmp_path):
+    final, _ = run_checkpoint(tmp_path, "mimo")
+    assert read_serve_config(export_model(final, tmp_path / "a"))["k"] == 3
+    lowered = read_serve_config(export_model(final, tmp_path / "b", k=2))
+    assert lowered["k"] == lowered["speculative_config"]["num_speculative_tokens"] == 2
+    assert lowered["trained_k"] == 3
+
+
+def _no_head(final, tmp_path):
+    shutil.rmtree(final / RUN_HEAD_DIR)
+
+
+def _other_family_head(final, tmp_path):
+    shutil.rmtree(final / RUN_HEAD_DIR)
+    head = make_head("mimo")
+    head.config.growmtp_trained_k = 3
+    export_head(head, final / RUN_HEAD_DIR)
+
+
+def _narrower_head(final, tmp_path, field="hidden_size", value=96):
+    shutil.rmtree(final / RUN_HEAD_DIR)
+    materialize_random_head(tiny_backbone_config("qwen3", **{field: value}), final / RUN_HEAD_DIR)
+    config = final / RUN_HEAD_DIR / "config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "growmtp_trained_k": 3}))
+
+
+def _untrained_head(final, tmp_path):  # growmtp-make-head's: no growmtp_trained_k
+    config = final / RUN_HEAD_DIR / "config.json"
+    raw = json.loads(config.read_text())
+    raw.pop("growmtp_trained_k")
+    config.write_text(json.dumps(raw))
+
+
+def _bad_head_tensor(final, tmp_path):
+    weights = final / RUN_HEAD_DIR / "model.safetensors"
+    state = load_file(str(weights))
+    state["fc.weight"] = state["fc.weight"][:, :HIDDEN].contiguous()
+    save_file(state, str(weights))
+
+
+BAD_INPUTS = {
+    "no_head": (_no_head, {}, r"no head to export .*growmtp_head"),
+    "head_of_another_family": (_other_family_head, {}, r"is a mimo head, but the policy .* is a qwen3 model"),
+    "head_of_another_width": (_narrower_head, {}, r"hidden_size = 96, but the policy .* needs 64"),
+    "head_of_another_vocabulary": (lambda f, t: _narrower_head(f, t, "vocab_size", 101), {},
+                                   r"vocab_size = 101, but the policy .* needs 97"),
+    "k_deeper_than_trained": (None, {"k": 4}, r"--k 4: the head was trained to draft 3 tokens per cycle"),
+    "k_below_one": (None, {"k": 0}, r"--k 0: .* must be an int >= 1"),
+    "head_without_trained_k": (_untrained_head, {}, r"has no growmtp_trained_k .*pass --k"),
+    "head_tensor_of_another_shape": (_bad_head_tensor, {}, r"fc.weight has shape \(64, 64\), the head expects"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_INPUTS))
+def test_bad_input_is_refused_before_anything_is_written(tmp_path, case):
+    damage, kwargs, message = BAD_INPUTS[case]
+    final, _ = run_checkpoint(tmp_path / "run", "qwen3")
+    if damage is not None:
+        damage(final, tmp_path)
+    parent = tmp_path / "exports"
+    parent.mkdir()
+    with pytest.raises(ExportError, match=message):
+        export_model(final, parent / "served", **kwargs)
+    assert list(parent.iterdir()) == []
+
+
+def test_an_existing_non_empty_output_directory_is_refused_and_left_alone(tmp_path):
+    final, _ = run_checkpoint(tmp_path / "run", "qwen3")
+    out = tmp_path / "served"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(ExportError, match=r"exists and is not empty"):
+        export_model(final, out)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run", "served"]
+    assert [p.name for p in out.iterdir()] == ["notes.txt"] and (out / "notes.txt").read_text() == "mine"
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert (export_model(final, empty) / SERVE_FILE).is_file()  # an empty directory is filled
+
+
+def test_a_failure_while_writing_leaves_no_directory(tmp_path, monkeypatch):
+    final, _ = run_checkpoint(tmp_path / "run", "mimo", sharded=True)
+    calls = []
+
+    def failing_save(*args, **kwargs):  # the native head's file: after the policy's files were written
+        calls.append(args[1])
+        raise OSError("disk full")
+
+    monkeypatch.setattr(model_export, "save_file", failing_save)
+    parent = tmp_path / "exports"
+    with pytest.raises(OSError, match="disk full"):
+        export_model(final, parent / "served")
+    assert calls and calls[0].endswith(NATIVE_HEAD_WEIGHTS)
+    assert list(parent.iterdir()) == []
+
+
+def test_the_cli_prints_the_serve_command_and_refuses_with_a_message(tmp_path, capsys):
+    final, _ = run_checkpoint(tmp_path / "run", "qwen3")
+    assert export_main([str(final), str(tmp_path / "served")]) == 0
+    printed = capsys.readouterr().out
+    assert "vllm serve" in printed and '"method":"eagle"' in printed and str(tmp_path / "served") in printed
+    # as a module (the console script's target), on a checkpoint without a head
+    (final / RUN_HEAD_DIR / "config.json").unlink()
+    done = subprocess.run([sys.executable, "-m", "openrlhf_growmtp.cli.export", str(final), str(tmp_path / "again")],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert "growmtp-export:" in done.stderr and "no head to export" in done.stderr
+    assert not (tmp_path / "again").exists()
+
+
+def test_read_serve_config_names_a_directory_that_is_not_an_export(tmp_path):
+    with pytest.raises(ExportError, match="not written by growmtp-export"):
+        read_serve_config(tmp_path)
+
