@@ -17,7 +17,7 @@ from openrlhf_growmtp.core.checkpoint import export_head, load_native_head, mate
 from openrlhf_growmtp.core.families import get_family
 from openrlhf_growmtp.core.model_export import (NATIVE_HEAD_WEIGHTS, RUN_HEAD_DIR, SERVE_FILE, ExportError,
                                                 export_model, read_serve_config)
-from tiny import HIDDEN, backbone_modules, make_head, tiny_backbone_config
+from helpers.tiny import HIDDEN, backbone_modules, make_head, tiny_backbone_config
 
 ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "mimo": "Qwen2ForCausalLM", "qwen3_5": "Qwen3_5ForCausalLM"}
 NATIVE_ROOT = {"mimo": "model.mtp_layers.", "qwen3_5": "mtp."}

@@ -17,15 +17,20 @@ import numpy as np
 import pytest
 from vllm import LLM, SamplingParams
 
-from conftest import K
+from helpers.engines import K
 from openrlhf_growmtp.cli.serve import CPU_ENV, engine_settings, server_argv, server_env
 from openrlhf_growmtp.core.model_export import RUN_HEAD_DIR, export_model, read_serve_config
 from test_distribution import N, WRONG_TEMPERATURE, exact_joint, simulated_test
-from toy import random_prompts
+from openrlhf_growmtp.toy_world import random_prompts
 from vllm_patches import capture
 from vllm_patches.engine import _in_process_core, engine_counters
 
 TEST_ENGINE = dict(max_model_len=512, seed=0, disable_log_stats=False)  # in-process test limits on top
+
+
+def counter_delta(after: dict, before: dict, name: str) -> float:
+    """A vLLM counter's growth (a counter appears only once it has counted something)."""
+    return after.get(name, 0) - before.get(name, 0)
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +70,7 @@ def test_greedy_outputs_with_speculative_decoding_equal_those_without(engines):
     before = engine_counters(served)
     with_spec = [list(o.outputs[0].token_ids) for o in served.generate(prompts, params, use_tqdm=False)]
     without = [list(o.outputs[0].token_ids) for o in plain.generate(prompts, params, use_tqdm=False)]
-    accepted = engine_counters(served)["spec_decode_num_accepted_tokens"] - before["spec_decode_num_accepted_tokens"]
+    accepted = counter_delta(engine_counters(served), before, "spec_decode_num_accepted_tokens")
     # the comparison means something only where drafts were accepted: require many accepted draft tokens
     # (of 24 x 48 generated; the trained head's drafts are accepted at a rate well above this)
     assert accepted >= 200, accepted
@@ -80,7 +85,7 @@ def test_sampled_tokens_keep_the_target_distribution(world, engines):
     before = engine_counters(served)
     outputs = served.generate([{"prompt_token_ids": prompt}] * N,
                               SamplingParams(temperature=1.0, max_tokens=2, ignore_eos=True), use_tqdm=False)
-    drafts = engine_counters(served)["spec_decode_num_drafts"] - before["spec_decode_num_drafts"]
+    drafts = counter_delta(engine_counters(served), before, "spec_decode_num_drafts")
     assert drafts == N, "each request's token 2 must come from one verification"
     tokens = np.array([list(o.outputs[0].token_ids) for o in outputs])
     joint = exact_joint(policy, prompt, (1.0, WRONG_TEMPERATURE))

@@ -10,14 +10,14 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 from vllm import SamplingParams
 
-from conftest import K, close_engine
+from helpers.engines import K, close_engine
 from openrlhf_growmtp.core.checkpoint import export_head, init_random_head_, load_native_head
 from openrlhf_growmtp.core.families import get_family
 from openrlhf_growmtp.core.head import MTPHead, make_head_config
 from openrlhf_growmtp.core.model_export import RUN_HEAD_DIR, export_model, read_serve_config
 from test_families import FIELDS, native_checkpoint
 from test_records_engine import engine_q_vs_reconstruction
-from toy import random_prompts
+from openrlhf_growmtp.toy_world import random_prompts
 from vllm_patches.engine import SpecEngine
 
 
