@@ -43,17 +43,24 @@ def exported(world, trained_head, tmp_path_factory):
     return export_model(final, root / "served")
 
 
+def served_and_plain(settings: dict):
+    """(served engine, the same without speculative decoding), in a capture state as a fresh server has it.
+    The plain engine is built first: each engine re-registers vLLM's Prometheus counters in the process
+    (dropping the previous engine's), and only the served engine's are read."""
+    saved, capture.STATE = capture.STATE, capture.CaptureState()
+    plain = LLM(**{name: value for name, value in settings.items() if name != "speculative_config"})
+    served = LLM(**settings)
+    try:
+        yield served, plain
+    finally:
+        for llm in (served, plain):
+            _in_process_core(llm).model_executor.shutdown()
+        capture.STATE = saved
+
+
 @pytest.fixture(scope="module")
 def engines(exported):
-    """(served engine, the same without speculative decoding), in a capture state as a fresh server has it."""
-    saved, capture.STATE = capture.STATE, capture.CaptureState()
-    settings = {**engine_settings(exported, cpu=True), **TEST_ENGINE}
-    served = LLM(**settings)
-    plain = LLM(**{name: value for name, value in settings.items() if name != "speculative_config"})
-    yield served, plain
-    for llm in (served, plain):
-        _in_process_core(llm).model_executor.shutdown()
-    capture.STATE = saved
+    yield from served_and_plain({**engine_settings(exported, cpu=True), **TEST_ENGINE})
 
 
 def test_the_export_serves_at_the_depth_the_run_trained(exported, engines):
@@ -63,14 +70,18 @@ def test_the_export_serves_at_the_depth_the_run_trained(exported, engines):
     assert config.draft_model_config.hf_config.architectures[0].endswith("GrowMTPHead")  # the plugin's class
 
 
-def test_greedy_outputs_with_speculative_decoding_equal_those_without(engines):
-    served, plain = engines
-    prompts = [{"prompt_token_ids": p} for p in random_prompts(24, 128, seed=21)]
-    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+def greedy_with_and_without(served, plain, prompts: list[list[int]], max_tokens: int = 48):
+    """(greedy outputs of the served engine, of the plain one, draft tokens the served engine accepted)."""
+    prompts = [{"prompt_token_ids": p} for p in prompts]
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     before = engine_counters(served)
     with_spec = [list(o.outputs[0].token_ids) for o in served.generate(prompts, params, use_tqdm=False)]
     without = [list(o.outputs[0].token_ids) for o in plain.generate(prompts, params, use_tqdm=False)]
-    accepted = counter_delta(engine_counters(served), before, "spec_decode_num_accepted_tokens")
+    return with_spec, without, counter_delta(engine_counters(served), before, "spec_decode_num_accepted_tokens")
+
+
+def test_greedy_outputs_with_speculative_decoding_equal_those_without(engines):
+    with_spec, without, accepted = greedy_with_and_without(*engines, random_prompts(24, 128, seed=21))
     # the comparison means something only where drafts were accepted: require many accepted draft tokens
     # (of 24 x 48 generated; the trained head's drafts are accepted at a rate well above this)
     assert accepted >= 200, accepted
