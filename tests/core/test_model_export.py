@@ -248,3 +248,18 @@ def test_read_serve_config_names_a_directory_that_is_not_an_export(tmp_path):
     with pytest.raises(ExportError, match="not written by growmtp-export"):
         read_serve_config(tmp_path)
 
+
+
+def test_the_package_declares_the_console_script_and_the_vllm_plugin():
+    """growmtp-export is a console script; the vLLM plugin that serves a Qwen3 head is an entry point of the
+    installed package (vLLM loads `vllm.general_plugins` in every process it starts, a server's too)."""
+    import importlib
+    from importlib.metadata import entry_points
+    from pathlib import Path
+
+    setup = (Path(__file__).resolve().parents[2] / "setup.py").read_text()
+    for line in ("growmtp-export = openrlhf_growmtp.cli.export:main", "growmtp = vllm_patches.plugin:register"):
+        assert f'"{line}"' in setup, line
+    assert importlib.import_module("openrlhf_growmtp.cli.export").main is export_main
+    plugins = {ep.value for ep in entry_points(group="vllm.general_plugins")}
+    assert "vllm_patches.plugin:register" in plugins, plugins
