@@ -212,12 +212,15 @@ def load_native_head(model_dir: str | Path, embed_tokens: nn.Module | None = Non
     return head.to(dtype) if dtype is not None else head
 
 
-def native_head_tensor_names(model_dir: str | Path) -> list[str]:
+def native_head_tensor_names(model_dir: str | Path) -> list[str] | None:
     """The native head's tensor names in a full checkpoint, read from the safetensors headers only (no
-    tensor is loaded); empty when the family has no native layout or the checkpoint holds none."""
+    tensor is loaded); empty when the family has no native layout or the checkpoint holds none; None for a
+    directory without weight files (a config-only directory: nothing to read)."""
     family, _, _ = resolve_backbone(model_dir)
     if family.native_prefix is None:
         return []
+    if not any((Path(model_dir) / name).is_file() for name in ("model.safetensors", "model.safetensors.index.json")):
+        return None
     names = []
     for shard in _weight_files(Path(model_dir)):
         with safe_open(str(shard), framework="pt") as f:

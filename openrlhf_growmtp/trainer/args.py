@@ -178,7 +178,7 @@ def _check_head(flat: dict, g: dict, k: int) -> list[str]:
         if source == "native" and native_head_layers(family, raw) == 0:
             return [f"--growmtp_head native: {model} ships no native MTP layer ({family.name} config field "
                     f"{family.native_layers_field!r} is 0 or missing); use --growmtp_head random"]
-        if source == "native" and not native_head_tensor_names(model):
+        if source == "native" and native_head_tensor_names(model) == []:
             # e.g. a checkpoint saved by transformers' Qwen3_5ForCausalLM, which drops mtp.* on load
             return [f"--growmtp_head native: {model}'s config declares an MTP layer but its weights hold no "
                     f"{family.native_prefix}* tensors; use a checkpoint with them, or --growmtp_head random"]
