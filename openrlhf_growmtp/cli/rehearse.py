@@ -7,7 +7,7 @@
                                        cycles, a finite head update (unless frozen) and, unless the head
                                        started random, tau > 1 at the end
 
-An unsupported preset (Qwen3.5 on this machine) exits 2 with the reason, before anything is built.
+An unknown preset exits 2 with the reason, before anything is built.
 """
 
 from __future__ import annotations

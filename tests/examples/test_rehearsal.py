@@ -57,10 +57,24 @@ def test_qwen3_world_has_the_real_vocabulary_tokens_and_dtype(tmp_path):
     assert len(rows) == 6 and rows[0]["reward_model"]["style"] == "rule-lm"  # 3 steps of 2 prompts
 
 
-def test_qwen3_5_is_refused_with_the_reason_before_anything_is_written(tmp_path):
+def test_qwen3_5_preset_is_the_text_model_with_its_native_head_at_the_real_vocabulary():
+    """The preset's fields (building its world distills the native head at V=248,320 for minutes: the
+    rehearsal scripts do that, `make rehearse`; the engine serves this config in tests/vllm/test_qwen3_5.py)."""
+    spec = world.preset("qwen3_5_4b_base")
+    config = spec.config
+    # Qwen/Qwen3.5-4B-Base's language model: 248,320 embedding rows, tied, Gated DeltaNet layers then full
+    # attention (full_attention_interval 4), one MTP layer; the text-only model (no vision tower)
+    assert (config.model_type, config.vocab_size, config.tie_word_embeddings) == ("qwen3_5_text", 248320, True)
+    assert config.layer_types == ["linear_attention"] * 3 + ["full_attention"] and config.mtp_num_hidden_layers == 1
+    assert config.architectures == ["Qwen3_5ForCausalLM"] and getattr(config, "vision_config", None) is None
+    assert spec.native_head and (spec.special_base, spec.tokenizer_len) == (248044, 248070)
+    assert config.eos_token_id == 248044
+
+
+def test_unknown_preset_is_refused_before_anything_is_written(tmp_path):
     result = subprocess.run([sys.executable, "-m", "openrlhf_growmtp.cli.rehearse", "world", str(tmp_path / "w"),
-                             "qwen3_5_4b_base"], capture_output=True, text=True, timeout=120)
-    assert result.returncode == 2 and "torchvision" in result.stderr
+                             "qwen4_base"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "unknown model preset 'qwen4_base'" in result.stderr
     assert not (tmp_path / "w").exists()
 
 

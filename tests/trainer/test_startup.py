@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from helpers.trainer import train_args
 
 from openrlhf_growmtp import cpu_support
@@ -128,3 +129,43 @@ def test_every_ablation_arm_command_passes_the_startup_checks(policy_dir, head_d
     assert steps.pop("joint") == 1
     # every other arm: the world's own layout (the demo's mini-batches, the paper's one policy step)
     assert len(set(steps.values())) == 1 and (steps["growmtp"] > 1) == (world == "demo")
+
+
+def _qwen3_5_checkpoint(out, *, vision: bool = False, mtp: bool = True):
+    """A tiny Qwen3.5 directory: the text-only checkpoint (Qwen3_5ForCausalLM), or the multimodal one
+    (vision_config beside text_config, as Qwen/Qwen3.5-4B-Base ships); with or without the mtp.* weights."""
+    from safetensors.torch import save_file
+    from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5Config
+
+    from openrlhf_growmtp.core.checkpoint import init_random_head_, to_native_state_dict
+    from openrlhf_growmtp.core.families import get_family
+    from openrlhf_growmtp.core.head import MTPHead, make_head_config
+    from helpers.tiny import tiny_backbone_config
+
+    text = tiny_backbone_config("qwen3_5", layer_types=["linear_attention", "full_attention"])
+    config = Qwen3_5Config(text_config=text.to_dict()) if vision else text
+    config.architectures = ["Qwen3_5ForConditionalGeneration" if vision else "Qwen3_5ForCausalLM"]
+    family = get_family("qwen3_5")
+    state = {"model.embed_tokens.weight": torch.zeros(text.vocab_size, text.hidden_size)}
+    if mtp:
+        head = init_random_head_(MTPHead(make_head_config(text, family)), seed=0)
+        state.update(to_native_state_dict(head.state_dict(), family))
+    out.mkdir()
+    config.save_pretrained(out)
+    save_file(state, str(out / "model.safetensors"))
+    return out
+
+
+def test_qwen3_5_vision_checkpoint_and_native_head_without_mtp_weights_are_refused(tmp_path):
+    native = ["--growmtp_k", "3", "--growmtp_head", "native"]
+    good = _qwen3_5_checkpoint(tmp_path / "text")
+    assert errors_for(good, *native) == []
+    vision = _qwen3_5_checkpoint(tmp_path / "vision", vision=True)
+    for argv in (native, ["--growmtp_k", "3"]):  # a random head on it is refused too
+        errors = errors_for(vision, *argv)
+        assert len(errors) == 1 and "a checkpoint with a vision tower" in errors[0], errors
+        assert "Qwen3_5ForCausalLM" in errors[0]  # says what to pass instead
+    stripped = _qwen3_5_checkpoint(tmp_path / "no_mtp", mtp=False)
+    errors = errors_for(stripped, *native)
+    assert len(errors) == 1 and "declares an MTP layer but its weights hold no mtp.* tensors" in errors[0], errors
+    assert errors_for(stripped, "--growmtp_k", "3", "--growmtp_head", "random") == []
