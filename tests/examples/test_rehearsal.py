@@ -13,7 +13,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-import pytest
 from safetensors import safe_open
 
 from openrlhf_growmtp.rehearsal import world

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from helpers.engines import close_engine
 from openrlhf_growmtp.cli import evaluate
