@@ -107,7 +107,7 @@ class RolloutActor(RolloutRayActor.__ray_actor_class__):
         processor is already queued to the engine core, in the same call): schedule them."""
         waited = 0.0
         while self.get_num_unfinished_requests() < expected:
-            if getattr(self, "_growmtp_refused", None) is not None:
+            if self._growmtp_refused is not None:  # set by growmtp_hold, which opens every held step
                 raise RuntimeError(f"GrowMTP: a request of this RL step was refused before it reached the engine "
                                    f"({self._growmtp_refused!r}); the engine stays paused") from self._growmtp_refused
             if waited > timeout_s:
