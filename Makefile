@@ -49,7 +49,7 @@ serve-check: $(STAMP)
 # the paper's ablations in two worlds (demo; paper: 8 layers, V=4096, K=5) under the paper's head schedule, 9 arms x 3
 # seeds; each run's result.json is kept and a re-run resumes; ~11 h on 2 cores in all (docs/ablations.md)
 ablations: $(STAMP)
-	$(PY) -m openrlhf_growmtp.cli.ablations --export docs
+	$(PY) -m openrlhf_growmtp.cli.ablations --export docs --keep docs/ablations_runs
 
 ablations-quick: $(STAMP)
 	$(PY) -m openrlhf_growmtp.cli.ablations --quick

@@ -7,7 +7,11 @@ Worlds (`demo.recipes.WORLDS`): `demo` (the demo's world) and `paper` (the paper
 (`demo.ablations.ARMS`): GrowMTP (DCA + VGM), CE, KL, TV, DCA without VGM, teacher forcing, joint, a frozen
 random head, and autoregressive; every arm under the paper's schedule (one head step per RL step). Each
 run writes its result (`<world>/<arm>-s<seed>/result.json`) when it finishes, and a re-run skips the runs
-that have one (`--fresh` starts over), so the whole can take several sittings. Runs are reproducible
+that have one (`--fresh` starts over), so the whole can take several sittings. `--keep DIR` (make ablations:
+docs/ablations_runs) also copies each finished run's result, and each world's ceiling and text statistics, to
+DIR/<world's cache name>/, and a sitting restores from there what its runs directory lacks: committed with the
+repository, the results carry over to a fresh checkout. A kept result made under other settings or arm flags is
+not restored (that run goes again). Runs are reproducible
 (`--train.full_determinism_enable`): the same seed gives the same numbers, so the spread is the seeds'.
 After the demo world's arms: its ceiling (`demo.ceiling`) and the one-step lag (`demo.ablations.lag`).
 Outputs under runs/<name>/: per world and run the demo's files, `summary.json`, and per world `tau.png`,
@@ -40,6 +44,7 @@ def run_world(name: str, args, out: Path, seeds: tuple[int, ...], arms: list[str
     recipe = spec.recipes["quick" if args.quick else "full"]
     recipe = replace(recipe, steps=args.steps or recipe.steps)
     world = spec.build(args.cache_dir or Path(args.runs_dir) / ".cache")
+    kept = args.keep / world.root.name if args.keep else None
     rows: dict[str, dict[int, list[dict]]] = {arm: {} for arm in arms}
     wall: dict[str, dict[int, float]] = {arm: {} for arm in arms}
     failed: dict[str, dict[int, str]] = {}
@@ -48,6 +53,9 @@ def run_world(name: str, args, out: Path, seeds: tuple[int, ...], arms: list[str
             arm_spec, run_dir = ablations.ARMS[arm], out / name / f"{arm}-s{seed}"
             k = recipe.k if arm_spec.drafts else 0
             result = run_dir / "result.json"
+            made_under = {"settings": asdict(recipe), "flags": list(arm_spec.flags), "k": k}
+            if kept:
+                restore(kept / f"{arm}-s{seed}.json", result, made_under)
             if not result.exists():
                 if run_dir.exists():  # an unfinished run of an earlier sitting
                     shutil.rmtree(run_dir)
@@ -63,7 +71,9 @@ def run_world(name: str, args, out: Path, seeds: tuple[int, ...], arms: list[str
                     print(f"{name}: {arm} (seed {seed}) FAILED: {failed[arm][seed]}", flush=True)
                     continue
                 report.write_metrics(run_dir / "metrics.jsonl", logged)
-                result.write_text(json.dumps({"rows": logged, "wall_s": seconds}) + "\n")
+                result.write_text(json.dumps({"rows": logged, "wall_s": seconds, **made_under}) + "\n")
+                if kept:
+                    keep(result, kept / f"{arm}-s{seed}.json")
             done = json.loads(result.read_text())
             rows[arm][seed], wall[arm][seed] = done["rows"], done["wall_s"]
     rows = {arm: by_seed for arm, by_seed in rows.items() if by_seed}
@@ -73,32 +83,57 @@ def run_world(name: str, args, out: Path, seeds: tuple[int, ...], arms: list[str
     summary = {"k": recipe.k, "vocab_size": config["vocab_size"], "policy_layers": config["num_hidden_layers"],
                "topk": recipe.topk, "topk_mass": ablations.mean_topk_mass(rows.get(ablations.REFERENCE, {})),
                "schedule": "rl_step", "seeds": list(seeds), "settings": asdict(recipe), "world": world.info,
-               "sampled_text": _text_statistics(world, recipe, out / name),
+               "sampled_text": _text_statistics(world, recipe, out / name, kept),
                "arms": {arm: {str(seed): s for seed, s in by_seed.items()} for arm, by_seed in per_seed.items()},
                "across_seeds": ablations.compare(per_seed), "arm_wall_s": wall, "failed": failed}
     if ablations.REFERENCE in per_seed:
         summary["lag"] = {str(seed): s["lag"] for seed, s in per_seed[ablations.REFERENCE].items() if "lag" in s}
     if name == "demo" and seeds[0] in rows.get(ablations.REFERENCE, {}) and not args.no_ceiling:
-        summary.update(_ceiling(world, out / name, seeds[0], recipe, per_seed, quick=args.quick))
+        summary.update(_ceiling(world, out / name, seeds[0], recipe, per_seed, args.quick, kept))
     summary["plots"] = [str(p) for p in ablations.plot(out / name, rows, recipe.k)]
     print(f"\n{name} world ({summary['policy_layers']} layers, V={summary['vocab_size']}, K={recipe.k}):")
     print(ablations.table(per_seed, summary["across_seeds"]))
     return summary
 
 
-def _text_statistics(world, recipe, out: Path) -> dict:
+def restore(kept: Path, local: Path, made_under: dict | None = None) -> None:
+    """Copy a kept file to `local` where this sitting's runs directory lacks it; a kept run result only if it
+    was made under `made_under` (its settings, arm flags and K)."""
+    if local.exists() or not kept.exists():
+        return
+    if made_under is not None:
+        found = json.loads(kept.read_text())
+        if {key: found.get(key) for key in made_under} != made_under:
+            print(f"{kept}: made under other settings or flags; its run goes again", flush=True)
+            return
+    local.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(kept, local)
+
+
+def keep(local: Path, kept: Path) -> None:
+    kept.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(local, kept)
+
+
+def _text_statistics(world, recipe, out: Path, kept: Path | None) -> dict:
     cached = out / "sampled_text.json"
+    if kept:
+        restore(kept / cached.name, cached)
     if not cached.exists():
         cached.parent.mkdir(parents=True, exist_ok=True)
         stats = world_text_statistics(world.policy, world.prompts, recipe.topk,
                                       max_new_tokens=recipe.max_new_tokens)
         cached.write_text(json.dumps(stats) + "\n")
+        if kept:
+            keep(cached, kept / cached.name)
     return json.loads(cached.read_text())
 
 
-def _ceiling(world, out: Path, seed: int, recipe, per_seed, quick: bool) -> dict:
+def _ceiling(world, out: Path, seed: int, recipe, per_seed, quick: bool, kept: Path | None) -> dict:
     """The head trained offline to convergence for the first seed's final GrowMTP policy (demo.ceiling)."""
     ceiling_file = out / "ceiling.json"
+    if kept:
+        restore(kept / ceiling_file.name, ceiling_file)
     if not ceiling_file.exists():
         reference = out / f"{ablations.REFERENCE}-s{seed}" / "final"
         code = subprocess.run([sys.executable, "-m", "openrlhf_growmtp.demo.ceiling", "--policy", str(reference),
@@ -107,6 +142,8 @@ def _ceiling(world, out: Path, seed: int, recipe, per_seed, quick: bool) -> dict
                                *(CEILING_QUICK if quick else ())]).returncode
         if code != 0:
             return {"ceiling_failed": f"exit {code}"}
+        if kept:
+            keep(ceiling_file, kept / ceiling_file.name)
     ceiling = json.loads(ceiling_file.read_text())
     online = per_seed[ablations.REFERENCE][seed]["tau_final"]
     return {"ceiling_tau": ceiling["ceiling_tau"], "ceiling": ceiling, "online_tau": online,
@@ -129,6 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs-dir", default="runs")
     parser.add_argument("--cache-dir", default=None, help="where the worlds are cached (default: <runs-dir>/.cache)")
     parser.add_argument("--export", type=Path, help="also write ablations.json and the plots into this directory")
+    parser.add_argument("--keep", type=Path, help="keep each finished result here too, and resume from what is kept "
+                                                  "(make ablations: docs/ablations_runs, committed)")
     args = parser.parse_args(argv)
 
     worlds = [w.strip() for w in args.worlds.split(",") if w.strip()]

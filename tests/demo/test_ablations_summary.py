@@ -1,7 +1,10 @@
 """The ablations' summaries: the lag pairs each step's probe with the next step's α, and an ordering is only
-claimed where the seeds do not overlap."""
+claimed where the seeds do not overlap; a kept result carries over to a fresh runs directory only when it was
+made under the same settings."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 
@@ -49,3 +52,29 @@ def test_every_arm_runs_the_demo_command_with_its_own_flags_only():
     assert ablations.ARMS["ar"].drafts is False and all(a.drafts for n, a in ablations.ARMS.items() if n != "ar")
     flags = [a.flags for a in ablations.ARMS.values()]
     assert len(set(flags)) == len(flags)  # no two arms run the same configuration
+
+
+def test_a_kept_result_is_restored_into_a_fresh_runs_directory_only_when_made_under_the_same_settings(tmp_path):
+    from openrlhf_growmtp.cli.ablations import keep, restore
+
+    made_under = {"settings": {"steps": 40, "k": 5}, "flags": ["--growmtp_loss", "ce"], "k": 5}
+    first = tmp_path / "sitting1" / "ce-s42" / "result.json"
+    first.parent.mkdir(parents=True)
+    first.write_text(json.dumps({"rows": [{"step": 1, "tau": 1.5}], "wall_s": 60.0, **made_under}))
+    kept = tmp_path / "docs" / "paper-abc" / "ce-s42.json"
+    keep(first, kept)
+
+    fresh = tmp_path / "sitting2" / "ce-s42" / "result.json"
+    restore(kept, fresh, made_under)
+    assert fresh.read_bytes() == first.read_bytes()
+
+    for changed in ({**made_under, "flags": ["--growmtp_loss", "kl"]}, {**made_under, "settings": {"steps": 41, "k": 5}}):
+        other = tmp_path / "sitting3" / "ce-s42" / "result.json"
+        restore(kept, other, changed)
+        assert not other.exists()  # that run goes again
+
+    fresh.write_text("{}")  # a sitting's own result is never overwritten by a kept one
+    restore(kept, fresh, made_under)
+    assert fresh.read_text() == "{}"
+    restore(tmp_path / "docs" / "missing.json", tmp_path / "sitting4" / "x.json")
+    assert not (tmp_path / "sitting4").exists()
