@@ -10,8 +10,8 @@ run writes its result (`<world>/<arm>-s<seed>/result.json`) when it finishes, an
 that have one (`--fresh` starts over), so the whole can take several sittings. `--keep DIR` (make ablations:
 docs/ablations_runs) also copies each finished run's result, and each world's ceiling and text statistics, to
 DIR/<world's cache name>/, and a sitting restores from there what its runs directory lacks: committed with the
-repository, the results carry over to a fresh checkout. A kept result made under other settings or arm flags is
-not restored (that run goes again). Runs are reproducible
+repository, the results carry over to a fresh checkout. A kept result made under other settings, arm flags or K
+is not restored (that run goes again). Runs are reproducible
 (`--train.full_determinism_enable`): the same seed gives the same numbers, so the spread is the seeds'.
 After the demo world's arms: its ceiling (`demo.ceiling`) and the one-step lag (`demo.ablations.lag`).
 Outputs under runs/<name>/: per world and run the demo's files, `summary.json`, and per world `tau.png`,

@@ -235,9 +235,9 @@ def distill_native_head(model, head: MTPHead, seed: int, steps: int = 160, lr: f
     tokens the model samples itself after random prefixes, in mini-batches of `batch` rows, Adam with the
     LR on a cosine to 0; deeper draft positions are not trained, as in native heads trained for one position.
 
-    The pool of rows, not the step count, is what lets the head generalise: the tied stand-ins' samples fall
-    into repetition loops over a few tokens, and a head fitted to 4 such rows fits them (alpha_1 0.96 on
-    them) and accepts almost nothing elsewhere (README, "Rehearsal", gives the held-out alpha_1)."""
+    The pool is what lets the head generalise: a head fitted to 4 rows fits them (Qwen3.5: alpha_1 0.96 on
+    them) and accepts little elsewhere, the less where the samples loop over a few tokens as the tied
+    stand-ins' do (README, "Rehearsal", gives the held-out alpha_1 of both)."""
     init_random_head_(head, seed=seed)
     head.bind(model.model.embed_tokens, model.lm_head)
     generator = torch.Generator().manual_seed(seed)
