@@ -11,8 +11,11 @@ that have one (`--fresh` starts over), so the whole can take several sittings. `
 docs/ablations_runs) also copies each finished run's result, and each world's ceiling and text statistics, to
 DIR/<world's cache name>/, and a sitting restores from there what its runs directory lacks: committed with the
 repository, the results carry over to a fresh checkout. A kept result made under other settings, arm flags or K
-is not restored (that run goes again). Runs are reproducible
-(`--train.full_determinism_enable`): the same seed gives the same numbers, so the spread is the seeds'.
+is not restored (that run goes again). Each result carries its world's digest (`World.digest`, the weights'
+sha256) and DIR/<world>/builds.json lists every build's digest: a summary names the runs made on a build other
+than this sitting's (`runs_on_other_builds`), whose numbers do not compare like for like. Runs are reproducible
+(`--train.full_determinism_enable`) on one machine: the same seed gives the same numbers there, so the spread
+is the seeds' (across machines it was not: README, "Reproducible runs").
 After the demo world's arms: its ceiling (`demo.ceiling`) and the one-step lag (`demo.ablations.lag`).
 Outputs under runs/<name>/: per world and run the demo's files, `summary.json`, and per world `tau.png`,
 `alpha.png`, `reward.png`; `--export DIR` writes DIR/ablations.json and DIR/ablations_<world>_<plot>.png.
@@ -45,9 +48,13 @@ def run_world(name: str, args, out: Path, seeds: tuple[int, ...], arms: list[str
     recipe = replace(recipe, steps=args.steps or recipe.steps)
     world = spec.build(args.cache_dir or Path(args.runs_dir) / ".cache")
     kept = args.keep / world.root.name if args.keep else None
+    digest = world.digest()
+    if kept:
+        note_build(kept / "builds.json", digest)
     rows: dict[str, dict[int, list[dict]]] = {arm: {} for arm in arms}
     wall: dict[str, dict[int, float]] = {arm: {} for arm in arms}
     failed: dict[str, dict[int, str]] = {}
+    other_builds: list[str] = []  # runs made on another build of this world, or on one of unknown digest
     for seed in seeds:
         for arm in arms:
             arm_spec, run_dir = ablations.ARMS[arm], out / name / f"{arm}-s{seed}"
@@ -71,11 +78,14 @@ def run_world(name: str, args, out: Path, seeds: tuple[int, ...], arms: list[str
                     print(f"{name}: {arm} (seed {seed}) FAILED: {failed[arm][seed]}", flush=True)
                     continue
                 report.write_metrics(run_dir / "metrics.jsonl", logged)
-                result.write_text(json.dumps({"rows": logged, "wall_s": seconds, **made_under}) + "\n")
+                result.write_text(json.dumps({"rows": logged, "wall_s": seconds, "world_digest": digest,
+                                              **made_under}) + "\n")
                 if kept:
                     keep(result, kept / f"{arm}-s{seed}.json")
             done = json.loads(result.read_text())
             rows[arm][seed], wall[arm][seed] = done["rows"], done["wall_s"]
+            if done.get("world_digest") != digest:
+                other_builds.append(f"{arm}-s{seed}")
     rows = {arm: by_seed for arm, by_seed in rows.items() if by_seed}
     per_seed = {arm: {seed: ablations.seed_summary(runs, recipe.head_warmup_steps) for seed, runs in by_seed.items()}
                 for arm, by_seed in rows.items()}
@@ -85,7 +95,8 @@ def run_world(name: str, args, out: Path, seeds: tuple[int, ...], arms: list[str
                "schedule": "rl_step", "seeds": list(seeds), "settings": asdict(recipe), "world": world.info,
                "sampled_text": _text_statistics(world, recipe, out / name, kept),
                "arms": {arm: {str(seed): s for seed, s in by_seed.items()} for arm, by_seed in per_seed.items()},
-               "across_seeds": ablations.compare(per_seed), "arm_wall_s": wall, "failed": failed}
+               "across_seeds": ablations.compare(per_seed), "arm_wall_s": wall, "failed": failed,
+               "world_digest": digest, "runs_on_other_builds": other_builds}
     if ablations.REFERENCE in per_seed:
         summary["lag"] = {str(seed): s["lag"] for seed, s in per_seed[ablations.REFERENCE].items() if "lag" in s}
     if name == "demo" and seeds[0] in rows.get(ablations.REFERENCE, {}) and not args.no_ceiling:
@@ -108,6 +119,16 @@ def restore(kept: Path, local: Path, made_under: dict | None = None) -> None:
             return
     local.parent.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(kept, local)
+
+
+def note_build(builds: Path, digest: str) -> None:
+    """Record in the keep directory that a sitting built this world with these weights (World.digest): runs
+    kept by sittings on other machines compare only if the digests agree."""
+    seen = json.loads(builds.read_text()) if builds.exists() else []
+    if digest not in [b["digest"] for b in seen]:
+        seen.append({"digest": digest, "first_built": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())})
+        builds.parent.mkdir(parents=True, exist_ok=True)
+        builds.write_text(json.dumps(seen, indent=1) + "\n")
 
 
 def keep(local: Path, kept: Path) -> None:

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from openrlhf_growmtp.core.checkpoint import materialize_random_head
@@ -56,6 +56,19 @@ class World:
     head: Path
     prompts: Path
     info: dict
+
+    def digest(self) -> str:
+        """sha256 over the policy's and the random head's tensors (name, dtype, shape, bytes) in name order:
+        two builds of one spec hold the same weights exactly when their digests agree (the files' bytes
+        are no test: safetensors' metadata order varies from one write to the next)."""
+        hasher = hashlib.sha256()
+        for part in (self.policy, self.head):
+            tensors = load_file(str(part / "model.safetensors"))
+            for name in sorted(tensors):
+                tensor = tensors[name].contiguous()
+                hasher.update(f"{part.name}/{name}:{tensor.dtype}:{tuple(tensor.shape)}".encode())
+                hasher.update(tensor.flatten().view(torch.uint8).numpy().tobytes())
+        return hasher.hexdigest()[:16]
 
 
 def build_world(cache_dir: str | Path, spec: WorldSpec = WorldSpec(), log=print) -> World:

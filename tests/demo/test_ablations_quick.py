@@ -42,6 +42,7 @@ def test_every_arm_is_summarised_and_exported(quick_run):
     assert list(summary["arms"]) == list(ARMS) and summary["seeds"] == [42]
     assert (summary["k"], summary["vocab_size"], summary["policy_layers"], summary["topk"]) == (3, 32, 2, 16)
     assert 0 < summary["topk_mass"] <= 1 and summary["sampled_text"]["entropy_nats"] > 0
+    assert len(summary["world_digest"]) == 16 and summary["runs_on_other_builds"] == []  # one build, both runs
     for arm in ARMS:
         one = summary["arms"][arm]["42"]
         assert one["steps"] == summary["settings"]["steps"] and 0 <= one["reward_final"] <= 1 and one["rollout_s"] > 0

@@ -78,3 +78,30 @@ def test_a_kept_result_is_restored_into_a_fresh_runs_directory_only_when_made_un
     assert fresh.read_text() == "{}"
     restore(tmp_path / "docs" / "missing.json", tmp_path / "sitting4" / "x.json")
     assert not (tmp_path / "sitting4").exists()
+
+
+def test_a_worlds_digest_follows_its_tensors_not_its_files_metadata(tmp_path):
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from openrlhf_growmtp.cli.ablations import note_build
+    from openrlhf_growmtp.demo.world import World
+
+    def world(root, metadata, bump=0.0):
+        for part, names in (("policy", ("a", "b")), ("head-random", ("c",))):
+            (root / part).mkdir(parents=True)
+            tensors = {n: torch.arange(6, dtype=torch.bfloat16).reshape(2, 3) + i for i, n in enumerate(names)}
+            tensors[names[0]][0, 0] += bump
+            save_file(tensors, str(root / part / "model.safetensors"), metadata=metadata)
+        return World(root=root, policy=root / "policy", head=root / "head-random", prompts=root / "p", info={})
+
+    one = world(tmp_path / "one", {"format": "pt", "layout": "x"})
+    same = world(tmp_path / "same", {"layout": "x", "format": "pt"})
+    other = world(tmp_path / "other", {"format": "pt", "layout": "x"}, bump=1.0)
+    assert load_file(str(one.policy / "model.safetensors")).keys() == {"a", "b"}
+    assert one.digest() == same.digest() != other.digest()
+
+    builds = tmp_path / "keep" / "builds.json"
+    for digest in (one.digest(), same.digest(), other.digest()):
+        note_build(builds, digest)
+    assert [b["digest"] for b in json.loads(builds.read_text())] == [one.digest(), other.digest()]
