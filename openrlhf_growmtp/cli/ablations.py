@@ -126,7 +126,7 @@ def note_build(builds: Path, digest: str) -> None:
     kept by sittings on other machines compare only if the digests agree."""
     seen = json.loads(builds.read_text()) if builds.exists() else []
     if digest not in [b["digest"] for b in seen]:
-        seen.append({"digest": digest, "first_built": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())})
+        seen.append({"digest": digest, "first_seen": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())})
         builds.parent.mkdir(parents=True, exist_ok=True)
         builds.write_text(json.dumps(seen, indent=1) + "\n")
 
