@@ -61,8 +61,7 @@ def run_world(name: str, args, out: Path, seeds: tuple[int, ...], arms: list[str
             k = recipe.k if arm_spec.drafts else 0
             result = run_dir / "result.json"
             made_under = {"settings": asdict(recipe), "flags": list(arm_spec.flags), "k": k}
-            if kept:
-                restore(kept / f"{arm}-s{seed}.json", result, made_under)
+            restore(kept, f"{arm}-s{seed}.json", result, made_under)
             if not result.exists():
                 if run_dir.exists():  # an unfinished run of an earlier sitting
                     shutil.rmtree(run_dir)
@@ -80,8 +79,7 @@ def run_world(name: str, args, out: Path, seeds: tuple[int, ...], arms: list[str
                 report.write_metrics(run_dir / "metrics.jsonl", logged)
                 result.write_text(json.dumps({"rows": logged, "wall_s": seconds, "world_digest": digest,
                                               **made_under}) + "\n")
-                if kept:
-                    keep(result, kept / f"{arm}-s{seed}.json")
+                keep(result, kept, f"{arm}-s{seed}.json")
             done = json.loads(result.read_text())
             rows[arm][seed], wall[arm][seed] = done["rows"], done["wall_s"]
             if done.get("world_digest") != digest:
@@ -107,10 +105,11 @@ def run_world(name: str, args, out: Path, seeds: tuple[int, ...], arms: list[str
     return summary
 
 
-def restore(kept: Path, local: Path, made_under: dict | None = None) -> None:
-    """Copy a kept file to `local` where this sitting's runs directory lacks it; a kept run result only if it
-    was made under `made_under` (its settings, arm flags and K)."""
-    if local.exists() or not kept.exists():
+def restore(kept_dir: Path | None, name: str, local: Path, made_under: dict | None = None) -> None:
+    """Copy kept_dir/name to `local` where this sitting's runs directory lacks it; a kept run result only if it
+    was made under `made_under` (its settings, arm flags and K). Nothing without a keep directory."""
+    kept = kept_dir / name if kept_dir else None
+    if kept is None or local.exists() or not kept.exists():
         return
     if made_under is not None:
         found = json.loads(kept.read_text())
@@ -131,30 +130,29 @@ def note_build(builds: Path, digest: str) -> None:
         builds.write_text(json.dumps(seen, indent=1) + "\n")
 
 
-def keep(local: Path, kept: Path) -> None:
-    kept.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(local, kept)
+def keep(local: Path, kept_dir: Path | None, name: str) -> None:
+    """Copy `local` to kept_dir/name (nothing without a keep directory)."""
+    if kept_dir:
+        kept_dir.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(local, kept_dir / name)
 
 
 def _text_statistics(world, recipe, out: Path, kept: Path | None) -> dict:
     cached = out / "sampled_text.json"
-    if kept:
-        restore(kept / cached.name, cached)
+    restore(kept, cached.name, cached)
     if not cached.exists():
         cached.parent.mkdir(parents=True, exist_ok=True)
         stats = world_text_statistics(world.policy, world.prompts, recipe.topk,
                                       max_new_tokens=recipe.max_new_tokens)
         cached.write_text(json.dumps(stats) + "\n")
-        if kept:
-            keep(cached, kept / cached.name)
+        keep(cached, kept, cached.name)
     return json.loads(cached.read_text())
 
 
 def _ceiling(world, out: Path, seed: int, recipe, per_seed, quick: bool, kept: Path | None) -> dict:
     """The head trained offline to convergence for the first seed's final GrowMTP policy (demo.ceiling)."""
     ceiling_file = out / "ceiling.json"
-    if kept:
-        restore(kept / ceiling_file.name, ceiling_file)
+    restore(kept, ceiling_file.name, ceiling_file)
     if not ceiling_file.exists():
         reference = out / f"{ablations.REFERENCE}-s{seed}" / "final"
         code = subprocess.run([sys.executable, "-m", "openrlhf_growmtp.demo.ceiling", "--policy", str(reference),
@@ -163,8 +161,7 @@ def _ceiling(world, out: Path, seed: int, recipe, per_seed, quick: bool, kept: P
                                *(CEILING_QUICK if quick else ())]).returncode
         if code != 0:
             return {"ceiling_failed": f"exit {code}"}
-        if kept:
-            keep(ceiling_file, kept / ceiling_file.name)
+        keep(ceiling_file, kept, ceiling_file.name)
     ceiling = json.loads(ceiling_file.read_text())
     online = per_seed[ablations.REFERENCE][seed]["tau_final"]
     return {"ceiling_tau": ceiling["ceiling_tau"], "ceiling": ceiling, "online_tau": online,

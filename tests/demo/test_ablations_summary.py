@@ -61,22 +61,24 @@ def test_a_kept_result_is_restored_into_a_fresh_runs_directory_only_when_made_un
     first = tmp_path / "sitting1" / "ce-s42" / "result.json"
     first.parent.mkdir(parents=True)
     first.write_text(json.dumps({"rows": [{"step": 1, "tau": 1.5}], "wall_s": 60.0, **made_under}))
-    kept = tmp_path / "docs" / "paper-abc" / "ce-s42.json"
-    keep(first, kept)
+    kept = tmp_path / "docs" / "paper-abc"
+    keep(first, kept, "ce-s42.json")
+    keep(first, None, "ce-s42.json")  # no keep directory: nothing kept, nothing fails
 
     fresh = tmp_path / "sitting2" / "ce-s42" / "result.json"
-    restore(kept, fresh, made_under)
+    restore(kept, "ce-s42.json", fresh, made_under)
     assert fresh.read_bytes() == first.read_bytes()
 
     for changed in ({**made_under, "flags": ["--growmtp_loss", "kl"]}, {**made_under, "settings": {"steps": 41, "k": 5}}):
         other = tmp_path / "sitting3" / "ce-s42" / "result.json"
-        restore(kept, other, changed)
+        restore(kept, "ce-s42.json", other, changed)
         assert not other.exists()  # that run goes again
 
     fresh.write_text("{}")  # a sitting's own result is never overwritten by a kept one
-    restore(kept, fresh, made_under)
+    restore(kept, "ce-s42.json", fresh, made_under)
     assert fresh.read_text() == "{}"
-    restore(tmp_path / "docs" / "missing.json", tmp_path / "sitting4" / "x.json")
+    restore(kept, "missing.json", tmp_path / "sitting4" / "x.json")
+    restore(None, "ce-s42.json", tmp_path / "sitting4" / "y.json")
     assert not (tmp_path / "sitting4").exists()
 
 
