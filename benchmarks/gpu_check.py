@@ -52,11 +52,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--micro-batch", type=int, help="(c): responses per policy forward (default 2)")
     parser.add_argument("--repeats", type=int, help="(c): timed runs of each side (default 3; tiny 2)")
     parser.add_argument("--budget-s", type=float, help="(c): seconds its timed runs may take (default 240)")
+    parser.add_argument("--chunk-cycles", type=int,
+                        help="(c): cycles per head-update chunk (default 1024, as --growmtp_chunk_cycles; tiny 64)")
     args = parser.parse_args(argv)
     plan = TINY if args.tiny else REAL
     overrides = {"responses": args.responses, "response_tokens": args.response_tokens,
                  "prompt_tokens": args.prompt_tokens, "micro_batch": args.micro_batch, "repeats": args.repeats,
-                 "budget_s": args.budget_s}
+                 "budget_s": args.budget_s, "chunk_cycles": args.chunk_cycles}
     for name, value in overrides.items():
         if value is not None and value <= 0:
             parser.error(f"--{name.replace('_', '-')} must be positive, got {value}")

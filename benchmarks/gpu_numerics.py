@@ -66,7 +66,7 @@ def _grads(head: MTPHead) -> dict[str, torch.Tensor]:
     return out
 
 
-def _chain(head: MTPHead, records, hiddens) -> dict:
+def chain_run(head: MTPHead, records, hiddens) -> dict:
     """Chain by chain: log q [N, K, V], the loss (DCA + VGM, mean over cycles), per cycle, and its gradients."""
     head.zero_grad(set_to_none=True)
     logits = torch.cat([chain_by_chain(head, rec, h) for rec, h in zip(records, hiddens)])
@@ -80,7 +80,7 @@ def _chain(head: MTPHead, records, hiddens) -> dict:
             "grads": _grads(head)}
 
 
-def _batched(head: MTPHead, records, hiddens, chunks: tuple[int, ...]) -> dict:
+def batched_run(head: MTPHead, records, hiddens, chunks: tuple[int, ...]) -> dict:
     """Batched: log q (chunks of chunks[0] cycles), and per chunking the head update's loss and gradients."""
     head.zero_grad(set_to_none=True)
     with torch.no_grad():
@@ -105,9 +105,9 @@ def check_reconstruction(plan: Plan, head: MTPHead, log) -> tuple[list[Row], dic
     runs = {}
     for dtype, h in heads.items():
         hiddens = [x.to(dtype) for x in hidden_bf16]
-        runs[dtype] = {"chain": _chain(h, records, hiddens)}
+        runs[dtype] = {"chain": chain_run(h, records, hiddens)}
         if dtype != torch.float64:
-            runs[dtype]["batched"] = _batched(h, records, hiddens, chunks)
+            runs[dtype]["batched"] = batched_run(h, records, hiddens, chunks)
         log(f"  (a) {str(dtype).replace('torch.', '')}: chain by chain and batched done")
     ref = runs[torch.float64]["chain"]
     depth_scale = (ref["logq"][:, 0] - ref["logq"][:, 1]).abs().max().item()
