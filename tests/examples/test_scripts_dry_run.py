@@ -23,6 +23,7 @@ ABLATIONS = ["ce", "kl", "tv", "no_vgm", "teacher_forcing", "joint", "frozen"]
 # (script, args, extra env, flags its command line must carry)
 CASES = {
     "qwen3_4b_math": ("qwen3_4b_math.sh", [], {}, ["--growmtp_k 5", "--growmtp_head random",
+                                                   "--growmtp_chunk_cycles 4096",
                                                    "--rollout.max_new_tokens 8192", "math_reward.py"]),
     "qwen3_4b_code": ("qwen3_4b_code.sh", [], {}, ["--growmtp_k 5", "code_reward.py"]),
     "qwen3_5_math": ("qwen3_5_4b_base_math.sh", [], {}, ["--growmtp_k 3", "--growmtp_head native",
