@@ -20,41 +20,36 @@ import argparse
 import json
 import statistics
 import sys
-import time
 
 import torch
-from bench_common import head_update, qwen3_4b_config, sync
+from bench_common import head_update, qwen3_4b_config
+from gpu_cost import Meter
 from gpu_cost import make_records as cost_records
 from gpu_numerics import batched_run, chain_run
 from gpu_numerics import make_records as numerics_records
 from gpu_world import REAL, build_head, build_policy, head_copy
 
 
-def timed_update(head, records, hiddens, chunk: int, repeats: int) -> tuple[float, float]:
-    """(median seconds of `repeats` head updates after one warm-up, peak MB allocated above the level at entry)."""
-    times = []
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
+def timed_update(head, records, hiddens, chunk: int, repeats: int) -> tuple[float, float | None]:
+    """(median seconds of `repeats` head updates after one warm-up, their peak MB: `gpu_cost.Meter`'s)."""
+    device = next(head.parameters()).device
+    times, peaks = [], []
     for _ in range(repeats + 1):
         head.zero_grad(set_to_none=False)
-        sync("cuda")
-        t0 = time.perf_counter()
-        head_update(head, records, hiddens, chunk)
-        sync("cuda")
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times[1:]), (torch.cuda.max_memory_allocated() - base) / 2**20
+        with Meter(device) as meter:
+            head_update(head, records, hiddens, chunk)
+        times.append(meter.seconds)
+        peaks.append(meter.peak_mb)
+    return statistics.median(times[1:]), (max(peaks) if peaks[0] is not None else None)
 
 
 def profile_update(head, records, hiddens, chunk: int, rows: int) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     head.zero_grad(set_to_none=False)
-    sync("cuda")
-    t0 = time.perf_counter()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof, Meter(torch.device("cuda")) as meter:
         head_update(head, records, hiddens, chunk)
-        sync("cuda")
-    wall = time.perf_counter() - t0
+    wall = meter.seconds
     events = prof.key_averages()
     kernels = sorted((e for e in events if e.device_type == torch.autograd.DeviceType.CUDA),  # kernels, memcpys
                      key=lambda e: -e.self_device_time_total)
