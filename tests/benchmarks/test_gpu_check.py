@@ -49,6 +49,12 @@ def test_tiny_gpu_check_passes_on_cpu_and_writes_every_field(tmp_path):
     for dtype in ("bfloat16", "float32"):
         assert recon[dtype]["log_q"]["tolerance"] < 0.1 * recon["depth_to_depth_max_abs_dlogq"]
         assert recon[dtype]["gradients"]["min_cosine_vs_fp64"] > 0.99
+    # nor is fp32's wider factor: a path that slipped into bf16 would fail it. bf16 rounds 2^16 x as much as
+    # fp32, the bound sits 2^6.5 above fp32's rounding, so ~2^9.5 below bf16's; 0.1 leaves 2^6 for the statistics
+    fp32, bf16 = recon["float32"], recon["bfloat16"]
+    assert fp32["log_q"]["tolerance"] < 0.1 * bf16["log_q"]["eps"]
+    for name, tensor in fp32["gradients"]["tensors"].items():
+        assert tensor["tolerance"] < 0.1 * bf16["gradients"]["tensors"][name]["eps_l2"], name
     assert 0.0 < result["alpha"]["mean_outside_mass"] < 0.5  # the top-64 truncates, and keeps most mass
     cost = result["head_update_cost"]
     assert COST_FIELDS <= set(cost), COST_FIELDS - set(cost)
