@@ -134,7 +134,8 @@ def check_reconstruction(plan: Plan, head: MTPHead, log) -> tuple[list[Row], dic
         loss = _compare_loss(chain, batched["loss"], ref, factor)
         # at Qwen3-4B's widths a chunking of 1024 cycles recomputes the MLP's elementwise work, 48 does not
         recompute = {chunk: worth_recomputing(heads[dtype], chunk * plan.k) for chunk in chunks}
-        details[name] = {"noise_factor": factor, "log_q": values, "gradients": grads, "loss": loss, "recompute_by_chunk": recompute}
+        details[name] = {"noise_factor": factor, "log_q": values, "gradients": grads, "loss": loss,
+                         "recompute_by_chunk": recompute}
         rows.append(Row("a", f"log q, batched vs chain by chain, {name}", f"max|d| {sci(values['max_abs_diff'])}",
                         f"<= {factor:.3g} x {sci(values['eps'])} (vs fp64); depths differ by {depth_scale:.2f}",
                         values["max_abs_diff"] <= values["tolerance"], values))
