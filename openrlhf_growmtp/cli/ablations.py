@@ -17,6 +17,11 @@ than this sitting's (`runs_on_other_builds`), whose numbers do not compare like 
 (`--train.full_determinism_enable`) on one machine: the same seed gives the same numbers there, so the spread
 is the seeds' (across machines it was not: README, "Reproducible runs").
 After the demo world's arms: its ceiling (`demo.ceiling`) and the one-step lag (`demo.ablations.lag`).
+`--start ce_k1` starts every drafting arm from a pretrained head instead of the world's random one, as the paper's
+objective ablations do (RQ3): the random head trained offline with CE at K=1 on the world's own policy
+(`demo.ceiling --k 1 --objective ce`, built once per world under the cache directory), at a third of the
+recipe's head LR (the paper's 1e-4 for a pretrained head against 3e-4 for a random one). Its runs, kept
+results and exports are named apart (`-from-ce_k1`), so they never mix with the random start's.
 Outputs under runs/<name>/: per world and run the demo's files, `summary.json`, and per world `tau.png`,
 `alpha.png`, `reward.png`; `--export DIR` writes DIR/ablations.json and DIR/ablations_<world>_<plot>.png.
 """
@@ -39,6 +44,10 @@ from openrlhf_growmtp.demo.text_stats import world_text_statistics
 
 SEEDS = {"full": (42, 43, 44), "quick": (42,)}
 CEILING_QUICK = ("--rounds", "1", "--train-prompts", "32", "--eval-prompts", "32", "--epochs", "2")
+STARTS = ("random", "ce_k1")  # the head every drafting arm starts from (module docstring)
+# ce_k1's offline training, chosen for time alone before it ever ran: one round of 256 prompts x 4 samples (about
+# 110k positions, each with the policy's top-k), 3 epochs of Adam at the ceiling's LR and batch; τ on 64 x 4
+CE_K1 = ("--rounds", "1", "--train-prompts", "256", "--eval-prompts", "64", "--epochs", "3")
 
 
 def run_world(name: str, args, out: Path, seeds: tuple[int, ...], arms: list[str]) -> dict:
@@ -47,7 +56,8 @@ def run_world(name: str, args, out: Path, seeds: tuple[int, ...], arms: list[str
     recipe = spec.recipes["quick" if args.quick else "full"]
     recipe = replace(recipe, steps=args.steps or recipe.steps)
     world = spec.build(args.cache_dir or Path(args.runs_dir) / ".cache")
-    kept = args.keep / world.root.name if args.keep else None
+    kept = args.keep / (world.root.name + _suffix(args.start)) if args.keep else None
+    world, recipe = start(args.start, world, recipe, kept, args.quick)  # the digest below covers the start's head
     digest = world.digest()
     if kept:
         note_build(kept / "builds.json", digest)
@@ -90,7 +100,8 @@ def run_world(name: str, args, out: Path, seeds: tuple[int, ...], arms: list[str
     config = json.loads((world.policy / "config.json").read_text())
     summary = {"k": recipe.k, "vocab_size": config["vocab_size"], "policy_layers": config["num_hidden_layers"],
                "topk": recipe.topk, "topk_mass": ablations.mean_topk_mass(rows.get(ablations.REFERENCE, {})),
-               "schedule": "rl_step", "seeds": list(seeds), "settings": asdict(recipe), "world": world.info,
+               "schedule": "rl_step", "start": args.start, "seeds": list(seeds), "settings": asdict(recipe),
+               "world": world.info,
                "sampled_text": _text_statistics(world, recipe, out / name, kept),
                "arms": {arm: {str(seed): s for seed, s in by_seed.items()} for arm, by_seed in per_seed.items()},
                "across_seeds": ablations.compare(per_seed), "arm_wall_s": wall, "failed": failed,
@@ -149,6 +160,31 @@ def _text_statistics(world, recipe, out: Path, kept: Path | None) -> dict:
     return json.loads(cached.read_text())
 
 
+def _suffix(start: str) -> str:
+    return "" if start == "random" else f"-from-{start}"
+
+
+def start(name: str, world, recipe, kept: Path | None, quick: bool):
+    """The world and recipe the drafting arms run from: as they are (random), or (ce_k1) with the world's random
+    head trained offline with CE at K=1 on the world's policy (demo.ceiling), once per world under its cache
+    directory, and a third of the head LR. The training's record is kept beside the runs (start_head.json)."""
+    if name == "random":
+        return world, recipe
+    named = "head-ce_k1" + ("-quick" if quick else "")  # a quick build never stands in for the full one
+    head, record = world.root / named, world.root / f"{named}.json"
+    if not (head / "model.safetensors").exists():
+        code = subprocess.run([sys.executable, "-m", "openrlhf_growmtp.demo.ceiling", "--policy", str(world.policy),
+                               "--head", str(world.head), "--prompts", str(world.prompts), "--k", "1",
+                               "--objective", "ce", "--topk", str(recipe.topk),
+                               "--max-tokens", str(recipe.max_new_tokens), "--out", str(record),
+                               "--save-head", str(head), *(CEILING_QUICK if quick else CE_K1)]).returncode
+        if code != 0 or not (head / "model.safetensors").exists():
+            raise RuntimeError(f"the K=1 CE head for {world.root.name} was not built (demo.ceiling exit {code}; "
+                               "it saves a head only if training raised τ)")
+    keep(record, kept, "start_head.json")
+    return replace(world, head=head), replace(recipe, head_lr=f"{float(recipe.head_lr) / 3:g}")
+
+
 def _ceiling(world, out: Path, seed: int, recipe, per_seed, quick: bool, kept: Path | None) -> dict:
     """The head trained offline to convergence for the first seed's final GrowMTP policy (demo.ceiling)."""
     ceiling_file = out / "ceiling.json"
@@ -179,6 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-ceiling", action="store_true", help="skip the demo world's ceiling")
     parser.add_argument("--seeds", help="comma-separated --train.seed values (default 42,43,44; quick: 42)")
     parser.add_argument("--steps", type=int, help="RL steps per arm (overrides the recipe)")
+    parser.add_argument("--start", choices=STARTS, default="random",
+                        help="the head every drafting arm starts from (see above; default: %(default)s)")
     parser.add_argument("--fresh", action="store_true", help="start over: forget the results of earlier sittings")
     parser.add_argument("--name", help="outputs go to <runs-dir>/<name>/ (default: ablations or ablations-quick)")
     parser.add_argument("--runs-dir", default="runs")
@@ -197,21 +235,22 @@ def main(argv: list[str] | None = None) -> int:
     if args.steps is not None and args.steps < 2:
         parser.error("--steps must be at least 2")
     seeds = tuple(int(s) for s in args.seeds.split(",")) if args.seeds else SEEDS["quick" if args.quick else "full"]
-    out = Path(args.runs_dir) / (args.name or ("ablations-quick" if args.quick else "ablations"))
+    out = Path(args.runs_dir) / (args.name or ("ablations-quick" if args.quick else "ablations") + _suffix(args.start))
     if args.fresh and out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True, exist_ok=True)
     began = time.perf_counter()
-    doc = {"schedule": "rl_step", "preset": "quick" if args.quick else "full", "worlds": {}}
+    doc = {"schedule": "rl_step", "start": args.start, "preset": "quick" if args.quick else "full", "worlds": {}}
     for name in worlds:
         doc["worlds"][name] = run_world(name, args, out, seeds, arms)
         doc["sitting_wall_s"] = time.perf_counter() - began
         ablations.write_json(out / "summary.json", doc)
     if args.export:
-        ablations.write_json(args.export / "ablations.json", doc)
+        prefix = "ablations" + _suffix(args.start).replace("-", "_")
+        ablations.write_json(args.export / f"{prefix}.json", doc)
         for name, world in doc["worlds"].items():
             for plot in world["plots"]:
-                shutil.copyfile(plot, args.export / f"ablations_{name}_{Path(plot).name}")
+                shutil.copyfile(plot, args.export / f"{prefix}_{name}_{Path(plot).name}")
     failed = {name: w["failed"] for name, w in doc["worlds"].items() if w["failed"]}
     print(f"\nwrote {out}/summary.json in {(time.perf_counter() - began) / 60:.1f} min this sitting")
     if failed:

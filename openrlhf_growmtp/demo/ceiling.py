@@ -7,13 +7,17 @@ The online head chases a moving policy with one Adam step per RL step. Here the 
 final export) and the head gets as many steps as it can use. Each round:
 1. the speculative engine samples the policy's rollouts on training prompts, drafting with the current
    head, and records them (the same capture as training);
-2. the head is trained for `--epochs` passes over every round's records so far (DCA + VGM, Adam,
-   transport-free hidden states of the fixed policy), starting from the run's final head;
+2. the head is trained for `--epochs` passes over every round's records so far (`--objective`, DCA + VGM
+   by default; Adam; transport-free hidden states of the fixed policy), starting from `--head`;
 3. the trained head is loaded into the engine and evaluated on held-out prompts: τ from the engine's
    accepted counts, exactly as the online runs report it.
 Rounds stop when τ gains less than `--tol`, or after `--rounds`. The result is the best τ reached: what a
 perfect online learner of this head could hold on this policy. Prompts are disjoint from the ones the
 online runs sample (their first `--skip` lines).
+
+With `--k 1 --objective ce` from a random head it is the single-step MTP pretraining the paper's heads start
+from: CE against the policy's recorded top-k at every response position, since at K=1 each cycle drafts one
+token on the committed text.
 """
 
 from __future__ import annotations
@@ -34,7 +38,8 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 import torch  # noqa: E402
 
 from openrlhf_growmtp.core.checkpoint import export_head, load_head  # noqa: E402
-from openrlhf_growmtp.core.head_loss import head_loss_backward  # noqa: E402
+from openrlhf_growmtp.core.head_loss import HeadLossConfig, head_loss_backward  # noqa: E402
+from openrlhf_growmtp.core.objectives import OBJECTIVES  # noqa: E402
 
 
 def read_prompts(path: Path, tokenizer, skip: int, count: int) -> list[list[int]]:
@@ -50,8 +55,9 @@ def hidden_states(policy, records) -> list[torch.Tensor]:
         return [policy.model(rec.token_ids[None].long()).last_hidden_state[0] for rec in records]
 
 
-def train(head, records, hiddens, epochs: int, lr: float, batch: int, seed: int) -> float:
-    """`epochs` shuffled passes of Adam over the records; returns the last epoch's mean loss."""
+def train(head, records, hiddens, epochs: int, lr: float, batch: int, seed: int,
+          cfg: HeadLossConfig = HeadLossConfig()) -> float:
+    """`epochs` shuffled passes of Adam over the records (the loss `cfg`); returns the last epoch's mean loss."""
     optimizer = torch.optim.Adam([p for p in head.parameters() if p.requires_grad], lr=lr)
     order, rng, loss = list(range(len(records))), random.Random(seed), float("nan")
     for _ in range(epochs):
@@ -60,7 +66,7 @@ def train(head, records, hiddens, epochs: int, lr: float, batch: int, seed: int)
         for lo in range(0, len(order), batch):
             picked = order[lo:lo + batch]
             optimizer.zero_grad(set_to_none=True)
-            stats = head_loss_backward(head, [records[i] for i in picked], [hiddens[i] for i in picked])
+            stats = head_loss_backward(head, [records[i] for i in picked], [hiddens[i] for i in picked], cfg)
             if not stats.finite:
                 raise FloatingPointError("non-finite head loss while training the ceiling head")
             optimizer.step()
@@ -85,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--epochs", type=int, default=10,
                         help="passes over all records so far, per round")
+    parser.add_argument("--objective", choices=OBJECTIVES, default="dca", help="the head's loss (default: %(default)s)")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--batch", type=int, default=64, help="records per Adam step")
     parser.add_argument("--tol", type=float, default=0.02, help="stop when a round gains less τ than this")
@@ -124,7 +131,8 @@ def main(argv: list[str] | None = None) -> int:
             fresh = [rec for rec in rollouts(train_prompts).records if rec is not None and rec.num_cycles]
             records += fresh
             hiddens += hidden_states(policy, fresh)
-            loss = train(head, records, hiddens, args.epochs, args.lr, args.batch, args.seed + r)
+            loss = train(head, records, hiddens, args.epochs, args.lr, args.batch, args.seed + r,
+                         HeadLossConfig(objective=args.objective))
             exported = export_head(head, Path(tmp) / f"round{r}")
             engine.load_head(exported)
             result = {"round": r, "records": len(records), "loss": loss, **evaluate()}

@@ -5,6 +5,7 @@ made under the same settings."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -107,3 +108,60 @@ def test_a_worlds_digest_follows_its_tensors_not_its_files_metadata(tmp_path):
     for digest in (one.digest(), same.digest(), other.digest()):
         note_build(builds, digest)
     assert [b["digest"] for b in json.loads(builds.read_text())] == [one.digest(), other.digest()]
+
+
+def test_the_ce_k1_start_trains_one_k1_ce_head_per_world_and_runs_from_it_at_a_third_of_the_lr(tmp_path, monkeypatch):
+    import subprocess
+
+    from openrlhf_growmtp.cli import ablations as cli
+    from openrlhf_growmtp.demo.recipes import WORLDS
+    from openrlhf_growmtp.demo.world import World
+
+    world = World(root=tmp_path / "w", policy=tmp_path / "policy", head=tmp_path / "random",
+                  prompts=tmp_path / "prompts.jsonl", info={})
+    world.root.mkdir()
+    recipe, kept = WORLDS["paper"].recipes["full"], tmp_path / "kept"
+    assert cli.start("random", world, recipe, kept, quick=False) == (world, recipe)
+    calls = []
+
+    def ceiling(cmd, saves=True, **_):  # what demo.ceiling leaves when training raised τ
+        calls.append(cmd)
+        flags = dict(zip(cmd[3::2], cmd[4::2]))
+        if saves:
+            (Path(flags["--save-head"]) / "model.safetensors").parent.mkdir(parents=True)
+            (Path(flags["--save-head"]) / "model.safetensors").write_bytes(b"weights")
+        Path(flags["--out"]).write_text("{}")
+        return subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(cli.subprocess, "run", ceiling)
+    started, faster = cli.start("ce_k1", world, recipe, kept, quick=False)
+    flags = dict(zip(calls[0][3::2], calls[0][4::2]))
+    assert calls[0][1:3] == ["-m", "openrlhf_growmtp.demo.ceiling"]
+    assert (flags["--k"], flags["--objective"], flags["--topk"]) == ("1", "ce", "64")
+    assert (flags["--policy"], flags["--head"]) == (str(world.policy), str(world.head))
+    assert started.head == Path(flags["--save-head"]) and started.policy == world.policy
+    assert float(faster.head_lr) == pytest.approx(float(recipe.head_lr) / 3) and faster.k == recipe.k
+    assert (kept / "start_head.json").exists()
+    cli.start("ce_k1", world, recipe, kept, quick=False)
+    assert len(calls) == 1  # built once per world
+    other = World(root=tmp_path / "v", policy=world.policy, head=world.head, prompts=world.prompts, info={})
+    other.root.mkdir()
+    monkeypatch.setattr(cli.subprocess, "run", lambda cmd, **kw: ceiling(cmd, saves=False))
+    with pytest.raises(RuntimeError, match="K=1 CE head for v was not built"):
+        cli.start("ce_k1", other, recipe, kept, quick=False)
+
+
+def test_the_ceiling_trains_the_objective_it_is_given():
+    from helpers.tiny import make_head, make_records
+
+    from openrlhf_growmtp.core.head_loss import HeadLossConfig, head_loss_backward
+    from openrlhf_growmtp.demo import ceiling
+
+    records = make_records(k=3)
+    hiddens = [rec.hidden for rec in records]
+    ce = head_loss_backward(make_head("qwen3"), records, hiddens, HeadLossConfig(objective="ce"), train=False).loss
+    dca = head_loss_backward(make_head("qwen3"), records, hiddens, train=False).loss
+    # one epoch, one batch: the loss it reports is the objective's on the head as it started (fp32, a few terms)
+    reported = ceiling.train(make_head("qwen3"), records, hiddens, epochs=1, lr=1e-3, batch=len(records), seed=0,
+                             cfg=HeadLossConfig(objective="ce"))
+    assert reported == pytest.approx(ce, rel=1e-6) and abs(reported - dca) > 1e-3
