@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 export PIP_CONSTRAINT := $(CURDIR)/constraints.txt
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: test venv bench demo demo-quick reproduce serve serve-check ablations ablations-quick rehearse gpu-check gpu-wheels \
+.PHONY: test test-slow venv bench demo demo-quick reproduce serve serve-check ablations ablations-quick rehearse gpu-check gpu-wheels \
 	clean
 
 venv: $(STAMP)
@@ -24,7 +24,11 @@ $(STAMP): setup.py constraints.txt
 	touch $(STAMP)
 
 test: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -m "not slow" tests
+
+# the tests marked slow (pytest.ini): the rehearsal of qwen3_4b_math.sh and the compiled Qwen3.5 engines (~4 min)
+test-slow: $(STAMP)
+	$(PY) -m pytest -q -m slow tests
 
 # the embedded default: AR vs GrowMTP GRPO on CPU, plots and summary under runs/demo/ (README, "The demo")
 demo: $(STAMP)

@@ -13,6 +13,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+import pytest
 from safetensors import safe_open
 
 from openrlhf_growmtp.rehearsal import world
@@ -100,6 +101,7 @@ def test_report_verdicts():
     assert "no reward" in " ".join(check([Step(i, {}) for i in (1, 2, 3)], 3, 0, False, False))
 
 
+@pytest.mark.slow  # about 2 min (a compiled engine at V=151,936): `make test-slow`
 def test_qwen3_4b_math_rehearses_with_the_scripts_own_flags(tmp_path):
     ray_tmp = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # Ray's socket paths must stay under 108 bytes
     env = {**os.environ, "PYTHON": sys.executable, "GROWMTP_REHEARSAL": "1",

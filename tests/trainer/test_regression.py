@@ -3,15 +3,18 @@
 k=0 (no head): our strategy and trainer are transparent, losses and parameters identical to upstream's.
 detached: policy parameters identical to upstream's, the head moved. joint: the policy differs.
 A non-finite head loss: the head is untouched and the policy still identical to upstream's.
+frozen: no head in the step, the policy identical to upstream's, the head exported as it started.
 """
 
 from __future__ import annotations
 
+import json
 from types import SimpleNamespace
 
 import deepspeed
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from openrlhf_growmtp import toy_world as toy
 from openrlhf_growmtp.core.checkpoint import load_head
@@ -55,8 +58,9 @@ def gathered(module) -> dict[str, torch.Tensor]:
         return {name: p.detach().float().clone() for name, p in params.items()}
 
 
-def one_step(args, policy_dir, ours: bool, records=None, sequences=None):
-    """Build strategy, actor and actor trainer as PolicyModelActor does, append one experience, train."""
+def one_step(args, policy_dir, ours: bool, records=None, sequences=None, save_to=None):
+    """Build strategy, actor and actor trainer as PolicyModelActor does, append one experience, train (and
+    export the model as the final save does, to `save_to`)."""
     from openrlhf.models import Actor
     from openrlhf.trainer.ray.ppo_actor import ActorPPOTrainer
     from openrlhf.utils import get_strategy
@@ -79,6 +83,8 @@ def one_step(args, policy_dir, ours: bool, records=None, sequences=None):
         tokenizer=None, vllm_engines=None)
     trainer.replay_buffer.append(make_experience(policy_dir, records, sequences))
     status = trainer.ppo_train(0.0)
+    if save_to is not None:
+        strategy.save_model(actor, SimpleNamespace(save_pretrained=lambda _: None), str(save_to))
     hf_model = actor.model.module
     head = growmtp_strategy.head_of(hf_model)
     with growmtp_strategy.without_head(hf_model):
@@ -92,13 +98,14 @@ def upstream(single_rank, policy_dir, tmp_path_factory):
     return one_step(args, policy_dir, ours=False)  # upstream cannot carry records; the rest is identical
 
 
-def ours(policy_dir, head_dir, tmp_path, mode="detached", records=True, extra=(), matching=False):
+def ours(policy_dir, head_dir, tmp_path, mode="detached", records=True, extra=(), matching=False, save_to=None):
     args = train_args(policy_dir, tmp_path, "--growmtp_k", str(K), "--growmtp_mode", mode, "--growmtp_topk", str(TOPK),
                       *extra)
     args.growmtp.head_dir = str(head_dir) if records else None  # no records: the trainer holds no head
     if matching:
-        return one_step(args, policy_dir, ours=True, records=matching_records(), sequences=matching_sequences())
-    return one_step(args, policy_dir, ours=True, records=make_records() if records else None)
+        return one_step(args, policy_dir, ours=True, records=matching_records(), sequences=matching_sequences(),
+                        save_to=save_to)
+    return one_step(args, policy_dir, ours=True, records=make_records() if records else None, save_to=save_to)
 
 
 def matching_records():
@@ -204,6 +211,22 @@ def test_joint_policy_differs(upstream, single_rank, policy_dir, head_dir, tmp_p
     _, up_policy, _, _, _ = upstream
     differ = [n for n in policy if not torch.equal(policy[n], up_policy[n])]
     assert "model.layers.1.mlp.down_proj.weight" in differ, differ
+
+
+def test_frozen_head_stays_out_of_the_step_and_is_exported_as_it_started(upstream, single_rank, policy_dir, head_dir,
+                                                                         tmp_path):
+    """--growmtp_mode frozen (the ablations' frozen arm): the records arrive, the trainer holds no head, the
+    policy's step is upstream's, and the final export carries the head the engines drafted with, unchanged."""
+    status, policy, head, _, _ = ours(policy_dir, head_dir, tmp_path, mode="frozen", save_to=tmp_path / "final")
+    up_status, up_policy, _, _, _ = upstream
+    assert head is None and not [key for key in status if key.startswith("growmtp/")]
+    assert status["policy_loss"] == up_status["policy_loss"]
+    assert_identical(policy, up_policy)
+    exported = load_file(str(tmp_path / "final" / "growmtp_head" / "model.safetensors"))
+    initial = load_file(str(head_dir / "model.safetensors"))
+    assert_identical(exported, initial)
+    config = json.loads((tmp_path / "final" / "growmtp_head" / "config.json").read_text())
+    assert config["growmtp_trained_k"] == K
 
 
 def test_nonfinite_head_loss_skips_head_update(upstream, single_rank, policy_dir, head_dir, tmp_path, monkeypatch,

