@@ -26,7 +26,7 @@ $(STAMP): setup.py constraints.txt
 test: $(STAMP)
 	$(PY) -m pytest -q -m "not slow" tests
 
-# the tests marked slow (pytest.ini): the rehearsal of qwen3_4b_math.sh and the compiled Qwen3.5 engines (~4 min)
+# the tests marked slow (pytest.ini): the rehearsal of qwen3_4b_math.sh and the compiled Qwen3.5 engines (~3 min)
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow tests
 
