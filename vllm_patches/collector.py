@@ -3,7 +3,7 @@
 One collector serves `SpecEngine.generate` and the OpenRLHF rollout actor:
 
     collector = RecordCollector(depth=K, topk=64, vocab_size=V)
-    collector.add_output(output, sampling_params)   # every finished RequestOutput, as it arrives
+    collector.add_output(output, sampling_params)   # every finished RequestOutput, as it arrives (+ order=)
     collector.add_drained(blob)                     # what growmtp_drain_records returned, any number of times
     record = collector.pop(output)                  # or collector.pop_by_tokens(prompt + response ids)
 
@@ -28,8 +28,8 @@ turns them on), the record's accepted counts must also equal vLLM's own, step by
 
 from __future__ import annotations
 
+import bisect
 import os
-from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -89,13 +89,19 @@ class RecordCollector:
         self.hidden_dtype, self.capture_hidden = hidden_dtype, capture_hidden
         self._strip_suffix = os.environ.get(NO_SUFFIX_ENV, "0") in ("", "0")
         self._finished: dict[str, _Finished] = {}
-        self._by_tokens: dict[tuple[int, ...], deque[str]] = {}  # committed tokens -> request ids, FIFO
+        # committed tokens -> (order, request id) of the outputs with those tokens, in order
+        self._by_tokens: dict[tuple[int, ...], list[tuple[int, str]]] = {}
+        self._num_added = 0
         self._pending: dict[str, _Pending] = {}
         self._num_drains = 0
 
     # ---- input ----------------------------------------------------------------------------------------
-    def add_output(self, output, sampling_params) -> None:
-        """A finished RequestOutput and the SamplingParams it ran with (n > 1 and greedy are refused)."""
+    def add_output(self, output, sampling_params, order: int | None = None) -> None:
+        """A finished RequestOutput and the SamplingParams it ran with (n > 1 and greedy are refused).
+
+        `order`: where the request stands among the caller's requests (`pop_by_tokens` claims outputs with
+        equal tokens in this order); default, the order outputs are added, which is the order they finish.
+        """
         check_sampling_params(sampling_params, capture=True)
         request_id = output.request_id
         if len(output.outputs) != 1:
@@ -107,7 +113,9 @@ class RecordCollector:
         if request_id in self._finished:
             raise RecordCollectionError(f"request {request_id!r} was added twice")
         self._finished[request_id] = _Finished(output, float(sampling_params.temperature), self._num_drains)
-        self._by_tokens.setdefault(_committed(output), deque()).append(request_id)
+        bisect.insort(self._by_tokens.setdefault(_committed(output), []),
+                      (self._num_added if order is None else order, request_id))
+        self._num_added += 1
 
     def add_drained(self, drained: bytes | dict, keep_hidden: bool = True) -> None:
         """A capture payload (the bytes growmtp_drain_records returned, or the loaded dict).
@@ -162,13 +170,15 @@ class RecordCollector:
         return self._claim([output.request_id for output in outputs])
 
     def pop_by_tokens(self, token_ids) -> SequenceRecord:
-        """The record of the earliest added output whose prompt + response ids equal `token_ids`."""
+        """The record of the first output, in `add_output`'s order, whose prompt + response ids equal
+        `token_ids`. Equal samples of one prompt are common (short, confident responses); their records differ,
+        and which finishes first is a matter of timing, so a reproducible caller passes its own order."""
         queue = self._by_tokens.get(tuple(int(t) for t in token_ids))
         if not queue:
             raise RecordCollectionError(
                 f"no finished output has these {len(token_ids)} committed tokens (outputs must be added with "
                 "add_output; multi-turn executors and responses edited after generation are not supported)")
-        return self._claim([queue[0]])[0]
+        return self._claim([queue[0][1]])[0]
 
     @property
     def unclaimed_request_ids(self) -> set[str]:
@@ -197,7 +207,7 @@ class RecordCollector:
     def _forget(self, request_id: str) -> _Finished:
         finished = self._finished.pop(request_id)
         key = _committed(finished.output)
-        self._by_tokens[key].remove(request_id)
+        self._by_tokens[key] = [entry for entry in self._by_tokens[key] if entry[1] != request_id]
         if not self._by_tokens[key]:
             del self._by_tokens[key]
         return finished

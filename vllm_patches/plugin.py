@@ -26,4 +26,7 @@ def register() -> None:
 
         install_gdn_core()  # before a Qwen3.5 model is built (its first GDN layer registers the op)
     install_hooks()
-    install_seeded_drafts()
+    from openrlhf_growmtp.reproducibility import ingredient
+
+    if ingredient("seeded_drafts"):
+        install_seeded_drafts()

@@ -54,9 +54,9 @@ def compare_scalars(first: dict, second: dict) -> tuple[int, list[str]]:
         compared += len(a)
         steps = [step for step in sorted(a) if a[step] != b[step]]
         if steps:
-            last = max(a)
-            differences.append(f"{tag}: first differs at step {steps[0]} ({len(steps)} of {len(a)} steps); "
-                               f"last {a[last]!r} vs {b[last]!r}")
+            at, last = steps[0], max(a)
+            differences.append(f"{tag}: first differs at step {at} ({len(steps)} of {len(a)} steps): "
+                               f"{a[at]!r} vs {b[at]!r}; last {a[last]!r} vs {b[last]!r}")
     return compared, differences
 
 

@@ -7,8 +7,8 @@ optimizer in `head_optimizer`). What subclassing cannot reach is rebound here, v
 - module attributes, so upstream's own `train()` builds the classes it is handed (`install_driver`:
   the policy actor, the rollout actor, and for a GrowMTP run the strategy and the controller;
   `install_worker`: the actor-side PPO trainer);
-- the CPU rebinds (device mesh, replay-buffer device, torch Adam, sdpa for flash attention), active only
-  without CUDA.
+- the CPU rebinds (device mesh, replay-buffer device, torch Adam, sdpa for flash attention, DeepSpeed's
+  gradient bucket without torch's fill under full determinism), active only without CUDA.
 
 This module imports none of the classes it installs: the launcher (`cli.train_ppo_ray`) passes them in.
 `check_upstream_contract()` runs first and fails loudly, naming each missing piece, if upstream's shape
@@ -50,6 +50,8 @@ CONTRACT = [
     ("openrlhf.trainer.ray.ppo_actor.ActorPPOTrainer", "training_step",
      ("experience", "kl_ctl", "step", "loss_batch_info")),
     ("openrlhf.trainer.ray.ppo_actor.ActorPPOTrainer", "_init_vllm_sync_group", ("backend",)),
+    # the policy actor applies the reproducibility ingredients right after upstream's strategy set up
+    ("openrlhf.trainer.ray.launcher.BaseModelActor", "_setup_distributed", ("strategy",)),
     ("openrlhf.trainer.ray.ppo_actor.PolicyModelActor.__ray_actor_class__", "init_model_from_pretrained",
      ("strategy", "pretrain", "max_steps", "vllm_engines")),
     ("openrlhf.trainer.ray.vllm_engine", "RolloutRayActor", None),
@@ -87,6 +89,8 @@ CONTRACT = [
     ("deepspeed.runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer", "complete_grad_norm_calculation_for_cpu_offload",
      ("params",)),
     ("deepspeed.runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer", "clear_backward_seen_flag", ()),
+    # allocates the gradient bucket at every micro-step (reproducibility.unfilled, on CPU)
+    ("deepspeed.runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer", "setup_buckets", ()),
 ]
 
 
@@ -136,7 +140,7 @@ def check_upstream_contract() -> None:
 # ---- CPU rebinds (no CUDA only) ----------------------------------------------------------------------
 def install_cpu_support() -> bool:
     """openrlhf-level CPU fixes; call after cpu_support.activate(). Returns whether anything was installed."""
-    from .. import cpu_support
+    from .. import cpu_support, reproducibility
 
     if not cpu_support.activate():
         return False
@@ -179,6 +183,9 @@ def install_cpu_support() -> bool:
             self.target_device = torch.device("cpu")
 
     ds_module.init_device_mesh = cpu_device_mesh
+    if not reproducibility.ingredient("fill_gradient_bucket"):
+        zero2 = importlib.import_module("deepspeed.runtime.zero.stage_1_and_2").DeepSpeedZeroOptimizer
+        zero2.setup_buckets = reproducibility.unfilled(zero2.setup_buckets)
     ds_module.get_train_ds_config = train_ds_config_torch_adam
     ppo_actor.NaiveReplayBuffer = CPUReplayBuffer
     return True

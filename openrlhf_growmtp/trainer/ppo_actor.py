@@ -20,7 +20,7 @@ import torch.distributed as dist
 from openrlhf.trainer.ray.ppo_actor import ActorPPOTrainer, PolicyModelActor
 from openrlhf.utils.distributed_util import torch_dist_barrier_and_cuda_sync
 
-from .. import cpu_support
+from .. import cpu_support, reproducibility
 from ..core.head_loss import HeadLossConfig
 from ..core.records import SequenceRecord
 from . import head_optimizer, installer
@@ -132,6 +132,11 @@ class PolicyActor(PolicyModelActor.__ray_actor_class__):
     """Upstream's policy actor building `trainer_cls` as its actor-side trainer."""
 
     trainer_cls: type = ActorTrainer
+
+    def _setup_distributed(self, strategy):
+        super()._setup_distributed(strategy)  # upstream's enable_full_determinism runs here, with the flag
+        if strategy.args.train.full_determinism_enable:
+            reproducibility.apply_torch_ingredients()
 
     def init_model_from_pretrained(self, strategy, pretrain, max_steps=None, vllm_engines=None):
         upstream = super().init_model_from_pretrained

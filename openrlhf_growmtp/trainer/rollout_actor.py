@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import itertools
 import os
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -28,6 +29,7 @@ from typing import Any
 import ray
 from openrlhf.trainer.ray.vllm_engine import RolloutRayActor
 
+from .. import reproducibility
 from ..cpu_support import VLLM_THREADS_BIND_ENV, omp_threads_bind
 from . import rollout_order
 from .keys import ACCEPTED_KEY, DROPPED_KEY, RECORD_KEY
@@ -70,7 +72,11 @@ class RolloutActor(RolloutRayActor.__ray_actor_class__):
                 kwargs["distributed_executor_backend"] = "mp"
                 os.environ.setdefault(VLLM_THREADS_BIND_ENV, omp_threads_bind(ranks))
         kwargs["worker_extension_cls"] = WORKER_EXTENSION
-        ordered = bool(kwargs.get("full_determinism"))
+        determinism = bool(kwargs.get("full_determinism"))
+        # upstream reads the flag for one thing only: the engine core in this process's engine
+        kwargs["full_determinism"] = determinism and reproducibility.ingredient("engine_in_process")
+        self._seeded = determinism and reproducibility.ingredient("request_seeds")
+        ordered = determinism and reproducibility.ingredient("ordered_scheduling")
         if ordered:
             kwargs["scheduling_policy"] = "priority"  # a request's priority is its dispatch number
         await super().__init__(*args, **kwargs)
@@ -78,7 +84,7 @@ class RolloutActor(RolloutRayActor.__ray_actor_class__):
             self.llm = rollout_order.PrioritizedLLM(self.llm)
 
     async def generate(self, prompt_token_ids, sampling_params, multi_modal_data=None):
-        return await super().generate(prompt_token_ids, rollout_order.number_request(sampling_params),
+        return await super().generate(prompt_token_ids, rollout_order.number_request(sampling_params, self._seeded),
                                       multi_modal_data)
 
     async def generate_responses(self, *args, growmtp_dispatch: tuple[int, int] | None = None, **kwargs):
@@ -136,10 +142,14 @@ class GrowMTPRolloutActor(RolloutActor):
         await self.llm.collective_rpc("growmtp_configure_capture", args=(capture.as_dict(),))
         self.records = RecordCollector(growmtp.k, topk=capture.topk,
                                        vocab_size=self.llm.model_config.get_vocab_size())
+        self._requests = itertools.count()
 
     async def generate(self, prompt_token_ids, sampling_params, multi_modal_data=None):
+        # a response claims its record by its tokens: equal samples claim theirs in the order they were made
+        # (which the dispatch fixes), not the order they finish
+        order = next(self._requests)
         output = await super().generate(prompt_token_ids, sampling_params, multi_modal_data)
-        self.records.add_output(output, sampling_params)
+        self.records.add_output(output, sampling_params, order=order)
         return output
 
     async def generate_responses(self, *args, **kwargs):

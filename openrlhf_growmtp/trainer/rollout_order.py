@@ -79,17 +79,19 @@ def end_dispatch(token) -> None:
     _DISPATCH.reset(token)
 
 
-def number_request(sampling_params):
-    """The sampling params of the dispatch's next request, with its own seed, and its priority set for
-    `PrioritizedLLM` (the same params, and no priority, outside a numbered dispatch)."""
+def number_request(sampling_params, seeded: bool = True):
+    """The sampling params of the dispatch's next request, with its own seed (unless not `seeded`), and its
+    priority set for `PrioritizedLLM` (the same params, and no priority, outside a numbered dispatch)."""
     dispatch = _DISPATCH.get()
     if dispatch is None:
         return sampling_params
     run_seed, number, samples = dispatch
     sample = next(samples)
+    _PRIORITY.set(number * SAMPLES_PER_DISPATCH + sample)
+    if not seeded:
+        return sampling_params
     params = copy(sampling_params)
     params.seed = request_seed(run_seed, number, sample)
-    _PRIORITY.set(number * SAMPLES_PER_DISPATCH + sample)
     return params
 
 

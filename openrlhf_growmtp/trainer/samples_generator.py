@@ -15,6 +15,7 @@ import time
 import ray
 from openrlhf.trainer.ppo_utils.samples_generator import SamplesGenerator
 
+from .. import reproducibility
 from .keys import ACCEPTED_KEY, DROPPED_KEY, RECORD_KEY
 from .rollout_order import ORDER_KEY, NumberedEngines
 
@@ -27,6 +28,7 @@ class OrderedSamplesGenerator(SamplesGenerator):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.ordered = bool(getattr(self.args.train, "full_determinism_enable", False))
+        self.held = self.ordered and reproducibility.ingredient("ordered_scheduling")
         self._numbers = itertools.count()
 
     def generate_samples(self, **generate_kwargs):
@@ -39,14 +41,16 @@ class OrderedSamplesGenerator(SamplesGenerator):
         if not self.ordered:
             return super()._dispatch_prompts_to_vllm(prompts, labels, images=images, **generate_kwargs)
         engines = self.vllm_engines
-        ray.get([engine.growmtp_hold.remote() for engine in engines])
+        if self.held:
+            ray.get([engine.growmtp_hold.remote() for engine in engines])
         numbered = NumberedEngines(engines, self.args.train.seed, self._numbers)
         self.vllm_engines = numbered.handles
         try:
             refs = super()._dispatch_prompts_to_vllm(prompts, labels, images=images, **generate_kwargs)
         finally:
             self.vllm_engines = engines
-        ray.get([engine.growmtp_release.remote(count) for engine, count in zip(engines, numbered.requests)])
+        if self.held:
+            ray.get([engine.growmtp_release.remote(count) for engine, count in zip(engines, numbered.requests)])
         return refs
 
     def _generate_vllm(self, *args, **kwargs):

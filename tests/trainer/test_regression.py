@@ -433,3 +433,27 @@ def test_zero2_and_zero3_step_the_head_with_the_same_gradient(single_rank, polic
     # norms together may exceed the sum's where they partly cancel (counted as twice): 2 x 2 x 2^-8 x 2 = 2^-5
     # of the gradient's norm at worst. A micro-batch lost from the window would differ by tens of percent.
     assert float((zero2 - zero3).norm()) <= 2 ** -5 * float(zero3.norm())
+
+
+def test_deepspeed_reads_only_what_it_wrote_into_its_gradient_bucket(single_rank, policy_dir, tmp_path, monkeypatch):
+    """Upstream's ZeRO-2 step under torch's deterministic mode, with its gradient bucket allocated as upstream
+    does (every element filled with NaN) and as the CPU layer does (unfilled: `fill_gradient_bucket`): the
+    same finite parameters, so no element of the bucket is read before a gradient is copied into it."""
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    unfilled_setup = DeepSpeedZeroOptimizer.setup_buckets
+    assert unfilled_setup.__wrapped__  # the CPU layer's (installer.install_cpu_support)
+    policies = []
+    saved = torch.are_deterministic_algorithms_enabled(), torch.utils.deterministic.fill_uninitialized_memory
+    try:
+        for setup in (unfilled_setup.__wrapped__, unfilled_setup):
+            monkeypatch.setattr(DeepSpeedZeroOptimizer, "setup_buckets", setup)
+            torch.use_deterministic_algorithms(True)
+            torch.utils.deterministic.fill_uninitialized_memory = True
+            args = train_args(policy_dir, tmp_path / str(len(policies)), "--ds.zero_stage", "2")
+            policies.append(one_step(args, policy_dir, ours=False)[1])
+    finally:
+        torch.use_deterministic_algorithms(saved[0])
+        torch.utils.deterministic.fill_uninitialized_memory = saved[1]
+    assert all(torch.isfinite(p).all() for p in policies[0].values())
+    assert_identical(*policies)

@@ -118,6 +118,22 @@ def test_a_step_is_dispatched_between_hold_and_release_and_its_samples_come_back
     assert [e.growmtp_order for e in plain._generate_vllm(None, 3, False)[0]] == [e.growmtp_order for e in finished]
 
 
+def test_without_ordered_scheduling_a_step_is_numbered_but_never_held(monkeypatch):
+    from openrlhf.trainer.ppo_utils.samples_generator import SamplesGenerator
+
+    from openrlhf_growmtp.reproducibility import OVERRIDE_ENV
+
+    log = []
+    engines = [FakeEngine("a", log), FakeEngine("b", log)]
+    monkeypatch.setenv(OVERRIDE_ENV, "ordered_scheduling=0")
+    monkeypatch.setattr(samples_generator.ray, "get", lambda refs: refs)
+    monkeypatch.setattr(SamplesGenerator, "_dispatch_prompts_to_vllm", lambda self, prompts, labels, **kw: [
+        self.vllm_engines[i % 2].generate_responses.remote(prompt=p, num_samples=2) for i, p in enumerate(prompts)])
+    make_generator(True, engines)._dispatch_prompts_to_vllm(["p0", "p1"], ["", ""])
+    assert [(name, method, kw["growmtp_dispatch"]) for name, method, _, kw in log] == [
+        ("a", "generate_responses", (42, 0)), ("b", "generate_responses", (42, 1))]
+
+
 def test_the_order_reaches_the_experience():
     from openrlhf.trainer.ppo_utils.samples_generator import SamplesGenerator
 

@@ -159,6 +159,20 @@ def test_pop_by_tokens_is_first_in_first_out_among_identical_sequences(capture_s
         collector.pop_by_tokens(tokens)
 
 
+def test_outputs_with_equal_tokens_are_claimed_in_the_callers_order_not_as_they_finish(capture_state):
+    made = [Request(name, prompt_len=5, accepted=[2, 1], seed=5) for name in ("made-first", "made-second")]
+    made[1].internal_id = "made-second-00000001"
+    verify([(made[0], 0), (made[1], 0)], seed=40)
+    verify([(made[1], 1), (made[0], 1)], seed=41)
+    collector = RecordCollector(K, topk=WIDTH, vocab_size=VOCAB)
+    for order, req in ((1, made[1]), (0, made[0])):  # the second one finished first
+        collector.add_output(req.output(), PARAMS, order=order)
+    collector.add_drained(capture.drain())
+    tokens = made[0].prompt + made[0].response
+    assert_record_is(collector.pop_by_tokens(tokens), made[0])
+    assert_record_is(collector.pop_by_tokens(tokens), made[1])
+
+
 @pytest.mark.parametrize("rows, width, k, dtype", [
     (96, 128, 64, torch.float32),  # the toy's rows: numpy's selection (k * 64 > width)
     (7, 4096, 100, torch.float32),  # numpy's, wider
