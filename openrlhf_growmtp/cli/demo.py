@@ -1,7 +1,7 @@
 """`make demo`: grow a draft head from scratch inside a real GRPO run on CPU, next to an autoregressive arm.
 
-    python -m openrlhf_growmtp.cli.demo            # ~10 min on 2 cores: both arms, plots, summary
-    python -m openrlhf_growmtp.cli.demo --quick    # ~3 min: the same pipeline, a few steps
+    python -m openrlhf_growmtp.cli.demo            # both arms, plots, summary
+    python -m openrlhf_growmtp.cli.demo --quick    # the same pipeline, a few steps
 
 Builds (once, cached) the local world of `openrlhf_growmtp.demo.world`, then runs the project's training CLI
 twice on it with the same seed, data and GRPO settings: `--growmtp_k 0` (autoregressive, upstream's run)
