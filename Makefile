@@ -32,14 +32,14 @@ test-slow: $(STAMP)
 
 # the embedded default: AR vs GrowMTP GRPO on CPU, plots and summary under runs/demo/ (README, "The demo")
 demo: $(STAMP)
-	$(PY) -m openrlhf_growmtp.cli.demo
+	$(PY) -m openrlhf_growmtp.experiments.demo
 
 demo-quick: $(STAMP)
-	$(PY) -m openrlhf_growmtp.cli.demo --quick
+	$(PY) -m openrlhf_growmtp.experiments.demo --quick
 
 # the demo's quick run twice per arm with one seed: every logged number and exported tensor compared (~3 min)
 reproduce: $(STAMP)
-	$(PY) -m openrlhf_growmtp.cli.reproduce
+	$(PY) -m openrlhf_growmtp.experiments.reproduce
 
 # vLLM's OpenAI-compatible server on 127.0.0.1:8000 for the newest demo run's policy, drafting with its grown head
 # (README, "Serve what the run grew"); Ctrl-C stops it
@@ -53,10 +53,10 @@ serve-check: $(STAMP)
 # the paper's ablations in two worlds (demo; paper: 8 layers, V=4096, K=5) under the paper's head schedule, 9 arms x 3
 # seeds; each run's result.json is kept and a re-run resumes; ~11 h on 2 cores in all (docs/ablations.md)
 ablations: $(STAMP)
-	$(PY) -m openrlhf_growmtp.cli.ablations --export docs --keep docs/ablations_runs
+	$(PY) -m openrlhf_growmtp.experiments.ablations --export docs --keep docs/ablations_runs
 
 ablations-quick: $(STAMP)
-	$(PY) -m openrlhf_growmtp.cli.ablations --quick
+	$(PY) -m openrlhf_growmtp.experiments.ablations --quick
 
 # every example script for 3 RL steps on this CPU at its model's real vocabulary (README, "Rehearsal"); ~55 min
 rehearse: $(STAMP)

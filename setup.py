@@ -35,7 +35,7 @@ setup(
         "console_scripts": [
             "growmtp-make-head = openrlhf_growmtp.cli.make_head:main",
             "growmtp-export = openrlhf_growmtp.cli.export:main",
-            "growmtp-demo = openrlhf_growmtp.cli.demo:main",
+            "growmtp-demo = openrlhf_growmtp.experiments.demo:main",
         ],
         # vLLM loads general plugins in every process it starts (engine core, workers)
         "vllm.general_plugins": ["growmtp = vllm_patches.plugin:register"],

@@ -44,7 +44,8 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 from openrlhf_growmtp.core.checkpoint import export_head, load_head, materialize_random_head  # noqa: E402
-from openrlhf_growmtp.toy_world import load_policy, make_policy, random_prompts, train_head_on_records  # noqa: E402
+from openrlhf_growmtp.experiments.worlds.toy import (  # noqa: E402
+    load_policy, make_policy, random_prompts, train_head_on_records)
 
 ENGINE_ARGS = dict(dtype="float32", enforce_eager=True, max_model_len=512, max_num_seqs=32, seed=0)
 

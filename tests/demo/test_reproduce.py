@@ -1,6 +1,6 @@
 """`make reproduce`'s comparison: every logged number but wall-clock time, step by step."""
 
-from openrlhf_growmtp.cli.reproduce import compare_scalars, is_wall_clock
+from openrlhf_growmtp.experiments.reproduce import compare_scalars, is_wall_clock
 
 
 def test_wall_clock_tags_are_left_out_and_everything_else_is_compared():

@@ -8,8 +8,9 @@ import pytest
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from openrlhf_growmtp.demo import report, task, world
-from openrlhf_growmtp.demo.reward import reward_func
+from openrlhf_growmtp.experiments import report
+from openrlhf_growmtp.experiments.worlds import demo_world as world, task
+from openrlhf_growmtp.experiments.worlds.demo_reward import reward_func
 
 
 def test_worked_solution_is_correct_arithmetic():

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 from safetensors import safe_open
 
-from openrlhf_growmtp.rehearsal import world
-from openrlhf_growmtp.rehearsal.report import Step, check
+from openrlhf_growmtp.experiments.rehearsal import world
+from openrlhf_growmtp.experiments.rehearsal.report import Step, check
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
@@ -72,7 +72,7 @@ def test_qwen3_5_preset_is_the_text_model_with_its_native_head_at_the_real_vocab
 
 
 def test_unknown_preset_is_refused_before_anything_is_written(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "openrlhf_growmtp.cli.rehearse", "world", str(tmp_path / "w"),
+    result = subprocess.run([sys.executable, "-m", "openrlhf_growmtp.experiments.rehearse", "world", str(tmp_path / "w"),
                              "qwen4_base"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and "unknown model preset 'qwen4_base'" in result.stderr
     assert not (tmp_path / "w").exists()

@@ -15,7 +15,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from openrlhf_growmtp import toy_world as toy
+from openrlhf_growmtp.experiments.worlds import toy
 from openrlhf_growmtp.cli.train_ppo_ray import INITIAL_HEAD_DIR
 
 REWARD = '''

@@ -108,9 +108,9 @@ def test_upstream_contract_holds_and_breaks_loudly(monkeypatch):
 @pytest.mark.parametrize("preset", ["full", "quick"])
 def test_every_ablation_arm_command_passes_the_startup_checks(policy_dir, head_dir, tmp_path, world, preset):
     # an arm refused at startup would only show up as a failed arm an hour into `make ablations`
-    from openrlhf_growmtp.demo.ablations import ARMS
-    from openrlhf_growmtp.demo.recipes import WORLDS, train_command
-    from openrlhf_growmtp.demo.world import World
+    from openrlhf_growmtp.experiments.ablation_arms import ARMS
+    from openrlhf_growmtp.experiments.recipes import WORLDS, train_command
+    from openrlhf_growmtp.experiments.worlds.demo_world import World
     from openrlhf_growmtp.trainer.args import policy_steps_per_rl_step
 
     recipes = WORLDS[world]

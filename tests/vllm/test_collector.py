@@ -18,7 +18,7 @@ from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
 from openrlhf_growmtp.core import validation
 from openrlhf_growmtp.core.records import SequenceRecord
 from openrlhf_growmtp.core.validation import validate_record
-from openrlhf_growmtp.toy_world import policy_hidden_states, random_prompts
+from openrlhf_growmtp.experiments.worlds.toy import policy_hidden_states, random_prompts
 from vllm_patches import capture
 from vllm_patches.collector import RecordCollectionError, RecordCollector
 from vllm_patches.settings import CaptureConfig, SpecConfigError

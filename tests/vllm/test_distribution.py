@@ -17,7 +17,7 @@ import pytest
 import torch
 from vllm import SamplingParams
 
-from openrlhf_growmtp.toy_world import random_prompts
+from openrlhf_growmtp.experiments.worlds.toy import random_prompts
 
 N = 2000
 ALPHA = 1e-3

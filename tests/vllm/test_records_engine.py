@@ -6,7 +6,7 @@ from helpers.engines import K, core_head, hf_logprobs_on_path
 from vllm import SamplingParams
 
 from openrlhf_growmtp.core.reconstruction import reconstruct_draft_logits
-from openrlhf_growmtp.toy_world import policy_hidden_states, random_prompts
+from openrlhf_growmtp.experiments.worlds.toy import policy_hidden_states, random_prompts
 
 STOP = 7  # a token the tiny policy emits now and then: stops land inside cycles
 

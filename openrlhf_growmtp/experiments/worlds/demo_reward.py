@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from openrlhf_growmtp.demo.task import score
+from openrlhf_growmtp.experiments.worlds.task import score
 from openrlhf_growmtp.rewards.common import response_of
 
 

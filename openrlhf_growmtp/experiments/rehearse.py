@@ -1,4 +1,4 @@
-"""`python -m openrlhf_growmtp.cli.rehearse`: the two halves of `GROWMTP_REHEARSAL=1` (examples/scripts/common.sh).
+"""`python -m openrlhf_growmtp.experiments.rehearse`: the two halves of `GROWMTP_REHEARSAL=1` (examples/scripts/common.sh).
 
     rehearse world ROOT MODEL          build (once) the tiny stand-in for MODEL and the raw dataset rows
     rehearse report TB_DIR --steps N --k K [--frozen] [--random-head]
@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     if args.command == "world":
-        from openrlhf_growmtp.rehearsal import world as world_module
+        from openrlhf_growmtp.experiments.rehearsal import world as world_module
 
         try:
             world_module.build(args.root, args.model)
@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         return 0
 
-    from openrlhf_growmtp.rehearsal import report as report_module
+    from openrlhf_growmtp.experiments.rehearsal import report as report_module
 
     try:
         steps = report_module.read_steps(args.tensorboard_dir)

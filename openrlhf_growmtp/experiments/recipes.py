@@ -22,10 +22,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from openrlhf_growmtp.demo.paper_world import build_paper_world
-from openrlhf_growmtp.demo.world import World, build_world
+from openrlhf_growmtp.experiments.worlds.paper_world import build_paper_world
+from openrlhf_growmtp.experiments.worlds.demo_world import World, build_world
 
-DEMO_DIR = Path(__file__).resolve().parent
+WORLDS_DIR = Path(__file__).resolve().parent / "worlds"
 
 
 @dataclass(frozen=True)
@@ -56,12 +56,12 @@ class WorldRecipes:
 
 
 WORLDS = {
-    "demo": WorldRecipes(build_world, DEMO_DIR / "reward.py", {
+    "demo": WorldRecipes(build_world, WORLDS_DIR / "demo_reward.py", {
         "full": Recipe(steps=100, prompts_per_step=16, samples_per_prompt=4, train_batch=16, epochs=3,
                        actor_lr="1e-4", k=3, topk=16, head_lr="3e-3", head_warmup_steps=5, max_new_tokens=64),
         "quick": Recipe(steps=4, prompts_per_step=8, samples_per_prompt=4, train_batch=16, epochs=3,
                         actor_lr="1e-4", k=3, topk=16, head_lr="3e-3", head_warmup_steps=1, max_new_tokens=64)}),
-    "paper": WorldRecipes(build_paper_world, DEMO_DIR / "paper_reward.py", {
+    "paper": WorldRecipes(build_paper_world, WORLDS_DIR / "paper_reward.py", {
         "full": Recipe(steps=40, prompts_per_step=8, samples_per_prompt=8, train_batch=64, epochs=1,
                        actor_lr="5e-5", k=5, topk=64, head_lr="1.5e-3", head_warmup_steps=10, max_new_tokens=160,
                        max_len=256),

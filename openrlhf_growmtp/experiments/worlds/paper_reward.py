@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from openrlhf_growmtp.demo.paper_world import score
+from openrlhf_growmtp.experiments.worlds.paper_world import score
 from openrlhf_growmtp.rewards.common import response_of
 
 

