@@ -30,7 +30,7 @@ test: $(STAMP)
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow tests
 
-# the embedded default: AR vs GrowMTP GRPO on CPU, plots and summary under runs/demo/ (README, "The demo")
+# the embedded default: AR vs GrowMTP GRPO on CPU, plots and summary under runs/demo/ (docs/demo.md)
 demo: $(STAMP)
 	$(PY) -m openrlhf_growmtp.experiments.demo
 
@@ -42,7 +42,7 @@ reproduce: $(STAMP)
 	$(PY) -m openrlhf_growmtp.experiments.reproduce
 
 # vLLM's OpenAI-compatible server on 127.0.0.1:8000 for the newest demo run's policy, drafting with its grown head
-# (README, "Serve what the run grew"); Ctrl-C stops it
+# (docs/serving.md); Ctrl-C stops it
 serve: $(STAMP)
 	$(PY) -m openrlhf_growmtp.cli.serve
 
@@ -51,14 +51,14 @@ serve-check: $(STAMP)
 	$(PY) -m openrlhf_growmtp.cli.serve_check
 
 # the paper's ablations in two worlds (demo; paper: 8 layers, V=4096, K=5) under the paper's head schedule, 9 arms x 3
-# seeds; each run's result.json is kept and a re-run resumes; ~11 h on 2 cores in all (docs/ablations.md)
+# seeds; each run's result.json is kept and a re-run resumes (docs/ablations.md)
 ablations: $(STAMP)
 	$(PY) -m openrlhf_growmtp.experiments.ablations --export docs --keep docs/ablations_runs
 
 ablations-quick: $(STAMP)
 	$(PY) -m openrlhf_growmtp.experiments.ablations --quick
 
-# every example script for 3 RL steps on this CPU at its model's real vocabulary (README, "Rehearsal"); ~55 min
+# every example script for 3 RL steps on this CPU at its model's real vocabulary (docs/rehearsal.md)
 rehearse: $(STAMP)
 	PYTHON=$(CURDIR)/$(PY) bash examples/rehearse_all.sh
 

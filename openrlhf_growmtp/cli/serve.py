@@ -45,7 +45,7 @@ def newest_run(runs_dir: Path) -> Path:
     """The demo run whose final head was written last; a clear error when no demo has run."""
     found = [runs_dir / name for name in DEMO_RUNS if (runs_dir / name / ARM / FINAL).is_dir()]
     if not found:
-        raise ExportError(f"no demo run under {runs_dir}/ ({', '.join(DEMO_RUNS)}): run `make demo-quick` (~3 min) "
+        raise ExportError(f"no demo run under {runs_dir}/ ({', '.join(DEMO_RUNS)}): run `make demo-quick` "
                           "or `make demo` first")
     return max(found, key=lambda run: (run / ARM / FINAL).stat().st_mtime)
 
@@ -136,7 +136,7 @@ def banner(source: Path, export_dir: Path, base_url: str, pid: int) -> str:
         f"serving {source} (policy + {serve['family']} head, K={serve['k']}, exported to {export_dir})",
         f"  OpenAI-compatible API: {base_url}/v1  (model name {SERVED_MODEL_NAME!r})",
         f"  try:      curl -s {base_url}/v1/completions -H 'Content-Type: application/json' -d '{request}'",
-        f"  drafting: curl -s {base_url}/metrics | grep spec_decode   (README: \"Serve what the run grew\")",
+        f"  drafting: curl -s {base_url}/metrics | grep spec_decode   (docs/serving.md)",
         f"  stop:     Ctrl-C here, or `kill {pid}` from another shell",
     ])
 

@@ -8,7 +8,7 @@
 The embedding and the lm_head are the backbone's modules, passed in and never copied or registered:
 the head's state dict holds only its own parameters, under the native checkpoint names.
 
-Alignment with drafting (DESIGN.md, measured against vLLM): the head's KV cache holds one entry per
+Alignment with drafting (measured against vLLM): the head's KV cache holds one entry per
 committed position p, written from (H_p, x_{p+1}) at RoPE position p, where H_p is the target's
 final-norm hidden state. A cycle starting at s drafts d_1 from the output at s, then feeds
 (h'_{j-1}, d_{j-1}) at position s+j-1 for j = 2..K.

@@ -18,27 +18,24 @@ Terms, defined once:
   and j are constants; the backbone's hidden states enter detached unless they carry a graph).
 - *chunk*: cycles reconstructed in one forward and one backward, so that memory stays bounded.
 
-The function below is the algorithm box: for each chunk, reconstruct the draft paths (`paths.chunk`),
-score log q at the top-k into α and each cycle's loss (`score`), and backpropagate (`paths.backward`).
-Data-parallel ranks run it in lockstep (`lockstep.py`): each computes its own work (`ChunkWork`), the
-ranks pad it once to the busiest rank's, and a rank with fewer chunks runs zero-weighted padding chunks.
+`head_loss_backward` is the algorithm box: for each chunk, reconstruct the draft paths, score log q at the
+recorded top-k into alpha and each cycle's objective (`score`), and backpropagate. What data-parallel
+ranks agree on (every chunk's work, padding chunks, records that fit) is the plan's (`chunk_plan.py`).
 """
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
 
-from .chunks import Chunk, ChunkWork
+from .chunk_plan import ChunkPlan
+from .chunks import Chunk
 from .lockstep import ONE_RANK, Lockstep
 from .objectives import chain_lengths, head_loss_per_cycle_at
-from .recompute import elementwise_recomputed, worth_recomputing
-from .records import RecordError, SequenceRecord
-from .reconstruction import DEFAULT_CHUNK_CYCLES, DraftPaths, check_batch
-from .teacher_forcing import TeacherForcedChains
+from .records import SequenceRecord
+from .reconstruction import DEFAULT_CHUNK_CYCLES
 from .topk_logq import TopKLogQ, group_bounds
 
 
@@ -65,7 +62,21 @@ class HeadLossStats:
 
     @property
     def alpha_mean(self) -> list[float]:
-        return [s / max(n, 1.0) for s, n in zip(self.alpha_sum, self.alpha_count)]
+        return alpha_means(self.alpha_sum, self.alpha_count)
+
+    def add(self, scored: Scored, weight: float) -> None:
+        """A chunk's share (padding chunks, of weight 0, measure nothing)."""
+        if not weight:
+            return
+        self.loss += float(scored.loss) * weight
+        # summed in fp32, as the α they are sums of
+        self.alpha_sum = (torch.tensor(self.alpha_sum) + (scored.alpha * scored.read).sum(0).cpu()).tolist()
+        self.alpha_count = (torch.tensor(self.alpha_count) + scored.read.sum(0).cpu()).tolist()
+
+
+def alpha_means(alpha_sum: Sequence[float], alpha_count: Sequence[float]) -> list[float]:
+    """α per draft position over the cycles whose loss reads it, from their sums and counts."""
+    return [total / max(count, 1.0) for total, count in zip(alpha_sum, alpha_count)]
 
 
 @dataclass
@@ -90,30 +101,19 @@ def head_loss_backward(head, records: Sequence[SequenceRecord], hiddens: Sequenc
     If a chunk's loss is not finite on some rank, no rank backpropagates it and the stats say
     finite=False: the caller must then drop this update (earlier chunks may have added gradients).
     """
-    _agree_records_fit(head, records, hiddens, lockstep)
-    paths, padding, work = _agreed_work(head, records, hiddens, cfg, lockstep)
-    stats = HeadLossStats(num_cycles=paths.total if paths else 0, num_chunks=len(paths) if paths else 0)
-    if not work:
-        return stats
-    depth = padding.records[0].depth
-    alpha_sum, alpha_count = torch.zeros(depth), torch.zeros(depth)
-    recompute = train and worth_recomputing(head, None if cfg.chunk_cycles is None else cfg.chunk_cycles * depth)
-    with elementwise_recomputed(head) if recompute else contextlib.nullcontext():
-        for i, chunk_work in enumerate(work):
-            source, index, weight = (paths, i, 1.0 / paths.total) if i < len(paths) else (padding, 0, 0.0)
-            chunk = source.chunk(index, chunk_work, weight)  # the draft paths, as drafted
-            scored = score(head, chunk, cfg.objective, chunk_work.score_groups, train)  # α, each cycle's loss
-            if not lockstep.every(bool(torch.isfinite(scored.loss))):  # never backpropagate a non-finite loss
+    plan = ChunkPlan(head, records, hiddens, cfg, lockstep)  # this rank's chunks, then padding
+    stats = HeadLossStats(num_cycles=plan.num_cycles, num_chunks=plan.num_chunks,
+                          alpha_sum=[0.0] * plan.depth, alpha_count=[0.0] * plan.depth)
+    with plan.recomputing(train):
+        for planned in plan:
+            chunk = planned.reconstruct()  # the draft paths, as drafted
+            scored = score(head, chunk, cfg.objective, planned.work.score_groups, train)  # log q -> α -> objective
+            if not plan.every_finite(scored.loss):  # never backpropagate a non-finite loss
                 stats.loss, stats.finite = float("nan"), False
                 break
             if train:
-                surrogate = (chunk.states.normed * scored.grad_normed).sum()  # its gradient is the loss's
-                source.backward(index, chunk_work, surrogate, lockstep.backward)
-            if weight:
-                stats.loss += float(scored.loss) * weight
-                alpha_sum += (scored.alpha * scored.read).sum(0).cpu()
-                alpha_count += scored.read.sum(0).cpu()
-    stats.alpha_sum, stats.alpha_count = alpha_sum.tolist(), alpha_count.tolist()
+                planned.backward(chunk, scored.grad_normed, lockstep.backward)
+            stats.add(scored, planned.weight)
     return stats
 
 
@@ -155,52 +155,3 @@ def score(head, chunk: Chunk, objective: str, groups: int, train: bool = True) -
     lengths = chain_lengths(chunk.accepted, num_cycles, depth, device=device)
     read = torch.arange(depth, device=device)[None, :] < lengths[:, None]
     return Scored(loss_sum, grad_normed, alpha, read)
-
-
-def _agree_records_fit(head, records, hiddens, lockstep: Lockstep) -> None:
-    error = ""
-    try:
-        check_batch(head, records, hiddens)
-    except RecordError as err:
-        error = str(err)
-    if not lockstep.every(not error):
-        raise RecordError(error or "a malformed record on another data-parallel rank (see its log)")
-
-
-def _agreed_work(head, records, hiddens, cfg: HeadLossConfig, lockstep: Lockstep):
-    """(this rank's chunks, a padding chunk of one dummy cycle, every chunk's work padded across ranks).
-
-    No work where no rank has a record. Otherwise at least one chunk runs on every rank (padding where no
-    rank has a cycle): a call is then always one head backward at least, which the trainer relies on.
-    """
-    def source(recs, hids):
-        if cfg.teacher_forcing:
-            return TeacherForcedChains(head, recs, hids, cfg.chunk_cycles)
-        return DraftPaths(head, recs, hids, cfg.chunk_cycles, cfg.vgm)
-
-    paths = source(records, hiddens)
-    depth, width = (records[0].depth, int(records[0].topk_ids.shape[2])) if records else (0, 0)
-    count, depth, width = lockstep.most([len(paths), depth, width])
-    if depth == 0:
-        return None, None, []
-    count = max(count, 1)
-    padding = source(*_padding_cycle(head, depth, width, hiddens))
-    for chunks in (paths, padding):
-        chunks.one_chunk = count == 1
-    mine = [paths.work(i) for i in range(len(paths))] + [padding.work(0)] * (count - len(paths))
-    agreed = lockstep.most([n for w in mine for n in w.as_list()])
-    return paths, padding, [ChunkWork(*agreed[3 * i:3 * i + 3]) for i in range(count)]
-
-
-def _padding_cycle(head, depth: int, width: int, hiddens) -> tuple[list[SequenceRecord], list[torch.Tensor]]:
-    """One cycle in the head's shapes, whose loss weighs 0 (rank padding). Where the batch's hidden states
-    carry a graph (joint mode), the padding's does too, so that its backward reaches the same modules."""
-    config = head.config
-    record = SequenceRecord.make_dummy(prompt_len=2, accepted=(0,), depth=depth, topk=min(width, config.vocab_size),
-                                       vocab_size=config.vocab_size, hidden_size=config.hidden_size)
-    like = hiddens[0] if hiddens else None
-    param = next(head.parameters())
-    hidden = record.hidden.to(device=param.device, dtype=param.dtype)
-    if like is not None and like.requires_grad:
-        hidden = hidden + like.sum().to(hidden.dtype) * 0.0
-    return [record], [hidden]

@@ -7,15 +7,15 @@ Worlds (`experiments.recipes.WORLDS`): `demo` (the demo's world) and `paper` (th
 (`experiments.ablation_arms.ARMS`): GrowMTP (DCA + VGM), CE, KL, TV, DCA without VGM, teacher forcing, joint, a frozen
 random head, and autoregressive; every arm under the paper's schedule (one head step per RL step). Each
 run writes its result (`<world>/<arm>-s<seed>/result.json`) when it finishes, and a re-run skips the runs
-that have one (`--fresh` starts over), so the whole can take several sittings. `--keep DIR` (make ablations:
+that have one (`--fresh` starts over), so the whole can take several invocations. `--keep DIR` (make ablations:
 docs/ablations_runs) also copies each finished run's result, and each world's ceiling and text statistics, to
-DIR/<world's cache name>/, and a sitting restores from there what its runs directory lacks: committed with the
+DIR/<world's cache name>/, and an invocation restores from there what its runs directory lacks: committed with the
 repository, the results carry over to a fresh checkout. A kept result made under other settings, arm flags or K
 is not restored (that run goes again). Each result carries its world's digest (`World.digest`, the weights'
 sha256) and DIR/<world>/builds.json lists every build's digest: a summary names the runs made on a build other
-than this sitting's (`runs_on_other_builds`), whose numbers do not compare like for like. Runs are reproducible
+than this invocation's (`runs_on_other_builds`), whose numbers do not compare like for like. Runs are reproducible
 (`--train.full_determinism_enable`) on one machine: the same seed gives the same numbers there, so the spread
-is the seeds' (across machines it was not: README, "Reproducible runs").
+is the seeds' (not across machines: two machines' builds of one world may differ, which the digests show).
 After the demo world's arms: its ceiling (`experiments.ceiling`) and the one-step lag (`experiments.ablation_arms.lag`).
 `--start ce_k1` starts every drafting arm from a pretrained head instead of the world's random one, as the paper's
 objective ablations do (RQ3): the random head trained offline with CE at K=1 on the world's own policy
@@ -73,7 +73,7 @@ def run_world(name: str, args, out: Path, seeds: tuple[int, ...], arms: list[str
             made_under = {"settings": asdict(recipe), "flags": list(arm_spec.flags), "k": k}
             restore(kept, f"{arm}-s{seed}.json", result, made_under)
             if not result.exists():
-                if run_dir.exists():  # an unfinished run of an earlier sitting
+                if run_dir.exists():  # an unfinished run of an earlier invocation
                     shutil.rmtree(run_dir)
                 cmd = train_command(world, run_dir, recipe, k, spec.reward, seed=seed,
                                     one_policy_step=arm_spec.one_policy_step) + list(arm_spec.flags)
@@ -117,7 +117,7 @@ def run_world(name: str, args, out: Path, seeds: tuple[int, ...], arms: list[str
 
 
 def restore(kept_dir: Path | None, name: str, local: Path, made_under: dict | None = None) -> None:
-    """Copy kept_dir/name to `local` where this sitting's runs directory lacks it; a kept run result only if it
+    """Copy kept_dir/name to `local` where this invocation's runs directory lacks it; a kept run result only if it
     was made under `made_under` (its settings, arm flags and K). Nothing without a keep directory."""
     kept = kept_dir / name if kept_dir else None
     if kept is None or local.exists() or not kept.exists():
@@ -132,8 +132,8 @@ def restore(kept_dir: Path | None, name: str, local: Path, made_under: dict | No
 
 
 def note_build(builds: Path, digest: str) -> None:
-    """Record in the keep directory that a sitting built this world with these weights (World.digest): runs
-    kept by sittings on other machines compare only if the digests agree."""
+    """Record in the keep directory that an invocation built this world with these weights (World.digest): runs
+    kept by invocations on other machines compare only if the digests agree."""
     seen = json.loads(builds.read_text()) if builds.exists() else []
     if digest not in [b["digest"] for b in seen]:
         seen.append({"digest": digest, "first_seen": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())})
@@ -217,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, help="RL steps per arm (overrides the recipe)")
     parser.add_argument("--start", choices=STARTS, default="random",
                         help="the head every drafting arm starts from (see above; default: %(default)s)")
-    parser.add_argument("--fresh", action="store_true", help="start over: forget the results of earlier sittings")
+    parser.add_argument("--fresh", action="store_true", help="start over: forget the results of earlier invocations")
     parser.add_argument("--name", help="outputs go to <runs-dir>/<name>/ (default: ablations or ablations-quick)")
     parser.add_argument("--runs-dir", default="runs")
     parser.add_argument("--cache-dir", default=None, help="where the worlds are cached (default: <runs-dir>/.cache)")
@@ -243,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     doc = {"schedule": "rl_step", "start": args.start, "preset": "quick" if args.quick else "full", "worlds": {}}
     for name in worlds:
         doc["worlds"][name] = run_world(name, args, out, seeds, arms)
-        doc["sitting_wall_s"] = time.perf_counter() - began
+        doc["invocation_wall_s"] = time.perf_counter() - began
         ablation_arms.write_json(out / "summary.json", doc)
     if args.export:
         prefix = "ablations" + _suffix(args.start).replace("-", "_")
@@ -252,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
             for plot in world["plots"]:
                 shutil.copyfile(plot, args.export / f"{prefix}_{name}_{Path(plot).name}")
     failed = {name: w["failed"] for name, w in doc["worlds"].items() if w["failed"]}
-    print(f"\nwrote {out}/summary.json in {(time.perf_counter() - began) / 60:.1f} min this sitting")
+    print(f"\nwrote {out}/summary.json in {(time.perf_counter() - began) / 60:.1f} min")
     if failed:
         print(f"FAILED runs: {failed} (their logs: {out}/<world>/<arm>-s<seed>/train.log)")
     return 1 if failed else 0

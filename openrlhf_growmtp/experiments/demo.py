@@ -70,7 +70,7 @@ def run_arm(cmd: list[str], arm_dir: Path, label: str, steps: int) -> float:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m openrlhf_growmtp.experiments.demo", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="a few steps per arm (~3 min): the smoke test's run")
+    parser.add_argument("--quick", action="store_true", help="a few steps per arm: the smoke test's run")
     parser.add_argument("--name", help="run name: outputs go to <runs-dir>/<name>/ (default: demo or demo-quick)")
     parser.add_argument("--runs-dir", default="runs")
     parser.add_argument("--cache-dir", default=None, help="where the world is cached (default: <runs-dir>/.cache)")

@@ -3,16 +3,13 @@
 Every setting here was chosen before the runs it governs, and is not adjusted toward any result
 (docs/ablations.md lists them with their reasons):
 
-- `demo`: the demo's world (`demo/world.py`): a 2-layer policy on worked additions, a 32-word vocabulary,
+- `demo`: the demo's world (`worlds/demo_world.py`): a 2-layer policy on worked additions, a 32-word vocabulary,
   K=3 with the top-16; each RL step's 64 samples train in mini-batches of 16 for 3 epochs (12 policy
   steps per RL step).
-- `paper`: the paper's proportions (`demo/paper_world.py`): an 8-layer policy, a 4,096-token BPE, a
+- `paper`: the paper's proportions (`worlds/paper_world.py`): an 8-layer policy, a 4,096-token BPE, a
   one-layer head, K=5 with the top-64, responses of about 110 tokens, 8 prompts x 8 samples in one policy
   step per RL step. Its head LR is the demo's scaled by the inverse width (3e-3 x 128/256). Its 40 RL
-  steps follow from time alone, measured before any ablation ran: a drafting arm's RL step took about 20 s
-  (13.6 s of rollout with the random head) and the autoregressive one's about 6 s, plus about 40 s of
-  start-up per run, so 24 drafting and 3 autoregressive runs fit in about 6 h on 2 cores at 40 steps
-  (30 after the head's 10 warm-up steps).
+  steps were set by the time the ablations could take on 2 cores (docs/ablations.md gives the reckoning).
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ policy's steps from moving the head:
   zeroed where they open a window).
 ZeRO-2 (`DeepSpeedZeroOptimizer`, `partition_gradients`) and ZeRO-3 (`DeepSpeedZeroOptimizer_Stage3`)
 differ in where gradients accumulate and how norms are grouped; each function handles both. The
-DeepSpeed internals used here are listed in `installer.CONTRACT` and checked at start-up.
+DeepSpeed internals used here are listed in `contract.CONTRACT` and checked at start-up.
 """
 
 from __future__ import annotations
@@ -107,6 +107,36 @@ def head_updated(engine, finite: bool) -> None:
     """The head's latest update in the current accumulation window: finite on every rank (the window's
     optimizer step then steps the head group too, unless a later update of the window is not) or not."""
     setattr(engine, _UPDATED_ATTR, engine.global_steps if finite else None)
+
+
+class HeadWindows:
+    """The accumulation windows one RL step's head updates run in: `enter` before each update (True where it
+    opens a window), `updated` after it; `finite` says whether every update of the open window was finite
+    on every rank (its optimizer step then steps the head); `close` at the RL step's end gives the head
+    steps taken, one per window with a finite update."""
+
+    def __init__(self, engine):
+        self.engine, self.finite, self.head_steps, self._stepping = engine, True, 0, False
+
+    def enter(self) -> bool:
+        if not open_head_window(self.engine):
+            return False
+        self._count()
+        self.finite = True
+        return True
+
+    def updated(self, finite: bool) -> None:
+        self.finite = self._stepping = finite
+        head_updated(self.engine, finite)
+
+    def close(self) -> int:
+        self._count()
+        return self.head_steps
+
+    def _count(self) -> None:
+        """The window the head last updated in has closed: its optimizer step stepped the head if finite."""
+        self.head_steps += self._stepping
+        self._stepping = False
 
 
 @dataclass

@@ -21,7 +21,7 @@ from typing import Sequence
 import torch
 
 from ..core.head import MTPHead
-from ..core.head_loss import HeadLossConfig, HeadLossStats, head_loss_backward
+from ..core.head_loss import HeadLossConfig, HeadLossStats, alpha_means, head_loss_backward
 from ..core.lockstep import Lockstep
 from ..core.records import SequenceRecord
 
@@ -34,11 +34,12 @@ class HeadUpdateConfig:
 
 
 @dataclass
-class HeadStepTotals:
+class HeadUpdateTotals:
     """Sums over every rank of one or more `update_head` calls; `metrics()` gives the logged values.
 
-    Calls add up (`add`) so that a step made of several calls (one per micro-batch) reports one loss and
-    one α_k per step: means over all of its cycles, not means of per-call means.
+    Calls add up so that an RL step made of several calls (one per micro-batch) reports one loss and one
+    α_k: means over all of its cycles, not means of per-call means. Loss, α and cycles are measured on
+    each record's first visit (a later epoch's calls add their time and finiteness only).
     """
 
     k: int = 0
@@ -51,7 +52,11 @@ class HeadStepTotals:
     finite: bool = True
     seconds: float = 0.0
 
-    def add(self, other: HeadStepTotals) -> None:
+    def add(self, other: HeadUpdateTotals, first_visit: bool = True) -> None:
+        self.finite = self.finite and other.finite
+        self.seconds += other.seconds
+        if not first_visit:
+            return
         if other.k:
             if not self.k:
                 self.k, self.alpha_sum, self.alpha_count = other.k, [0.0] * other.k, [0.0] * other.k
@@ -61,8 +66,6 @@ class HeadStepTotals:
         self.cycles += other.cycles
         self.loss_sum += other.loss_sum
         self.mass_sum += other.mass_sum
-        self.finite = self.finite and other.finite
-        self.seconds += other.seconds
 
     def metrics(self) -> dict[str, float]:
         cycles = max(self.cycles, 1.0)
@@ -81,7 +84,7 @@ class HeadStepTotals:
 
 def update_head(head: MTPHead, records: Sequence[SequenceRecord], hiddens: Sequence[torch.Tensor],
                 cfg: HeadUpdateConfig, lockstep: Lockstep, gradient_accumulation: int = 1,
-                cycles_per_step: float | None = None) -> HeadStepTotals:
+                cycles_per_step: float | None = None) -> HeadUpdateTotals:
     """Accumulate the head gradients of these records on every rank; returns the call's totals (identical
     on all ranks). `lockstep.backward` is DeepSpeed's engine backward (which divides by
     `gradient_accumulation`); `cycles_per_step` divides the summed loss (module docstring)."""
@@ -93,7 +96,7 @@ def update_head(head: MTPHead, records: Sequence[SequenceRecord], hiddens: Seque
     scaled = replace(lockstep, backward=lambda loss: lockstep.backward(loss * scale))
     dtype = next(head.parameters()).dtype
     stats = head_loss_backward(head, records, [h.to(dtype) for h in hiddens], cfg.loss, scaled)
-    totals = HeadStepTotals(teacher_forcing=cfg.loss.teacher_forcing, cycles=cycles, mass_sum=mass,
+    totals = HeadUpdateTotals(teacher_forcing=cfg.loss.teacher_forcing, cycles=cycles, mass_sum=mass,
                             finite=stats.finite)
     if stats.alpha_sum:
         k = len(stats.alpha_sum)
@@ -128,5 +131,5 @@ def head_alpha_on(head: MTPHead, records: Sequence[SequenceRecord], hiddens: Seq
 
 
 def alphas(prefix: str, alpha_sum: Sequence[float], alpha_count: Sequence[float]) -> dict[str, float]:
-    return {f"{prefix}_{position}": value / max(count, 1.0)
-            for position, (value, count) in enumerate(zip(alpha_sum, alpha_count), start=1)}
+    """`{prefix}_k` for k = 1..K: α per draft position from its sums and counts."""
+    return {f"{prefix}_{k}": mean for k, mean in enumerate(alpha_means(alpha_sum, alpha_count), start=1)}

@@ -1,12 +1,18 @@
-"""H_p, the backbone's final-norm hidden states the head reads (transport-free mode): from a forward of the
-policy over the records' committed tokens, or from the policy's own training forward of a micro-batch.
+"""H_p, the backbone's final-norm hidden states the head reads (transport-free mode), and the two sources an
+RL step's head updates take them from (`head_rl_step.py` chooses one per RL step):
 
-Every rank makes the same backbone forwards (ZeRO-3 gathers parameters in each): ranks with fewer
-records run one-token padding forwards. No openrlhf or DeepSpeed import here.
+- `OwnForward`: one forward of the rollout policy over the records' committed tokens, before the policy's
+  first step; every rank makes the same backbone forwards (ZeRO-3 gathers parameters in each), ranks with
+  fewer records run one-token padding forwards;
+- `TrainingForward`: the policy's own training forward of a micro-batch, where that forward runs the
+  rollout policy over exactly the records' tokens (`training_forward_mismatch` says where it does not).
+
+No openrlhf or DeepSpeed import here.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Sequence
 
@@ -15,6 +21,7 @@ from torch import nn
 
 from ..core.lockstep import Lockstep
 from ..core.records import SequenceRecord
+from .keys import RECORD_INDEX_KEY
 
 
 def _device() -> torch.device:
@@ -69,26 +76,76 @@ def rows_per_sample(last_hidden: torch.Tensor, attention_mask: torch.Tensor) -> 
     return list(flat.split(mask.sum(-1).tolist()))
 
 
-class TrainingForwardHiddens:
+class OwnForward:
+    """H_p of every record from one forward of the rollout policy, read when the RL step starts (with a graph
+    in joint mode; otherwise kept off the accelerator until their micro-batch comes)."""
+
+    ready_before_forward = True
+
+    def __init__(self, backbone: nn.Module, records: Sequence[SequenceRecord], batch_size: int, grad: bool,
+                 lockstep: Lockstep, keep: bool = False):
+        with torch.random.fork_rng(devices=[]):  # upstream's RNG stream (its data order) untouched
+            hiddens = step_hidden_states(backbone, records, batch_size, grad=grad, lockstep=lockstep)
+        self.hiddens = hiddens if grad else [h.to("cpu") for h in hiddens]
+        self.keep = keep  # held through the RL step (the lag probe reads them after it)
+
+    def of_records(self, indices: Sequence[int]) -> list[torch.Tensor]:
+        return [self.hiddens[i] for i in indices]
+
+    @contextlib.contextmanager
+    def watching(self, active: bool):
+        yield
+
+    def release(self) -> None:
+        """Used up: not held through the policy's other micro-batches."""
+        if not self.keep:
+            self.hiddens = []
+
+
+class TrainingForward:
     """The backbone's final hidden states of the policy's own training forward of one micro-batch
-    (detached), kept by a forward hook while `watch` is active."""
+    (detached), kept by a forward hook while `watching`."""
+
+    ready_before_forward = False
 
     def __init__(self, backbone: nn.Module):
-        self.backbone, self.captured, self._hook = backbone, [], None
+        self.backbone, self.captured = backbone, []
 
-    def watch(self) -> None:
+    @contextlib.contextmanager
+    def watching(self, active: bool):
+        if not active:
+            yield
+            return
         self.captured.clear()
-        self._hook = self.backbone.register_forward_hook(
+        hook = self.backbone.register_forward_hook(
             lambda module, args, output: self.captured.append(output.last_hidden_state.detach()))
+        try:
+            yield
+        finally:
+            hook.remove()
 
-    def stop(self) -> None:
-        if self._hook is not None:
-            self._hook.remove()
-            self._hook = None
-
-    def per_sample(self, attention_mask: torch.Tensor) -> list[torch.Tensor]:
+    def of_forward(self, attention_mask: torch.Tensor) -> list[torch.Tensor]:
         """The micro-batch's H_p per sample, once its one policy forward has run."""
-        self.stop()
         if len(self.captured) != 1:
             raise RuntimeError(f"GrowMTP: expected one policy forward before the backward, saw {len(self.captured)}")
         return rows_per_sample(self.captured.pop(), attention_mask)
+
+    def release(self) -> None:
+        self.captured.clear()
+
+
+def training_forward_mismatch(items, records: Sequence[SequenceRecord]) -> str | None:
+    """Why the policy's training forward of these samples (upstream's Experience objects) is not over exactly
+    their records' tokens (None: it is)."""
+    for item in items:
+        index = item.info.get(RECORD_INDEX_KEY)
+        if index is None:
+            return "a sample whose tokens are not its record's: no record"
+        tokens = item.sequences.reshape(-1)[item.attention_mask.reshape(-1).bool()].cpu()
+        recorded = records[int(index)].token_ids.cpu()
+        if tokens.shape != recorded.shape:
+            return f"a sample whose tokens are not its record's: {tokens.shape[0]} valid tokens, {recorded.shape[0]} recorded"
+        if not torch.equal(tokens, recorded):
+            return ("a sample whose tokens are not its record's: first difference at position "
+                    f"{int((tokens != recorded).nonzero()[0])}")
+    return None

@@ -1,10 +1,11 @@
 """The policy actor and its actor-side PPO trainer (upstream: trainer/ray/ppo_actor.py).
 
 One RL step on each policy rank: `ppo_train` takes the step's records out of the replay buffer (an index
-into them stays in each sample's Experience.info) and hands them to the RL step's `head_step.HeadStep`;
-upstream's `ppo_train` then runs the policy's micro-batches (mini-batches, epochs, dynamic batching as
-configured), each inside the head step's `micro_batch`; then `broadcast_to_vllm` sends the policy's
-weights by upstream's path and the head's through Ray. The policy actor's checkpoints carry a head
+into them stays in each sample's Experience.info) and hands them to the RL step's `HeadRLStep`, whose
+`before_policy_backward` it registers at the strategy's seam; upstream's `ppo_train` then runs the
+policy's micro-batches (mini-batches, epochs, dynamic batching as configured), each inside the head RL
+step's `micro_batch`; then `broadcast_to_vllm` sends the policy's weights by upstream's path and the
+head's through Ray. The policy actor's checkpoints carry a head
 snapshot (weights, Adam state, LR) beside upstream's.
 """
 
@@ -24,7 +25,7 @@ from .. import cpu_support, reproducibility
 from ..core.head_loss import HeadLossConfig
 from ..core.records import SequenceRecord
 from . import head_optimizer, installer
-from .head_step import HeadStep
+from .head_rl_step import HeadRLStep
 from .head_update import HeadUpdateConfig
 from .keys import ACCEPTED_KEY, DROPPED_KEY, RECORD_INDEX_KEY, RECORD_KEY
 from .loss import NegativeAdvantageWeightedLoss
@@ -70,33 +71,34 @@ class ActorTrainer(ActorPPOTrainer):
 
 
 class GrowMTPActorTrainer(ActorTrainer):
-    """The actor-side trainer of a GrowMTP run: the head's part of each RL step (`head_step.HeadStep`), and
-    the head's sync into the engines.
+    """The actor-side trainer of a GrowMTP run: the head's part of each RL step (`HeadRLStep`), and the
+    head's sync into the engines.
 
     Each sample's record rides in its Experience.info through upstream's shuffling, mini-batches, epochs
     and dynamic batching, as an index into the RL step's records (`_take_records`).
     """
 
-    head_step: HeadStep | None = None
+    head_rl_step: HeadRLStep | None = None
 
     def ppo_train(self, kl_ctl: float):
         records = self._take_records()
         if head_of(self.actor.model.module) is None:  # a frozen head drafts in the engines only
             return super().ppo_train(kl_ctl)
-        self.head_step = self.strategy.head_step = HeadStep(self, records, self._head_update_config())
+        step = self.head_rl_step = HeadRLStep(self, records, self._head_update_config())
         try:
-            status = super().ppo_train(kl_ctl)
+            with self.strategy.before_policy_backward(step.before_policy_backward):
+                status = super().ppo_train(kl_ctl)
         finally:
-            step, self.head_step, self.strategy.head_step = self.head_step, None, None
+            self.head_rl_step = None
         status.update({f"growmtp/{key}": value for key, value in step.metrics().items()})
         return status
 
     def training_step(self, experience, kl_ctl, step, loss_batch_info=None):
         indices = experience.info.pop(RECORD_INDEX_KEY, None)
-        if self.head_step is None:
+        if self.head_rl_step is None:
             return super().training_step(experience, kl_ctl, step, loss_batch_info)
         indices = [] if indices is None else [int(i) for i in indices]
-        with self.head_step.micro_batch(indices, experience.attention_mask, step):
+        with self.head_rl_step.micro_batch(indices, experience.attention_mask, step):
             return super().training_step(experience, kl_ctl, step, loss_batch_info)
 
     def _take_records(self) -> list[SequenceRecord]:

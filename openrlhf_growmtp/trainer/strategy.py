@@ -13,6 +13,7 @@ import contextlib
 import json
 import shutil
 from pathlib import Path
+from typing import Callable
 
 import deepspeed
 import torch
@@ -65,14 +66,24 @@ def trained_head_dir(args) -> str | None:
 
 class GrowMTPStrategy(DeepspeedStrategy):
     """Upstream's strategy plus the head: attached before DeepSpeed wraps the actor, its own param group
-    and LR schedule, an HF export without it (the head goes to its own directory), and the RL step's
-    head update where it runs between the policy's forward and its backward (`head_step`)."""
+    and LR schedule, an HF export without it (the head goes to its own directory), and a seam between the
+    policy's forward and its backward (`before_policy_backward`)."""
 
-    head_step = None  # the actor's `head_step.HeadStep` while an RL step trains
+    _before_policy_backward: Callable[[], None] | None = None
+
+    @contextlib.contextmanager
+    def before_policy_backward(self, hook: Callable[[], None]):
+        """While open, `hook()` runs before every backward of the policy. Upstream's training step computes
+        its loss and backpropagates it in one method; its strategy's `backward` is the one call between."""
+        self._before_policy_backward = hook
+        try:
+            yield
+        finally:
+            self._before_policy_backward = None
 
     def backward(self, loss, model, _optimizer, **kwargs):
-        if self.head_step is not None and isinstance(model, Actor):
-            self.head_step.before_policy_backward()
+        if self._before_policy_backward is not None and isinstance(model, Actor):
+            self._before_policy_backward()
         return super().backward(loss, model, _optimizer, **kwargs)
 
     def _ds_init_train_model(self, model, cfg):

@@ -1,10 +1,14 @@
 """`benchmarks/gpu_check.py --tiny` runs on CPU, every check passes and the JSON holds every field, so the
-check a lent GPU machine runs cannot rot between loans; its statistical sampler check has the power to fail."""
+check a lent GPU machine runs cannot rot between loans; its statistical sampler check has the power to fail;
+`--only` runs a subset and a run cut off (deadline, SIGTERM) leaves its JSON; the pieces of the two newer
+checks (the cached forward, the reference drafter's arithmetic, the cycle formula) hold on their own."""
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -14,18 +18,25 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
 sys.path.insert(0, str(ROOT / "benchmarks"))  # the benchmarks' modules, as the script itself sees them
 
+import gpu_cycle  # noqa: E402
+import gpu_drafter  # noqa: E402
 import gpu_sampler  # noqa: E402
+from bench_common import fit_line, qwen3_4b_config  # noqa: E402
+from gpu_world import TINY, tiny_config  # noqa: E402
 
-SECTIONS = {"environment", "shapes", "rows", "errors", "complete", "all_passed", "seconds", "reconstruction",
-            "alpha", "rejection_sampler", "head_update_cost"}
+SECTIONS = {"environment", "shapes", "rows", "errors", "complete", "cut_off", "checks", "all_passed", "seconds",
+            "reconstruction", "alpha", "rejection_sampler", "head_update_cost", "trainer_step", "cycle_cost"}
 COST_FIELDS = {"responses", "responses_asked", "scaled_by_budget", "tokens", "cycles", "tau", "k", "chunk_cycles",
                "micro_batch", "repeats", "median_s", "peak_mb", "hidden_states_mb", "time_ratio",
                "time_ratio_with_own_forward", "memory_ratio"}
 
 
+def _env():
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+
+
 def _run(*args, timeout=300):
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    return subprocess.run([sys.executable, str(SCRIPT), *args], cwd=ROOT, env=env, capture_output=True, text=True,
+    return subprocess.run([sys.executable, str(SCRIPT), *args], cwd=ROOT, env=_env(), capture_output=True, text=True,
                           timeout=timeout)
 
 
@@ -36,12 +47,12 @@ def test_tiny_gpu_check_passes_on_cpu_and_writes_every_field(tmp_path):
     assert "every check passed" in proc.stdout
     result = json.loads(out.read_text())
     assert SECTIONS <= set(result), SECTIONS - set(result)
-    assert result["complete"] and result["all_passed"] and not result["errors"]
+    assert result["complete"] and result["all_passed"] and not result["errors"] and result["cut_off"] is None
     assert result["shapes"]["k"] == 5 and result["shapes"]["topk"] == 64 and result["shapes"]["tie_word_embeddings"]
     rows = result["rows"]
-    assert {r["check"] for r in rows} == {"a", "b", "c", "d"}
+    assert {r["check"] for r in rows} == {"a", "b", "c", "d", "trainer_step", "cycle_cost"}
     judged = [r for r in rows if r["passed"] is not None]
-    assert len(judged) >= 10 and all(r["passed"] for r in judged)
+    assert len(judged) >= 13 and all(r["passed"] for r in judged)
     for row in rows:  # the table printed what the JSON holds
         assert row["name"] in proc.stdout and row["measured"] in proc.stdout
     # the bounds are not vacuous: a wrong key or position would move log q by far more than they allow
@@ -59,6 +70,81 @@ def test_tiny_gpu_check_passes_on_cpu_and_writes_every_field(tmp_path):
     cost = result["head_update_cost"]
     assert COST_FIELDS <= set(cost), COST_FIELDS - set(cost)
     assert cost["time_ratio"] > 0 and cost["memory_ratio"] is None  # peak memory is read on CUDA only
+    _check_trainer_step(result["trainer_step"])
+    _check_cycle_cost(result["cycle_cost"], trainer=result["trainer_step"])
+
+
+def _check_trainer_step(trainer):
+    # the GPU machine's environment, rehearsed: Ray and vLLM were never imported, only stood in for
+    assert trainer["standins"] == ["ray", "vllm"]
+    assert trainer["layers"] == TINY.trainer_layers and trainer["steps"] == TINY.trainer_steps
+    assert trainer["policy_tensors_differing"] == [] and trainer["policy_tensors_trained"] > 0
+    assert trainer["head_matrices_moved"] == trainer["head_matrices"] and len(trainer["head_matrices"]) == 8
+    status = trainer["status_with_head"]
+    # the paper's layout: one policy step per RL step, the head reading H_p from the policy's own forward
+    assert status["growmtp/head_hidden_from_forward"] == 1.0 and status["growmtp/head_steps"] == 1.0
+    assert status["growmtp/head_cycles"] == trainer["cycles"] and status["growmtp/head_finite"] == 1.0
+    assert 0 < trainer["head_share_of_step"] < 1 and trainer["step_ratio_with_over_without"] > 0
+    assert 1.0 < trainer["tau"] <= TINY.k + 1
+    # the policy's loss and gradient norm are upstream's too (the head's gradients are not in the norm)
+    for key in ("policy_loss", "actor_grad_norm"):
+        assert status[key] == trainer["status_without_head"][key], key
+
+
+def _check_cycle_cost(cycle, trainer=None):
+    contexts = [str(c) for c in TINY.cycle_contexts]
+    assert sorted(cycle["per_context"], key=int) == contexts and cycle["depths"] == list(TINY.cycle_depths)
+    for c in contexts:
+        p, t = cycle["per_context"][c], cycle["at_real_layers"][c]
+        assert p["cycle_s"] > 0 and t["decode_s"] > 0 and t["verify_s"] > 0 and t["draft_s"] > 0
+        assert abs(p["break_even_tau"] * t["decode_s"] - p["cycle_s"]) < 1e-9 * p["cycle_s"] + 1e-15
+    assert cycle["rollout"]["speedup"] > 0 and len(cycle["leaves_out"]) == 4
+    if trainer is None:
+        assert cycle["end_to_end"] is None
+    else:
+        e2e = cycle["end_to_end"]
+        assert e2e["speedup"] > 0 and e2e["speedup_with_paper_ar_split"] > 0 and e2e["train_s"] > 0
+
+
+def test_only_runs_the_checks_named(tmp_path):
+    out = tmp_path / "only.json"
+    proc = _run("--tiny", "--only", "cycle_cost", "--json", str(out))
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    result = json.loads(out.read_text())
+    assert result["checks"] == ["cycle_cost"] and result["complete"]
+    assert {r["check"] for r in result["rows"]} == {"cycle_cost"}
+    assert "reconstruction" not in result and "trainer_step" not in result
+    _check_cycle_cost(result["cycle_cost"])  # without trainer_step: no end-to-end prediction
+    assert "not predicted" in proc.stdout
+
+
+def test_only_refuses_an_unknown_check():
+    proc = _run("--tiny", "--only", "a,e", timeout=120)
+    assert proc.returncode == 2 and "--only takes checks among" in proc.stderr
+
+
+def test_a_run_past_its_deadline_records_what_it_skipped(tmp_path):
+    out = tmp_path / "late.json"
+    proc = _run("--tiny", "--only", "c,cycle_cost", "--deadline-s", "0", "--json", str(out))
+    assert proc.returncode == 1
+    result = json.loads(out.read_text())
+    assert not result["complete"] and result["cut_off"]["reason"] == "deadline"
+    assert [r["name"].split(":")[0] for r in result["rows"]] == ["not run", "not run"]
+
+
+def test_sigterm_leaves_the_json_of_what_was_done(tmp_path):
+    out = tmp_path / "term.json"
+    proc = subprocess.Popen([sys.executable, str(SCRIPT), "--tiny", "--only", "a,b,d,c,cycle_cost", "--json", str(out)],
+                            cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not out.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)  # the JSON is first written once the run has started
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 124, stdout[-3000:] + stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert not result["complete"] and result["cut_off"]["reason"] == "SIGTERM"
+    assert "cut off" in stderr
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="refusal is what a machine without CUDA shows")
@@ -111,3 +197,78 @@ def test_sampler_statistics_catch_a_sampler_with_target_and_draft_swapped():
     stats = gpu_sampler.sampler_statistics(p, q, accepted, emitted)
     assert abs(stats["z_first"]) <= gpu_sampler.Z_LIMIT  # sum min(p, q) is symmetric: acceptance cannot tell
     assert stats["positions"][0]["p_value"] < gpu_sampler.P_MIN  # what it emits can
+
+
+def test_cached_forward_is_the_models_forward():
+    from transformers import Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    config = tiny_config(2)
+    config._attn_implementation = "sdpa"
+    model = Qwen3ForCausalLM(config).eval()
+    ids = torch.randint(0, config.vocab_size, (3, 20))
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+        caches = [gpu_cycle.KVBuffer(3, config.num_key_value_heads, 32, config.head_dim, "cpu", torch.float32)
+                  for _ in range(config.num_hidden_layers)]
+        prefix = gpu_cycle.cached_forward(model, ids[:, :12], caches, causal=True)
+        decode = gpu_cycle.cached_forward(model, ids[:, 12:13], caches)
+        causal = gpu_cycle.cached_forward(model, ids[:, 13:19], caches, causal=True)
+        for cache in caches:
+            cache.reset(13)
+        unmasked = gpu_cycle.cached_forward(model, ids[:, 13:19], caches)
+    torch.testing.assert_close(torch.cat([prefix, decode, causal], 1), want[:, :19], rtol=1e-5, atol=1e-5)
+    # without the mask the 6 new tokens also see each other: only the last one's view is the causal one
+    torch.testing.assert_close(unmasked[:, -1], causal[:, -1], rtol=1e-5, atol=1e-5)
+    assert (unmasked[:, 0] - causal[:, 0]).abs().max() > 1e-3
+
+
+def test_kv_buffer_writes_in_place_and_refuses_to_overflow():
+    buffer = gpu_cycle.KVBuffer(1, 1, 4, 2, "cpu", torch.float32)
+    keys, _ = buffer.update(torch.ones(1, 1, 3, 2), torch.ones(1, 1, 3, 2))
+    assert keys.shape[2] == 3 and keys.data_ptr() == buffer.keys.data_ptr()
+    buffer.reset(1)
+    keys, _ = buffer.update(torch.zeros(1, 1, 2, 2), torch.zeros(1, 1, 2, 2))
+    assert keys.shape[2] == 3 and float(keys[0, 0, 0, 0]) == 1.0 and float(keys[0, 0, 1:].abs().sum()) == 0.0
+    with pytest.raises(ValueError, match="holds 4 positions"):
+        buffer.update(torch.zeros(1, 1, 2, 2), torch.zeros(1, 1, 2, 2))
+
+
+def test_cycle_formula():
+    # at the break-even tau drafting neither gains nor loses; at tau = 1 a cycle can only lose
+    p = gpu_cycle.cycle_prediction(decode=2.0, verify=3.0, draft=0.2, k=5, tau=2.91)
+    assert p["cycle_s"] == pytest.approx(4.0) and p["break_even_tau"] == pytest.approx(2.0)
+    at_break_even = gpu_cycle.cycle_prediction(2.0, 3.0, 0.2, 5, p["break_even_tau"])
+    assert at_break_even["speedup"] == pytest.approx(1.0)
+    assert gpu_cycle.cycle_prediction(2.0, 3.0, 0.2, 5, 1.0)["speedup"] < 1
+    # linear costs in the context: the whole response is the fit at its mean context, once per step
+    rollout = gpu_cycle.rollout_prediction([0, 100], [1.0, 2.0], [2.0, 4.0], tau=4.0, prompt=0, response=100)
+    assert rollout["ar_s"] == pytest.approx(150.0) and rollout["spec_s"] == pytest.approx(75.0)
+    # end to end: only the rollout part speeds up, and the head update adds to the step
+    assert gpu_cycle.step_prediction(rollout_ar=60.0, rollout_speedup=2.0, train=40.0, head=0.0) == pytest.approx(1.4)
+    assert gpu_cycle.step_prediction(60.0, 2.0, 40.0, 10.0) == pytest.approx(100 / 80)
+
+
+def test_fit_line_recovers_a_line_and_reports_residuals():
+    fit = fit_line([1, 2, 3, 4], [3.0, 5.0, 7.0, 9.5])
+    assert fit.b == pytest.approx(2.15) and fit.at(0) == pytest.approx(0.75)
+    assert sum(fit.residuals) == pytest.approx(0.0, abs=1e-12) and max(map(abs, fit.residuals)) > 0.1
+    with pytest.raises(ValueError):
+        fit_line([2, 2], [1.0, 2.0])
+
+
+def test_alpha_for_tau_inverts_the_acceptance_length():
+    for tau in (1.0, 2.91, 4.5):
+        a = gpu_drafter.alpha_for_tau(tau, 5)
+        assert sum(a ** i for i in range(6)) == pytest.approx(tau, abs=1e-9)
+    with pytest.raises(ValueError):
+        gpu_drafter.alpha_for_tau(6.5, 5)
+
+
+def test_trainer_layers_follow_the_devices_memory():
+    from gpu_trainer import layers_that_fit
+
+    config = qwen3_4b_config(36)
+    h100, h200 = layers_that_fit(config, 80 * 10**9), layers_that_fit(config, 141 * 10**9)
+    assert 1 <= h100 < h200 <= 36
+    assert layers_that_fit(config, 10**12) == 36 and layers_that_fit(config, 10**9) == 1

@@ -55,13 +55,17 @@ def make_head(family: str, seed: int = 0, std: float = 0.1) -> MTPHead:
     return head
 
 
-def make_records(k: int = 4, topk: int = 8, seed: int = 0) -> list[SequenceRecord]:
-    """Three sequences of different lengths, with full accepts, early rejections and a mixed temperature."""
-    layouts = [(5, [2, 0, k, 1, 0]), (3, [0, 0]), (9, [k, k, 1, 3])]
+def make_records(k: int = 4, topk: int = 8, seed: int = 0, layouts=None, vocab_size: int = VOCAB,
+                 hidden_size: int | None = HIDDEN) -> list[SequenceRecord]:
+    """Records of (prompt length, accepted per cycle) `layouts`; by default three sequences of different
+    lengths, with full accepts, early rejections and a mixed temperature. `hidden_size` None: no hidden."""
+    default = layouts is None
+    layouts = [(5, [2, 0, k, 1, 0]), (3, [0, 0]), (9, [k, k, 1, 3])] if default else layouts
     records = [SequenceRecord.make_dummy(prompt_len=p, accepted=[min(a, k) for a in acc], depth=k, topk=topk,
-                                         vocab_size=VOCAB, hidden_size=HIDDEN, seed=seed + i)
+                                         vocab_size=vocab_size, hidden_size=hidden_size, seed=seed + i)
                for i, (p, acc) in enumerate(layouts)]
-    records[1].temperature = 0.7
+    if default:
+        records[1].temperature = 0.7
     return records
 
 

@@ -8,7 +8,7 @@ import torch
 
 from helpers.tiny import make_head, make_records
 from openrlhf_growmtp.core import HeadLossConfig, Lockstep
-from openrlhf_growmtp.trainer.head_update import HeadStepTotals, HeadUpdateConfig, update_head
+from openrlhf_growmtp.trainer.head_update import HeadUpdateTotals, HeadUpdateConfig, update_head
 from openrlhf_growmtp.trainer.hidden_states import rows_per_sample
 
 CFG = HeadUpdateConfig(HeadLossConfig(chunk_cycles=3))
@@ -20,7 +20,7 @@ def _grads(head) -> dict[str, torch.Tensor]:
     return grads
 
 
-def _call(head, records, cycles_per_step=None) -> HeadStepTotals:
+def _call(head, records, cycles_per_step=None) -> HeadUpdateTotals:
     return update_head(head, records, [rec.hidden for rec in records], CFG, Lockstep(),
                        cycles_per_step=cycles_per_step)
 
@@ -29,7 +29,7 @@ def test_micro_batch_calls_add_up_to_one_call_over_every_record():
     head, records = make_head("qwen3"), make_records(k=4)
     whole = _call(head, records)
     reference = _grads(head)
-    totals = HeadStepTotals()
+    totals = HeadUpdateTotals()
     for part in ([records[0]], records[1:]):  # one optimizer step over two micro-batches
         totals.add(_call(head, part, cycles_per_step=whole.cycles))
     split = _grads(head)
@@ -56,13 +56,25 @@ def test_cycles_per_step_divides_the_summed_loss():
 
 
 def test_a_non_finite_call_makes_the_totals_non_finite():
-    totals = HeadStepTotals()
-    totals.add(HeadStepTotals(k=2, cycles=3.0, loss_sum=1.5, alpha_sum=[1.0, 0.5], alpha_count=[3.0, 2.0]))
-    totals.add(HeadStepTotals(k=2, cycles=2.0, loss_sum=float("nan"), finite=False, alpha_sum=[0.0, 0.0],
+    totals = HeadUpdateTotals()
+    totals.add(HeadUpdateTotals(k=2, cycles=3.0, loss_sum=1.5, alpha_sum=[1.0, 0.5], alpha_count=[3.0, 2.0]))
+    totals.add(HeadUpdateTotals(k=2, cycles=2.0, loss_sum=float("nan"), finite=False, alpha_sum=[0.0, 0.0],
                               alpha_count=[0.0, 0.0]))
     metrics = totals.metrics()
     assert metrics["head_finite"] == 0.0 and metrics["head_cycles"] == 5.0
     assert metrics["head_loss"] != metrics["head_loss"]  # NaN: never a mean over the finite part only
+
+
+def test_a_later_epochs_call_adds_its_time_and_finiteness_but_measures_nothing():
+    totals = HeadUpdateTotals()
+    totals.add(HeadUpdateTotals(k=1, cycles=4.0, loss_sum=2.0, alpha_sum=[2.0], alpha_count=[4.0], seconds=1.0))
+    totals.add(HeadUpdateTotals(k=1, cycles=4.0, loss_sum=1.0, alpha_sum=[3.0], alpha_count=[4.0], seconds=0.5),
+               first_visit=False)
+    metrics = totals.metrics()
+    assert metrics["head_cycles"] == 4.0 and metrics["head_loss"] == 0.5 and metrics["head_alpha_1"] == 0.5
+    assert metrics["head_update_s"] == 1.5 and metrics["head_finite"] == 1.0
+    totals.add(HeadUpdateTotals(finite=False), first_visit=False)
+    assert totals.metrics()["head_finite"] == 0.0
 
 
 def test_a_micro_batch_without_cycles_still_runs_one_zero_weight_backward():

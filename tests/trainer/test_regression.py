@@ -21,7 +21,9 @@ from openrlhf_growmtp.core.checkpoint import load_head
 from openrlhf_growmtp.core.records import SequenceRecord
 from openrlhf_growmtp.core.schedule import DEFAULT_HEAD_LR
 from openrlhf_growmtp.trainer.head_optimizer import head_optimizer_state
+from openrlhf_growmtp.trainer.keys import ACCEPTED_KEY, RECORD_KEY
 
+from helpers import tiny
 from helpers.trainer import K, TOPK, train_args
 
 BATCH, PROMPT, RESPONSE = 4, 5, 7
@@ -38,8 +40,8 @@ def make_experience(policy_dir, records, sequences=None):
     logp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, sequences[:, 1:, None])[..., 0][:, -RESPONSE:]
     info = {"reward": torch.tensor([1.0, 0.0, 0.5, 0.2])}
     if records is not None:
-        info["growmtp_record"] = [r.pack() for r in records]
-        info["growmtp_accepted"] = [r.accepted.tolist() for r in records]
+        info[RECORD_KEY] = [r.pack() for r in records]
+        info[ACCEPTED_KEY] = [r.accepted.tolist() for r in records]
     return Experience(sequences=sequences, attention_mask=torch.ones_like(sequences),
                       action_mask=torch.ones(BATCH, RESPONSE, dtype=torch.long), action_log_probs=logp,
                       advantages=torch.randn(BATCH, RESPONSE, generator=g),
@@ -48,8 +50,8 @@ def make_experience(policy_dir, records, sequences=None):
 
 
 def make_records():
-    return [SequenceRecord.make_dummy(prompt_len=4, accepted=acc, depth=K, topk=TOPK, vocab_size=128, hidden_size=None,
-                                      seed=i) for i, acc in enumerate([(0, 1, 3), (2, 0), (3, 3, 1, 0), (1,)])]
+    return tiny.make_records(K, TOPK, layouts=[(4, acc) for acc in ([0, 1, 3], [2, 0], [3, 3, 1, 0], [1])],
+                             vocab_size=128, hidden_size=None)
 
 
 def gathered(module) -> dict[str, torch.Tensor]:
@@ -110,9 +112,9 @@ def ours(policy_dir, head_dir, tmp_path, mode="detached", records=True, extra=()
 
 def matching_records():
     """Records whose tokens are their samples' (unlike `make_records`): 5 prompt tokens, 12 in all."""
-    return [SequenceRecord.make_dummy(prompt_len=PROMPT, accepted=acc, depth=K, topk=TOPK, vocab_size=128,
-                                      hidden_size=None, seed=10 + i)
-            for i, acc in enumerate([(0, 1, 2), (2, 2), (1, 1, 1), (0, 0, 0, 2)])]
+    accepted = ([0, 1, 2], [2, 2], [1, 1, 1], [0, 0, 0, 2])
+    return tiny.make_records(K, TOPK, seed=10, layouts=[(PROMPT, acc) for acc in accepted], vocab_size=128,
+                             hidden_size=None)
 
 
 def matching_sequences():
@@ -167,7 +169,7 @@ def test_hidden_states_from_the_training_forward_policy_identical_no_extra_forwa
                                                                                    head_dir, tmp_path, monkeypatch):
     # one policy step per RL step and records of exactly their samples' tokens: the head reads H_p from the
     # policy's own training forward of each micro-batch, and no forward of its own runs
-    from openrlhf_growmtp.trainer import head_step, hidden_states
+    from openrlhf_growmtp.trainer import head_rl_step, hidden_states
 
     assert matching_sequences().shape == (BATCH, PROMPT + RESPONSE)
     flags = ("--ds.packing_samples",) if packed else ()
@@ -186,9 +188,9 @@ def test_hidden_states_from_the_training_forward_policy_identical_no_extra_forwa
     def no_forward_of_its_own(*args, **kwargs):
         raise AssertionError("the head ran a policy forward of its own")
 
-    real_update = head_step.HeadStep._update
-    monkeypatch.setattr(head_step.HeadStep, "_update", spy_update)
-    monkeypatch.setattr(head_step, "step_hidden_states", no_forward_of_its_own)
+    real_update = head_rl_step.HeadRLStep.update
+    monkeypatch.setattr(head_rl_step.HeadRLStep, "update", spy_update)
+    monkeypatch.setattr(hidden_states, "step_hidden_states", no_forward_of_its_own)
     status, policy, head, _, _ = ours(policy_dir, head_dir, tmp_path / "ours", extra=flags, matching=True)
     assert_identical(policy, up_policy)
     assert status["policy_loss"] == up_status["policy_loss"]
@@ -323,7 +325,7 @@ def test_several_policy_steps_policy_identical_records_follow_their_samples(layo
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
     from openrlhf.trainer.ray.ppo_actor import ActorPPOTrainer
 
-    from openrlhf_growmtp.trainer import head_step
+    from openrlhf_growmtp.trainer import head_rl_step
 
     flags, steps, (up_status, up_policy, _, _, _) = layout
     if schedule == "policy_step" and steps == 1:
@@ -342,8 +344,8 @@ def test_several_policy_steps_policy_identical_records_follow_their_samples(layo
         policy_calls.append(sorted(sample_of[tuple(row.tolist())] for row in rows))
         return real_policy(self, experience, *args, **kwargs)
 
-    real_head, real_policy = head_step.update_head, ActorPPOTrainer.training_step
-    monkeypatch.setattr(head_step, "update_head", spy_head)
+    real_head, real_policy = head_rl_step.update_head, ActorPPOTrainer.training_step
+    monkeypatch.setattr(head_rl_step, "update_head", spy_head)
     monkeypatch.setattr(ActorPPOTrainer, "training_step", spy_policy)
     zero2 = "--ds.zero_stage" in flags
     after_step = head_state_after_each_step(monkeypatch, DeepSpeedZeroOptimizer if zero2 else

@@ -12,7 +12,7 @@ import torch
 from helpers.trainer import train_args
 
 from openrlhf_growmtp import cpu_support
-from openrlhf_growmtp.trainer import installer
+from openrlhf_growmtp.trainer import contract
 from openrlhf_growmtp.trainer.args import check_args, parse_train_args
 
 GOOD = ["--ds.zero_stage", "3", "--vllm.num_engines", "1", "--rollout.batch_size", "2",
@@ -94,13 +94,13 @@ def test_cli_fails_fast_before_ray(policy_dir, tmp_path):
 
 
 def test_upstream_contract_holds_and_breaks_loudly(monkeypatch):
-    installer.check_upstream_contract()
+    contract.check_upstream_contract()
     from openrlhf.trainer.ray import ppo_actor
 
     monkeypatch.delattr(ppo_actor.ActorPPOTrainer, "_init_vllm_sync_group")
     monkeypatch.setattr("importlib.metadata.version", lambda name: "0.12.0")
-    with pytest.raises(installer.UpstreamContractError) as err:
-        installer.check_upstream_contract()
+    with pytest.raises(contract.UpstreamContractError) as err:
+        contract.check_upstream_contract()
     assert "_init_vllm_sync_group is missing" in str(err.value) and "pinned to 0.11.2" in str(err.value)
 
 

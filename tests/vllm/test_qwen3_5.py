@@ -44,7 +44,7 @@ def qwen3_5_world(tmp_path_factory):
 
 
 def _rollout(world, dtype: str, eager: bool = True):
-    """Eager in make test; compiled (`eager=False`) by hand, see the README's family table."""
+    """Eager in make test; compiled (`eager=False`) by hand, see the family table in docs/architecture.md."""
     from vllm_patches.engine import SpecEngine
 
     engine = SpecEngine(world["root"] / "policy", world["root"] / "head", K, topk=TOPK, logprob_dtype="float32",
