@@ -84,3 +84,28 @@ def policy_step(policy: Qwen3ForCausalLM, ids: torch.Tensor) -> torch.Tensor:
     logp = torch.log_softmax(out.logits[:, :-1].float(), dim=-1).gather(-1, ids[:, 1:, None])
     (-logp.mean()).backward()
     return out.hidden_states[-1].detach()
+
+
+class LineFit:
+    """y = a + b x by least squares, with its residuals."""
+
+    def __init__(self, xs, ys):
+        x = torch.tensor([float(v) for v in xs], dtype=torch.float64)
+        y = torch.tensor([float(v) for v in ys], dtype=torch.float64)
+        if x.numel() < 2 or float(x.max() - x.min()) == 0.0:
+            raise ValueError(f"a line needs two distinct x values, got {list(xs)}")
+        design = torch.stack([torch.ones_like(x), x], dim=1)
+        coef = torch.linalg.lstsq(design, y[:, None]).solution[:, 0]
+        self.a, self.b = float(coef[0]), float(coef[1])
+        self.xs, self.ys = x.tolist(), y.tolist()
+        self.residuals = (y - design @ coef).tolist()
+
+    def at(self, x: float) -> float:
+        return self.a + self.b * x
+
+    def as_dict(self) -> dict:
+        return {"a": self.a, "b": self.b, "x": self.xs, "y": self.ys, "residuals": self.residuals}
+
+
+def fit_line(xs, ys) -> LineFit:
+    return LineFit(xs, ys)

@@ -5,22 +5,27 @@ What it times, on one response of --tokens tokens after a --prompt-token prompt:
 - policy: a forward of the causal LM, the token log-probs of the sequence (log-softmax, gather), their
   mean as the loss, and the backward (the part of a GRPO step that grows with the model);
 - head: `head_loss_backward` over the records of the same response (K=5, cycles drawn so that
-  τ ≈ --tau, top-64), reading the policy's final hidden states as the trainer hands them over.
+  τ ≈ --tau, top-64), reading the policy's final hidden states as the trainer hands them over;
+- own forward: the no-grad policy forward a head update runs where it cannot read H_p from the policy's
+  training forward (several policy steps per RL step, the lag probe, joint mode).
 
-Scaling to 36 layers. The policy's time is a + b·L for L identical decoder layers: b is one layer's
-forward and backward at this length (attention's quadratic part included), a is everything else
-(embedding, final norm, lm_head and loss). Two policies with 1 and 3 layers give b = (T(3) - T(1)) / 2
-and a = T(1) - b, hence T(36) = a + 36·b, Qwen3-4B's depth (times are medians of --repeats runs). The head
-update reads the final hidden states only, so its time does not depend on L. `ratio` = head update / T(36).
+Scaling to 36 layers. The policy's time is a + b·L for L identical decoder layers: b is one layer's forward
+and backward at this length (attention's quadratic part included), a is everything else (embedding, final
+norm, lm_head and loss). One policy of max(--depths) layers runs at each depth of --depths (its first L
+layers: transformers' Qwen3 runs `config.num_hidden_layers` of them), and a least-squares line through
+(L, time) is read at L = 36, Qwen3-4B's depth. The head update reads the final hidden states only, so its
+time does not depend on L. `ratio` = head update / policy at 36 layers; `ratio_with_own_forward` =
+(head update + own forward at 36 layers) / policy at 36 layers.
 
-Where the trainer cannot take H_p from the policy's own training forward (several policy steps per RL
-step, the lag probe, joint mode), the head runs a no-grad forward of the policy of its own; its time at
-36 layers is scaled the same way from 1 and 3 layers, and `ratio_with_own_forward` = (head update + that
-forward) / T(36). Peak memory is CUDA's peak on a
-GPU, else the sampled peak of the bytes malloc has handed out above the models (see
-bench_reconstruction.PeakMemory).
+Noise. Each of --rounds rounds times every depth (policy and own forward) and the head update once, in an
+order rotated from round to round, so that a slow spell of a shared machine falls on different parts in
+different rounds. The reported ratio is the one of the per-depth medians' fit; each round's own fit gives
+a ratio too, and their median, minimum and maximum are printed as the spread: one run says where the
+ratio is and how far one round of it can be off. Peak memory (one more run of the head and of the deepest
+policy) is CUDA's peak on a GPU, else the sampled peak of the bytes malloc has handed out above the models
+(bench_reconstruction.PeakMemory).
 
-    python benchmarks/bench_head_update.py [--tokens 2048] [--tau 3] [--json] [--device cpu|cuda]
+    python benchmarks/bench_head_update.py [--tokens 2048] [--tau 3] [--depths 1,2,3,4] [--rounds 5] [--json]
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ import statistics
 import time
 
 import torch
-from bench_common import head_update, policy_step, qwen3_4b_config, records_at_tau, sync
+from bench_common import fit_line, head_update, policy_step, qwen3_4b_config, records_at_tau, sync
 from bench_reconstruction import measure_peak
 from transformers import Qwen3ForCausalLM
 
@@ -39,7 +44,6 @@ from openrlhf_growmtp.core import MTPHead, init_random_head_, make_head_config
 from openrlhf_growmtp.core.families import get_family
 
 K, TOPK, REAL_LAYERS = 5, 64, 36
-LAYERS = (1, 3)  # the two depths the per-layer time is taken from
 
 
 def build_policy(num_layers: int, device: str, dtype: torch.dtype) -> Qwen3ForCausalLM:
@@ -49,18 +53,25 @@ def build_policy(num_layers: int, device: str, dtype: torch.dtype) -> Qwen3ForCa
     return Qwen3ForCausalLM(config).to(device=device, dtype=dtype).train()
 
 
-def timed(fn, device: str, repeats: int):
-    """(last value, median seconds over `repeats` runs, peak MB of one more run under the memory sampler);
-    `fn` resets what it accumulates."""
-    seconds = []
-    for _ in range(repeats):
-        sync(device)
-        t0 = time.perf_counter()
-        fn()
-        sync(device)
-        seconds.append(time.perf_counter() - t0)
-    value, peak, _ = measure_peak(fn, device)
-    return value, statistics.median(seconds), peak
+def seconds(fn, device: str):
+    sync(device)
+    t0 = time.perf_counter()
+    value = fn()
+    sync(device)
+    return value, time.perf_counter() - t0
+
+
+def ratios_of(depths, policy_s, forward_s, head_s) -> dict:
+    """The 36-layer estimates and ratios from one set of times (per depth: policy, own forward; the head's)."""
+    policy_fit, forward_fit = fit_line(depths, policy_s), fit_line(depths, forward_s)
+    policy_36, forward_36 = policy_fit.at(REAL_LAYERS), forward_fit.at(REAL_LAYERS)
+    return {"policy_fit": policy_fit.as_dict(), "forward_fit": forward_fit.as_dict(), "policy_s_36_layers": policy_36,
+            "own_forward_s_36_layers": forward_36, "head_update_s": head_s, "ratio": head_s / policy_36,
+            "ratio_with_own_forward": (head_s + forward_36) / policy_36}
+
+
+def spread(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "values": values}
 
 
 def main() -> None:
@@ -69,72 +80,99 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=256)
     parser.add_argument("--tau", type=float, default=3.0)
     parser.add_argument("--chunk-cycles", type=int, default=1024)
-    parser.add_argument("--repeats", type=int, default=3, help="timed runs of each; medians are reported")
+    parser.add_argument("--depths", default="1,2,3,4", help="policy depths timed, comma-separated (two at least)")
+    parser.add_argument("--rounds", type=int, default=5, help="rounds, each timing every depth and the head once")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    depths = sorted({int(d) for d in args.depths.split(",")})
+    if len(depths) < 2 or depths[0] < 1 or args.rounds < 1:
+        parser.error(f"--depths needs two distinct depths >= 1 and --rounds >= 1; got {args.depths}, {args.rounds}")
     dtype = torch.bfloat16
 
     record = records_at_tau(args.tokens, args.prompt, args.tau, K, TOPK, vocab_size=4096, hidden_size=2560)
     ids = record.token_ids.to(args.device)
     length = int(ids.shape[0])
-    policy_s, policy_mb, forward_s, hidden = {}, {}, {}, None
-    few, more = LAYERS
-    for layers in LAYERS:
-        policy = build_policy(layers, args.device, dtype)
-        policy_step(policy, ids[None, :64])  # first-call overheads out of the timing
+    policy = build_policy(max(depths), args.device, dtype)
+    config = policy.config
 
+    def policy_at(depth: int):
         def step():
+            config.num_hidden_layers = depth
             policy.zero_grad(set_to_none=True)
             return policy_step(policy, ids[None])[0]
+        return step
 
-        hidden, policy_s[layers], policy_mb[layers] = timed(step, args.device, args.repeats)
-
-        def own_forward():
+    def forward_at(depth: int):
+        def forward():
+            config.num_hidden_layers = depth
             with torch.no_grad():
                 return policy.model(input_ids=ids[None]).last_hidden_state
+        return forward
 
-        _, forward_s[layers], _ = timed(own_forward, args.device, args.repeats)
-        if layers != more:
-            del policy
-    per_layer = (policy_s[more] - policy_s[few]) / (more - few)
-    rest = policy_s[few] - few * per_layer
-    policy_36 = rest + REAL_LAYERS * per_layer
-    forward_per_layer = (forward_s[more] - forward_s[few]) / (more - few)
-    forward_36 = forward_s[few] + (REAL_LAYERS - few) * forward_per_layer
-
-    head = MTPHead(make_head_config(policy.config, get_family("qwen3")), policy.model.embed_tokens, policy.lm_head)
+    head = MTPHead(make_head_config(config, get_family("qwen3")), policy.model.embed_tokens, policy.lm_head)
     head = init_random_head_(head, 0).to(device=args.device, dtype=dtype)
-    hiddens = [hidden.to(dtype)]
     for p in head.parameters():  # the head's gradients exist across a step: not the update's memory
         p.grad = torch.zeros_like(p)
+    hiddens = [policy_at(max(depths))().to(dtype)]  # also the policy's warm-up
 
     def update():
         for p in head.parameters():
             p.grad.zero_()
         return head_update(head, [record], hiddens, args.chunk_cycles)
 
-    stats, head_s, head_mb = timed(update, args.device, args.repeats)
+    stats = update()  # warm-up
+    tasks = [("policy", d) for d in depths] + [("forward", d) for d in depths] + [("head", None)]
+    times = {("policy", d): [] for d in depths} | {("forward", d): [] for d in depths} | {("head", None): []}
+    for r in range(args.rounds):
+        shift = r % len(tasks)  # each round starts one task later
+        for kind, depth in tasks[shift:] + tasks[:shift]:
+            fn = update if kind == "head" else (policy_at if kind == "policy" else forward_at)(depth)
+            value, s = seconds(fn, args.device)
+            if kind == "head":
+                stats = value
+            times[(kind, depth)].append(s)
+    config.num_hidden_layers = max(depths)
+    per_round = [ratios_of(depths, [times[("policy", d)][r] for d in depths], [times[("forward", d)][r] for d in depths],
+                           times[("head", None)][r]) for r in range(args.rounds)]
+    median = {key: statistics.median(v) for key, v in times.items()}
+    pooled = ratios_of(depths, [median[("policy", d)] for d in depths], [median[("forward", d)] for d in depths],
+                       median[("head", None)])
+    _, _, head_mb = measure_peak(update, args.device)
+    _, policy_mb, _ = measure_peak(policy_at(max(depths)), args.device)
+    ratio_spread = spread([r["ratio"] for r in per_round])
+    own_spread = spread([r["ratio_with_own_forward"] for r in per_round])
     tau = 1.0 + float(record.accepted.float().mean())
-    ratio = head_s / policy_36
-    ratio_own_forward = (head_s + forward_36) / policy_36
 
     print(f"Qwen3-4B proportions (H=2560, V=151,936, bf16), device={args.device}; one sequence of {length} tokens "
-          f"({args.prompt} prompt), {record.num_cycles} cycles at K={K}, τ={tau:.2f}")
-    for layers in LAYERS:
-        print(f"  policy fwd+bwd, {layers} layer(s): {policy_s[layers]:8.2f} s   peak {policy_mb[layers]:7.0f} MB")
-    print(f"  per layer b = {per_layer:.2f} s, the rest a = {rest:.2f} s -> {REAL_LAYERS} layers: {policy_36:.1f} s "
-          f"(medians of {args.repeats})")
-    print(f"  head update             : {head_s:8.2f} s   peak {head_mb:7.0f} MB   (finite: {stats.finite})")
-    print(f"  ratio head update / policy training at 36 layers: {ratio:.3f}")
-    print(f"  with a no-grad policy forward of its own ({forward_36:.1f} s at {REAL_LAYERS} layers, from "
-          f"{forward_s[few]:.2f} / {forward_s[more]:.2f} s): {ratio_own_forward:.3f}")
+          f"({args.prompt} prompt), {record.num_cycles} cycles at K={K}, τ={tau:.2f}; {args.rounds} rounds")
+    for d in depths:
+        print(f"  policy fwd+bwd, {d} layer(s): {median[('policy', d)]:8.2f} s (rounds "
+              f"{min(times[('policy', d)]):.2f}-{max(times[('policy', d)]):.2f})   own forward "
+              f"{median[('forward', d)]:.2f} s")
+    fit = pooled["policy_fit"]
+    print(f"  fit a + b·L: b = {fit['b']:.2f} s per layer, a = {fit['a']:.2f} s (residuals "
+          + ", ".join(f"{x:+.2f}" for x in fit["residuals"]) + f") -> {REAL_LAYERS} layers: "
+          f"{pooled['policy_s_36_layers']:.1f} s")
+    print(f"  head update             : {median[('head', None)]:8.2f} s (rounds {min(times[('head', None)]):.2f}-"
+          f"{max(times[('head', None)]):.2f})   peak {head_mb:7.0f} MB (policy at {max(depths)} layers "
+          f"{policy_mb:.0f} MB; finite: {stats.finite})")
+    print(f"  ratio head update / policy training at 36 layers: {pooled['ratio']:.3f}   per round: median "
+          f"{ratio_spread['median']:.3f}, min {ratio_spread['min']:.3f}, max {ratio_spread['max']:.3f}")
+    print(f"  with a no-grad policy forward of its own ({pooled['own_forward_s_36_layers']:.1f} s at {REAL_LAYERS} "
+          f"layers): {pooled['ratio_with_own_forward']:.3f}   per round: median {own_spread['median']:.3f}, "
+          f"min {own_spread['min']:.3f}, max {own_spread['max']:.3f}")
     if args.json:
         print(json.dumps({"device": args.device, "tokens": length, "cycles": record.num_cycles, "k": K, "tau": tau,
-                          "policy_s_by_layers": policy_s, "policy_peak_mb_by_layers": policy_mb,
-                          "policy_s_per_layer": per_layer, "policy_s_36_layers": policy_36,
-                          "head_update_s": head_s, "head_peak_mb": head_mb, "ratio": ratio,
-                          "own_forward_s_36_layers": forward_36, "ratio_with_own_forward": ratio_own_forward}))
+                          "depths": depths, "rounds": args.rounds,
+                          "policy_s_by_layers": {d: times[("policy", d)] for d in depths},
+                          "own_forward_s_by_layers": {d: times[("forward", d)] for d in depths},
+                          "head_update_s_by_round": times[("head", None)], "policy_fit": pooled["policy_fit"],
+                          "policy_s_36_layers": pooled["policy_s_36_layers"], "head_update_s": pooled["head_update_s"],
+                          "head_peak_mb": head_mb, "policy_peak_mb": policy_mb, "ratio": pooled["ratio"],
+                          "ratio_spread": ratio_spread, "own_forward_s_36_layers": pooled["own_forward_s_36_layers"],
+                          "ratio_with_own_forward": pooled["ratio_with_own_forward"],
+                          "ratio_with_own_forward_spread": own_spread}))
 
 
 if __name__ == "__main__":

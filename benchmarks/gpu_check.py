@@ -6,12 +6,18 @@ base 1e6), K=5, top-64, with weights drawn at random from the config (nothing is
 (b) alpha on the top-64 against the dense alpha;
 (c) one RL step's head update against one policy forward + backward over the same responses: time and
     peak memory, side by side in one run;
-(d) a rejection sampler's acceptance against E_{x~q}[min(1, p/q)] = sum min(p, q), and its output ~ p.
+(d) a rejection sampler's acceptance against E_{x~q}[min(1, p/q)] = sum min(p, q), and its output ~ p;
+trainer_step: upstream's DeepSpeed ZeRO-3 bf16 step and ours with the head, in one process, on cycles
+    recorded by a reference drafter on the device: the policy identical with and without the head, the head
+    moved, the head's share of the step (gpu_trainer.py);
+cycle_cost: a decoding step, a verify of K + 1 positions and a draft step with a KV cache at 1K, 4K and 8K
+    tokens for 64 sequences; the break-even tau and the speedups they predict (gpu_cycle.py).
 Each module says how its bounds follow from the dtype and the number of trials: gpu_numerics.py (a, b),
-gpu_cost.py (c), gpu_sampler.py (d). Prints one table and writes it as JSON, rewritten whole after every
-check ("complete": false until the last), so a run cut off by a time limit still leaves what it did.
+gpu_cost.py (c), gpu_sampler.py (d), gpu_trainer.py. Prints one table and writes it as JSON, rewritten
+whole after every check ("complete": false until the last; "cut_off" says where a SIGTERM or the deadline
+stopped it), so a run cut off by a time limit still leaves what it did.
 
-    python benchmarks/gpu_check.py [--json PATH]            # CUDA only (docs/gpu.md: how to run it)
+    python benchmarks/gpu_check.py [--json PATH] [--only a,b,c,d,trainer_step,cycle_cost] [--deadline-s S]
     python benchmarks/gpu_check.py --tiny [--device cuda]   # the same at tiny shapes, on a CPU by default
 
 Exit status: 0 every check passed, 1 a check failed, 2 it cannot run here (no CUDA without --tiny, bad
@@ -23,7 +29,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import gc
+import os
 import platform
+import signal
 import subprocess
 import sys
 import time
@@ -33,12 +42,14 @@ from pathlib import Path
 import torch
 import transformers
 from gpu_cost import check_cost
+from gpu_cycle import check_cycle_cost
 from gpu_numerics import check_alpha, check_reconstruction
 from gpu_report import Row, all_passed, rows_json, table, write_json
 from gpu_sampler import check_sampler
 from gpu_world import REAL, TINY, build_head, build_policy
 
 ROOT = Path(__file__).resolve().parent.parent
+CHECKS = ("a", "b", "d", "c", "trainer_step", "cycle_cost")  # in the order they run
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -54,11 +65,26 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--budget-s", type=float, help="(c): seconds its timed runs may take (default 240)")
     parser.add_argument("--chunk-cycles", type=int,
                         help="(c): cycles per head-update chunk (default 1024, as --growmtp_chunk_cycles; tiny 64)")
+    parser.add_argument("--only", help=f"comma-separated checks to run, of {','.join(CHECKS)} (b and d need a, "
+                        "which then runs too)")
+    parser.add_argument("--deadline-s", type=float, help="checks not started this many seconds after the start "
+                        "are skipped (recorded as not run)")
+    parser.add_argument("--trainer-layers", type=int, help="trainer_step: the policy's layers (default: as many "
+                        "as the device's memory holds under ZeRO-3; tiny 2)")
     args = parser.parse_args(argv)
+    only = [c.strip() for c in (args.only or ",".join(CHECKS)).split(",") if c.strip()]
+    unknown = [c for c in only if c not in CHECKS]
+    if unknown or not only:
+        parser.error(f"--only takes checks among {','.join(CHECKS)}; got {args.only!r}")
+    if {"b", "d"} & set(only):
+        only.append("a")
+    args.only = [c for c in CHECKS if c in only]
+    if args.trainer_layers is not None and not 1 <= args.trainer_layers <= 36:
+        parser.error(f"--trainer-layers must be in 1..36, got {args.trainer_layers}")
     plan = TINY if args.tiny else REAL
     overrides = {"responses": args.responses, "response_tokens": args.response_tokens,
                  "prompt_tokens": args.prompt_tokens, "micro_batch": args.micro_batch, "repeats": args.repeats,
-                 "budget_s": args.budget_s, "chunk_cycles": args.chunk_cycles}
+                 "budget_s": args.budget_s, "chunk_cycles": args.chunk_cycles, "trainer_layers": args.trainer_layers}
     for name, value in overrides.items():
         if value is not None and value <= 0:
             parser.error(f"--{name.replace('_', '-')} must be positive, got {value}")
@@ -98,6 +124,11 @@ def shapes(plan) -> dict:
             "k": plan.k, "topk": plan.topk, "dtype": "bfloat16"}
 
 
+class CutOff(BaseException):
+    """The run was told to stop (SIGTERM, as a time limit sends it). Not an Exception: no `except Exception`
+    on the way up (a check's, a library's) may swallow it."""
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -106,13 +137,17 @@ def main(argv=None) -> int:
               "Run `python benchmarks/gpu_check.py --tiny` for the CPU version (docs/gpu.md).", file=sys.stderr)
         return 2
     plan, device = args.plan, torch.device(args.device)
+    if device.type == "cuda" and "trainer_step" in args.only:
+        # cuBLAS reads its workspace setting once, at its first call: before any check runs, for the
+        # deterministic algorithms trainer_step runs under
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     if device.type == "cpu":
         # tiny shapes' small ops gain nothing from more threads, and on a busy machine their spinning
         # threads stall each other (measured: 1.6 s with one thread, 48 s with two, under load)
         torch.set_num_threads(1)
     started = time.perf_counter()
-    payload = {"complete": False, "all_passed": None, "environment": environment(device), "shapes": shapes(plan),
-               "rows": [], "errors": {}}
+    payload = {"complete": False, "cut_off": None, "all_passed": None, "environment": environment(device),
+               "shapes": shapes(plan), "checks": args.only, "rows": [], "errors": {}}
     rows: list[Row] = []
 
     def log(message: str) -> None:
@@ -122,19 +157,46 @@ def main(argv=None) -> int:
         payload.update(rows=rows_json(rows), all_passed=all_passed(rows), seconds=time.perf_counter() - started)
         write_json(args.json, payload)
 
+    def on_term(signum, frame):
+        raise CutOff(signal.Signals(signum).name)
+
+    signal.signal(signal.SIGTERM, on_term)
     env = payload["environment"]
     log(f"GrowMTP GPU check, {plan.name} shapes on {env['device']} (torch {env['torch']}, CUDA {env['cuda']}, "
-        f"transformers {env['transformers']})")
+        f"transformers {env['transformers']}); checks {','.join(args.only)}")
     save()
-    policy = build_policy(plan.config, device, torch.bfloat16)
-    head = build_head(policy, torch.bfloat16)
-    log(f"policy ({plan.config.num_hidden_layers} layers) and head built")
-
     state = {}
 
+    def models():
+        if "policy" not in state:
+            state["policy"] = build_policy(plan.config, device, torch.bfloat16)
+            state["head"] = build_head(state["policy"], torch.bfloat16)
+            log(f"policy ({plan.config.num_hidden_layers} layers) and head built")
+        return state["policy"], state["head"]
+
+    def release_models():
+        state.pop("policy", None), state.pop("head", None)
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
     def run(check: str, fn) -> None:
+        elapsed = time.perf_counter() - started
+        if args.deadline_s is not None and elapsed > args.deadline_s:
+            rows.append(Row(check, f"not run: {elapsed:.0f} s had passed, past --deadline-s {args.deadline_s:g}",
+                            "-", "-", False))
+            payload["cut_off"] = payload["cut_off"] or {"reason": "deadline", "before": check, "seconds": elapsed}
+            save()
+            log(f"({check}) skipped: past the deadline")
+            return
+        log(f"({check}) starts")
         try:
             fn()
+        except CutOff as err:
+            payload["cut_off"] = {"reason": str(err), "during": check, "seconds": time.perf_counter() - started}
+            rows.append(Row(check, f"cut off by {err} while running", "-", "-", False))
+            save()
+            raise
         except Exception as err:  # one check's failure must not cost the others their results
             payload["errors"][check] = traceback.format_exc()
             rows.append(Row(check, f"error: {type(err).__name__}: {str(err).splitlines()[0][:80]}", "-", "-", False))
@@ -145,7 +207,7 @@ def main(argv=None) -> int:
         log(f"({check}) done")
 
     def reconstruction():
-        found, payload["reconstruction"], state["draft_logits"] = check_reconstruction(plan, head, log)
+        found, payload["reconstruction"], state["draft_logits"] = check_reconstruction(plan, models()[1], log)
         rows.extend(found)
 
     def alpha():
@@ -158,18 +220,47 @@ def main(argv=None) -> int:
         rows.extend(found)
 
     def cost():
-        found, payload["head_update_cost"] = check_cost(plan, policy, head, log)
+        found, payload["head_update_cost"] = check_cost(plan, *models(), log)
         rows.extend(found)
 
-    run("a", reconstruction)
-    for check, fn, needs in (("b", alpha, "draft_logits"), ("d", sampler, "logp")):
-        if needs in state:
+    def trainer():
+        from gpu_trainer import check_trainer_step, layers_that_fit
+
+        layers = plan.trainer_layers
+        if layers is None:
+            layers = layers_that_fit(plan.config, torch.cuda.get_device_properties(device).total_memory)
+        found, payload["trainer_step"] = check_trainer_step(plan, plan.trainer_config(layers), device, log)
+        rows.extend(found)
+
+    def cycle():
+        def policy_of(layers: int):
+            return build_policy(plan.trainer_config(layers), device, torch.bfloat16).eval()
+
+        found, payload["cycle_cost"] = check_cycle_cost(plan, policy_of, lambda p: build_head(p, torch.bfloat16),
+                                                        payload.get("trainer_step"), log)
+        rows.extend(found)
+
+    try:
+        for check, fn, needs in (("a", reconstruction, None), ("b", alpha, "draft_logits"), ("d", sampler, "logp"),
+                                 ("c", cost, None), ("trainer_step", trainer, None), ("cycle_cost", cycle, None)):
+            if check not in args.only:
+                continue
+            if check == "c" or check == "trainer_step":
+                state.pop("draft_logits", None), state.pop("logp", None)
+            if check == "trainer_step":  # the 36-layer policy leaves the device to the trainer's
+                release_models()
+            if needs is not None and needs not in state:
+                rows.append(Row(check, f"not run: an earlier check left no {needs}", "-", "-", False))
+                continue
             run(check, fn)
-        else:
-            rows.append(Row(check, f"not run: an earlier check left no {needs}", "-", "-", False))
-    state.clear()
-    run("c", cost)
-    payload["complete"] = True
+        release_models()
+        payload["complete"] = payload["cut_off"] is None
+    except CutOff as err:
+        if payload["cut_off"] is None:  # between two checks
+            payload["cut_off"] = {"reason": str(err), "during": None, "seconds": time.perf_counter() - started}
+            save()
+        print(f"\ngpu_check: cut off ({payload['cut_off']}); JSON with what was done: {args.json}", file=sys.stderr)
+        return 124
     save()
     print()
     print(table(rows))

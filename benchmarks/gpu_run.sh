@@ -1,16 +1,24 @@
 #!/usr/bin/env bash
-# `make gpu-check`: the GPU check on a lent machine (docs/gpu.md), with the machine's own python and torch.
+# `make gpu-check`: the GPU check on a lent machine (docs/gpu.md), with the machine's own python and torch, in
+# one command that keeps to $GPU_BUDGET_S seconds (default 480: 8 minutes of the machine), the install
+# of the carried wheels included.
 #   1. installs the carried wheels (.gpu-wheels/, from `make gpu-wheels`) into .gpu-site/, never into the
 #      machine's environment; without .gpu-wheels/ the environment is used as it is;
-#   2. without --tiny: refuses unless torch sees CUDA, runs the check at tiny shapes on CUDA (a smoke test
-#      of the environment, seconds), then at Qwen3-4B's shapes with the arguments given;
+#   2. without --tiny: refuses unless torch sees CUDA, then runs the check at Qwen3-4B's shapes with the
+#      arguments given (`--only a,c` runs a subset); no check starts within $GPU_RESERVE_S (90) seconds of the
+#      budget's end, and a check still running at its end is stopped (SIGTERM): the JSON keeps what was done.
+#      GPU_SMOKE=1 first runs the check at tiny shapes on CUDA (about 45 s on an H100);
 #      with --tiny: runs only that, with the arguments given.
 # Everything lands in $OUT (the device tool's folder that comes back), else runs/gpu/: the JSONs, a log per
-# run and environment.txt. Exit status: the last run's (0 passed, 1 a check failed, 2 could not run).
+# run, environment.txt and timing.txt. Exit status: the last run's (0 passed, 1 a check failed, 2 could not
+# run, 124 cut off by the budget).
 set -uo pipefail
+started=$SECONDS
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 OUT=${OUT:-runs/gpu}
+BUDGET=${GPU_BUDGET_S:-480}
+RESERVE=${GPU_RESERVE_S:-90}
 mkdir -p "$OUT"
 
 if [[ -d .gpu-wheels && ! -f .gpu-site/.installed ]]; then
@@ -18,17 +26,18 @@ if [[ -d .gpu-wheels && ! -f .gpu-site/.installed ]]; then
   if "$PYTHON" -m pip --version >/dev/null 2>&1; then
     "$PYTHON" -m pip install -q --no-deps --no-index --find-links .gpu-wheels --target .gpu-site \
       -r benchmarks/gpu-wheels.txt || { echo "gpu_run: installing .gpu-wheels/ failed" >&2; exit 2; }
-  else  # no pip: a wheel of these is a zip to extract (pure, abi3, or this CPython's regex)
-    "$PYTHON" - <<'EOF' || { echo "gpu_run: extracting .gpu-wheels/ failed" >&2; exit 2; }
+  else  # no pip: a wheel of these is a zip to extract (pure, abi3, or this CPython's)
+    "$PYTHON" - <<'PY' || { echo "gpu_run: extracting .gpu-wheels/ failed" >&2; exit 2; }
 import pathlib, sys, zipfile
 tag = f"-cp{sys.version_info.major}{sys.version_info.minor}-"
 for wheel in sorted(pathlib.Path(".gpu-wheels").glob("*.whl")):
-    if "-none-any" in wheel.name or "abi3" in wheel.name or tag in wheel.name:
+    if "-none-" in wheel.name or "abi3" in wheel.name or tag in wheel.name:
         zipfile.ZipFile(wheel).extractall(".gpu-site")
-EOF
+PY
   fi
   touch .gpu-site/.installed
 fi
+echo "install: $((SECONDS - started)) s" > "$OUT/timing.txt"
 if [[ -d .gpu-site ]]; then
   export PYTHONPATH="$PWD/.gpu-site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 else
@@ -58,7 +67,19 @@ if ! "$PYTHON" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() el
        "(environment.txt says why); \`make gpu-check ARGS=--tiny\` runs the CPU version." >&2
   exit 2
 fi
-"$PYTHON" benchmarks/gpu_check.py --tiny --device cuda --json "$OUT/gpu_check_tiny_cuda.json" 2>&1 \
-  | tee "$OUT/gpu_check_tiny_cuda.log"
-"$PYTHON" benchmarks/gpu_check.py --json "$OUT/gpu_check.json" "$@" 2>&1 | tee "$OUT/gpu_check.log"
-exit "${PIPESTATUS[0]}"
+if [[ ${GPU_SMOKE:-0} == 1 ]]; then
+  "$PYTHON" benchmarks/gpu_check.py --tiny --device cuda --json "$OUT/gpu_check_tiny_cuda.json" 2>&1 \
+    | tee "$OUT/gpu_check_tiny_cuda.log"
+  echo "smoke: $((SECONDS - started)) s" >> "$OUT/timing.txt"
+fi
+left=$((BUDGET - (SECONDS - started)))
+if (( left < RESERVE )); then
+  echo "gpu_run: $left s of the $BUDGET s budget left, less than the $RESERVE s a check needs" >&2
+  exit 124
+fi
+timeout --signal=TERM --kill-after=15 "$((left - 5))" \
+  "$PYTHON" benchmarks/gpu_check.py --json "$OUT/gpu_check.json" --deadline-s "$((left - RESERVE))" "$@" 2>&1 \
+  | tee "$OUT/gpu_check.log"
+status=${PIPESTATUS[0]}
+echo "check: $((SECONDS - started)) s (exit $status)" >> "$OUT/timing.txt"
+exit "$status"

@@ -47,6 +47,31 @@ class Plan:
     # (d): rejection-sampled chains and trials per chain
     sampler_chains: int
     sampler_trials: int
+    # trainer_step: a policy of `trainer_layers` layers at the plan's widths (None: as many as the device's
+    # memory holds, `gpu_trainer.layers_that_fit`), `trainer_responses` responses of `trainer_prompt` +
+    # `trainer_response_tokens` tokens drafted at tau `tau_target`, `trainer_steps` RL steps per side
+    trainer_layers: int | None
+    trainer_responses: int
+    trainer_prompt: int
+    trainer_response_tokens: int
+    trainer_steps: int
+    tau_target: float
+    # cycle_cost: `cycle_batch` sequences at each of `cycle_contexts` cached tokens, policies of
+    # `cycle_depths` layers fitted to `real_layers`, medians of `cycle_repeats`; training fwd + bwd over
+    # `train_tokens` tokens per depth; rollouts of `rollout_prompt` + `rollout_response` tokens predicted
+    cycle_batch: int
+    cycle_contexts: tuple[int, ...]
+    cycle_depths: tuple[int, ...]
+    cycle_repeats: int
+    train_tokens: int
+    real_layers: int
+    rollout_prompt: int
+    rollout_response: int
+
+    def trainer_config(self, layers: int) -> Qwen3Config:
+        fields = {**self.config.to_dict(), "num_hidden_layers": layers}
+        fields.pop("layer_types", None)  # one per layer: derived again for the new depth
+        return Qwen3Config.from_dict(fields)
 
 
 def tiny_config(num_layers: int = 2) -> Qwen3Config:
@@ -58,12 +83,21 @@ def tiny_config(num_layers: int = 2) -> Qwen3Config:
 
 # The paper's step is 512 responses of up to 8,192 tokens on 8 GPUs (64 per GPU). 64 responses of 4,096
 # tokens are one GPU's share at half the cap; `budget_s` keeps (c) inside a 10-minute command.
+# trainer_step and cycle_cost: the paper's K = 5 at its tau of 2.91; rollouts of its 8,192-token cap after a
+# 256-token prompt (the paper truncates prompts at 1,024 and gives no mean).
 REAL = Plan(name="Qwen3-4B", config=qwen3_4b_config(36), k=5, topk=64, recon_prompts=(48, 2048), recon_cycles=64,
             recon_chunk=48, responses=64, prompt_tokens=256, response_tokens=4096, tau=3.0, micro_batch=2,
-            repeats=3, chunk_cycles=1024, budget_s=240.0, sampler_chains=4, sampler_trials=2**20)
+            repeats=3, chunk_cycles=1024, budget_s=150.0, sampler_chains=4, sampler_trials=2**20,
+            trainer_layers=None, trainer_responses=8, trainer_prompt=256, trainer_response_tokens=1024,
+            trainer_steps=2, tau_target=2.91, cycle_batch=64, cycle_contexts=(1024, 4096, 8192),
+            cycle_depths=(2, 4, 6, 8), cycle_repeats=10, train_tokens=8192, real_layers=36, rollout_prompt=256,
+            rollout_response=8192)
 TINY = Plan(name="tiny", config=tiny_config(), k=5, topk=64, recon_prompts=(12, 160), recon_cycles=24, recon_chunk=20,
             responses=4, prompt_tokens=16, response_tokens=96, tau=3.0, micro_batch=2, repeats=2, chunk_cycles=64,
-            budget_s=60.0, sampler_chains=2, sampler_trials=2**16)
+            budget_s=60.0, sampler_chains=2, sampler_trials=2**16, trainer_layers=2, trainer_responses=4,
+            trainer_prompt=8, trainer_response_tokens=24, trainer_steps=2, tau_target=2.91, cycle_batch=4,
+            cycle_contexts=(32, 64, 128), cycle_depths=(1, 2, 3), cycle_repeats=3, train_tokens=64, real_layers=36,
+            rollout_prompt=16, rollout_response=256)
 
 
 def build_policy(config: Qwen3Config, device: torch.device, dtype: torch.dtype) -> Qwen3ForCausalLM:

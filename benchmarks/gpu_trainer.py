@@ -1,0 +1,324 @@
+"""Check `trainer_step` of the GPU check: the RL step's training side on one device, in one process, with no
+Ray and no vLLM (`gpu_standins` answers for their names).
+
+1. A policy at Qwen3-4B's widths (`trainer_layers` layers; the real plan takes as many as the device's
+   memory holds under ZeRO-3, `layers_that_fit`) and a random K = 5 head bound to it, both bf16.
+2. The reference drafter (`gpu_drafter`) rolls out `trainer_responses` responses with that head on the
+   device, its tau set to the paper's 2.91; its records are validated as the trainer validates them.
+3. Upstream's actor-side step twice, each from the same saved policy and the same experience (the
+   drafted sequences, their log-probs, random advantages): upstream's DeepSpeed strategy (ZeRO-3, bf16)
+   and `ActorPPOTrainer`, without the head; then our strategy (`get_strategy`: the head in its own
+   parameter group) and `GrowMTPActorTrainer.ppo_train` (its head step), with the head (detached, the
+   paper's schedule). Each runs `trainer_steps` RL steps; the last one is timed.
+It shows:
+- the policy's parameters after the steps: bit-identical with and without the head. Both runs use
+  torch's deterministic algorithms (upstream's `--train.full_determinism_enable`), so nothing but the
+  head could make them differ; any operator that warned it has no deterministic implementation is listed;
+- the head's parameters moved: every weight matrix differs from where it started;
+- the head's share of the whole step: the head update's seconds (the step's `growmtp/head_update_s`) over
+  the step with it, and the step with the head over the step without, measured one after the other.
+DeepSpeed's optimizer is torch's AdamW (`torch_adam`): DeepSpeed's fused Adam is a C++/CUDA build at first
+use, which the lent machine cannot make; the update is the same AdamW.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+import socket
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import gpu_standins
+import torch
+from gpu_drafter import draft_rollouts, first_accept_z
+from gpu_report import Row
+from gpu_world import build_head
+
+# The policy's final-norm scale: its logits then have std ~0.5 over the vocabulary (transformers' init
+# gives ~1). Sum min(p, q) of a head whose q is unrelated to p cannot exceed sum min(p, 1/V): 0.62 at
+# std 1, 0.80 at 0.5; the paper's tau of 2.91 at K = 5 needs 0.70 per position.
+POLICY_NORM_SCALE = 0.5
+# Bytes a parameter holds under ZeRO-3 in bf16 on one device: bf16 weight and gradient (2 + 2), fp32
+# master, momentum and variance (4 x 3), fp32 gradient partition (4).
+ZERO3_BYTES_PER_PARAM = 20
+Z_LIMIT = 5.0  # the drafter's first-position acceptance against its expectation, as in check (d)
+
+
+def layers_that_fit(config, memory_bytes: int, share: float = 0.6) -> int:
+    """Decoder layers of `config`'s widths whose ZeRO-3 state, with the embedding and a head layer, fills
+    `share` of `memory_bytes` (the rest: activations, the allocator's slack); at least 1, at most 36."""
+    h, inter = config.hidden_size, config.intermediate_size
+    attn = h * config.head_dim * (config.num_attention_heads * 2 + config.num_key_value_heads * 2)
+    layer = attn + 3 * h * inter
+    fixed = config.vocab_size * h + layer + 2 * h * h  # embedding (tied), the head's layer and fc
+    fit = (share * memory_bytes / ZERO3_BYTES_PER_PARAM - fixed) // layer
+    return int(max(1, min(36, fit)))
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("", 0))
+        return sock.getsockname()[1]
+
+
+def _prepare_process(device: torch.device) -> list[str]:
+    """What the actor processes of a run have: torch.distributed's one rank, the CPU layer where there is no
+    CUDA, a flash_attn module for upstream's imports, and the stand-ins for Ray and vLLM (returned: the
+    packages stood in for; none where they were imported already)."""
+    standins = gpu_standins.install(force=True)
+    from openrlhf_growmtp import cpu_support
+    from openrlhf_growmtp.trainer import installer
+
+    if device.type == "cuda":
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS's deterministic mode
+        import importlib.util
+
+        if importlib.util.find_spec("flash_attn") is None:  # upstream imports its padding helpers only
+            sys.path.insert(0, str(cpu_support.SHIM_DIR))
+    else:
+        installer.install_cpu_support()
+    if not torch.distributed.is_initialized():
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1",
+                          LOCAL_RANK="0")
+    return standins
+
+
+def _train_args(policy_dir: Path, work: Path, plan, head_dir: Path | None):
+    from openrlhf.utils.config import hierarchize
+
+    from openrlhf_growmtp.trainer.args import parse_train_args
+
+    batch = plan.trainer_responses
+    argv = ["--actor.model_name_or_path", str(policy_dir), "--ds.zero_stage", "3", "--ds.attn_implementation", "sdpa",
+            "--ds.param_dtype", "bf16", "--train.batch_size", str(batch), "--train.micro_batch_size",
+            str(plan.micro_batch), "--rollout.batch_size", str(batch // 2), "--rollout.n_samples_per_prompt", "2",
+            "--algo.advantage.estimator", "group_norm", "--algo.kl.init_coef", "0", "--actor.adam.lr", "1e-3",
+            "--actor.lr_warmup_ratio", "0", "--vllm.num_engines", "1", "--ckpt.path", str(work / "ckpt"),
+            "--train.seed", "1", "--train.full_determinism_enable", "--actor.gradient_checkpointing_enable"]
+    if head_dir is not None:
+        argv += ["--growmtp_k", str(plan.k), "--growmtp_mode", "detached", "--growmtp_topk", str(plan.topk),
+                 "--growmtp_chunk_cycles", str(plan.chunk_cycles)]
+    args = hierarchize(parse_train_args(argv))
+    # what upstream's __main__ fills in after parsing (parse_train_args stops before it)
+    args.actor.eps_clip_low_high = (args.actor.eps_clip, args.actor.eps_clip)
+    args.algo.advantage.is_correction_threshold.insert(0, 0.0)
+    if head_dir is not None:
+        args.growmtp.head_dir = str(head_dir)
+    return args
+
+
+def _experience(sequences: torch.Tensor, logp: torch.Tensor, prompt: int, records, seed: int):
+    from openrlhf.trainer.ppo_utils.experience import Experience
+
+    batch, length = sequences.shape
+    response = length - prompt
+    g = torch.Generator().manual_seed(seed)
+    info = {"reward": torch.rand(batch, generator=g)}
+    if records is not None:
+        info["growmtp_record"] = [r.pack() for r in records]
+        info["growmtp_accepted"] = [r.accepted.tolist() for r in records]
+    return Experience(sequences=sequences.clone(), attention_mask=torch.ones_like(sequences),
+                      action_mask=torch.ones(batch, response, dtype=torch.bool), action_log_probs=logp.clone(),
+                      advantages=torch.randn(batch, response, generator=g),
+                      response_length=torch.full((batch,), float(response)),
+                      total_length=torch.full((batch,), float(length)), info=info)
+
+
+def _gathered(module) -> dict[str, torch.Tensor]:
+    import deepspeed
+
+    params = dict(module.named_parameters())
+    with deepspeed.zero.GatheredParameters(list(params.values())):
+        return {name: p.detach().float().cpu().clone() for name, p in params.items()}
+
+
+def _run_steps(args, ours: bool, make_experience, steps: int, device: torch.device) -> dict:
+    """Build strategy, actor and actor-side trainer as the policy actor does; `steps` RL steps, each on a
+    fresh copy of the same experience; the gathered parameters after them and the last step's times."""
+    from openrlhf.models import Actor
+    from openrlhf.trainer.ray.ppo_actor import ActorPPOTrainer
+    from openrlhf.utils import get_strategy as upstream_get_strategy
+
+    from openrlhf_growmtp.trainer import ppo_actor, strategy as ours_strategy
+
+    strategy = ours_strategy.get_strategy(args) if ours else upstream_get_strategy(args)
+    strategy.setup_distributed()
+    # after upstream's enable_full_determinism: warn (and list) where an operator has no deterministic kernel
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    train_config = strategy.get_ds_train_config
+
+    def torch_adam_config(*a, **kw):
+        config = train_config(*a, **kw)
+        if "optimizer" in config:
+            config["optimizer"].setdefault("params", {})["torch_adam"] = True
+        return config
+
+    strategy.get_ds_train_config = torch_adam_config
+    actor = Actor(args.actor.model_name_or_path, attn_implementation="sdpa", param_dtype="bf16",
+                  ds_config=strategy.get_ds_train_config(), packing_samples=args.ds.packing_samples)
+    actor.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    cfg = dict(optim="adam", muon=vars(args.actor.muon), adam=vars(args.actor.adam),
+               lr_scheduler=args.actor.lr_scheduler, lr_warmup_ratio=args.actor.lr_warmup_ratio,
+               min_lr_ratio=args.actor.min_lr_ratio, max_norm=args.actor.max_norm, scheduler_steps=10)
+    actor, optimizer, scheduler = strategy.prepare((actor, cfg))
+    trainer = (ppo_actor.GrowMTPActorTrainer if ours else ActorPPOTrainer)(
+        strategy, actor, None, optimizer, scheduler, micro_train_batch_size=args.train.micro_batch_size,
+        tokenizer=None, vllm_engines=None)
+    seconds, status = [], {}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(steps):
+            trainer.replay_buffer.clear()
+            trainer.replay_buffer.append(make_experience(step))
+            _sync(device)
+            t0 = time.perf_counter()
+            status = trainer.ppo_train(0.0)
+            _sync(device)
+            seconds.append(time.perf_counter() - t0)
+    nondeterministic = sorted({str(w.message).split("\n")[0][:160] for w in caught
+                               if "deterministic" in str(w.message)})
+    hf_model = actor.model.module
+    head = ours_strategy.head_of(hf_model)
+    with ours_strategy.without_head(hf_model):
+        policy = _gathered(hf_model)
+    out = {"seconds": seconds, "status": {k: float(v) for k, v in status.items() if isinstance(v, (int, float))},
+           "policy": policy, "head": _gathered(head) if head is not None else None,
+           "nondeterministic_ops": nondeterministic}
+    with contextlib.suppress(Exception):
+        actor.model.destroy()
+    del trainer, actor, optimizer, scheduler, strategy
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _build_policy(config, device, seed: int = 0):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen3Config.from_dict(config.to_dict())
+    config._attn_implementation = "sdpa"
+    with torch.device(device):
+        policy = Qwen3ForCausalLM(config)
+    policy = policy.to(torch.bfloat16).eval()
+    with torch.no_grad():
+        policy.model.norm.weight.fill_(POLICY_NORM_SCALE)
+    return policy
+
+
+def check_trainer_step(plan, config, device: torch.device, log) -> tuple[list[Row], dict]:
+    """`config`: the policy's (its depth chosen by the caller)."""
+    standins = _prepare_process(device)
+    from openrlhf_growmtp.core.checkpoint import export_head, load_head
+    from openrlhf_growmtp.core.validation import validate_records
+    from gpu_drafter import calibrate_head
+
+    work = Path(tempfile.mkdtemp(prefix="gpu_trainer_"))
+    policy = _build_policy(config, device)
+    head = build_head(policy, torch.bfloat16)
+    g = torch.Generator(device=device).manual_seed(1)
+    prompts = torch.randint(0, config.vocab_size, (plan.trainer_responses, plan.trainer_prompt), device=device,
+                            generator=g)
+    calibration = calibrate_head(policy, head, prompts, plan.tau_target, plan.k)
+    rollouts = draft_rollouts(policy, head, prompts, plan.trainer_response_tokens, plan.k, plan.topk)
+    records = rollouts.records
+    validate_records(records, depth=plan.k, vocab_size=config.vocab_size, topk=plan.topk)
+    z = first_accept_z(rollouts)
+    log(f"  (trainer_step) drafted {len(records)} x {records[0].token_ids.numel()} tokens, {rollouts.cycles} "
+        f"cycles at tau {rollouts.tau:.2f} in {rollouts.seconds:.1f} s")
+    sequences = torch.stack([r.token_ids for r in records])
+    with torch.no_grad():  # the rollout policy's log-probs of the sampled tokens (the old policy of the step)
+        logits = policy(input_ids=sequences.to(device)).logits.float()
+        logp = torch.log_softmax(logits[:, :-1], -1).gather(-1, sequences[:, 1:, None].to(device))[..., 0]
+    logp = logp[:, plan.trainer_prompt - 1:].cpu()
+    policy.save_pretrained(work / "policy")
+    export_head(head, work / "head")
+    del policy, head, logits
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    initial_head = {n: p.to(torch.bfloat16).float() for n, p in load_head(work / "head").state_dict().items()}
+
+    def experience(with_records: bool):
+        return lambda step: _experience(sequences, logp, plan.trainer_prompt, records if with_records else None,
+                                        seed=10 + step)
+
+    without = _run_steps(_train_args(work / "policy", work / "up", plan, None), False, experience(False),
+                         plan.trainer_steps, device)
+    log(f"  (trainer_step) upstream, no head: steps {', '.join(f'{s:.2f}' for s in without['seconds'])} s")
+    with_head = _run_steps(_train_args(work / "policy", work / "ours", plan, work / "head"), True,
+                           experience(True), plan.trainer_steps, device)
+    log(f"  (trainer_step) ours, with the head: steps {', '.join(f'{s:.2f}' for s in with_head['seconds'])} s")
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+    differing = [n for n in without["policy"] if not torch.equal(without["policy"][n], with_head["policy"][n])]
+    worst = max((float((without["policy"][n] - with_head["policy"][n]).abs().max()) for n in differing), default=0.0)
+    trained = _count_trained(work / "policy", without["policy"])
+    matrices = [n for n, p in with_head["head"].items() if p.ndim == 2]
+    moved = [n for n in matrices if not torch.equal(with_head["head"][n], initial_head[n])]
+    status = with_head["status"]
+    step_without, step_with = without["seconds"][-1], with_head["seconds"][-1]
+    head_s = status.get("growmtp/head_update_s", float("nan"))
+    tokens = int(sequences.numel())
+    details = {
+        "layers": config.num_hidden_layers, "hidden_size": config.hidden_size, "vocab_size": config.vocab_size,
+        "responses": plan.trainer_responses, "prompt_tokens": plan.trainer_prompt,
+        "sequence_tokens": int(sequences.shape[1]), "tokens": tokens, "cycles": rollouts.cycles,
+        "tau": rollouts.tau, "micro_batch": plan.micro_batch, "steps": plan.trainer_steps,
+        "drafter": {"seconds": rollouts.seconds, "calibration": calibration, "first_accept_rate":
+                    rollouts.first_accept_rate, "first_alpha": rollouts.first_alpha, "z": z},
+        "seconds_without_head": without["seconds"], "seconds_with_head": with_head["seconds"],
+        "step_s_without_head": step_without, "step_s_with_head": step_with, "head_update_s": head_s,
+        "head_share_of_step": head_s / step_with, "step_ratio_with_over_without": step_with / step_without,
+        "policy_tensors": len(without["policy"]), "policy_tensors_differing": differing,
+        "policy_max_abs_diff": worst, "policy_tensors_trained": trained,
+        "head_matrices": matrices, "head_matrices_moved": moved, "status_with_head": status,
+        "status_without_head": without["status"],
+        "nondeterministic_ops": sorted(set(without["nondeterministic_ops"] + with_head["nondeterministic_ops"])),
+        "optimizer": "torch AdamW through DeepSpeed (torch_adam)", "deterministic_algorithms": True,
+        "standins": standins,
+    }
+    n = len(without["policy"])
+    rows = [
+        Row("trainer_step", f"reference drafter: first-draft acceptance vs sum min(p, q), {rollouts.cycles} cycles",
+            f"z {z:.2f} ({rollouts.first_accept_rate:.3f} vs {rollouts.first_alpha:.3f}); tau {rollouts.tau:.2f}",
+            f"|z| <= {Z_LIMIT:g}", abs(z) <= Z_LIMIT, {"z": z, "tau": rollouts.tau}),
+        Row("trainer_step", f"policy after {plan.trainer_steps} ZeRO-3 bf16 steps, {config.num_hidden_layers} "
+            f"layers: ours with the head vs upstream without", f"{n - len(differing)} of {n} tensors identical"
+            + (f", max|d| {worst:.1e}" if differing else ""), f"bit-identical; {trained} of {n} trained",
+            not differing and trained > 0 and status.get("growmtp/head_finite") == 1.0,
+            {"differing": len(differing), "max_abs_diff": worst}),
+        Row("trainer_step", "head's weight matrices moved", f"{len(moved)} of {len(matrices)}", "all",
+            bool(matrices) and len(moved) == len(matrices), {"moved": len(moved)}),
+        Row("trainer_step", f"head update / whole step with it, {tokens} tokens, {rollouts.cycles} cycles",
+            f"{head_s / step_with:.3f}", f"{head_s:.2f} s / {step_with:.2f} s (last of {plan.trainer_steps} steps)",
+            None, {"ratio": head_s / step_with}),
+        Row("trainer_step", "step with the head / step without (upstream)", f"{step_with / step_without:.3f}",
+            f"{step_with:.2f} s / {step_without:.2f} s", None, {"ratio": step_with / step_without}),
+    ]
+    return rows, details
+
+
+def _count_trained(policy_dir: Path, params: dict[str, torch.Tensor]) -> int:
+    """How many of `params` differ from the saved policy's tensors of the same name."""
+    from safetensors import safe_open
+
+    changed = 0
+    for path in sorted(policy_dir.glob("*.safetensors")):
+        with safe_open(str(path), "pt") as f:
+            for name in f.keys():
+                if name in params:
+                    changed += not torch.equal(params[name], f.get_tensor(name).float())
+    return changed
