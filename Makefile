@@ -7,7 +7,8 @@ STAMP := $(VENV)/.installed
 export PIP_CONSTRAINT := $(CURDIR)/constraints.txt
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: test test-slow venv bench demo demo-quick reproduce serve serve-check ablations ablations-quick rehearse gpu-check gpu-wheels \
+.PHONY: test test-slow venv bench demo demo-quick reproduce serve serve-check ablations ablations-quick from-scratch rehearse \
+	gpu-check gpu-wheels \
 	clean
 
 venv: $(STAMP)
@@ -54,6 +55,12 @@ serve-check: $(STAMP)
 # seeds; each run's result.json is kept and a re-run resumes (docs/ablations.md)
 ablations: $(STAMP)
 	$(PY) -m openrlhf_growmtp.experiments.ablations --export docs --keep docs/ablations_runs
+
+# the from-scratch study (docs/from_scratch.md): every run its settings still lack, one at a time, then
+# docs/from_scratch.json; kept and resumable with the ablations' runs
+from-scratch: $(STAMP)
+	while cmd="$$($(PY) -m openrlhf_growmtp.experiments.from_scratch next)" && [ -n "$$cmd" ]; do $$cmd || exit 1; done
+	$(PY) -m openrlhf_growmtp.experiments.from_scratch export
 
 ablations-quick: $(STAMP)
 	$(PY) -m openrlhf_growmtp.experiments.ablations --quick

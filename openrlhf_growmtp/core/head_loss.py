@@ -45,6 +45,8 @@ class HeadLossConfig:
     vgm: bool = True
     chunk_cycles: int | None = DEFAULT_CHUNK_CYCLES  # None: one chunk
     teacher_forcing: bool = False
+    alpha_estimate: str = "residual"  # objectives.ALPHA_ESTIMATES
+    hybrid_lambda: float | None = None  # the hybrid objective's weight of CE (objectives.hybrid_lambda)
 
 
 @dataclass
@@ -107,7 +109,7 @@ def head_loss_backward(head, records: Sequence[SequenceRecord], hiddens: Sequenc
     with plan.recomputing(train):
         for planned in plan:
             chunk = planned.reconstruct()  # the draft paths, as drafted
-            scored = score(head, chunk, cfg.objective, planned.work.score_groups, train)  # log q -> α -> objective
+            scored = score(head, chunk, cfg, planned.work.score_groups, train)  # log q -> α -> objective
             if not plan.every_finite(scored.loss):  # never backpropagate a non-finite loss
                 stats.loss, stats.finite = float("nan"), False
                 break
@@ -117,7 +119,7 @@ def head_loss_backward(head, records: Sequence[SequenceRecord], hiddens: Sequenc
     return stats
 
 
-def score(head, chunk: Chunk, objective: str, groups: int, train: bool = True) -> Scored:
+def score(head, chunk: Chunk, cfg: HeadLossConfig, groups: int, train: bool = True) -> Scored:
     """α and the loss of every cycle of `chunk`, and (with `train`) the gradient of weight x their sum at the
     chunk's states. The slots are scored in `groups` groups of whole cycles (`topk_logq`); a group without
     cycles scores one padding slot with weight 0 (ranks make the same lm_head calls). Positions past a
@@ -145,7 +147,8 @@ def score(head, chunk: Chunk, objective: str, groups: int, train: bool = True) -
                 target = chunk.topk_logprobs[lo:hi].float()
                 accepted = None if chunk.accepted is None else chunk.accepted[lo:hi]
                 per_cycle, alpha[lo:hi] = head_loss_per_cycle_at(
-                    target.index_put((cycle - lo, position), scores.logq), target, accepted, objective)
+                    target.index_put((cycle - lo, position), scores.logq), target, accepted, cfg.objective,
+                    alpha_residual=cfg.alpha_estimate == "residual", hybrid_lambda=cfg.hybrid_lambda)
                 loss = per_cycle.sum()
             if train:
                 (grad_logq,) = torch.autograd.grad(loss * (0.0 if pad else chunk.weight), scores.logq)

@@ -6,11 +6,17 @@ a draft sampled from q_k. It is estimated on the target's recorded top-k ids plu
 gathered at the ids. Merging the tail into one bin can only raise the overlap, by at most the target
 mass outside the top-k.
 
+Without the residual bin (`residual=False`) the estimate is the top-k overlap alone, which can only be
+below the true alpha, by at most the overlap outside the top-k.
+
 Per cycle, with L = min(j, K) under verify-gated masking (j = accepted + 1 is the first rejection) or
 L = K without it:
     TV  chain:  -sum_{l<=L} prod_{i<=l} alpha_i
     DCA:        -log sum_{l<=L} prod_{i<=l} alpha_i     (computed in log space)
 CE and KL compare q with the recorded top-k (+ residual bin) per position and average positions 1..L.
+The hybrid (a cold-start objective) is lambda CE + (1 - lambda) DCA, both over the same L, with lambda set
+by the caller (the trainer: exp(-3 alpha_1), alpha_1 the previous rollout's realised first-position
+acceptance, `hybrid_lambda`).
 Every batch loss is a mean over cycles. Recorded p and accepted are constants.
 """
 
@@ -22,7 +28,11 @@ import torch
 
 CHAIN_OBJECTIVES = ("dca", "tv")  # on the acceptance chain
 POSITION_OBJECTIVES = ("ce", "kl")  # per draft position (the ablations)
-OBJECTIVES = CHAIN_OBJECTIVES + POSITION_OBJECTIVES
+HYBRID = "hybrid"  # lambda CE + (1 - lambda) DCA, lambda given per call
+STATIC_OBJECTIVES = CHAIN_OBJECTIVES + POSITION_OBJECTIVES  # need nothing but q, p and the accepted counts
+OBJECTIVES = STATIC_OBJECTIVES + (HYBRID,)
+ALPHA_ESTIMATES = ("residual", "topk")  # the top-k overlap plus the residual bin (an upper bound), or alone
+HYBRID_ETA = 3.0  # lambda = exp(-HYBRID_ETA * alpha_1)
 # A target residual below this is fp32/bf16 rounding of a top-k that holds all the mass: the bin is
 # dropped, since which side of min() wins there is noise (the error stays <= the target residual).
 MIN_RESIDUAL_MASS = 1e-6
@@ -76,10 +86,13 @@ def log_acceptance_rates(draft_logits: torch.Tensor, topk_ids: torch.Tensor,
     return log_acceptance_rates_at(_gathered_logq(draft_logits, topk_ids), topk_logprobs)
 
 
-def log_acceptance_rates_at(logq: torch.Tensor, topk_logprobs: torch.Tensor) -> torch.Tensor:
-    """log alpha [..., ] from log q and log p at the same recorded ids ([..., k] each)."""
+def log_acceptance_rates_at(logq: torch.Tensor, topk_logprobs: torch.Tensor, residual: bool = True) -> torch.Tensor:
+    """log alpha [..., ] from log q and log p at the same recorded ids ([..., k] each); without `residual`, the
+    top-k overlap alone (a lower bound)."""
     logp = topk_logprobs.float()
     log_min = torch.minimum(logp, logq)  # [..., k]
+    if not residual:
+        return torch.logsumexp(log_min, dim=-1)
     residual_p = _residual_logprob(logp)
     residual = torch.where(residual_p > math.log(MIN_RESIDUAL_MASS),
                            torch.minimum(residual_p, _residual_logprob(logq, MIN_RESIDUAL_MASS)),
@@ -172,15 +185,30 @@ def head_loss_per_cycle(draft_logits: torch.Tensor, topk_ids: torch.Tensor, topk
 
 
 def head_loss_per_cycle_at(logq: torch.Tensor, topk_logprobs: torch.Tensor, accepted: torch.Tensor | None,
-                           objective: str = "dca") -> tuple[torch.Tensor, torch.Tensor]:
+                           objective: str = "dca", *, alpha_residual: bool = True,
+                           hybrid_lambda: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`head_loss_per_cycle` from log q at the recorded ids, logq [N, K, k]: what the head update computes
     without full-vocabulary logits. Positions past the chain length (VGM) get no gradient; they must be
-    finite."""
+    finite. `alpha_residual`: the α estimate (module docstring); `hybrid_lambda`: the hybrid's λ."""
     if objective not in OBJECTIVES:
         raise ValueError(f"the head's objective must be one of {OBJECTIVES}, got {objective!r}")
-    log_alpha = log_acceptance_rates_at(logq, topk_logprobs)
+    if (objective == HYBRID) != (hybrid_lambda is not None):
+        raise ValueError(f"hybrid_lambda is the {HYBRID} objective's weight, and only its: got {hybrid_lambda!r} "
+                         f"for {objective!r}")
+    log_alpha = log_acceptance_rates_at(logq, topk_logprobs, residual=alpha_residual)
     if objective in CHAIN_OBJECTIVES:
         loss = chain_loss_per_cycle(log_alpha, accepted, objective, alpha_is_log=True)
+    elif objective == HYBRID:
+        loss = (hybrid_lambda * position_loss_per_cycle_at(logq, topk_logprobs, accepted, "ce")
+                + (1.0 - hybrid_lambda) * chain_loss_per_cycle(log_alpha, accepted, "dca", alpha_is_log=True))
     else:
         loss = position_loss_per_cycle_at(logq, topk_logprobs, accepted, objective)
     return loss, log_alpha.detach().exp()
+
+
+def hybrid_lambda(alpha_1: float) -> float:
+    """The hybrid's weight of CE, exp(-3 alpha_1): 1 from a head that drafts nothing acceptable, e^-3 from one
+    whose first drafts are always accepted (alpha_1: the previous rollout's realised acceptance there)."""
+    if not 0.0 <= alpha_1 <= 1.0:
+        raise ValueError(f"alpha_1 is an acceptance rate in [0, 1], got {alpha_1}")
+    return math.exp(-HYBRID_ETA * alpha_1)

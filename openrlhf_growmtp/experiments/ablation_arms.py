@@ -38,6 +38,8 @@ ARMS = {arm.name: arm for arm in (
     Arm("ar", "autoregressive", drafts=False),
     # rollouts one policy step behind the trainer (the head trains on the trainer's hidden states)
     Arm("async", "GrowMTP, async training", ("--train.async_enable",), paper=False),
+    # the cold-start objective (docs/from_scratch.md)
+    Arm("hybrid", "hybrid (λ CE + (1 − λ) DCA)", ("--growmtp_loss", "hybrid"), paper=False),
 )}
 PAPER_ARMS = tuple(name for name, arm in ARMS.items() if arm.paper)
 REFERENCE = "growmtp"
@@ -55,6 +57,9 @@ def seed_summary(rows: list[dict], warmup_steps: int) -> dict:
         out.update(tau_first=rows[0]["tau"], tau_final=mean(r["tau"] for r in window),
                    tau_max=max(r["tau"] for r in rows),
                    alpha_final=[mean(r["alpha"][i] for r in window) for i in range(k)])
+    if "head_alpha" in rows[0] and "alpha" in rows[0]:
+        # the update's α at the first draft position minus the rollout's realised one (docs/from_scratch.md)
+        out["alpha_gap_final"] = mean(r["head_alpha"][0] - r["alpha"][0] for r in window)
     if "head_update_s" in rows[0]:
         out["head_update_s"] = mean(r["head_update_s"] for r in rows)
     if "lag_alpha" in rows[0]:

@@ -1,9 +1,10 @@
-"""`make ablations`: the paper's ablations in two worlds, every arm with the same seeds, data and GRPO settings.
+"""`make ablations`: the paper's ablations in the CPU worlds, every arm with the same seeds, data and GRPO settings.
 
     python -m openrlhf_growmtp.experiments.ablations --export docs      # both worlds, 3 seeds; resumes where it stopped
     python -m openrlhf_growmtp.experiments.ablations --quick            # a few steps per arm, one seed (the smoke test's run)
 
-Worlds (`experiments.recipes.WORLDS`): `demo` (the demo's world) and `paper` (the paper's proportions). Arms
+Worlds (`experiments.recipes.WORLDS`): `demo` (the demo's world), `paper` (the paper's proportions) and `reasoning`
+(the real regime's statistics; not in the default `--worlds`). Arms
 (`experiments.ablation_arms.ARMS`): GrowMTP (DCA + VGM), CE, KL, TV, DCA without VGM, teacher forcing, joint, a frozen
 random head, and autoregressive; every arm under the paper's schedule (one head step per RL step). Each
 run writes its result (`<world>/<arm>-s<seed>/result.json`) when it finishes, and a re-run skips the runs
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -40,6 +42,7 @@ from pathlib import Path
 from openrlhf_growmtp.experiments.demo import run_arm
 from openrlhf_growmtp.experiments import ablation_arms, report
 from openrlhf_growmtp.experiments.recipes import WORLDS, train_command
+from openrlhf_growmtp.core.objectives import ALPHA_ESTIMATES
 from openrlhf_growmtp.experiments.worlds.text_stats import world_text_statistics
 
 SEEDS = {"full": (42, 43, 44), "quick": (42,)}
@@ -56,8 +59,10 @@ def run_world(name: str, args, out: Path, seeds: tuple[int, ...], arms: list[str
     recipe = spec.recipes["quick" if args.quick else "full"]
     recipe = replace(recipe, steps=args.steps or recipe.steps)
     world = spec.build(args.cache_dir or Path(args.runs_dir) / ".cache")
-    kept = args.keep / (world.root.name + _suffix(args.start)) if args.keep else None
+    kept = args.keep / (world.root.name + _suffix(args.start, args.tag)) if args.keep else None
     world, recipe = start(args.start, world, recipe, kept, args.quick)  # the digest below covers the start's head
+    recipe = replace(recipe, head_lr=args.head_lr or recipe.head_lr)
+    extra = ("--growmtp_alpha_estimate", args.alpha_estimate) if args.alpha_estimate else ()
     digest = world.digest()
     if kept:
         note_build(kept / "builds.json", digest)
@@ -69,14 +74,15 @@ def run_world(name: str, args, out: Path, seeds: tuple[int, ...], arms: list[str
         for arm in arms:
             arm_spec, run_dir = ablation_arms.ARMS[arm], out / name / f"{arm}-s{seed}"
             k = recipe.k if arm_spec.drafts else 0
+            flags = list(arm_spec.flags) + (list(extra) if arm_spec.drafts else [])
             result = run_dir / "result.json"
-            made_under = {"settings": asdict(recipe), "flags": list(arm_spec.flags), "k": k}
+            made_under = {"settings": asdict(recipe), "flags": flags, "k": k}
             restore(kept, f"{arm}-s{seed}.json", result, made_under)
             if not result.exists():
                 if run_dir.exists():  # an unfinished run of an earlier invocation
                     shutil.rmtree(run_dir)
                 cmd = train_command(world, run_dir, recipe, k, spec.reward, seed=seed,
-                                    one_policy_step=arm_spec.one_policy_step) + list(arm_spec.flags)
+                                    one_policy_step=arm_spec.one_policy_step) + flags
                 try:  # one run's failure is reported (and fails the command) without losing the others
                     seconds = run_arm(cmd, run_dir, f"{name}: {arm} (seed {seed})", recipe.steps)
                     logged = report.read_arm(run_dir / "tensorboard", arm, k)
@@ -100,7 +106,8 @@ def run_world(name: str, args, out: Path, seeds: tuple[int, ...], arms: list[str
     config = json.loads((world.policy / "config.json").read_text())
     summary = {"k": recipe.k, "vocab_size": config["vocab_size"], "policy_layers": config["num_hidden_layers"],
                "topk": recipe.topk, "topk_mass": ablation_arms.mean_topk_mass(rows.get(ablation_arms.REFERENCE, {})),
-               "schedule": "rl_step", "start": args.start, "seeds": list(seeds), "settings": asdict(recipe),
+               "schedule": "rl_step", "start": args.start, "alpha_estimate": args.alpha_estimate or "residual",
+               "seeds": list(seeds), "settings": asdict(recipe),
                "world": world.info,
                "sampled_text": _text_statistics(world, recipe, out / name, kept),
                "arms": {arm: {str(seed): s for seed, s in by_seed.items()} for arm, by_seed in per_seed.items()},
@@ -160,8 +167,9 @@ def _text_statistics(world, recipe, out: Path, kept: Path | None) -> dict:
     return json.loads(cached.read_text())
 
 
-def _suffix(start: str) -> str:
-    return "" if start == "random" else f"-from-{start}"
+def _suffix(start: str, tag: str | None = None) -> str:
+    """What names a setting's runs, kept results and exports apart: its start and its tag."""
+    return ("" if start == "random" else f"-from-{start}") + (f"-{tag}" if tag else "")
 
 
 def start(name: str, world, recipe, kept: Path | None, quick: bool):
@@ -217,6 +225,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, help="RL steps per arm (overrides the recipe)")
     parser.add_argument("--start", choices=STARTS, default="random",
                         help="the head every drafting arm starts from (see above; default: %(default)s)")
+    parser.add_argument("--head-lr", help="the drafting arms' peak head LR (overrides the recipe's and the start's)")
+    parser.add_argument("--alpha-estimate", choices=ALPHA_ESTIMATES,
+                        help="--growmtp_alpha_estimate for every drafting arm (default: the CLI's)")
+    parser.add_argument("--tag", help="names this setting's runs, kept results and exports apart (e.g. lr-5e-4); "
+                                      "required with --head-lr, --alpha-estimate or --steps, so that runs of "
+                                      "different settings never mix")
     parser.add_argument("--fresh", action="store_true", help="start over: forget the results of earlier invocations")
     parser.add_argument("--name", help="outputs go to <runs-dir>/<name>/ (default: ablations or ablations-quick)")
     parser.add_argument("--runs-dir", default="runs")
@@ -234,8 +248,13 @@ def main(argv: list[str] | None = None) -> int:
                      f"arms: {', '.join(ablation_arms.ARMS)}")
     if args.steps is not None and args.steps < 2:
         parser.error("--steps must be at least 2")
+    if (args.head_lr or args.alpha_estimate or args.steps) and not args.tag and not args.quick:
+        parser.error("--head-lr, --alpha-estimate and --steps change a setting: name it with --tag")
+    if args.tag and not re.fullmatch(r"[A-Za-z0-9_.-]+", args.tag):
+        parser.error(f"--tag {args.tag!r}: letters, digits, '.', '_' and '-' only (it names directories)")
     seeds = tuple(int(s) for s in args.seeds.split(",")) if args.seeds else SEEDS["quick" if args.quick else "full"]
-    out = Path(args.runs_dir) / (args.name or ("ablations-quick" if args.quick else "ablations") + _suffix(args.start))
+    out = Path(args.runs_dir) / (args.name or ("ablations-quick" if args.quick else "ablations")
+                                 + _suffix(args.start, args.tag))
     if args.fresh and out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -246,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
         doc["invocation_wall_s"] = time.perf_counter() - began
         ablation_arms.write_json(out / "summary.json", doc)
     if args.export:
-        prefix = "ablations" + _suffix(args.start).replace("-", "_")
+        prefix = "ablations" + _suffix(args.start, args.tag).replace("-", "_").replace(".", "_")
         ablation_arms.write_json(args.export / f"{prefix}.json", doc)
         for name, world in doc["worlds"].items():
             for plot in world["plots"]:

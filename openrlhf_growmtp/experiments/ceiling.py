@@ -39,7 +39,7 @@ import torch  # noqa: E402
 
 from openrlhf_growmtp.core.checkpoint import export_head, load_head  # noqa: E402
 from openrlhf_growmtp.core.head_loss import HeadLossConfig, head_loss_backward  # noqa: E402
-from openrlhf_growmtp.core.objectives import OBJECTIVES  # noqa: E402
+from openrlhf_growmtp.core.objectives import STATIC_OBJECTIVES  # noqa: E402
 
 
 def read_prompts(path: Path, tokenizer, skip: int, count: int) -> list[list[int]]:
@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--epochs", type=int, default=10,
                         help="passes over all records so far, per round")
-    parser.add_argument("--objective", choices=OBJECTIVES, default="dca", help="the head's loss (default: %(default)s)")
+    parser.add_argument("--objective", choices=STATIC_OBJECTIVES, default="dca", help="the head's loss (default: %(default)s)")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--batch", type=int, default=64, help="records per Adam step")
     parser.add_argument("--tol", type=float, default=0.02, help="stop when a round gains less τ than this")

@@ -10,6 +10,9 @@ Every setting here was chosen before the runs it governs, and is not adjusted to
   one-layer head, K=5 with the top-64, responses of about 110 tokens, 8 prompts x 8 samples in one policy
   step per RL step. Its head LR is the demo's scaled by the inverse width (3e-3 x 128/256). Its 40 RL
   steps were set by the time the ablations could take on 2 cores (docs/ablations.md gives the reckoning).
+- `reasoning`: the real regime's statistics (`worlds/reasoning_world.py`, docs/from_scratch.md): the demo's task
+  with 3-6 digits and a connective fork before each column, a 4,096-word vocabulary, an 8-layer policy of the
+  paper world's width; the paper world's recipe (K=5, top-64, one policy step per RL step, head LR 1.5e-3).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from typing import Callable
 
 from openrlhf_growmtp.experiments.worlds.paper_world import build_paper_world
 from openrlhf_growmtp.experiments.worlds.demo_world import World, build_world
+from openrlhf_growmtp.experiments.worlds.reasoning_world import build_reasoning_world
 
 WORLDS_DIR = Path(__file__).resolve().parent / "worlds"
 
@@ -59,6 +63,13 @@ WORLDS = {
         "quick": Recipe(steps=4, prompts_per_step=8, samples_per_prompt=4, train_batch=16, epochs=3,
                         actor_lr="1e-4", k=3, topk=16, head_lr="3e-3", head_warmup_steps=1, max_new_tokens=64)}),
     "paper": WorldRecipes(build_paper_world, WORLDS_DIR / "paper_reward.py", {
+        "full": Recipe(steps=40, prompts_per_step=8, samples_per_prompt=8, train_batch=64, epochs=1,
+                       actor_lr="5e-5", k=5, topk=64, head_lr="1.5e-3", head_warmup_steps=10, max_new_tokens=160,
+                       max_len=256),
+        "quick": Recipe(steps=3, prompts_per_step=4, samples_per_prompt=4, train_batch=16, epochs=1,
+                        actor_lr="5e-5", k=5, topk=64, head_lr="1.5e-3", head_warmup_steps=1, max_new_tokens=160,
+                        max_len=256)}),
+    "reasoning": WorldRecipes(build_reasoning_world, WORLDS_DIR / "reasoning_reward.py", {
         "full": Recipe(steps=40, prompts_per_step=8, samples_per_prompt=8, train_batch=64, epochs=1,
                        actor_lr="5e-5", k=5, topk=64, head_lr="1.5e-3", head_warmup_steps=10, max_new_tokens=160,
                        max_len=256),

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from ..core.checkpoint import (HeadCheckpointError, check_text_only, native_head_layers, native_head_tensor_names,
                                read_head_config, resolve_backbone)
-from ..core.objectives import OBJECTIVES
+from ..core.objectives import ALPHA_ESTIMATES, OBJECTIVES
 from ..core.reconstruction import DEFAULT_CHUNK_CYCLES
 from ..core.records import DEFAULT_TOPK
 from ..core.schedule import DEFAULT_HEAD_LR, DEFAULT_MIN_LR_RATIO, DEFAULT_WARMUP_STEPS
@@ -58,7 +58,13 @@ def add_growmtp_args(parser: argparse.ArgumentParser) -> None:
          help="head LR warm-up, in RL steps (under --growmtp_head_update policy_step the schedule advances with "
               "every policy optimizer step)")
     flag("min_lr_ratio", type=float, default=DEFAULT_MIN_LR_RATIO, help="head LR cosine floor, fraction of peak")
-    flag("loss", type=str, default="dca", choices=OBJECTIVES, help="the head's objective")
+    flag("loss", type=str, default="dca", choices=OBJECTIVES,
+         help="the head's objective: dca (the paper's), tv, ce, kl, or hybrid: lambda CE + (1 - lambda) DCA with "
+              "lambda = exp(-3 alpha_1), alpha_1 the previous RL step's realised first-draft acceptance (a cold "
+              "start from a random head; docs/from_scratch.md). Default: %(default)s")
+    flag("alpha_estimate", type=str, default="residual", choices=ALPHA_ESTIMATES,
+         help="the update's alpha on the recorded top-k: residual (plus one bin for the mass outside it, an upper "
+              "bound of the true alpha) or topk (the top-k overlap alone, a lower bound). Default: %(default)s")
     group.add_argument("--growmtp_vgm", "--growmtp.vgm", dest="growmtp.vgm", action="store_true", default=True,
                        help="verify-gated masking: stop each chain at its first rejection (default on)")
     group.add_argument("--growmtp_no_vgm", "--growmtp.no_vgm", dest="growmtp.vgm", action="store_false",

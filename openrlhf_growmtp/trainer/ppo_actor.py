@@ -23,6 +23,8 @@ from openrlhf.utils.distributed_util import torch_dist_barrier_and_cuda_sync
 
 from .. import cpu_support, reproducibility
 from ..core.head_loss import HeadLossConfig
+from ..core.lockstep import Lockstep
+from ..core.objectives import HYBRID, hybrid_lambda
 from ..core.records import SequenceRecord
 from . import head_optimizer, installer
 from .head_rl_step import HeadRLStep
@@ -34,6 +36,7 @@ from .strategy import gathered_head_state, head_of, without_head
 logger = logging.getLogger("growmtp")
 
 SNAPSHOT_FILE = "growmtp_head_snapshot.pt"  # head weights, rank-0 head Adam moments and head LR
+ALPHA_1_STATE = "growmtp_alpha_1"  # in the checkpoint's client states: GrowMTPActorTrainer.alpha_1
 
 
 class ActorTrainer(ActorPPOTrainer):
@@ -79,18 +82,25 @@ class GrowMTPActorTrainer(ActorTrainer):
     """
 
     head_rl_step: HeadRLStep | None = None
+    # the realised acceptance rate at the first draft position of the last RL step's rollouts (the engine's
+    # counts, over every rank's records): the hybrid objective's λ follows it; 0 before the first rollout
+    alpha_1: float = 0.0
 
     def ppo_train(self, kl_ctl: float):
         records = self._take_records()
         if head_of(self.actor.model.module) is None:  # a frozen head drafts in the engines only
             return super().ppo_train(kl_ctl)
-        step = self.head_rl_step = HeadRLStep(self, records, self._head_update_config())
+        cfg = self._head_update_config()
+        step = self.head_rl_step = HeadRLStep(self, records, cfg)
         try:
             with self.strategy.before_policy_backward(step.before_policy_backward):
                 status = super().ppo_train(kl_ctl)
         finally:
             self.head_rl_step = None
         status.update({f"growmtp/{key}": value for key, value in step.metrics().items()})
+        if cfg.loss.hybrid_lambda is not None:
+            status["growmtp/hybrid_lambda"] = cfg.loss.hybrid_lambda
+        self.alpha_1 = realised_alpha_1(records, step.lockstep)
         return status
 
     def training_step(self, experience, kl_ctl, step, loss_batch_info=None):
@@ -118,7 +128,8 @@ class GrowMTPActorTrainer(ActorTrainer):
         g = self.args.growmtp
         joint = g.mode == "joint"
         loss = HeadLossConfig(objective=g.loss, vgm=g.vgm, chunk_cycles=None if joint else g.chunk_cycles,
-                              teacher_forcing=g.teacher_forcing)
+                              teacher_forcing=g.teacher_forcing, alpha_estimate=g.alpha_estimate,
+                              hybrid_lambda=hybrid_lambda(self.alpha_1) if g.loss == HYBRID else None)
         return HeadUpdateConfig(loss=loss, joint=joint, hidden_batch_size=max(1, self.micro_train_batch_size))
 
     def broadcast_to_vllm(self):
@@ -128,6 +139,13 @@ class GrowMTPActorTrainer(ActorTrainer):
         head = head_of(hf_model)
         if head is not None:
             self._send_to_engines("growmtp_load_head", gathered_head_state(head))
+
+
+def realised_alpha_1(records: list[SequenceRecord], lockstep: Lockstep) -> float:
+    """The share of every rank's cycles whose first draft was accepted (0 without cycles)."""
+    accepted, cycles = lockstep.total([sum(int((rec.accepted >= 1).sum()) for rec in records),
+                                       sum(rec.num_cycles for rec in records)])
+    return accepted / cycles if cycles else 0.0
 
 
 class PolicyActor(PolicyModelActor.__ray_actor_class__):
@@ -154,10 +172,12 @@ class GrowMTPPolicyActor(PolicyActor):
     def init_model_from_pretrained(self, strategy, pretrain, max_steps=None, vllm_engines=None):
         super().init_model_from_pretrained(strategy, pretrain, max_steps, vllm_engines)
         if self.checkpoint_states and head_of(self.actor.model.module) is not None:
+            self.trainer.alpha_1 = float(self.checkpoint_states.get(ALPHA_1_STATE, 0.0))
             # an audit trail of what resume restored, next to what the checkpoint saved (SNAPSHOT_FILE)
             self._write_snapshot(Path(strategy.args.ckpt.path) / "_actor" / f"resumed_{SNAPSHOT_FILE}")
 
     def save_checkpoint(self, tag, client_states=None, metric_value=None, metric_key=None):
+        client_states = {**(client_states or {}), ALPHA_1_STATE: self.trainer.alpha_1}
         super().save_checkpoint(tag, client_states, metric_value, metric_key)
         if head_of(self.actor.model.module) is not None and not self.disable_ds_ckpt:
             self._write_snapshot(Path(self.strategy.args.ckpt.path) / "_actor" / tag / SNAPSHOT_FILE)
@@ -169,8 +189,9 @@ class GrowMTPPolicyActor(PolicyActor):
             torch.save(snapshot, path)
 
     def growmtp_head_snapshot(self) -> dict:
-        """Gathered head weights (rank 0), this rank's head Adam moments and the head LR (tests, debugging)."""
+        """Gathered head weights (rank 0), this rank's head Adam moments, the head LR and the last realised α_1
+        (tests, debugging)."""
         engine = self.actor.model
         return {"weights": gathered_head_state(head_of(engine.module)),
                 "adam": head_optimizer.head_optimizer_state(engine), "lr": head_optimizer.head_lr(engine),
-                "rank": dist.get_rank()}
+                "alpha_1": self.trainer.alpha_1, "rank": dist.get_rank()}

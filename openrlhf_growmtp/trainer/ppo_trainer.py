@@ -26,6 +26,9 @@ from .samples_generator import GrowMTPSamplesGenerator, OrderedSamplesGenerator
 logger = logging.getLogger("growmtp")
 
 METRICS_FILE = "growmtp_metrics.jsonl"
+# Below this share of the policy's mass in the recorded top-k the update's α may differ from the true one by
+# more than the differences between objectives (docs/from_scratch.md).
+TRUSTED_TOPK_MASS = 0.99
 
 
 class GrowMTPStepMetrics:
@@ -35,6 +38,7 @@ class GrowMTPStepMetrics:
 
     def _init_step_metrics(self, args) -> None:
         self.metrics_path = Path(args.ckpt.path) / METRICS_FILE
+        self._warned_topk_mass = False
 
     def train_step(self, rollout_samples, global_step):
         rollout = self._rollout_metrics(rollout_samples)
@@ -48,8 +52,19 @@ class GrowMTPStepMetrics:
         if self.args.growmtp.check_sync and self.args.growmtp.mode != "frozen":
             rollout.update(self._check_head_sync())
         status.update(rollout)
+        status.update(alpha_gaps(status))
+        self._warn_topk_mass(status.get("growmtp/head_topk_mass"))
         self._report(next_step, status)
         return status, next_step
+
+    def _warn_topk_mass(self, mass: float | None) -> None:
+        """Once per run: the recorded top-k holds too little of the policy's mass for α to be trusted."""
+        if mass is None or mass >= TRUSTED_TOPK_MASS or self._warned_topk_mass:
+            return
+        self._warned_topk_mass = True
+        logger.warning("GrowMTP: the recorded top-%d holds %.3f of the policy's mass (below %.2f): the head update's "
+                       "alpha is off by up to %.3f (growmtp/alpha_gap_k shows by how much); raise --growmtp_topk",
+                       self.args.growmtp.topk, mass, TRUSTED_TOPK_MASS, 1.0 - mass)
 
     def _check_head_sync(self) -> dict[str, float]:
         """Max |engine - trainer| over the head parameters every rank of every engine exposes (after this
@@ -88,6 +103,19 @@ class GrowMTPStepMetrics:
         self.metrics_path.parent.mkdir(parents=True, exist_ok=True)
         with self.metrics_path.open("a") as f:
             f.write(json.dumps(row, default=float) + "\n")
+
+
+def alpha_gaps(status: dict) -> dict[str, float]:
+    """growmtp/alpha_gap_k: the α the head update computed at draft position k (before its step) minus the
+    rollout's realised acceptance rate there, for every k both were logged at."""
+    gaps = {}
+    for key, head_alpha in status.items():
+        if key.startswith("growmtp/head_alpha_"):
+            position = key.rsplit("_", 1)[1]
+            realised = status.get(f"growmtp/alpha_{position}")
+            if realised is not None:
+                gaps[f"growmtp/alpha_gap_{position}"] = head_alpha - realised
+    return gaps
 
 
 class _OrderedController(PPOTrainer.__ray_actor_class__):

@@ -183,3 +183,63 @@ def test_a_head_sure_of_the_recorded_ids_gets_finite_gradients(objective):
     expected = torch.minimum(p_top[..., 0], 1 - outside[:, None]) + torch.minimum(1 - p_top[..., 0],
                                                                                   outside[:, None].clamp(min=1e-6))
     assert alpha.sub(expected).abs().max() < 1e-6
+
+
+def test_the_topk_alpha_is_a_lower_bound_and_the_residual_alpha_an_upper_bound_of_the_true_alpha():
+    from openrlhf_growmtp.core.objectives import log_acceptance_rates_at
+
+    g = torch.Generator().manual_seed(3)
+    draft = torch.randn(64, 5, 300, generator=g) * 2
+    target = torch.log_softmax(torch.randn(64, 5, 300, generator=g) * 2, -1)
+    ids, lp = _topk(target, 16)
+    logq = torch.log_softmax(draft, -1).gather(-1, ids)
+    lower = log_acceptance_rates_at(logq, lp, residual=False).exp()
+    upper = log_acceptance_rates_at(logq, lp, residual=True).exp()
+    true = _full_alpha(draft, target)
+    assert (lower <= true + 1e-6).all() and (true <= upper + 1e-6).all()
+    assert (upper - lower).min() > 0  # a real truncation: the two differ everywhere
+    assert torch.allclose(lower, torch.minimum(lp.exp(), logq.exp()).sum(-1), atol=1e-6)  # the top-k overlap
+
+
+def test_the_hybrid_weight_follows_the_rule():
+    from openrlhf_growmtp.core.objectives import hybrid_lambda
+
+    assert hybrid_lambda(0.0) == 1.0 and hybrid_lambda(1.0) == pytest.approx(math.exp(-3), rel=1e-12)
+    assert hybrid_lambda(0.5) == pytest.approx(math.exp(-1.5), rel=1e-12)
+    for bad in (-0.1, 1.1):
+        with pytest.raises(ValueError, match="acceptance rate"):
+            hybrid_lambda(bad)
+
+
+@pytest.mark.parametrize("weight, equals", [(1.0, "ce"), (0.0, "dca")])
+@pytest.mark.parametrize("vgm", [True, False])
+def test_the_hybrid_is_ce_at_lambda_one_and_dca_at_lambda_zero_in_value_and_gradient(weight, equals, vgm):
+    from openrlhf_growmtp.core.objectives import head_loss_per_cycle_at
+
+    g = torch.Generator().manual_seed(4)
+    logq = torch.log_softmax(torch.randn(16, 4, 300, generator=g), -1)[..., :24].clone().requires_grad_()
+    lp = torch.log_softmax(torch.randn(16, 4, 300, generator=g) * 2, -1).topk(24, -1).values
+    accepted = torch.randint(0, 5, (16,), generator=g) if vgm else None
+
+    def loss_and_grad(objective, **kwargs):
+        loss, _ = head_loss_per_cycle_at(logq, lp, accepted, objective, **kwargs)
+        return loss, torch.autograd.grad(loss.sum(), logq)[0]
+
+    hybrid, hybrid_grad = loss_and_grad("hybrid", hybrid_lambda=weight)
+    single, single_grad = loss_and_grad(equals)
+    assert torch.equal(hybrid, single) and torch.equal(hybrid_grad, single_grad)
+    mixed, mixed_grad = loss_and_grad("hybrid", hybrid_lambda=0.25)  # and in between, the weighted sum
+    ce, ce_grad = loss_and_grad("ce")
+    dca, dca_grad = loss_and_grad("dca")
+    assert torch.allclose(mixed, 0.25 * ce + 0.75 * dca, atol=1e-6)
+    assert torch.allclose(mixed_grad, 0.25 * ce_grad + 0.75 * dca_grad, atol=1e-6)
+
+
+def test_the_hybrid_needs_its_weight_and_no_other_objective_takes_one():
+    from openrlhf_growmtp.core.objectives import head_loss_per_cycle_at
+
+    logq, lp = torch.full((2, 3, 4), -2.0), torch.full((2, 3, 4), -1.5)
+    with pytest.raises(ValueError, match="hybrid_lambda"):
+        head_loss_per_cycle_at(logq, lp, None, "hybrid")
+    with pytest.raises(ValueError, match="hybrid_lambda"):
+        head_loss_per_cycle_at(logq, lp, None, "dca", hybrid_lambda=0.5)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import subprocess
@@ -28,7 +29,8 @@ def reward_func(queries, prompts, labels):  # the fraction of even token ids in 
 '''
 
 
-def launch(tmp: Path, samples: int, *extra: str, ckpt: str = "ckpt", final: str = "final", lag: bool = True) -> str:
+def launch(tmp: Path, samples: int, *extra: str, ckpt: str = "ckpt", final: str = "final", lag: bool = True,
+           hybrid: bool = False) -> str:
     cmd = [sys.executable, "-m", "openrlhf_growmtp.cli.train_ppo_ray",
            "--actor.model_name_or_path", str(tmp / "policy"), "--actor.num_nodes", "1", "--actor.num_gpus_per_node", "2",
            "--vllm.num_engines", "1", "--vllm.enforce_eager", "--ds.zero_stage", "3",
@@ -41,6 +43,8 @@ def launch(tmp: Path, samples: int, *extra: str, ckpt: str = "ckpt", final: str 
            "--ckpt.save_steps", "1", "--ckpt.output_dir", str(tmp / final),
            "--growmtp_k", "3", "--growmtp.topk", "16", "--growmtp_head_lr", "3e-3", "--growmtp.warmup_steps", "1",
            "--growmtp_check_sync", *(["--growmtp_log_lag"] if lag else []), *extra]
+    if hybrid:  # the cold-start objective, with TensorBoard events
+        cmd += ["--growmtp_loss", "hybrid", "--logger.tensorboard_dir", str(tmp / ckpt / "tensorboard")]
     env = {**os.environ, "GROWMTP_RAY_TMP": str(tmp / "ray")}
     result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
@@ -57,7 +61,7 @@ def world(tmp_path_factory):
             prompt = " ".join(f"t{rng.randint(2, 127)}" for _ in range(rng.randint(4, 10)))
             f.write(json.dumps({"input": prompt, "label": ""}) + "\n")
     (tmp / "reward.py").write_text(REWARD)
-    log = launch(tmp, samples=6)
+    log = launch(tmp, samples=6, hybrid=True)
     return tmp, log
 
 
@@ -84,6 +88,29 @@ def test_records_arrive_head_learns_and_engine_gets_it(world):
     assert "GrowMTP step 3: tau=" in log
 
 
+def test_the_hybrid_weight_follows_the_previous_rollouts_realised_first_draft_acceptance(world):
+    tmp, _ = world
+    steps = rows(tmp)
+    assert steps[0]["growmtp/hybrid_lambda"] == 1.0  # no rollout before the first
+    for previous, step in zip(steps, steps[1:]):  # the engine's counts, as the controller logged them
+        assert step["growmtp/hybrid_lambda"] == pytest.approx(math.exp(-3 * previous["growmtp/alpha_1"]), rel=1e-6)
+    assert any(step["growmtp/hybrid_lambda"] < 1.0 for step in steps[1:])  # a head that drafts something
+
+
+def test_the_topk_mass_and_the_alpha_gap_are_logged_and_a_low_mass_is_warned_about_once(world):
+    from openrlhf_growmtp.experiments.reproduce import logged_scalars
+
+    tmp, log = world
+    events = logged_scalars(tmp / "ckpt" / "tensorboard")
+    for k in (1, 2, 3):
+        gaps, head, realised = (events[f"train/growmtp/{name}_{k}"] for name in ("alpha_gap", "head_alpha", "alpha"))
+        assert sorted(gaps) == [1, 2, 3]
+        assert all(gaps[s] == pytest.approx(head[s] - realised[s], abs=1e-6) for s in gaps)
+    masses = events["train/growmtp/head_topk_mass"]
+    assert sorted(masses) == [1, 2, 3] and all(0.0 < m <= 1.0 for m in masses.values())
+    assert log.count("raise --growmtp_topk") == (1 if min(masses.values()) < 0.99 else 0)
+
+
 def test_final_export_keeps_the_head_apart(world):
     tmp, _ = world
     with safe_open(str(tmp / "final" / "model.safetensors"), "pt") as f:
@@ -94,7 +121,7 @@ def test_final_export_keeps_the_head_apart(world):
 
 def test_resume_restores_head_and_its_optimizer_state(world):
     tmp, _ = world
-    launch(tmp, 8, "--ckpt.load_enable")
+    launch(tmp, 8, "--ckpt.load_enable", hybrid=True)
     saved = torch.load(tmp / "ckpt" / "_actor" / "global_step3" / "growmtp_head_snapshot.pt", weights_only=False)
     resumed = torch.load(tmp / "ckpt" / "_actor" / "resumed_growmtp_head_snapshot.pt", weights_only=False)
     assert saved["weights"].keys() == resumed["weights"].keys()
@@ -103,7 +130,11 @@ def test_resume_restores_head_and_its_optimizer_state(world):
     assert saved["adam"] and all(torch.equal(saved["adam"][k], resumed["adam"][k]) for k in saved["adam"])
     assert any(v.abs().sum() > 0 for v in saved["adam"].values())
     assert resumed["lr"] == saved["lr"]
-    assert [r["step"] for r in rows(tmp)] == [1, 2, 3, 4]
+    steps = rows(tmp)
+    assert [r["step"] for r in steps] == [1, 2, 3, 4]
+    # the hybrid's weight after the resume follows the last saved step's rollout, not a fresh start's 0
+    assert resumed["alpha_1"] == saved["alpha_1"] > 0.0
+    assert steps[3]["growmtp/hybrid_lambda"] == pytest.approx(math.exp(-3 * steps[2]["growmtp/alpha_1"]), rel=1e-6)
 
 
 def trained_head_moved(tmp: Path, ckpt: str, final: str) -> bool:

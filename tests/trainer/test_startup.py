@@ -80,6 +80,17 @@ def test_head_directory_depth_limit_and_shape_mismatch(policy_dir, head_dir, tmp
                                                                   "--growmtp_head", str(shallow)))
 
 
+def test_help_lists_the_hybrid_objective_and_the_alpha_estimate():
+    result = subprocess.run([sys.executable, "-m", "openrlhf_growmtp.cli.train_ppo_ray", "--help"], capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    help_text = " ".join(result.stdout.split())
+    after = help_text.split("--growmtp_loss LOSS, --growmtp.loss LOSS", 1)[1][:400]
+    assert "hybrid" in after and "exp(-3 alpha_1)" in after
+    after = help_text.split("--growmtp_alpha_estimate ALPHA_ESTIMATE,", 1)[1][:400]
+    assert "residual" in after and "topk" in after
+
+
 def test_cli_fails_fast_before_ray(policy_dir, tmp_path):
     cmd = [sys.executable, "-m", "openrlhf_growmtp.cli.train_ppo_ray", "--actor.model_name_or_path", str(policy_dir),
            *GOOD, "--growmtp_k", "3", "--rollout.temperature", "0", "--vllm.enable_sleep",

@@ -6,6 +6,12 @@ sampled at temperature 1: a policy that always succeeds gives GRPO no signal, on
 it no reward. The success probability is measured exactly and cheaply: with teacher forcing, the
 probability that sampling at temperature 1 reproduces the worked solution is exp(sum of its token
 log-probs), so one batched forward over held-out problems gives the expected accuracy.
+
+The pieces take the world's spec, so that a world of the same task at other sizes, with a larger vocabulary
+or with connectives before the columns' steps (`reasoning_world.py`), is this code under another spec. With
+connectives, a sample is a worked solution whichever connectives it writes: the held-out solutions' connectives
+are drawn uniformly and each of their log-probs is counted as log(n p), n connectives (the importance weight of
+the drawn connective), which keeps exp(sum) an unbiased estimate of the probability of sampling a worked solution.
 """
 
 from __future__ import annotations
@@ -15,7 +21,9 @@ import json
 import random
 import time
 from dataclasses import asdict, dataclass
+from math import log
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -29,6 +37,10 @@ WORLD_VERSION = 1  # bump when anything below changes what a cached world holds
 
 @dataclass(frozen=True)
 class WorldSpec:
+    """The demo world's settings; `key()` names its cache directory <prefix>-<key>."""
+
+    name: ClassVar[str] = "demo"
+    prefix: ClassVar[str] = "world"
     min_digits: int = 2
     max_digits: int = 4
     hidden_size: int = 128
@@ -47,6 +59,14 @@ class WorldSpec:
     def key(self) -> str:
         blob = json.dumps({"version": WORLD_VERSION, **asdict(self)}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+    def vocabulary(self) -> list[str]:
+        """The tokenizer's words, id by id."""
+        return task.VOCAB
+
+    def connective_words(self) -> tuple[str, ...]:
+        """The words one of which starts each column's step (none here)."""
+        return ()
 
 
 @dataclass(frozen=True)
@@ -72,8 +92,9 @@ class World:
 
 
 def build_world(cache_dir: str | Path, spec: WorldSpec = WorldSpec(), log=print) -> World:
-    """The world for `spec` under cache_dir/world-<key>/, built unless a complete one is already there."""
-    root = Path(cache_dir) / f"world-{spec.key()}"
+    """The world for `spec` under cache_dir/<spec.prefix>-<key>/ (world-<key>/ for the demo's), built unless a
+    complete one is already there."""
+    root = Path(cache_dir) / f"{spec.prefix}-{spec.key()}"
     stamp = root / "world.json"
     if not stamp.exists():
         _build(root, spec, log)
@@ -85,26 +106,27 @@ def build_world(cache_dir: str | Path, spec: WorldSpec = WorldSpec(), log=print)
 def _build(root: Path, spec: WorldSpec, log) -> None:
     began = time.perf_counter()
     root.mkdir(parents=True, exist_ok=True)
-    tokenizer = task.make_tokenizer()
+    tokenizer = task.make_tokenizer(spec.vocabulary())
     config = Qwen3Config(
-        vocab_size=len(task.VOCAB), hidden_size=spec.hidden_size, intermediate_size=3 * spec.hidden_size,
+        vocab_size=len(spec.vocabulary()), hidden_size=spec.hidden_size, intermediate_size=3 * spec.hidden_size,
         num_hidden_layers=spec.num_layers, num_attention_heads=spec.hidden_size // spec.head_dim,
         num_key_value_heads=max(1, spec.hidden_size // (2 * spec.head_dim)), head_dim=spec.head_dim,
         max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=False,
         eos_token_id=task.EOS_ID, bos_token_id=task.EOS_ID, pad_token_id=task.PAD_ID)
     torch.manual_seed(spec.seed)
     model = Qwen3ForCausalLM(config)
-    log(f"building the demo world in {root}: pretraining a {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M "
-        f"Qwen3 policy on worked {spec.min_digits}-{spec.max_digits} digit additions "
-        f"until its sampled accuracy reaches {spec.target_accuracy:.0%}")
+    log(f"building the {spec.name} world in {root}: pretraining a "
+        f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M {spec.num_layers}-layer Qwen3 policy on worked "
+        f"{spec.min_digits}-{spec.max_digits} digit additions until its sampled accuracy reaches "
+        f"{spec.target_accuracy:.0%}")
     stats = pretrain(model, tokenizer, spec, log)
 
     write_policy(root, model, tokenizer)
     write_prompts(root / "prompts.jsonl", spec)
     info = {"spec": asdict(spec), "pretrain": stats, "build_s": round(time.perf_counter() - began, 1)}
     (root / "world.json").write_text(json.dumps(info, indent=2) + "\n")  # written last: marks the world complete
-    log(f"world ready in {info['build_s']:.0f} s (pretraining steps {stats['steps']}, expected sampled accuracy "
-        f"{stats['expected_accuracy']:.2f})")
+    log(f"{spec.name} world ready in {info['build_s']:.0f} s (pretraining steps {stats['steps']}, expected sampled "
+        f"accuracy {stats['expected_accuracy']:.2f})")
 
 
 def write_policy(root: Path, model, tokenizer) -> None:
@@ -119,16 +141,21 @@ def write_policy(root: Path, model, tokenizer) -> None:
     materialize_random_head(policy_dir, root / "head-random", seed=0)
 
 
-def encode(tokenizer, a: int, b: int) -> tuple[list[int], list[int]]:
-    """(prompt ids, solution ids ending in <eos>) exactly as the RL run will see them."""
+def encode(tokenizer, a: int, b: int, connectives: tuple[str, ...] = (),
+           rng: random.Random | None = None) -> tuple[list[int], list[int]]:
+    """(prompt ids, solution ids ending in <eos>) exactly as the RL run will see them; the solution's connectives
+    (if any) drawn from rng."""
     prompt = tokenizer(task.prompt_text(a, b), add_special_tokens=False)["input_ids"]
-    solution = tokenizer(task.solution_text(a, b), add_special_tokens=False)["input_ids"] + [task.EOS_ID]
+    text = task.solution_text(a, b, connectives=connectives, rng=rng)
+    solution = tokenizer(text, add_special_tokens=False)["input_ids"] + [task.EOS_ID]
     return prompt, solution
 
 
-def make_batch(tokenizer, problems: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Right-padded ids [B, T], attention mask [B, T], and a mask of the solution tokens to predict [B, T]."""
-    rows = [encode(tokenizer, a, b) for a, b in problems]
+def make_batch(tokenizer, problems: list[tuple[int, int]], connectives: tuple[str, ...] = (),
+               rng: random.Random | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded ids [B, T], attention mask [B, T], and a mask of the solution tokens to predict [B, T]; the
+    solutions' connectives (if any) drawn from rng, problem by problem."""
+    rows = [encode(tokenizer, a, b, connectives, rng) for a, b in problems]
     width = max(len(p) + len(s) for p, s in rows)
     ids = torch.full((len(rows), width), task.PAD_ID)
     attention = torch.zeros_like(ids)
@@ -148,18 +175,34 @@ def solution_logprobs(model, ids, attention, target) -> torch.Tensor:
     return (token_lp * target[:, 1:]).sum(-1)
 
 
+def expected_accuracy(model, tokenizer, batch, connectives: tuple[str, ...] = ()) -> float:
+    """Mean over the batch's problems of exp(summed solution log-probs): the probability that sampling at
+    temperature 1 writes the worked solution. With connectives, each connective token's log-prob counts as
+    log(n p) (module docstring), so that the estimate is of writing a worked solution with any connectives."""
+    ids, attention, target = batch
+    logprobs = solution_logprobs(model, ids, attention, target)
+    if connectives:
+        forks = torch.isin(ids, torch.tensor(tokenizer.convert_tokens_to_ids(list(connectives)))) & target.bool()
+        logprobs = logprobs + forks.sum(-1) * log(len(connectives))
+    return float(logprobs.exp().mean())
+
+
 def pretrain(model, tokenizer, spec: WorldSpec, log) -> dict:
-    """AdamW on worked solutions until the expected sampled accuracy on held-out problems reaches the target."""
+    """AdamW on worked solutions until the expected sampled accuracy on held-out problems reaches the target.
+    Held-out problem i comes from random.Random(10_000 + i) and the held-out connectives from
+    random.Random(spec.seed + 2); the training problems and their connectives from one random.Random(spec.seed)."""
     rng = random.Random(spec.seed)
+    connectives = spec.connective_words()
     held_out = make_batch(tokenizer, [task.sample_problem(random.Random(10_000 + i), spec.min_digits,
-                                                          spec.max_digits) for i in range(spec.eval_problems)])
+                                                          spec.max_digits) for i in range(spec.eval_problems)],
+                          connectives, random.Random(spec.seed + 2))
     optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=0.01)
     warmup = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / spec.warmup_steps))
     accuracy, loss, step = 0.0, torch.tensor(float("nan")), 0
     while step < spec.max_steps:
         model.train()
         problems = [task.sample_problem(rng, spec.min_digits, spec.max_digits) for _ in range(spec.batch_size)]
-        ids, attention, target = make_batch(tokenizer, problems)
+        ids, attention, target = make_batch(tokenizer, problems, connectives, rng)
         loss = -solution_logprobs(model, ids, attention, target).sum() / target.sum()
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -170,7 +213,7 @@ def pretrain(model, tokenizer, spec: WorldSpec, log) -> dict:
         if step % spec.eval_every == 0:
             model.eval()
             with torch.no_grad():
-                accuracy = float(solution_logprobs(model, *held_out).exp().mean())
+                accuracy = expected_accuracy(model, tokenizer, held_out, connectives)
             log(f"  pretraining step {step}: loss {loss.item():.3f}, expected sampled accuracy {accuracy:.2f}")
             if accuracy >= spec.target_accuracy:
                 break

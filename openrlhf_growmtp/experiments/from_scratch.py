@@ -1,0 +1,222 @@
+"""The from-scratch study (docs/from_scratch.md): its settings, the runs still to make, and its export.
+
+Every setting is a set of runs of `make ablations`' driver (`experiments.ablations`), kept with the others
+under docs/ablations_runs/ and resumable as they are. Settings, seeds and the decision rule are the ones
+docs/from_scratch.md fixed before any run; two settings add seeds only on a condition stated there, which
+`runs` evaluates on the kept results of the seed before.
+
+    python -m openrlhf_growmtp.experiments.from_scratch next      # the driver command of the next run to make
+    python -m openrlhf_growmtp.experiments.from_scratch export    # docs/from_scratch.json, the table, the default
+
+`make from-scratch` makes every run in turn, then exports.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from statistics import mean
+
+from openrlhf_growmtp.experiments import ablation_arms
+from openrlhf_growmtp.experiments.recipes import WORLDS
+
+KEEP = Path("docs/ablations_runs")
+# the estimate bench_alpha_estimate.py's rule chose for paper/unbiased-alpha (docs/from_scratch.md)
+UNBIASED_ALPHA = "topk"
+WORLD_PREFIX = {"demo": "world", "paper": "paper", "reasoning": "reasoning"}  # cache directory names
+# the decision rule's margins (docs/from_scratch.md): never more than this below DCA + VGM ...
+NOT_BELOW = 0.02
+# ... and, on every seed of at least one world, more than this above it
+ABOVE = 0.04
+
+
+@dataclass(frozen=True)
+class Setting:
+    world: str
+    arms: tuple[str, ...]
+    seeds: tuple[int, ...]
+    start: str = "random"
+    tag: str | None = None
+    head_lr: str | None = None
+    alpha_estimate: str | None = None
+    steps: int | None = None
+    more_seeds: tuple[int, ...] = ()  # run only where `wants_more_seeds` holds after `seeds`
+    condition: str = ""  # which test decides `more_seeds`: "order" (vs the 1.5e-3 runs) or "horizon"
+
+
+SETTINGS = {  # in the order `next` makes their runs (each one's dependencies first)
+    "paper/lr-5e-4": Setting("paper", ("growmtp", "ce"), (42,), tag="lr-5e-4", head_lr="5e-4", more_seeds=(43, 44),
+                             condition="order"),
+    "paper/held-out": Setting("paper", ("growmtp", "hybrid"), (45, 46, 47)),
+    "paper/unbiased-alpha": Setting("paper", ("growmtp", "ce", "hybrid"), (42, 43, 44), tag=f"alpha-{UNBIASED_ALPHA}",
+                                    alpha_estimate=UNBIASED_ALPHA),
+    "reasoning": Setting("reasoning", ("growmtp", "ce", "tv", "dca_no_vgm", "hybrid", "ar"), (42, 43, 44)),
+    "reasoning/held-out": Setting("reasoning", ("growmtp", "hybrid"), (45, 46, 47)),
+    "reasoning/120-steps": Setting("reasoning", ("growmtp", "ce", "hybrid"), (42,), tag="120-steps", steps=120,
+                                   more_seeds=(43, 44), condition="horizon"),
+    "paper/from-ce_k1/held-out": Setting("paper", ("growmtp", "hybrid"), (45, 46, 47), start="ce_k1"),
+    "demo/held-out": Setting("demo", ("growmtp", "hybrid"), (45, 46, 47)),
+}
+
+
+def kept_dir(setting: Setting, keep: Path = KEEP) -> Path | None:
+    """The keep directory of the setting's world build (the one directory whose name fits)."""
+    suffix = ("" if setting.start == "random" else f"-from-{setting.start}") + (f"-{setting.tag}" if setting.tag else "")
+    pattern = re.compile(rf"{WORLD_PREFIX[setting.world]}-[0-9a-f]{{12}}{re.escape(suffix)}")
+    found = sorted(p for p in keep.glob(f"{WORLD_PREFIX[setting.world]}-*") if pattern.fullmatch(p.name))
+    if len(found) > 1:
+        raise RuntimeError(f"{len(found)} builds of the {setting.world} world kept under {keep}: {found}")
+    return found[0] if found else None
+
+
+def seed_result(setting: Setting, arm: str, seed: int, keep: Path = KEEP) -> dict | None:
+    """The kept run's `ablation_arms.seed_summary`, or None where it has not run."""
+    folder = kept_dir(setting, keep)
+    path = folder / f"{arm}-s{seed}.json" if folder else None
+    if path is None or not path.exists():
+        return None
+    warmup = WORLDS[setting.world].recipes["full"].head_warmup_steps
+    return ablation_arms.seed_summary(json.loads(path.read_text())["rows"], warmup)
+
+
+def _tau_over(setting: Setting, arm: str, seed: int, steps: range, keep: Path) -> float:
+    rows = json.loads((kept_dir(setting, keep) / f"{arm}-s{seed}.json").read_text())["rows"]
+    return mean(r["tau"] for r in rows if r["step"] in steps)
+
+
+def _order(taus: dict[str, float]) -> list[str]:
+    return sorted(taus, key=taus.get, reverse=True)
+
+
+def wants_more_seeds(setting: Setting, keep: Path = KEEP) -> bool | None:
+    """The condition of docs/from_scratch.md on the first seed's runs; None until they are all kept."""
+    seed = setting.seeds[0]
+    if any(seed_result(setting, arm, seed, keep) is None for arm in setting.arms):
+        return None
+    if setting.condition == "order":  # against the same arms at the recipe's head LR (the original ablations)
+        baseline = Setting(setting.world, setting.arms, setting.seeds)
+        if any(seed_result(baseline, arm, seed, keep) is None for arm in setting.arms):
+            return None
+        here = {arm: seed_result(setting, arm, seed, keep)["tau_final"] for arm in setting.arms}
+        there = {arm: seed_result(baseline, arm, seed, keep)["tau_final"] for arm in setting.arms}
+        return _order(here) != _order(there)
+    if setting.condition == "horizon":  # the same runs' order over steps 36-40 and over their last 5
+        steps = setting.steps or WORLDS[setting.world].recipes["full"].steps
+        early = {arm: _tau_over(setting, arm, seed, range(36, 41), keep) for arm in setting.arms}
+        late = {arm: _tau_over(setting, arm, seed, range(steps - 4, steps + 1), keep) for arm in setting.arms}
+        return _order(early) != _order(late)
+    raise ValueError(f"unknown condition {setting.condition!r}")
+
+
+def runs(setting: Setting, keep: Path = KEEP) -> list[tuple[str, int]]:
+    """(arm, seed) of every run the setting makes, as far as its conditions are decided."""
+    seeds = list(setting.seeds)
+    if setting.more_seeds and wants_more_seeds(setting, keep):
+        seeds += setting.more_seeds
+    return [(arm, seed) for seed in seeds for arm in setting.arms]
+
+
+def command(setting: Setting, arm: str, seed: int, keep: Path = KEEP) -> list[str]:
+    """The driver command that makes (or reads back) one run of the setting."""
+    cmd = [sys.executable, "-m", "openrlhf_growmtp.experiments.ablations", "--worlds", setting.world, "--arms", arm,
+           "--seeds", str(seed), "--start", setting.start, "--keep", str(keep), "--no-ceiling",
+           "--name", "from_scratch"]
+    for flag, value in (("--tag", setting.tag), ("--head-lr", setting.head_lr),
+                        ("--alpha-estimate", setting.alpha_estimate), ("--steps", setting.steps)):
+        if value is not None:
+            cmd += [flag, str(value)]
+    return cmd
+
+
+def next_command(keep: Path = KEEP) -> list[str] | None:
+    for setting in SETTINGS.values():
+        for arm, seed in runs(setting, keep):
+            if seed_result(setting, arm, seed, keep) is None:
+                return command(setting, arm, seed, keep)
+    return None
+
+
+def export(keep: Path = KEEP) -> dict:
+    """docs/from_scratch.json's document: per setting, the world's statistics and every arm's τ and α gap."""
+    worlds = {}
+    for name, setting in SETTINGS.items():
+        folder = kept_dir(setting, keep)
+        recipe = WORLDS[setting.world].recipes["full"]
+        text = json.loads((folder / "sampled_text.json").read_text()) if folder and (
+            folder / "sampled_text.json").exists() else {}
+        arms = {}
+        for arm, seed in runs(setting, keep):
+            result = seed_result(setting, arm, seed, keep)
+            if result is None or "tau_final" not in result:
+                continue
+            entry = arms.setdefault(arm, {"tau_final": {}, "alpha_gap": {}})
+            entry["tau_final"][str(seed)] = result["tau_final"]
+            if "alpha_gap_final" in result:
+                entry["alpha_gap"][str(seed)] = result["alpha_gap_final"]
+        head_lr = setting.head_lr or (f"{float(recipe.head_lr) / 3:g}" if setting.start == "ce_k1" else recipe.head_lr)
+        worlds[name] = {"k": recipe.k, "vocab_size": _vocab_size(setting.world), "policy_layers": _layers(setting.world),
+                        "topk_mass": text.get(f"top{recipe.topk}_mass"), "entropy_nats": text.get("entropy_nats"),
+                        "alpha_estimate": setting.alpha_estimate or "residual", "start": setting.start,
+                        "head_lr": float(head_lr), "steps": setting.steps or recipe.steps,
+                        "seeds": sorted({seed for _, seed in runs(setting, keep)}), "arms": arms}
+    return {"worlds": worlds, "default": decide(worlds)}
+
+
+def decide(worlds: dict) -> str:
+    """The rule of docs/from_scratch.md: `hybrid` only if it is never more than NOT_BELOW below DCA + VGM on
+    any seed of any setting where both ran, and more than ABOVE above it on every seed of at least one world."""
+    differences: dict[str, list[float]] = {}  # per world: hybrid minus DCA + VGM, every seed of every setting
+    for name, setting in worlds.items():
+        arms = setting["arms"]
+        if "hybrid" not in arms or "growmtp" not in arms:
+            continue
+        for seed, tau in arms["hybrid"]["tau_final"].items():
+            if seed in arms["growmtp"]["tau_final"]:
+                differences.setdefault(name.split("/")[0], []).append(tau - arms["growmtp"]["tau_final"][seed])
+    every = [d for per_world in differences.values() for d in per_world]
+    if every and min(every) >= -NOT_BELOW and any(min(per_world) > ABOVE for per_world in differences.values()):
+        return "hybrid"
+    return "dca"
+
+
+def _config(world: str) -> dict:
+    cache = Path("runs/.cache")
+    found = sorted(cache.glob(f"{WORLD_PREFIX[world]}-*/policy/config.json"))
+    return json.loads(found[-1].read_text()) if found else {}
+
+
+def _vocab_size(world: str) -> int | None:
+    return _config(world).get("vocab_size")
+
+
+def _layers(world: str) -> int | None:
+    return _config(world).get("num_hidden_layers")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m openrlhf_growmtp.experiments.from_scratch", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("what", choices=("next", "export"))
+    parser.add_argument("--keep", type=Path, default=KEEP)
+    parser.add_argument("--out", type=Path, default=Path("docs/from_scratch.json"))
+    args = parser.parse_args(argv)
+    if args.what == "next":
+        cmd = next_command(args.keep)
+        if cmd is not None:
+            print(" ".join(cmd))
+        return 0
+    doc = export(args.keep)
+    args.out.write_text(json.dumps(doc, indent=1) + "\n")
+    for name, world in doc["worlds"].items():
+        print(f"{name}: " + ", ".join(f"{arm} " + " ".join(f"{tau:.3f}" for tau in entry["tau_final"].values())
+                                      for arm, entry in world["arms"].items()))
+    print(f"default: {doc['default']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
