@@ -65,5 +65,17 @@ def test_next_names_the_first_missing_run_with_its_settings_flags(tmp_path):
     cmd = next_command(tmp_path)
     first = next(iter(SETTINGS.values()))
     assert cmd[cmd.index("--worlds") + 1] == first.world and cmd[cmd.index("--keep") + 1] == str(tmp_path)
-    assert cmd[cmd.index("--tag") + 1] == first.tag and cmd[cmd.index("--head-lr") + 1] == first.head_lr
-    assert isinstance(first, Setting)
+    assert cmd[cmd.index("--arms") + 1] == first.arms[0] and cmd[cmd.index("--seeds") + 1] == str(first.seeds[0])
+    tagged = SETTINGS["paper/lr-5e-4"]
+    cmd = from_scratch.command(tagged, "ce", 42, tmp_path)
+    assert cmd[cmd.index("--tag") + 1] == tagged.tag and cmd[cmd.index("--head-lr") + 1] == tagged.head_lr
+    assert "--alpha-estimate" not in cmd and "--steps" not in cmd
+
+
+def test_the_export_leaves_the_default_undecided_until_every_run_is_kept(tmp_path, monkeypatch):
+    monkeypatch.setattr(from_scratch, "SETTINGS", {"demo/held-out": Setting("demo", ("growmtp", "hybrid"), (45,))})
+    keep_run(tmp_path, "world-0123456789ab", "growmtp", 45, [1.0] * 100)
+    doc = from_scratch.export(tmp_path)
+    assert (doc["default"], doc["decided"], doc["runs_missing"]) == ("dca", False, 1)
+    cmd = next_command(tmp_path)  # the hybrid run, not the kept one
+    assert (cmd[cmd.index("--arms") + 1], cmd[cmd.index("--seeds") + 1]) == ("hybrid", "45")
