@@ -56,26 +56,21 @@ class WorldRecipes:
     recipes: dict[str, Recipe]  # "full" and "quick"
 
 
+# the paper world's recipes, which the reasoning world takes too (docs/from_scratch.md)
+PAPER_RECIPES = {
+    "full": Recipe(steps=40, prompts_per_step=8, samples_per_prompt=8, train_batch=64, epochs=1, actor_lr="5e-5", k=5,
+                   topk=64, head_lr="1.5e-3", head_warmup_steps=10, max_new_tokens=160, max_len=256),
+    "quick": Recipe(steps=3, prompts_per_step=4, samples_per_prompt=4, train_batch=16, epochs=1, actor_lr="5e-5", k=5,
+                    topk=64, head_lr="1.5e-3", head_warmup_steps=1, max_new_tokens=160, max_len=256)}
+
 WORLDS = {
     "demo": WorldRecipes(build_world, WORLDS_DIR / "demo_reward.py", {
         "full": Recipe(steps=100, prompts_per_step=16, samples_per_prompt=4, train_batch=16, epochs=3,
                        actor_lr="1e-4", k=3, topk=16, head_lr="3e-3", head_warmup_steps=5, max_new_tokens=64),
         "quick": Recipe(steps=4, prompts_per_step=8, samples_per_prompt=4, train_batch=16, epochs=3,
                         actor_lr="1e-4", k=3, topk=16, head_lr="3e-3", head_warmup_steps=1, max_new_tokens=64)}),
-    "paper": WorldRecipes(build_paper_world, WORLDS_DIR / "paper_reward.py", {
-        "full": Recipe(steps=40, prompts_per_step=8, samples_per_prompt=8, train_batch=64, epochs=1,
-                       actor_lr="5e-5", k=5, topk=64, head_lr="1.5e-3", head_warmup_steps=10, max_new_tokens=160,
-                       max_len=256),
-        "quick": Recipe(steps=3, prompts_per_step=4, samples_per_prompt=4, train_batch=16, epochs=1,
-                        actor_lr="5e-5", k=5, topk=64, head_lr="1.5e-3", head_warmup_steps=1, max_new_tokens=160,
-                        max_len=256)}),
-    "reasoning": WorldRecipes(build_reasoning_world, WORLDS_DIR / "reasoning_reward.py", {
-        "full": Recipe(steps=40, prompts_per_step=8, samples_per_prompt=8, train_batch=64, epochs=1,
-                       actor_lr="5e-5", k=5, topk=64, head_lr="1.5e-3", head_warmup_steps=10, max_new_tokens=160,
-                       max_len=256),
-        "quick": Recipe(steps=3, prompts_per_step=4, samples_per_prompt=4, train_batch=16, epochs=1,
-                        actor_lr="5e-5", k=5, topk=64, head_lr="1.5e-3", head_warmup_steps=1, max_new_tokens=160,
-                        max_len=256)}),
+    "paper": WorldRecipes(build_paper_world, WORLDS_DIR / "paper_reward.py", PAPER_RECIPES),
+    "reasoning": WorldRecipes(build_reasoning_world, WORLDS_DIR / "reasoning_reward.py", PAPER_RECIPES),
 }
 
 
