@@ -1,0 +1,218 @@
+"""Operators one head update dispatches per cycle, and its CPU time.
+
+On CUDA every operator that computes is one kernel launch (a cuBLAS product may be two), and at a chunk of
+1,024 cycles the head update is host-bound: the GPU waits for launches (`docs/gpu.md`). torch's profiler
+records the same operators on a CPU, so this counts them here.
+
+What is counted. One head update (`bench_common.head_update`: DCA + VGM, gradients into .grad) runs under
+`torch.profiler`; of its `aten::` events, those with no `aten::` event inside them (the leaves: a composite
+operator such as `aten::linear` or `aten::logsumexp` counts as the kernels it dispatches, not once) and not in
+`NO_KERNEL`: views and metadata (`view`, `transpose`, `slice`, ...), allocations (`empty`, ...), and the
+casts and copies that were no-ops (`aten::to` or `contiguous` as a leaf did nothing). Backward operators are
+counted as well (they run inside `autograd::engine` events). A `.tolist()` or `int(tensor)` is counted: on
+CUDA it is a device-to-host copy and a synchronisation.
+
+The plan. Some of the update's work is cut into blocks and groups whose size depends on the device
+(`BLOCK_SCORES` of the draft attention, `SOFTMAX_BLOCK` and `GROUP_LOGITS` of the lm_head's scoring):
+`ops_per_cycle` counts the update as a CUDA device plans it (its constants, on this CPU), in bf16, the head's
+dtype on a GPU; `ops_per_cycle_cpu_plan` as the CPU runs it, in fp32. Elementwise recompute
+(`recompute.py`) is decided as at Qwen3-4B's MLP width, where a chunk of 1,024 cycles turns it on. The time
+is the CPU's own, fp32, median of --repeats.
+
+Shapes. Qwen3-4B's layout where it sets how the work is cut (32 query / 8 key-value heads, vocabulary
+151,936, K = 5, top-64, τ ≈ 3, prompts of 256 tokens) and narrow widths where it only sets the arithmetic
+(hidden 256, head_dim 8, MLP 768), so that an update runs in seconds. --responses responses of --tokens
+tokens each, 4 x 512 = 2,048 cycles by default: two chunks of 1,024.
+
+Before. `RECORDED_BEFORE` is this script's output on the code before issue 47 (commit 9730da4), run with
+that tree first on PYTHONPATH; `--before-tree PATH` measures such a tree again (e.g. `mkdir /tmp/before &&
+git archive 9730da4 openrlhf_growmtp | tar -x -C /tmp/before`) and reports it beside the current code.
+
+    python benchmarks/bench_launches.py [--responses 4] [--tokens 1536] [--repeats 3] [--before-tree PATH] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections import Counter
+
+import torch
+from bench_common import head_update, qwen3_4b_config, records_at_tau
+from torch.profiler import ProfilerActivity, profile
+
+from openrlhf_growmtp.core import MTPHead, init_random_head_, make_head_config
+from openrlhf_growmtp.core import draft_attention, recompute, topk_logq
+from openrlhf_growmtp.core.families import get_family
+
+K, TOPK, TAU, PROMPT, CHUNK = 5, 64, 3.0, 256, 1024
+NARROW = {"hidden_size": 256, "head_dim": 8, "intermediate_size": 768}  # Qwen3-4B's: 2560, 128, 9728
+
+# Leaf operators that launch no kernel: views and metadata, allocations, and (as leaves) no-op casts.
+NO_KERNEL = frozenset(f"aten::{name}" for name in (
+    "view", "_unsafe_view", "reshape", "flatten", "unflatten", "as_strided", "t", "transpose", "permute",
+    "expand", "expand_as", "slice", "select", "unsqueeze", "squeeze", "narrow", "split", "split_with_sizes",
+    "chunk", "unbind", "alias", "detach", "detach_", "lift_fresh", "resolve_conj", "resolve_neg", "view_as",
+    "numpy_T", "movedim", "swapaxes", "diagonal", "indices", "values", "_reshape_alias", "unfold",
+    "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "resize_", "set_",
+    "to", "contiguous", "type_as", "result_type", "is_nonzero", "size", "stride", "dim", "is_same_size",
+    "_has_compatible_shallow_copy_type", "requires_grad_", "retain_grad", "output_nr", "_version",
+))
+
+# This script's output (its defaults) on the code before issue 47, commit 9730da4, with that tree first on
+# PYTHONPATH (`--before-tree`). The CPU time is this project's CPU machine's (2 cores shared with other
+# jobs): compare it only with a run on the same machine, or measure the old tree again beside the new.
+RECORDED_BEFORE = {"ops_per_cycle": 4.00634765625, "ops_per_cycle_cpu_plan": 27.49755859375,
+                   "cpu_update_s": 8.399750388998655}
+
+
+def make_head() -> tuple[MTPHead, object]:
+    config = qwen3_4b_config(1)
+    for name, value in NARROW.items():
+        setattr(config, name, value)
+    head_config = make_head_config(config, get_family("qwen3"))
+    torch.manual_seed(0)
+    embed = torch.nn.Embedding(config.vocab_size, config.hidden_size)
+    lm_head = torch.nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+    lm_head.weight = embed.weight  # tied, as Qwen3-4B's
+    torch.nn.init.normal_(embed.weight, std=0.02)
+    head = init_random_head_(MTPHead(head_config, embed, lm_head), 0)
+    return head, config
+
+
+@contextlib.contextmanager
+def planned_as(device_type: str):
+    """The device-dependent block and group sizes of `device_type`, whatever device runs (a constant that
+    is one number for every device, as some were before issue 47, is left as it is)."""
+    tables = [(draft_attention, "BLOCK_SCORES"), (topk_logq, "SOFTMAX_BLOCK"), (topk_logq, "GROUP_LOGITS")]
+    saved = [(module, name, getattr(module, name)) for module, name in tables]
+    for module, name, table in saved:
+        if isinstance(table, dict):
+            setattr(module, name, dict(table, cpu=table[device_type]))
+    try:
+        yield
+    finally:
+        for module, name, table in saved:
+            setattr(module, name, table)
+
+
+@contextlib.contextmanager
+def recompute_as_at_real_widths():
+    """Elementwise recompute (`recompute.py`) decided as at Qwen3-4B's MLP width (on there at a chunk of
+    1,024 cycles), not at this benchmark's narrow one."""
+    saved = recompute.RECOMPUTE_BYTES
+    recompute.RECOMPUTE_BYTES = saved * NARROW["intermediate_size"] // qwen3_4b_config(1).intermediate_size
+    try:
+        yield
+    finally:
+        recompute.RECOMPUTE_BYTES = saved
+
+
+def kernel_ops(events) -> Counter:
+    """Leaf `aten::` operators that launch a kernel (module docstring), by name."""
+    counts = Counter()
+    for event in events:
+        if not event.name.startswith("aten::") or event.name in NO_KERNEL:
+            continue
+        if any(child.name.startswith("aten::") for child in event.cpu_children):
+            continue
+        counts[event.name] += 1
+    return counts
+
+
+def run_update(head, records, dtype):
+    for module in (head, head.embed_tokens, head.lm_head):  # the backbone's modules are not the head's
+        module.to(dtype)
+    hiddens = [rec.hidden.to(dtype) for rec in records]
+    for p in head.parameters():
+        p.grad = None
+    return head_update(head, records, hiddens, CHUNK)
+
+
+def count(head, records, dtype, device_type) -> Counter:
+    with planned_as(device_type), recompute_as_at_real_widths():
+        run_update(head, records, dtype)  # warm-up
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            run_update(head, records, dtype)
+    return kernel_ops(prof.events())
+
+
+def measure(args) -> dict:
+    torch.manual_seed(0)
+    head, config = make_head()
+    records = [records_at_tau(args.tokens, PROMPT, TAU, K, TOPK, config.vocab_size, config.hidden_size, seed=i)
+               for i in range(args.responses)]
+    cycles = sum(rec.num_cycles for rec in records)
+    cuda_plan = count(head, records, torch.bfloat16, "cuda")
+    cpu_plan = count(head, records, torch.float32, "cpu")
+    seconds = []
+    with recompute_as_at_real_widths():
+        run_update(head, records, torch.float32)  # warm-up
+        for _ in range(args.repeats):
+            t0 = time.perf_counter()
+            run_update(head, records, torch.float32)
+            seconds.append(time.perf_counter() - t0)
+    tau = 1.0 + float(torch.cat([rec.accepted for rec in records]).float().mean())
+    return {"cycles": cycles, "chunk_cycles": CHUNK, "tau": tau, "k": K, "topk": TOPK, "responses": args.responses,
+            "tokens": args.tokens, "ops": sum(cuda_plan.values()), "ops_per_cycle": sum(cuda_plan.values()) / cycles,
+            "ops_cpu_plan": sum(cpu_plan.values()), "ops_per_cycle_cpu_plan": sum(cpu_plan.values()) / cycles,
+            "cpu_update_s": statistics.median(seconds), "cpu_update_s_repeats": seconds,
+            "top_ops": dict(cuda_plan.most_common(args.top))}
+
+
+def measure_tree(tree: str, argv: list[str]) -> dict:
+    """This script's measurement on another checkout of the package (its tree first on PYTHONPATH)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([tree, os.environ.get("PYTHONPATH", "")]))
+    out = subprocess.run([sys.executable, __file__, *argv, "--json", "--no-before"], env=env, check=True,
+                         capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--responses", type=int, default=4)
+    parser.add_argument("--tokens", type=int, default=1536, help="response length (512 cycles at τ = 3)")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--top", type=int, default=12, help="operators listed by count")
+    parser.add_argument("--before-tree", help="a checkout of the code before, measured again instead of recorded")
+    parser.add_argument("--no-before", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    now = measure(args)
+    import openrlhf_growmtp
+    now["package"] = os.path.dirname(openrlhf_growmtp.__file__)
+    before = None
+    if args.before_tree:
+        before = measure_tree(args.before_tree, [f"--responses={args.responses}", f"--tokens={args.tokens}",
+                                                 f"--repeats={args.repeats}", f"--top={args.top}"])
+        before["source"] = f"measured: {args.before_tree}"
+    elif not args.no_before and RECORDED_BEFORE is not None:
+        before = dict(RECORDED_BEFORE, source="recorded at 9730da4")
+
+    print(f"head update, {now['responses']} responses, {now['cycles']} cycles (τ={now['tau']:.2f}, K={K}, "
+          f"top-{TOPK}), chunks of {CHUNK} cycles; package {now['package']}")
+    print(f"  operators dispatched, as CUDA plans them (bf16): {now['ops']:7d} = {now['ops_per_cycle']:.2f} per cycle")
+    print(f"  operators dispatched, as the CPU runs them (fp32): {now['ops_cpu_plan']:7d} = "
+          f"{now['ops_per_cycle_cpu_plan']:.2f} per cycle")
+    print(f"  CPU update time (fp32, median of {args.repeats}): {now['cpu_update_s']:.2f} s")
+    if before:
+        print(f"  before ({before['source']}): {before['ops_per_cycle']:.2f} per cycle (CUDA plan), "
+              f"{before['ops_per_cycle_cpu_plan']:.2f} (CPU plan), CPU update {before['cpu_update_s']:.2f} s")
+    print("  most dispatched (CUDA plan): " + ", ".join(f"{k[6:]} {v}" for k, v in now["top_ops"].items()))
+    if args.json:
+        row = dict(now)
+        if before:
+            row |= {"ops_per_cycle_before": before["ops_per_cycle"],
+                    "ops_per_cycle_cpu_plan_before": before["ops_per_cycle_cpu_plan"],
+                    "cpu_update_s_before": before["cpu_update_s"], "before_source": before["source"]}
+        print(json.dumps(row))
+
+
+if __name__ == "__main__":
+    main()
