@@ -11,7 +11,9 @@ One autograd function (`draft_attention`) runs both and merges them by their log
 backward only its inputs, the output and the log-sum-exp (nothing of size queries x keys): the backward
 recomputes each block's probabilities, as flash attention does. The prefix keys and values are read in
 place at every draft position, never copied or expanded to the query heads: grouped-query attention folds the
-query heads sharing a key head into one matrix product. Scores and sums are in fp32.
+query heads sharing a key head into one matrix product. Scores and sums are in fp32. A block launches its
+matrix products and a few elementwise passes only: the queries are laid out by key head once per call
+(a block's rows are then a view), and its masks broadcast over the query heads.
 
 The head's decoder layer reaches this through transformers' attention interface: the head's config
 names `ATTENTION_NAME`, which runs SDPA unless the call passes `draft_path=` (`DraftPathAttention`, or
@@ -31,8 +33,8 @@ ATTENTION_NAME = "growmtp_draft_path"
 
 # At most this many fp32 scores in one block of the prefix. On CPU small blocks stay in cache and skip
 # more of the masked keys (`benchmarks/bench_reconstruction.py` chose 2^18); a GPU wants fewer, larger
-# launches.
-BLOCK_SCORES = {"cpu": 2**18, "cuda": 2**24}
+# launches (`benchmarks/bench_launches.py`): 256 MiB of scores, 512 MiB with the backward's two.
+BLOCK_SCORES = {"cpu": 2**18, "cuda": 2**26}
 
 
 def _attention(module, query, key, value, attention_mask, scaling=None, draft_path=None, **kwargs):
@@ -69,44 +71,57 @@ def plan_blocks(seq: Sequence[int], start: Sequence[int], heads: int, budget: in
     return blocks
 
 
-def _rows(t: torch.Tensor, lo: int, hi: int) -> torch.Tensor:  # [Q, kv, rep, d] -> [kv, n * rep, d] fp32
-    part = t[lo:hi].float()
-    return part.permute(1, 0, 2, 3).reshape(part.shape[1], -1, part.shape[3])
+def _by_key_head(t: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """[Q, kv, rep, ...] -> fp32 [kv, Q * rep, ...], contiguous, times `scale`: a block's queries (rows
+    lo * rep .. hi * rep) are then a view, so that a block launches its matrix products and little else."""
+    moved = t.movedim(1, 0)
+    out = torch.empty(moved.shape, dtype=torch.float32, device=t.device).copy_(moved)
+    if scale != 1.0:
+        out.mul_(scale)
+    return out.view(t.shape[1], t.shape[0] * t.shape[2], *t.shape[3:])
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, start: torch.Tensor, first: int, rep: int, scale: float
-            ) -> torch.Tensor:
-    """Scores [kv, n * rep, L] of one block, -inf at keys p >= the query's start (every key before
-    `first`, the block's smallest start, is visible to all of its queries)."""
-    scores = torch.bmm(q, k.transpose(1, 2)).mul_(scale)
-    hidden = torch.arange(first, k.shape[1], device=k.device)[None, :] >= start[:, None]  # [n, L - first]
-    scores[..., first:].masked_fill_(hidden.repeat_interleave(rep, dim=0)[None], float("-inf"))
+def _block_scores(q: torch.Tensor, key: torch.Tensor, start: torch.Tensor, first: int, rep: int,
+                  positions: torch.Tensor) -> torch.Tensor:
+    """Scores [kv, n * rep, L] of one block (q already scaled), -inf at keys p >= the query's start (every
+    key before `first`, the block's smallest start, is visible to all of its queries)."""
+    scores = torch.bmm(q, key.transpose(1, 2))
+    hidden = positions[first:key.shape[1]][None, :] >= start[:, None]  # [n, L - first]
+    scores.view(scores.shape[0], -1, rep, scores.shape[2])[..., first:].masked_fill_(hidden[None, :, None],
+                                                                                      float("-inf"))
     return scores
 
 
-def _prefix_forward(query, start, blocks, scale, prefix) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out [Q, kv, rep, d], lse [Q, kv, rep]) over the prefix keys alone, fp32 (no key: 0 and -inf)."""
-    num, kv, rep, dim = query.shape
-    out = torch.zeros(kv, num, rep, dim, dtype=torch.float32, device=query.device)
-    lse = torch.full((kv, num, rep), float("-inf"), dtype=torch.float32, device=query.device)
+def _prefix_forward(qs, start, blocks, rep, prefix) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out [kv, Q * rep, d], lse [kv, Q * rep]) over the prefix keys alone, fp32, from the scaled queries
+    qs [kv, Q * rep, d] (no key: 0 and -inf). Per block, its exponentials' row sum s is 0 (no key) or at
+    least 1 (the row's maximum contributes exp(0)), so dividing by max(s, 1) is exact and safe."""
+    kv, rows, dim = qs.shape
+    out = torch.zeros(kv, rows, dim, dtype=torch.float32, device=qs.device)
+    lse = torch.full((kv, rows), float("-inf"), dtype=torch.float32, device=qs.device)
+    positions = torch.arange(max((b.keys for b in blocks), default=0), device=qs.device)
     for lo, hi, seq, first, length in blocks:
         key, value = prefix[2 * seq][:, :length].float(), prefix[2 * seq + 1][:, :length].float()
-        scores = _scores(_rows(query, lo, hi), key, start[lo:hi], first, rep, scale)
-        block_lse = torch.logsumexp(scores, dim=-1)
-        finite = torch.where(torch.isfinite(block_lse), block_lse, torch.zeros_like(block_lse))  # no key: p = 0
-        out[:, lo:hi] = torch.bmm(scores.sub_(finite[..., None]).exp_(), value).view(kv, hi - lo, rep, dim)
-        lse[:, lo:hi] = block_lse.view(kv, hi - lo, rep)
-    return out.permute(1, 0, 2, 3), lse.permute(1, 0, 2)
+        scores = _block_scores(qs[:, lo * rep:hi * rep], key, start[lo:hi], first, rep, positions)
+        peak = torch.nan_to_num(scores.amax(-1), neginf=0.0)  # no key: -inf -> 0, and the row stays 0
+        weights = scores.sub_(peak[..., None]).exp_()
+        total = weights.sum(-1)
+        torch.div(torch.bmm(weights, value), total.clamp(min=1.0)[..., None], out=out[:, lo * rep:hi * rep])
+        torch.add(total.log_(), peak, out=lse[:, lo * rep:hi * rep])
+    return out, lse
 
 
 class _DraftAttention(torch.autograd.Function):
     """Softmax attention of queries [Q, kv, rep, d] over their prefix keys p < start and their own chain
     keys [Q, kv, j, d]. Saves the inputs, the output and the log-sum-exp; the backward recomputes
-    the probabilities block by block: dS = P (dO V^T - rowsum(dO * O)), as flash attention does."""
+    the probabilities block by block: dS = P (dO V^T - rowsum(dO * O)), as flash attention does. The
+    prefix part runs on the queries laid out by key head (`_by_key_head`), made once per call."""
 
     @staticmethod
     def forward(ctx, query, chain_keys, chain_values, start, blocks, scale, *prefix):
-        out_p, lse_p = _prefix_forward(query, start, blocks, scale, prefix)
+        num, kv, rep, dim = query.shape
+        out_p, lse_p = _prefix_forward(_by_key_head(query, scale), start, blocks, rep, prefix)
+        out_p, lse_p = out_p.view(kv, num, rep, dim).movedim(0, 1), lse_p.view(kv, num, rep).movedim(0, 1)
         q = query.float()
         scores = torch.einsum("nkrd,nkjd->nkrj", q, chain_keys.float()).mul_(scale)
         lse_c = torch.logsumexp(scores, dim=-1)
@@ -130,21 +145,26 @@ class _DraftAttention(torch.autograd.Function):
         p = torch.einsum("nkrd,nkjd->nkrj", q, keys).mul_(scale).sub_(lse[..., None]).exp_()
         d_values = torch.einsum("nkrj,nkrd->nkjd", p, d_out)
         d_scores = torch.einsum("nkrd,nkjd->nkrj", d_out, values).sub_(shift[..., None]).mul_(p).mul_(scale)
-        d_query = torch.einsum("nkrj,nkjd->nkrd", d_scores, keys).permute(1, 0, 2, 3).contiguous()
+        d_query = torch.einsum("nkrj,nkjd->nkrd", d_scores, keys)
         d_keys = torch.einsum("nkrj,nkrd->nkjd", d_scores, q)
-        # the prefix keys, block by block
+        # the prefix keys, block by block, on the rows laid out by key head (d_query's share unscaled)
         d_prefix = [torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in prefix]
-        for lo, hi, seq, first, length in ctx.blocks:
-            key, value = prefix[2 * seq][:, :length].float(), prefix[2 * seq + 1][:, :length].float()
-            q_rows = _rows(query, lo, hi)
-            p = _scores(q_rows, key, start[lo:hi], first, rep, scale).sub_(_rows(lse[..., None], lo, hi)).exp_()
-            grad_out = _rows(d_out, lo, hi)
-            d_prefix[2 * seq + 1][:, :length] += torch.bmm(p.transpose(1, 2), grad_out)
-            d_scores = torch.bmm(grad_out, value.transpose(1, 2)).sub_(_rows(shift[..., None], lo, hi)).mul_(p)
-            d_scores.mul_(scale)
-            d_query[:, lo:hi] += torch.bmm(d_scores, key).view(kv, hi - lo, rep, dim)
-            d_prefix[2 * seq][:, :length] += torch.bmm(d_scores.transpose(1, 2), q_rows)
-        d_query = d_query.permute(1, 0, 2, 3).to(query.dtype)
+        if ctx.blocks:
+            qs, grad_out = _by_key_head(query, scale), _by_key_head(d_out)
+            lse_k, shift_k = _by_key_head(lse), _by_key_head(shift)
+            d_query_k = torch.zeros_like(qs)
+            positions = torch.arange(max(b.keys for b in ctx.blocks), device=qs.device)
+            for lo, hi, seq, first, length in ctx.blocks:
+                rows = slice(lo * rep, hi * rep)
+                key, value = prefix[2 * seq][:, :length].float(), prefix[2 * seq + 1][:, :length].float()
+                p = _block_scores(qs[:, rows], key, start[lo:hi], first, rep, positions)
+                p = p.sub_(lse_k[:, rows, None]).exp_()
+                d_prefix[2 * seq + 1][:, :length].baddbmm_(p.transpose(1, 2), grad_out[:, rows])
+                d_scores = torch.bmm(grad_out[:, rows], value.transpose(1, 2)).sub_(shift_k[:, rows, None]).mul_(p)
+                d_query_k[:, rows].baddbmm_(d_scores, key)
+                d_prefix[2 * seq][:, :length].baddbmm_(d_scores.transpose(1, 2), qs[:, rows])  # dK = scale dS^T Q
+            d_query.add_(d_query_k.view(kv, num, rep, dim).movedim(0, 1), alpha=scale)
+        d_query = d_query.to(query.dtype)
         return (d_query, d_keys.to(chain_keys.dtype), d_values.to(chain_values.dtype), None, None, None,
                 *(g.to(t.dtype) for g, t in zip(d_prefix, prefix)))
 

@@ -16,21 +16,25 @@ import torch
 
 from .head import MTPHead
 
-# Full-vocabulary logits per scored group: 128 MiB in bf16, i.e. 441 rows at Qwen's 151,936 tokens (a
-# group ends at a cycle's end, so it may hold up to K - 1 rows more). A group holds its logits in the
-# head's dtype (they become the gradient in place) and one fp32 block of them at a time
-# (`SOFTMAX_BLOCK`). Fewer rows per group cost time: each group reads the lm_head's weight once, and
-# under ZeRO-3 gathers it.
-GROUP_LOGITS = 2**26
+# Full-vocabulary logits per scored group, by device. On a CPU 128 MiB in bf16, i.e. 441 rows at Qwen's
+# 151,936 tokens (a group ends at a cycle's end, so it may hold up to K - 1 rows more); on a GPU 512 MiB, so
+# that a chunk of 1,024 cycles is two groups: each group is a fixed run of launches (the lm_head, the
+# softmax's blocks, the objective and its gradient), and the update is launch-bound
+# (`benchmarks/bench_launches.py`). A group holds its logits in the head's dtype (they become the gradient
+# in place) and one fp32 block of them at a time (`SOFTMAX_BLOCK`). Fewer rows per group cost time: each
+# group reads the lm_head's weight once, and under ZeRO-3 gathers it.
+GROUP_LOGITS = {"cpu": 2**26, "cuda": 2**28}
 
 # At most this many logits per fp32 block of the softmax's elementwise passes: on a CPU a block that stays
-# in cache (4 MiB) takes about half the time of passes over the whole group; a GPU streams larger blocks.
-SOFTMAX_BLOCK = {"cpu": 2**20, "cuda": 2**24}
+# in cache (4 MiB) takes about half the time of passes over the whole group; a GPU streams larger blocks
+# (256 MiB in fp32: four per group).
+SOFTMAX_BLOCK = {"cpu": 2**20, "cuda": 2**26}
 
 
-def score_groups(slots: int, vocab_size: int) -> int:
-    """How many lm_head groups score a chunk of `slots` slots (the busiest rank's count decides)."""
-    return max(1, math.ceil(slots * vocab_size / GROUP_LOGITS))
+def score_groups(slots: int, vocab_size: int, device_type: str = "cpu") -> int:
+    """How many lm_head groups score a chunk of `slots` slots on a `device_type` device (the busiest rank's
+    count decides)."""
+    return max(1, math.ceil(slots * vocab_size / GROUP_LOGITS.get(device_type, GROUP_LOGITS["cuda"])))
 
 
 def group_bounds(cycle: torch.Tensor, num_cycles: int, num_groups: int) -> list[int]:

@@ -281,7 +281,7 @@ def test_every_rank_makes_the_same_module_calls_whatever_its_records(monkeypatch
     # records differ (cycle counts, accepted lengths) must still call every module the same number of times.
     from openrlhf_growmtp.core import topk_logq
 
-    monkeypatch.setattr(topk_logq, "GROUP_LOGITS", 2 * 97)  # two slots' logits per group: 14 groups for 27 slots
+    monkeypatch.setattr(topk_logq, "GROUP_LOGITS", {"cpu": 2 * 97, "cuda": 2 * 97})  # two slots' logits per group: 14 groups for 27 slots
     mixed = make_records(k=4)  # full accepts and early rejections
     rejected = make_records(k=4, seed=5)[1:2]  # two cycles, both rejected at once: no chain reaches position 2
     assert int(rejected[0].accepted.max()) == 0
@@ -354,7 +354,7 @@ def test_gradients_are_exact_when_the_slots_are_scored_in_many_groups_and_blocks
     _zero(head)
     # one slot's logits per group: 27 groups for 27 slots in 11 cycles, so most groups are padding;
     # and the softmax's passes in blocks of one row
-    monkeypatch.setattr(topk_logq, "GROUP_LOGITS", 97)
+    monkeypatch.setattr(topk_logq, "GROUP_LOGITS", {"cpu": 97, "cuda": 97})
     monkeypatch.setattr(topk_logq, "SOFTMAX_BLOCK", {"cpu": 97, "cuda": 97})
     grouped = update(head, records, objective=objective, chunk_cycles=64)
     assert abs(grouped.loss - stats.loss) <= 1e-6 * max(1.0, abs(stats.loss))
