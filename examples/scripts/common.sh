@@ -136,6 +136,8 @@ run_growmtp() {
     fi
     if [[ "$head" == random ]]; then
       report+=(--random-head)
+    elif [[ "$head" == native ]]; then  # each step held to the tau the world's build measured for the head
+      report+=(--world "$MODEL_PATH")
     fi
     "${report[@]}"
   fi

@@ -1,13 +1,16 @@
 """`python -m openrlhf_growmtp.experiments.rehearse`: the two halves of `GROWMTP_REHEARSAL=1` (examples/scripts/common.sh).
 
-    rehearse world ROOT MODEL          build (once) the tiny stand-in for MODEL and the raw dataset rows
-    rehearse report TB_DIR --steps N --k K [--frozen] [--random-head]
+    rehearse world ROOT MODEL          build (once) the tiny stand-in for MODEL and the raw dataset rows;
+                                       print the build's digest and its native head's measured tau
+    rehearse report TB_DIR --steps N --k K [--frozen] [--random-head] [--world MODEL_DIR]
                                        print tau, alpha_k, reward and times per step; exit 1 unless the
                                        run logged steps 1..N, all finite, with a reward, and (K > 0) drafting
-                                       cycles, a finite head update (unless frozen) and, unless the head
-                                       started random, tau > 1 at the end
+                                       cycles, a finite head update (unless frozen) and, for a native head,
+                                       every step's tau within its margin of the tau the world's build
+                                       measured at K (report.check)
 
-An unknown preset exits 2 with the reason, before anything is built.
+An unknown preset exits 2 with the reason, before anything is built; a native head below its preset's
+floor (Qwen3.5: tau 1.5 at K = 3) exits 1 with its measured tau.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     report.add_argument("--k", type=int, required=True)
     report.add_argument("--frozen", action="store_true", help="the head is never updated (no head metrics)")
     report.add_argument("--random-head", action="store_true", help="the head started from random weights")
+    report.add_argument("--world", help="the world's model directory: its native head's measured tau")
     args = parser.parse_args(argv)
 
     if args.command == "world":
@@ -39,6 +43,10 @@ def main(argv: list[str] | None = None) -> int:
         except world_module.UnsupportedPresetError as err:
             print(f"rehearsal: {err}", file=sys.stderr)
             return 2
+        except world_module.WeakNativeHeadError as err:
+            print(f"rehearsal world FAILED: {err}", file=sys.stderr)
+            return 1
+        print(world_module.describe(args.root, args.model))
         return 0
 
     from openrlhf_growmtp.experiments.rehearsal import report as report_module
@@ -49,8 +57,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"rehearsal FAILED: {err}", file=sys.stderr)
         return 1
     print(report_module.table(steps, args.k))
+    measured = None
+    if args.world and args.k and not args.random_head:
+        measured = report_module.read_measured_tau(args.world, args.k)
+        if measured is None:
+            print(f"the world measured its native head at no K={args.k}: held to tau > 1 at the last step")
+        else:
+            print(f"the world's native head, measured at its build: tau {measured.tau:.3f} at K={args.k} over "
+                  f"{measured.cycles} cycles; each step must reach tau - {report_module.MARGIN_STANDARD_ERRORS:g} "
+                  f"standard errors at its cycle count")
     problems = report_module.check(steps, args.steps, args.k, trains_head=not args.frozen,
-                                   random_head=args.random_head)
+                                   random_head=args.random_head, measured=measured)
     if problems:
         print("rehearsal FAILED:\n  - " + "\n  - ".join(problems), file=sys.stderr)
         return 1

@@ -14,10 +14,11 @@ import tempfile
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors import safe_open
 
 from openrlhf_growmtp.experiments.rehearsal import world
-from openrlhf_growmtp.experiments.rehearsal.report import Step, check
+from openrlhf_growmtp.experiments.rehearsal.report import MARGIN_STANDARD_ERRORS, MeasuredTau, Step, check
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
@@ -83,9 +84,35 @@ def steps(*taus: float, **extra) -> list[Step]:
                          "rollout/reward_mean": 0.0, **extra}) for i, tau in enumerate(taus)]
 
 
+def test_native_head_step_fails_below_the_builds_tau_by_more_than_its_margin():
+    # Qwen3.5's stand-in at K=3: per-cycle accepted variance 1.2, cycles of a response 3x as alike as
+    # independent ones, 1,000 cycles at the build. A step of 250 cycles: standard error of the difference
+    # sqrt(1.2 * 3 * (1/250 + 1/1000)) = 0.134, margin 4 of them = 0.537, floor 1.900 - 0.537 = 1.363.
+    measured = MeasuredTau(k=3, tau=1.9, cycles=1000, accepted_variance=1.2, design_effect=3.0)
+    margin = measured.margin(250)
+    assert margin == pytest.approx(MARGIN_STANDARD_ERRORS * math.sqrt(1.2 * 3.0 * (1 / 250 + 1 / 1000)))
+    assert margin == pytest.approx(0.537, abs=1e-3)
+
+    def verdict(*taus):
+        return check(steps(*taus, **{"growmtp/cycles": 250.0}), 3, 3, True, False, measured=measured)
+
+    assert verdict(1.9, 1.7, 1.37) == []  # within the margin at every step, though below the build's tau
+    assert verdict(2.4, 2.6, 2.9) == []  # a head that improves on its build
+    failed = verdict(1.9, 1.35, 1.9)  # one step just below the floor fails, the others stand
+    assert len(failed) == 1 and failed[0].startswith("step 2: tau 1.350 is below 1.363")
+    assert len(verdict(1.0, 1.0, 1.05)) == 3  # a native head that stopped drafting, whatever the last step
+    # the margin narrows with the step's cycles (to the build's own error): 1.6 passes at 250 cycles, fails at
+    # 20,000 (margin 4 * sqrt(3.6 * (1/20000 + 1/1000)) = 0.246, floor 1.654)
+    assert verdict(1.6, 1.6, 1.6) == []
+    many = [Step(s.step, {**s.values, "growmtp/cycles": 20000.0}) for s in steps(1.6, 1.6, 1.6)]
+    assert len(check(many, 3, 3, True, False, measured=measured)) == 3
+    # a random head is not held to the build's tau (it has none)
+    assert check(steps(1.0, 1.0, 1.0), 3, 3, True, random_head=True, measured=measured) == []
+
+
 def test_report_verdicts():
     assert check(steps(1.0, 1.1, 1.2), 3, k=5, trains_head=True, random_head=False) == []
-    # a native (trained) head that never gets a draft accepted: broken drafting or sync
+    # a native head at a K its world measured nothing at, that never gets a draft accepted: broken drafting
     assert "no draft was ever accepted" in " ".join(check(steps(1.2, 1.1, 1.0), 3, 5, True, False))
     # a random head at the autoregressive floor is expected this early
     assert check(steps(1.0, 1.0, 1.0), 3, 5, True, random_head=True) == []
@@ -121,3 +148,20 @@ def test_qwen3_4b_math_rehearses_with_the_scripts_own_flags(tmp_path):
     table = [line for line in result.stdout.splitlines() if re.match(r"step \d: tau", line)]
     assert len(table) == 3 and "rehearsal passed: 3 steps" in result.stdout
     assert not (tmp_path / "ckpt").exists()  # nothing written outside the run directory
+
+
+def test_tau_statistics_design_effect_is_one_for_independent_cycles_and_grows_with_shared_loops():
+    from openrlhf_growmtp.experiments.rehearsal.native_head import tau_statistics
+
+    generator = torch.Generator().manual_seed(0)
+    # 40 responses of 30 cycles, accepted counts drawn independently from 0..3: the design effect estimates 1
+    # with a relative spread of sqrt(2 / 39) = 0.23, so it lands in [1, 1.7] (at 3 spreads; it is floored at 1)
+    independent = [torch.randint(0, 4, (30,), generator=generator) for _ in range(40)]
+    stats = tau_statistics(independent)
+    assert stats["cycles"] == 1200 and stats["tau"] == pytest.approx(1 + torch.cat(independent).double().mean().item())
+    assert stats["accepted_variance"] == pytest.approx(1.25, rel=0.1)  # a uniform count on 0..3: (4^2 - 1) / 12
+    assert 1.0 <= stats["design_effect"] < 1.7
+    # every response loops (all its cycles accept 3) or never drafts (all 0): a response's 30 cycles are one
+    # draw, so the design effect is 30 (times 40 / 39 from the R - 1, to the variance's own n - 1 correction)
+    looped = [torch.full((30,), 3 * (i % 2)) for i in range(40)]
+    assert tau_statistics(looped)["design_effect"] == pytest.approx(30 * 40 / 39, rel=1e-3)

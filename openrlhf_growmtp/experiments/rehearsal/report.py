@@ -6,6 +6,7 @@ so the GrowMTP and the autoregressive (K = 0, upstream controller) runs are read
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -13,6 +14,9 @@ from pathlib import Path
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 PREFIX = "train/"
+# How many standard errors a native head's step tau may fall below the build's before the step fails: a
+# one-sided normal tail of 3.2e-5 per step, so about 1e-3 over the ~30 native-head steps of `make rehearse`.
+MARGIN_STANDARD_ERRORS = 4.0
 
 
 class RehearsalFailed(RuntimeError):
@@ -26,6 +30,36 @@ class Step:
 
     def get(self, key: str) -> float:
         return self.values.get(key, math.nan)
+
+
+@dataclass(frozen=True)
+class MeasuredTau:
+    """The world build's realised tau of its frozen native head at one depth K (native_head.measure_tau).
+
+    `accepted_variance` is the variance of one cycle's accepted count (0..K); `design_effect` is how much
+    more the mean of a response's cycles varies than independent cycles would (cycles of one response
+    share its loops), measured over the build's responses, at least 1.
+    """
+
+    k: int
+    tau: float
+    cycles: int
+    accepted_variance: float
+    design_effect: float
+
+    def margin(self, cycles: float) -> float:
+        """How far below `tau` a step of `cycles` cycles may land by chance alone: MARGIN_STANDARD_ERRORS
+        times the standard error of (step tau - build tau), each a mean of clustered cycles."""
+        return MARGIN_STANDARD_ERRORS * math.sqrt(self.accepted_variance * self.design_effect
+                                                  * (1.0 / cycles + 1.0 / self.cycles))
+
+
+def read_measured_tau(world_model_dir: str | Path, k: int) -> MeasuredTau | None:
+    """The build's measured tau at depth k from <world_model_dir>/rehearsal.json; None where it measured
+    none at that depth (a model without a native head, or a K that no script of that model uses)."""
+    info = json.loads((Path(world_model_dir) / "rehearsal.json").read_text())
+    measured = info.get("native_head", {}).get("tau", {}).get(str(k))
+    return None if measured is None else MeasuredTau(k=k, **measured)
 
 
 def read_steps(tensorboard_dir: str | Path) -> list[Step]:
@@ -43,10 +77,14 @@ def read_steps(tensorboard_dir: str | Path) -> list[Step]:
     return [steps[s] for s in sorted(steps)]
 
 
-def check(steps: list[Step], expected_steps: int, k: int, trains_head: bool, random_head: bool) -> list[str]:
+def check(steps: list[Step], expected_steps: int, k: int, trains_head: bool, random_head: bool,
+          measured: MeasuredTau | None = None) -> list[str]:
     """What is wrong with the logged steps (empty when the rehearsal passed).
 
-    A head that starts random is not held to tau > 1: on a peaked policy over 151,936 tokens a random head's
+    A native head must draft in every step about as well as the world's build measured it (`measured`, at
+    this K): a step fails whose tau is below the build's by more than `MeasuredTau.margin` of its cycle
+    count. A native head at a K the build did not measure is held to tau > 1 at the last step. A head that
+    starts random is not held to tau > 1: on a peaked policy over 151,936 tokens a random head's
     samples are almost never accepted (the paper's Qwen3-4B run starts at the autoregressive floor, 1.00),
     and the first 3 steps of its learning-rate warm-up do not move it there. Its run must still draft,
     record and update the head finitely at every step.
@@ -64,7 +102,14 @@ def check(steps: list[Step], expected_steps: int, k: int, trains_head: bool, ran
             problems.append(f"step {s.step}: no drafting cycle recorded")
         if k and trains_head and s.get("growmtp/head_finite") != 1.0:
             problems.append(f"step {s.step}: the head update was skipped (non-finite head loss)")
-    if k and not random_head and steps and not steps[-1].get("growmtp/tau") > 1.0:
+    if k and not random_head and measured is not None:
+        for s in steps:
+            floor = measured.tau - measured.margin(s.get("growmtp/cycles"))
+            if not s.get("growmtp/tau") >= floor:
+                problems.append(f"step {s.step}: tau {s.get('growmtp/tau'):.3f} is below {floor:.3f}, the world's "
+                                f"measured tau {measured.tau:.3f} at K={k} less {measured.margin(s.get('growmtp/cycles')):.3f} "
+                                f"({MARGIN_STANDARD_ERRORS:g} standard errors at {s.get('growmtp/cycles'):.0f} cycles)")
+    elif k and not random_head and steps and not steps[-1].get("growmtp/tau") > 1.0:
         problems.append(f"tau {steps[-1].get('growmtp/tau'):.3f} in the last step: no draft was ever accepted")
     return problems
 

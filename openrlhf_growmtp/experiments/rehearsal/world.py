@@ -15,25 +15,27 @@ tokens would leave the recorded top-64 log-probs with almost no mass, a regime n
 
 from __future__ import annotations
 
+import hashlib
 import json
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PretrainedConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM, Qwen3Config
 from transformers import Qwen3ForCausalLM
 from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
 from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5ForCausalLM
 
-from openrlhf_growmtp.core.checkpoint import init_random_head_, to_native_state_dict
+from openrlhf_growmtp.core.checkpoint import to_native_state_dict
 from openrlhf_growmtp.core.families import family_for_backbone
-from openrlhf_growmtp.core.head import HeadKVCache, MTPHead, make_head_config
+from openrlhf_growmtp.core.head import MTPHead, make_head_config
 from openrlhf_growmtp.data import loaders
+from openrlhf_growmtp.experiments.rehearsal import native_head
 
-WORLD_VERSION = 2  # bump when anything below changes what a built world holds
+WORLD_VERSION = 3  # bump when anything below changes what a built world holds
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 SPECIAL_BASE = 151643  # <|endoftext|> in every Qwen2/2.5/3 tokenizer; <|im_start|>, <|im_end|> follow
 # Qwen3.5's <|endoftext|>: its specials keep Qwen3's layout 100,401 ids higher (transformers' Qwen3_5Config
@@ -53,6 +55,10 @@ class UnsupportedPresetError(ValueError):
     """A preset that cannot be rehearsed on this machine (the message says why)."""
 
 
+class WeakNativeHeadError(RuntimeError):
+    """The build's native head drafts below the preset's floor (the message gives its measured tau)."""
+
+
 @dataclass(frozen=True)
 class Preset:
     config: PretrainedConfig
@@ -60,6 +66,10 @@ class Preset:
     tokenizer_len: int  # the real tokenizer's length (the embedding is padded beyond it)
     native_head: bool  # the checkpoint ships MTP weights
     special_base: int = SPECIAL_BASE  # id of <|endoftext|>; <|im_start|>, <|im_end|> follow
+    # native head: the depths K its scripts run at (common.sh, ablation.sh, baseline_frozen_k1.sh), where the
+    # build measures its realised tau, and the tau it must reach at the first of them (None: no floor)
+    rehearsed_depths: tuple[int, ...] = ()
+    min_native_tau: float | None = None
 
 
 def _qwen3_4b() -> Preset:
@@ -81,7 +91,8 @@ def _mimo_7b_sft() -> Preset:
                          use_sliding_window=False, sliding_window=32768, max_window_layers=TINY["num_hidden_layers"],
                          num_nextn_predict_layers=1, initializer_range=0.02, **TINY)
     config.architectures = ["MiMoForCausalLM"]
-    return Preset(config, Qwen2ForCausalLM, tokenizer_len=151665, native_head=True)
+    # the paper's weak native head: distilled as far as the budget takes it, no floor
+    return Preset(config, Qwen2ForCausalLM, tokenizer_len=151665, native_head=True, rehearsed_depths=(5, 1))
 
 
 def _qwen3_5_4b_base() -> Preset:
@@ -103,8 +114,9 @@ def _qwen3_5_4b_base() -> Preset:
                                initializer_range=0.02, **tiny)
     config.architectures = ["Qwen3_5ForCausalLM"]
     # the real tokenizer: 248,044 byte-level BPE tokens, then Qwen3's 26 specials from <|endoftext|> on
+    # the paper's strong native head (its real one: tau 2.65 at K = 3, frozen): the stand-in's must draft
     return Preset(config, Qwen3_5ForCausalLM, tokenizer_len=QWEN3_5_SPECIAL_BASE + 26, native_head=True,
-                  special_base=QWEN3_5_SPECIAL_BASE)
+                  special_base=QWEN3_5_SPECIAL_BASE, rehearsed_depths=(3,), min_native_tau=1.5)
 
 
 PRESETS = {"qwen3_4b": _qwen3_4b, "mimo_7b_sft": _mimo_7b_sft, "qwen3_5_4b_base": _qwen3_5_4b_base}
@@ -209,68 +221,110 @@ def init_model(spec: Preset, seed: int = 0, output_std: float = 0.5, mixing_std:
     return model
 
 
-def build_model(out_dir: Path, spec: Preset, seed: int = 0) -> Path:
-    """Write the tiny checkpoint (bf16 safetensors, as the real ones) with its tokenizer into out_dir."""
+def build_model(out_dir: Path, spec: Preset, seed: int = 0) -> dict:
+    """Write the tiny checkpoint (bf16 safetensors, as the real ones) with its tokenizer into out_dir; returns
+    what the build measured of its native head (`train_native_head`), {} for a model without one."""
     config = spec.config
     model = init_model(spec, seed)
     state = {name: t.to(torch.bfloat16).contiguous() for name, t in model.state_dict().items()}
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)  # tied checkpoints store the embedding once
+    tokenizer = make_tokenizer(spec.tokenizer_len, _corpus(), spec.special_base)
+    measured = {}
     if spec.native_head:
+        served = model.to(torch.bfloat16).float()  # the weights the engine serves, computed in fp32
+        head, measured = train_native_head(served, spec, tokenizer, seed=seed + 1)
         family = family_for_backbone(config)
-        head = distill_native_head(model, MTPHead(make_head_config(config, family)), seed=seed + 1)
         state.update({n: t.to(torch.bfloat16) for n, t in to_native_state_dict(head.state_dict(), family).items()})
     out_dir.mkdir(parents=True, exist_ok=True)
     config.dtype = "bfloat16"
     config.save_pretrained(out_dir)
     save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    make_tokenizer(spec.tokenizer_len, _corpus(), spec.special_base).save_pretrained(out_dir)
-    return out_dir
+    tokenizer.save_pretrained(out_dir)
+    return measured
 
 
-def distill_native_head(model, head: MTPHead, seed: int, steps: int = 160, lr: float = 5e-3, rows: int = 32,
-                        batch: int = 4) -> MTPHead:
-    """A native head that has been trained for its model, as a shipped one has: depth-1 teacher forcing
-    (KL from the model's next-token distribution at t+1 to the head's from (h_t, x_{t+1})) on `rows` x 80
-    tokens the model samples itself after random prefixes, in mini-batches of `batch` rows, Adam with the
-    LR on a cosine to 0; deeper draft positions are not trained, as in native heads trained for one position.
+# The native head's training (native_head.py): the stand-in's samples after the rehearsal's prompts of both
+# domains but the last HELD_OUT of each, POOL_ROWS responses each; the held-out prompts measure its tau.
+HELD_OUT = 2
+POOL_ROWS = 32
+DISTILL = dict(steps=40, lr=5e-3, batch=8)
+MEASURE_ROWS = 8  # responses per held-out prompt: 32 of 64 tokens, about 1,000 cycles at tau 2
 
-    The pool is what lets the head generalise: a head fitted to 4 rows fits them (Qwen3.5: alpha_1 0.96 on
-    them) and accepts little elsewhere, the less where the samples loop over a few tokens as the tied
-    stand-ins' do (README, "Rehearsal", gives the held-out alpha_1 of both)."""
-    init_random_head_(head, seed=seed)
-    head.bind(model.model.embed_tokens, model.lm_head)
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        prompts = torch.randint(0, 4096, (rows, 16), generator=generator)
-        sequences = model.generate(prompts, do_sample=True, max_new_tokens=80, min_new_tokens=80,
-                                   pad_token_id=0, eos_token_id=None)
-        hidden = model.model(sequences).last_hidden_state
-    optimizer = torch.optim.Adam([p for p in head.parameters() if p.requires_grad], lr=lr)
-    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, steps)
-    for _ in range(steps):
-        pick = torch.randperm(rows, generator=generator)[:batch]
-        with torch.no_grad():  # p(x_{t+2} | x_{<=t+1}), per mini-batch: the pool's would take GBs at V=248,320
-            target = torch.log_softmax(model.lm_head(hidden[pick]).float(), dim=-1)[:, 1:]
-        optimizer.zero_grad(set_to_none=True)
-        out = head.prefill(hidden[pick, :-1], sequences[pick, 1:], 0, HeadKVCache())
-        log_q = torch.log_softmax(head.logits(out.normed).float(), dim=-1)
-        loss = torch.nn.functional.kl_div(log_q, target, log_target=True, reduction="batchmean")
-        loss.backward()
-        optimizer.step()
-        schedule.step()
-    return head
+
+def rehearsal_prompts(tokenizer) -> tuple[list[list[int]], list[list[int]]]:
+    """(training, held-out) token ids of the rehearsal's prompts, chat-formatted as `--data.apply_chat_template`
+    renders them for the run."""
+    domains = (loaders.dapo_math_rows(dapo_math_source_rows()), loaders.taco_verified_rows(taco_verified_source_rows())[0])
+    training, held_out = [], []
+    for rows in domains:
+        ids = [tokenizer(tokenizer.apply_chat_template(row["prompt"], tokenize=False, add_generation_prompt=True),
+                         add_special_tokens=False)["input_ids"] for row in rows]
+        training += ids[:-HELD_OUT]
+        held_out += ids[-HELD_OUT:]
+    return training, held_out
+
+
+def train_native_head(model, spec: Preset, tokenizer, seed: int) -> tuple[MTPHead, dict]:
+    """The native head for `model` (native_head.distill), rounded to bf16 as it is stored, and its frozen
+    realised tau on the held-out prompts at every depth in spec.rehearsed_depths. Raises WeakNativeHeadError
+    where the tau at the first depth is below spec.min_native_tau."""
+    config = spec.config
+    training, held_out = rehearsal_prompts(tokenizer)
+    pool = native_head.sample_pool(model, training, rows=POOL_ROWS, seed=seed)
+    head = MTPHead(make_head_config(config, family_for_backbone(config)))
+    head = native_head.distill(model, head, pool, seed=seed, **DISTILL)
+    head = head.to(torch.bfloat16).float().eval()
+    tau = {str(k): native_head.measure_tau(model, head, held_out, MEASURE_ROWS, k, seed=seed) for k in spec.rehearsed_depths}
+    first = spec.rehearsed_depths[0]
+    if spec.min_native_tau is not None and tau[str(first)]["tau"] < spec.min_native_tau:
+        raise WeakNativeHeadError(
+            f"the native head drafts too little for its stand-in: realised tau {tau[str(first)]['tau']:.3f} at "
+            f"K={first} on {len(held_out)} held-out prompts, below the {spec.min_native_tau} this preset needs "
+            f"(training: {native_head.__name__}.distill with {DISTILL} on {POOL_ROWS} samples of each of "
+            f"{len(training)} prompts)")
+    info = {"training": {"prompts": len(training), "rows_per_prompt": POOL_ROWS, **DISTILL},
+            "held_out_prompts": len(held_out), "rows_per_held_out_prompt": MEASURE_ROWS, "tau": tau}
+    return head, info
+
+
+def describe(root: str | Path, model: str) -> str:
+    """One line on a built world: its version, digest and native head's measured tau per K."""
+    info = json.loads((Path(root) / model / "rehearsal.json").read_text())
+    line = f"rehearsal world {model} (version {info['version']}): digest {info['digest']}"
+    for k, measured in info.get("native_head", {}).get("tau", {}).items():
+        line += (f"; native head tau {measured['tau']:.3f} at K={k} (frozen, {measured['cycles']} cycles on "
+                 f"{info['native_head']['held_out_prompts']} held-out prompts)")
+    return line
+
+
+def digest(model_dir: str | Path) -> str:
+    """sha256 over the checkpoint's tensors (name, dtype, shape, bytes) in name order, as the ablation worlds'
+    `World.digest`: two builds hold the same weights exactly when their digests agree."""
+    hasher = hashlib.sha256()
+    tensors = load_file(str(Path(model_dir) / "model.safetensors"))
+    for name in sorted(tensors):
+        tensor = tensors[name].contiguous()
+        hasher.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)}".encode())
+        hasher.update(tensor.flatten().view(torch.uint8).numpy().tobytes())
+    return hasher.hexdigest()[:16]
 
 
 def build(root: str | Path, model: str) -> Path:
-    """The world for `model` under root (built unless complete): root/<model>/ and the raw dataset sources.
-    Raises UnsupportedPresetError, before anything is written, for a preset this machine cannot serve."""
+    """The world for `model` under root (built unless complete): root/<model>/ with its stamp rehearsal.json
+    (the world version, the weights' digest, the native head's measured tau), and the raw dataset sources.
+    Raises UnsupportedPresetError, before anything is written, for a preset this machine cannot serve, and
+    WeakNativeHeadError, with no stamp written, where the native head drafts below the preset's floor."""
     spec = preset(model)
     root = Path(root)
     stamp = root / model / "rehearsal.json"
     if not stamp.exists() or json.loads(stamp.read_text()).get("version") != WORLD_VERSION:
-        build_model(root / model, spec)
-        stamp.write_text(json.dumps({"version": WORLD_VERSION, "model": model}) + "\n")
+        stamp.unlink(missing_ok=True)  # a build that fails (WeakNativeHeadError) leaves no stamp: the next one retries
+        measured = build_model(root / model, spec)
+        info = {"version": WORLD_VERSION, "model": model, "digest": digest(root / model)}
+        if measured:
+            info["native_head"] = measured
+        stamp.write_text(json.dumps(info, indent=1) + "\n")
     for name, rows in SOURCES.items():  # a few rows: rewritten every time, so they never go stale
         with (root / name).open("w") as f:
             f.writelines(json.dumps(row) + "\n" for row in rows())
