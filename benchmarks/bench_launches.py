@@ -68,8 +68,8 @@ NO_KERNEL = frozenset(f"aten::{name}" for name in (
 # This script's output (its defaults) on the code before issue 47, commit 9730da4, with that tree first on
 # PYTHONPATH (`--before-tree`). The CPU time is this project's CPU machine's (2 cores shared with other
 # jobs): compare it only with a run on the same machine, or measure the old tree again beside the new.
-RECORDED_BEFORE = {"ops_per_cycle": 4.00634765625, "ops_per_cycle_cpu_plan": 27.49755859375,
-                   "cpu_update_s": 8.399750388998655}
+RECORDED_BEFORE = {"responses": 4, "tokens": 1536, "ops_per_cycle": 4.00634765625,
+                   "ops_per_cycle_cpu_plan": 27.49755859375, "cpu_update_s": 8.399750388998655}
 
 
 def make_head() -> tuple[MTPHead, object]:
@@ -192,7 +192,8 @@ def main() -> None:
         before = measure_tree(args.before_tree, [f"--responses={args.responses}", f"--tokens={args.tokens}",
                                                  f"--repeats={args.repeats}", f"--top={args.top}"])
         before["source"] = f"measured: {args.before_tree}"
-    elif not args.no_before and RECORDED_BEFORE is not None:
+    elif not args.no_before and (args.responses, args.tokens) == (RECORDED_BEFORE["responses"],
+                                                                  RECORDED_BEFORE["tokens"]):  # recorded at these
         before = dict(RECORDED_BEFORE, source="recorded at 9730da4")
 
     print(f"head update, {now['responses']} responses, {now['cycles']} cycles (τ={now['tau']:.2f}, K={K}, "
