@@ -174,15 +174,26 @@ def export(keep: Path = KEEP) -> dict:
                         "head_lr": float(head_lr), "steps": setting.steps or recipe.steps,
                         "seeds": sorted({seed for _, seed in runs(setting, keep)}), "arms": arms}
     missing = missing_runs(keep)
-    # the rule reads every seed of every setting: until all are kept, the default stays dca, undecided
-    return {"worlds": worlds, "default": "dca" if missing else decide(worlds), "decided": not missing,
+    # the rule reads every seed of every setting: until all are kept the default stays dca, decided only where
+    # a kept seed already has the hybrid more than NOT_BELOW below DCA + VGM (no later run can undo that)
+    decided = not missing or min(_differences(worlds), default=0.0) < -NOT_BELOW
+    return {"worlds": worlds, "default": "dca" if missing else decide(worlds), "decided": decided,
             "runs_missing": len(missing)}
 
 
 def decide(worlds: dict) -> str:
     """The rule of docs/from_scratch.md: `hybrid` only if it is never more than NOT_BELOW below DCA + VGM on
     any seed of any setting where both ran, and more than ABOVE above it on every seed of at least one world."""
-    differences: dict[str, list[float]] = {}  # per world: hybrid minus DCA + VGM, every seed of every setting
+    differences = _differences_by_world(worlds)
+    every = _differences(worlds)
+    if every and min(every) >= -NOT_BELOW and any(min(per_world) > ABOVE for per_world in differences.values()):
+        return "hybrid"
+    return "dca"
+
+
+def _differences_by_world(worlds: dict) -> dict[str, list[float]]:
+    """Per world: hybrid minus DCA + VGM in τ final, every seed of every setting where both ran."""
+    differences: dict[str, list[float]] = {}
     for name, setting in worlds.items():
         arms = setting["arms"]
         if "hybrid" not in arms or "growmtp" not in arms:
@@ -190,10 +201,11 @@ def decide(worlds: dict) -> str:
         for seed, tau in arms["hybrid"]["tau_final"].items():
             if seed in arms["growmtp"]["tau_final"]:
                 differences.setdefault(name.split("/")[0], []).append(tau - arms["growmtp"]["tau_final"][seed])
-    every = [d for per_world in differences.values() for d in per_world]
-    if every and min(every) >= -NOT_BELOW and any(min(per_world) > ABOVE for per_world in differences.values()):
-        return "hybrid"
-    return "dca"
+    return differences
+
+
+def _differences(worlds: dict) -> list[float]:
+    return [d for per_world in _differences_by_world(worlds).values() for d in per_world]
 
 
 def _config(world: str) -> dict:

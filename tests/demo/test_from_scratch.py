@@ -79,3 +79,14 @@ def test_the_export_leaves_the_default_undecided_until_every_run_is_kept(tmp_pat
     assert (doc["default"], doc["decided"], doc["runs_missing"]) == ("dca", False, 1)
     cmd = next_command(tmp_path)  # the hybrid run, not the kept one
     assert (cmd[cmd.index("--arms") + 1], cmd[cmd.index("--seeds") + 1]) == ("hybrid", "45")
+
+
+def test_a_kept_seed_with_the_hybrid_too_far_below_decides_dca_before_the_rest_run(tmp_path, monkeypatch):
+    monkeypatch.setattr(from_scratch, "SETTINGS", {"demo/held-out": Setting("demo", ("growmtp", "hybrid"), (45, 46))})
+    keep_run(tmp_path, "world-0123456789ab", "growmtp", 45, [2.0] * 100)
+    keep_run(tmp_path, "world-0123456789ab", "hybrid", 45, [1.99] * 100)  # -0.01: within the rule
+    doc = from_scratch.export(tmp_path)
+    assert (doc["default"], doc["decided"], doc["runs_missing"]) == ("dca", False, 2)
+    keep_run(tmp_path, "world-0123456789ab", "hybrid", 45, [1.95] * 100)  # -0.05: no later seed can undo it
+    doc = from_scratch.export(tmp_path)
+    assert (doc["default"], doc["decided"], doc["runs_missing"]) == ("dca", True, 2)
