@@ -24,6 +24,11 @@ Shapes. Qwen3-4B's layout where it sets how the work is cut (32 query / 8 key-va
 (hidden 256, head_dim 8, MLP 768), so that an update runs in seconds. --responses responses of --tokens
 tokens each, 4 x 512 = 2,048 cycles by default: two chunks of 1,024.
 
+Chunks. `ops_per_cycle` is counted at the chunk a GPU runs by default (`reconstruction.CHUNK_CYCLES`,
+4,096 cycles, over twice the responses: one full chunk); `ops_per_cycle_at_1024` at 1,024 (the default
+before, and still the CPU's) over --responses. Most of an update's operators come per chunk, per
+sequence and per draft position, not per cycle: a larger chunk spreads them over more cycles.
+
 Before. `RECORDED_BEFORE` is this script's output on the code before issue 47 (commit 9730da4), run with
 that tree first on PYTHONPATH; `--before-tree PATH` measures such a tree again (e.g. `mkdir /tmp/before &&
 git archive 9730da4 openrlhf_growmtp | tar -x -C /tmp/before`) and reports it beside the current code.
@@ -49,9 +54,12 @@ from torch.profiler import ProfilerActivity, profile
 
 from openrlhf_growmtp.core import MTPHead, init_random_head_, make_head_config
 from openrlhf_growmtp.core import draft_attention, recompute, topk_logq
+from openrlhf_growmtp.core import reconstruction
 from openrlhf_growmtp.core.families import get_family
 
 K, TOPK, TAU, PROMPT, CHUNK = 5, 64, 3.0, 256, 1024
+# a GPU's default chunk (a tree from before one default per device is measured at this tree's: --gpu-chunk)
+GPU_CHUNK = getattr(reconstruction, "CHUNK_CYCLES", {}).get("cuda")
 NARROW = {"hidden_size": 256, "head_dim": 8, "intermediate_size": 768}  # Qwen3-4B's: 2560, 128, 9728
 
 # Leaf operators that launch no kernel: views and metadata, allocations, and (as leaves) no-op casts.
@@ -68,7 +76,7 @@ NO_KERNEL = frozenset(f"aten::{name}" for name in (
 # This script's output (its defaults) on the code before issue 47, commit 9730da4, with that tree first on
 # PYTHONPATH (`--before-tree`). The CPU time is this project's CPU machine's (2 cores shared with other
 # jobs): compare it only with a run on the same machine, or measure the old tree again beside the new.
-RECORDED_BEFORE = {"responses": 4, "tokens": 1536, "ops_per_cycle": 4.00634765625,
+RECORDED_BEFORE = {"responses": 4, "tokens": 1536, "ops_per_cycle_at_1024": 4.00634765625,
                    "ops_per_cycle_cpu_plan": 27.49755859375, "cpu_update_s": 8.399750388998655}
 
 
@@ -126,28 +134,32 @@ def kernel_ops(events) -> Counter:
     return counts
 
 
-def run_update(head, records, dtype):
+def run_update(head, records, dtype, chunk=CHUNK):
     for module in (head, head.embed_tokens, head.lm_head):  # the backbone's modules are not the head's
         module.to(dtype)
     hiddens = [rec.hidden.to(dtype) for rec in records]
     for p in head.parameters():
         p.grad = None
-    return head_update(head, records, hiddens, CHUNK)
+    return head_update(head, records, hiddens, chunk)
 
 
-def count(head, records, dtype, device_type) -> Counter:
+def count(head, records, dtype, device_type, chunk=CHUNK) -> Counter:
     with planned_as(device_type), recompute_as_at_real_widths():
-        run_update(head, records, dtype)  # warm-up
+        run_update(head, records, dtype, chunk)  # warm-up
         with profile(activities=[ProfilerActivity.CPU]) as prof:
-            run_update(head, records, dtype)
+            run_update(head, records, dtype, chunk)
     return kernel_ops(prof.events())
 
 
 def measure(args) -> dict:
     torch.manual_seed(0)
     head, config = make_head()
-    records = [records_at_tau(args.tokens, PROMPT, TAU, K, TOPK, config.vocab_size, config.hidden_size, seed=i)
-               for i in range(args.responses)]
+
+    def responses(n: int) -> list:
+        return [records_at_tau(args.tokens, PROMPT, TAU, K, TOPK, config.vocab_size, config.hidden_size, seed=i)
+                for i in range(n)]
+
+    records = responses(args.responses)
     cycles = sum(rec.num_cycles for rec in records)
     cuda_plan = count(head, records, torch.bfloat16, "cuda")
     cpu_plan = count(head, records, torch.float32, "cpu")
@@ -158,12 +170,19 @@ def measure(args) -> dict:
             t0 = time.perf_counter()
             run_update(head, records, torch.float32)
             seconds.append(time.perf_counter() - t0)
+    # at the GPU's default chunk: as many cycles again for each 1,024, so that the chunk is full
+    gpu_records = responses(args.responses * args.gpu_chunk // CHUNK)
+    gpu_cycles = sum(rec.num_cycles for rec in gpu_records)
+    gpu_plan = count(head, gpu_records, torch.bfloat16, "cuda", args.gpu_chunk)
+    del gpu_records
     tau = 1.0 + float(torch.cat([rec.accepted for rec in records]).float().mean())
-    return {"cycles": cycles, "chunk_cycles": CHUNK, "tau": tau, "k": K, "topk": TOPK, "responses": args.responses,
-            "tokens": args.tokens, "ops": sum(cuda_plan.values()), "ops_per_cycle": sum(cuda_plan.values()) / cycles,
+    return {"cycles": cycles, "chunk_cycles": args.gpu_chunk, "tau": tau, "k": K, "topk": TOPK, "responses": args.responses,
+            "tokens": args.tokens, "ops_per_cycle": sum(gpu_plan.values()) / gpu_cycles,
+            "ops": sum(gpu_plan.values()), "cycles_at_chunk": gpu_cycles,
+            "ops_at_1024": sum(cuda_plan.values()), "ops_per_cycle_at_1024": sum(cuda_plan.values()) / cycles,
             "ops_cpu_plan": sum(cpu_plan.values()), "ops_per_cycle_cpu_plan": sum(cpu_plan.values()) / cycles,
             "cpu_update_s": statistics.median(seconds), "cpu_update_s_repeats": seconds,
-            "top_ops": dict(cuda_plan.most_common(args.top))}
+            "top_ops": dict(gpu_plan.most_common(args.top))}
 
 
 def measure_tree(tree: str, argv: list[str]) -> dict:
@@ -182,6 +201,7 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=12, help="operators listed by count")
     parser.add_argument("--before-tree", help="a checkout of the code before, measured again instead of recorded")
     parser.add_argument("--no-before", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--gpu-chunk", type=int, default=GPU_CHUNK, help=argparse.SUPPRESS)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     now = measure(args)
@@ -190,26 +210,33 @@ def main() -> None:
     before = None
     if args.before_tree:
         before = measure_tree(args.before_tree, [f"--responses={args.responses}", f"--tokens={args.tokens}",
-                                                 f"--repeats={args.repeats}", f"--top={args.top}"])
+                                                 f"--repeats={args.repeats}", f"--top={args.top}",
+                                                 f"--gpu-chunk={args.gpu_chunk}"])
         before["source"] = f"measured: {args.before_tree}"
     elif not args.no_before and (args.responses, args.tokens) == (RECORDED_BEFORE["responses"],
                                                                   RECORDED_BEFORE["tokens"]):  # recorded at these
         before = dict(RECORDED_BEFORE, source="recorded at 9730da4")
 
-    print(f"head update, {now['responses']} responses, {now['cycles']} cycles (τ={now['tau']:.2f}, K={K}, "
-          f"top-{TOPK}), chunks of {CHUNK} cycles; package {now['package']}")
-    print(f"  operators dispatched, as CUDA plans them (bf16): {now['ops']:7d} = {now['ops_per_cycle']:.2f} per cycle")
-    print(f"  operators dispatched, as the CPU runs them (fp32): {now['ops_cpu_plan']:7d} = "
+    print(f"head update, {now['responses']} responses of {now['tokens']} tokens, {now['cycles']} cycles "
+          f"(τ={now['tau']:.2f}, K={K}, top-{TOPK}); package {now['package']}")
+    print(f"  operators dispatched at the GPU's default chunk of {args.gpu_chunk} cycles, as CUDA plans them (bf16, "
+          f"{now['cycles_at_chunk']} cycles): {now['ops']:7d} = {now['ops_per_cycle']:.2f} per cycle")
+    print(f"  at chunks of {CHUNK} cycles, as CUDA plans them (bf16): {now['ops_at_1024']:7d} = "
+          f"{now['ops_per_cycle_at_1024']:.2f} per cycle")
+    print(f"  at chunks of {CHUNK} cycles, as the CPU runs them (fp32): {now['ops_cpu_plan']:7d} = "
           f"{now['ops_per_cycle_cpu_plan']:.2f} per cycle")
-    print(f"  CPU update time (fp32, median of {args.repeats}): {now['cpu_update_s']:.2f} s")
+    print(f"  CPU update time (fp32, chunks of {CHUNK}, median of {args.repeats}): {now['cpu_update_s']:.2f} s")
     if before:
-        print(f"  before ({before['source']}): {before['ops_per_cycle']:.2f} per cycle (CUDA plan), "
-              f"{before['ops_per_cycle_cpu_plan']:.2f} (CPU plan), CPU update {before['cpu_update_s']:.2f} s")
-    print("  most dispatched (CUDA plan): " + ", ".join(f"{k[6:]} {v}" for k, v in now["top_ops"].items()))
+        print(f"  before ({before['source']}), chunks of {CHUNK}: {before['ops_per_cycle_at_1024']:.2f} per cycle "
+              f"(CUDA plan), {before['ops_per_cycle_cpu_plan']:.2f} (CPU plan), CPU update "
+              f"{before['cpu_update_s']:.2f} s" + (f"; at {args.gpu_chunk}: {before['ops_per_cycle']:.2f} per cycle"
+                                                     if "ops" in before else ""))
+    print(f"  most dispatched (CUDA plan, chunk {args.gpu_chunk}): " +
+          ", ".join(f"{k[6:]} {v}" for k, v in now["top_ops"].items()))
     if args.json:
         row = dict(now)
         if before:
-            row |= {"ops_per_cycle_before": before["ops_per_cycle"],
+            row |= {"ops_per_cycle_before": before["ops_per_cycle_at_1024"],
                     "ops_per_cycle_cpu_plan_before": before["ops_per_cycle_cpu_plan"],
                     "cpu_update_s_before": before["cpu_update_s"], "before_source": before["source"]}
         print(json.dumps(row))

@@ -148,7 +148,10 @@ class _DraftAttention(torch.autograd.Function):
         d_query = torch.einsum("nkrj,nkjd->nkrd", d_scores, keys)
         d_keys = torch.einsum("nkrj,nkrd->nkjd", d_scores, q)
         # the prefix keys, block by block, on the rows laid out by key head (d_query's share unscaled)
-        d_prefix = [torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in prefix]
+        # one zeroed buffer for every prefix tensor's gradient (one launch, not one per tensor)
+        sizes = [t.numel() for t in prefix]
+        d_flat = torch.zeros(sum(sizes), dtype=torch.float32, device=query.device)
+        d_prefix = [g.view(t.shape) for g, t in zip(d_flat.split(sizes), prefix)]
         if ctx.blocks:
             qs, grad_out = _by_key_head(query, scale), _by_key_head(d_out)
             lse_k, shift_k = _by_key_head(lse), _by_key_head(shift)
@@ -165,6 +168,8 @@ class _DraftAttention(torch.autograd.Function):
                 d_prefix[2 * seq][:, :length].baddbmm_(d_scores.transpose(1, 2), qs[:, rows])  # dK = scale dS^T Q
             d_query.add_(d_query_k.view(kv, num, rep, dim).movedim(0, 1), alpha=scale)
         d_query = d_query.to(query.dtype)
+        if len({t.dtype for t in prefix}) == 1:  # cast all at once, then views again
+            d_prefix = [g.view(t.shape) for g, t in zip(d_flat.to(prefix[0].dtype).split(sizes), prefix)]
         return (d_query, d_keys.to(chain_keys.dtype), d_values.to(chain_values.dtype), None, None, None,
                 *(g.to(t.dtype) for g, t in zip(d_prefix, prefix)))
 

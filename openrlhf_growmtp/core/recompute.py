@@ -1,11 +1,11 @@
 """Elementwise work recomputed in backward, so that the head update keeps only matrix products' outputs.
 
-At a real model's width most of what the head keeps for backward is elementwise: each RMSNorm keeps an
-fp32 copy of its input (twice the bf16 input's bytes), and the gated MLP keeps its activation and its
-product next to the two projections' outputs ([slots, 9728] each at Qwen3-4B). `elementwise_recomputed`
-wraps, for its duration, every RMSNorm of the head in activation checkpointing (only the input is kept)
-and the MLP in selective checkpointing that keeps the matrix products' outputs and recomputes the rest.
-The backward then redoes elementwise work only: no matrix product runs twice.
+At a real model's width most of what the head keeps for backward is elementwise: the gated MLP keeps its
+activation and its product next to the two projections' outputs ([slots, 9728] each at Qwen3-4B).
+`elementwise_recomputed` wraps, for its duration, the MLP in selective checkpointing that keeps the matrix
+products' outputs and recomputes the rest. The backward then redoes elementwise work only: no matrix
+product runs twice. (The head's RMSNorms keep only their input and its reciprocal RMS by themselves:
+`rms_norm.py`.)
 
 It pays where a chunk's activations are large (`benchmarks/bench_reconstruction.py` measures the peak
 memory of a chunk of Qwen3-4B's head with it); for small heads its per-call cost dominates, so
@@ -22,7 +22,6 @@ import contextlib
 import functools
 
 import torch
-from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from .head import MTPHead
@@ -38,14 +37,12 @@ def _keep_matrix_products(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if op in _MATRIX_PRODUCTS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def _checkpointed(forward, selective: bool):
-    context = functools.partial(create_selective_checkpoint_contexts, _keep_matrix_products) if selective else None
+def _checkpointed(forward):
+    context = functools.partial(create_selective_checkpoint_contexts, _keep_matrix_products)
 
     def run(*args, **kwargs):
         if not torch.is_grad_enabled():
             return forward(*args, **kwargs)
-        if context is None:
-            return checkpoint(forward, *args, use_reentrant=False, **kwargs)
         return checkpoint(forward, *args, use_reentrant=False, context_fn=context, **kwargs)
 
     return run
@@ -59,15 +56,12 @@ def worth_recomputing(head: MTPHead, max_slots: int | None) -> bool:
 
 @contextlib.contextmanager
 def elementwise_recomputed(head: MTPHead):
-    """Within: the head's RMSNorms and its MLP keep for backward only inputs and matrix products' outputs."""
-    wrapped: list[nn.Module] = [m for m in head.modules() if isinstance(m, head.family.norm_class)]
-    wrapped.append(head.decoder_layer.mlp)
-    for module in wrapped:
-        if "forward" in module.__dict__:
-            raise RuntimeError(f"{type(module).__name__} already has an instance forward; not wrapping it twice")
-        module.forward = _checkpointed(module.forward, selective=module is head.decoder_layer.mlp)
+    """Within: the head's MLP keeps for backward only its input and its matrix products' outputs."""
+    mlp = head.decoder_layer.mlp
+    if "forward" in mlp.__dict__:
+        raise RuntimeError(f"{type(mlp).__name__} already has an instance forward; not wrapping it twice")
+    mlp.forward = _checkpointed(mlp.forward)
     try:
         yield
     finally:
-        for module in wrapped:
-            del module.forward
+        del mlp.forward

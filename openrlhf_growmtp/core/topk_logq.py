@@ -26,9 +26,11 @@ from .head import MTPHead
 GROUP_LOGITS = {"cpu": 2**26, "cuda": 2**28}
 
 # At most this many logits per fp32 block of the softmax's elementwise passes: on a CPU a block that stays
-# in cache (4 MiB) takes about half the time of passes over the whole group; a GPU streams larger blocks
-# (256 MiB in fp32: four per group).
-SOFTMAX_BLOCK = {"cpu": 2**20, "cuda": 2**26}
+# in cache (4 MiB) takes about half the time of passes over the whole group; on a GPU a block is the whole
+# group (each block is a fixed run of about twenty launches; four blocks of 256 MiB per group were a sixth of
+# the update's launches at a chunk of 4,096 cycles), for up to 3 GiB of fp32 temporaries while it is scored
+# (the block, its shifted copy and their exponentials, 1 GiB each).
+SOFTMAX_BLOCK = {"cpu": 2**20, "cuda": GROUP_LOGITS["cuda"]}
 
 
 def score_groups(slots: int, vocab_size: int, device_type: str = "cpu") -> int:

@@ -16,7 +16,7 @@ from pathlib import Path
 from ..core.checkpoint import (HeadCheckpointError, check_text_only, native_head_layers, native_head_tensor_names,
                                read_head_config, resolve_backbone)
 from ..core.objectives import ALPHA_ESTIMATES, OBJECTIVES
-from ..core.reconstruction import DEFAULT_CHUNK_CYCLES
+from ..core.reconstruction import CHUNK_CYCLES
 from ..core.records import DEFAULT_TOPK
 from ..core.schedule import DEFAULT_HEAD_LR, DEFAULT_MIN_LR_RATIO, DEFAULT_WARMUP_STEPS
 
@@ -73,7 +73,9 @@ def add_growmtp_args(parser: argparse.ArgumentParser) -> None:
          help="detached: head loss reaches only the head; joint: it also trains the backbone; "
               "frozen: the head drafts but is never updated")
     flag("topk", type=int, default=DEFAULT_TOPK, help="target log-probs recorded per draft position")
-    flag("chunk_cycles", type=int, default=DEFAULT_CHUNK_CYCLES, help="cycles reconstructed per forward/backward")
+    flag("chunk_cycles", type=int, default=None,
+         help=f"cycles reconstructed per forward/backward (default: {CHUNK_CYCLES['cuda']} on a GPU, "
+              f"{CHUNK_CYCLES['cpu']} on a CPU)")
     group.add_argument("--growmtp_teacher_forcing", "--growmtp.teacher_forcing", dest="growmtp.teacher_forcing",
                        action="store_true", default=False,
                        help="train on the committed response instead of the recorded draft paths (ablation)")
@@ -116,7 +118,8 @@ def check_args(flat: dict) -> list[str]:
     get = flat.get
     if g["mode"] not in MODES:
         errors.append(f"--growmtp_mode must be one of {MODES}, got {g['mode']!r}")
-    if g["topk"] < 1 or g["chunk_cycles"] < 1 or g["warmup_steps"] < 0 or not 0 <= g["min_lr_ratio"] <= 1:
+    chunk_ok = g["chunk_cycles"] is None or g["chunk_cycles"] >= 1  # None: the device's (CHUNK_CYCLES)
+    if g["topk"] < 1 or not chunk_ok or g["warmup_steps"] < 0 or not 0 <= g["min_lr_ratio"] <= 1:
         errors.append("--growmtp_topk and --growmtp_chunk_cycles must be >= 1, --growmtp_warmup_steps >= 0 and "
                       f"--growmtp_min_lr_ratio in [0, 1]; got {g['topk']}, {g['chunk_cycles']}, "
                       f"{g['warmup_steps']}, {g['min_lr_ratio']}")

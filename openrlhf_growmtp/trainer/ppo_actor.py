@@ -25,6 +25,7 @@ from .. import cpu_support, reproducibility
 from ..core.head_loss import HeadLossConfig
 from ..core.lockstep import Lockstep
 from ..core.objectives import HYBRID, hybrid_lambda
+from ..core.reconstruction import chunk_cycles_for
 from ..core.records import SequenceRecord
 from . import head_optimizer, installer
 from .head_rl_step import HeadRLStep
@@ -127,7 +128,8 @@ class GrowMTPActorTrainer(ActorTrainer):
     def _head_update_config(self) -> HeadUpdateConfig:
         g = self.args.growmtp
         joint = g.mode == "joint"
-        loss = HeadLossConfig(objective=g.loss, vgm=g.vgm, chunk_cycles=None if joint else g.chunk_cycles,
+        chunk_cycles = g.chunk_cycles or chunk_cycles_for(next(self.actor.model.parameters()).device)
+        loss = HeadLossConfig(objective=g.loss, vgm=g.vgm, chunk_cycles=None if joint else chunk_cycles,
                               teacher_forcing=g.teacher_forcing, alpha_estimate=g.alpha_estimate,
                               hybrid_lambda=hybrid_lambda(self.alpha_1) if g.loss == HYBRID else None)
         return HeadUpdateConfig(loss=loss, joint=joint, hidden_batch_size=max(1, self.micro_train_batch_size))

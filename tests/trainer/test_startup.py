@@ -33,7 +33,7 @@ def test_underscore_and_dotted_flags_are_the_same_option(policy_dir, tmp_path):
     assert (a.growmtp.k, a.growmtp.vgm, a.growmtp.mode, a.growmtp.loss) == (5, False, "joint", "tv")
     defaults = train_args(policy_dir, tmp_path).growmtp
     assert (defaults.k, defaults.vgm, defaults.mode, defaults.topk, defaults.chunk_cycles, defaults.warmup_steps,
-            defaults.min_lr_ratio, defaults.head) == (0, True, "detached", 64, 1024, 10, 0.1, "random")
+            defaults.min_lr_ratio, defaults.head) == (0, True, "detached", 64, None, 10, 0.1, "random")  # chunk: the device's
 
 
 def test_valid_configuration_has_no_errors(policy_dir):
