@@ -64,7 +64,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, help="(c): timed runs of each side (default 3; tiny 2)")
     parser.add_argument("--budget-s", type=float, help="(c): seconds its timed runs may take (default 240)")
     parser.add_argument("--chunk-cycles", type=int,
-                        help="(c): cycles per head-update chunk (default 1024, as --growmtp_chunk_cycles; tiny 64)")
+                        help="(c): cycles per head-update chunk (default 4096, a GPU's --growmtp_chunk_cycles; tiny 64)")
     parser.add_argument("--only", help=f"comma-separated checks to run, of {','.join(CHECKS)} (b and d need a, "
                         "which then runs too)")
     parser.add_argument("--deadline-s", type=float, help="checks not started this many seconds after the start "

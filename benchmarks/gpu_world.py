@@ -13,6 +13,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from openrlhf_growmtp.core import MTPHead, init_random_head_, make_head_config
 from openrlhf_growmtp.core.families import get_family
+from openrlhf_growmtp.core.reconstruction import CHUNK_CYCLES
 
 # The head's logits are given this spread (std over the vocabulary) by its final norm's scale: a random
 # head's logits have std ~1 (q nearly uniform over 151,936 ids), a trained model's spread over tens of
@@ -87,7 +88,7 @@ def tiny_config(num_layers: int = 2) -> Qwen3Config:
 # 256-token prompt (the paper truncates prompts at 1,024 and gives no mean).
 REAL = Plan(name="Qwen3-4B", config=qwen3_4b_config(36), k=5, topk=64, recon_prompts=(48, 2048), recon_cycles=64,
             recon_chunk=48, responses=64, prompt_tokens=256, response_tokens=4096, tau=3.0, micro_batch=2,
-            repeats=3, chunk_cycles=1024, budget_s=150.0, sampler_chains=4, sampler_trials=2**20,
+            repeats=3, chunk_cycles=CHUNK_CYCLES["cuda"], budget_s=150.0, sampler_chains=4, sampler_trials=2**20,
             trainer_layers=None, trainer_responses=8, trainer_prompt=256, trainer_response_tokens=1024,
             trainer_steps=2, tau_target=2.91, cycle_batch=64, cycle_contexts=(1024, 4096, 8192),
             cycle_depths=(2, 4, 6, 8), cycle_repeats=10, train_tokens=8192, real_layers=36, rollout_prompt=256,

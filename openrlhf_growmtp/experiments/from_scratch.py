@@ -185,7 +185,7 @@ def decide(worlds: dict) -> str:
     """The rule of docs/from_scratch.md: `hybrid` only if it is never more than NOT_BELOW below DCA + VGM on
     any seed of any setting where both ran, and more than ABOVE above it on every seed of at least one world."""
     differences = _differences_by_world(worlds)
-    every = _differences(worlds)
+    every = [d for per_world in differences.values() for d in per_world]
     if every and min(every) >= -NOT_BELOW and any(min(per_world) > ABOVE for per_world in differences.values()):
         return "hybrid"
     return "dca"
