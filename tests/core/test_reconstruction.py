@@ -361,3 +361,11 @@ def test_gradients_are_exact_when_the_slots_are_scored_in_many_groups_and_blocks
     assert grouped.alpha_mean == pytest.approx(stats.alpha_mean, abs=1e-6)
     for name, grad in _grads(head).items():
         assert (grad - reference[name]).abs().max().item() <= 1e-6 * max(1.0, reference[name].abs().max().item())
+
+
+def test_the_default_chunk_is_the_devices():
+    from openrlhf_growmtp.core.reconstruction import CHUNK_CYCLES, DEFAULT_CHUNK_CYCLES, chunk_cycles_for
+
+    assert chunk_cycles_for("cpu") == DEFAULT_CHUNK_CYCLES == CHUNK_CYCLES["cpu"]
+    assert chunk_cycles_for(torch.device("cuda", 3)) == CHUNK_CYCLES["cuda"] > CHUNK_CYCLES["cpu"]
+    assert chunk_cycles_for("xpu") == CHUNK_CYCLES["cuda"]  # another accelerator is launch-bound alike
