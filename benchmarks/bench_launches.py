@@ -10,7 +10,10 @@ operator such as `aten::linear` or `aten::logsumexp` counts as the kernels it di
 `NO_KERNEL`: views and metadata (`view`, `transpose`, `slice`, ...), allocations (`empty`, ...), and the
 casts and copies that were no-ops (`aten::to` or `contiguous` as a leaf did nothing). Backward operators are
 counted as well (they run inside `autograd::engine` events). A `.tolist()` or `int(tensor)` is counted: on
-CUDA it is a device-to-host copy and a synchronisation.
+CUDA it is a device-to-host copy and a synchronisation. As CUDA plans it, the trainer's checks of the records
+(`reconstruction.check_batch`) are left out: the records stay on the host on a GPU too (a chunk's cycles go to
+the device when it is reconstructed), so those operators launch no kernel; everything else that reads the
+records on the host is counted.
 
 The plan. Some of the update's work is cut into blocks and groups whose size depends on the device
 (`BLOCK_SCORES` of the draft attention, `SOFTMAX_BLOCK` and `GROUP_LOGITS` of the lm_head's scoring):
@@ -54,7 +57,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from openrlhf_growmtp.core import MTPHead, init_random_head_, make_head_config
 from openrlhf_growmtp.core import draft_attention, recompute, topk_logq
-from openrlhf_growmtp.core import reconstruction
+from openrlhf_growmtp.core import chunk_plan, reconstruction
 from openrlhf_growmtp.core.families import get_family
 
 K, TOPK, TAU, PROMPT, CHUNK = 5, 64, 3.0, 256, 1024
@@ -122,13 +125,43 @@ def recompute_as_at_real_widths():
         recompute.RECOMPUTE_BYTES = saved
 
 
-def kernel_ops(events) -> Counter:
-    """Leaf `aten::` operators that launch a kernel (module docstring), by name."""
+HOST_RANGE = "growmtp: record checks on the host"
+
+
+@contextlib.contextmanager
+def record_checks_marked():
+    """The head update's checks of its records in a profiler range of their own (module docstring)."""
+    saved = chunk_plan.check_batch
+
+    def marked(*args, **kwargs):
+        with torch.profiler.record_function(HOST_RANGE):
+            return saved(*args, **kwargs)
+
+    chunk_plan.check_batch = marked
+    try:
+        yield
+    finally:
+        chunk_plan.check_batch = saved
+
+
+def _on_host(event) -> bool:
+    while event is not None:
+        if event.name == HOST_RANGE:
+            return True
+        event = event.cpu_parent
+    return False
+
+
+def kernel_ops(events, skip_host: bool) -> Counter:
+    """Leaf `aten::` operators that launch a kernel (module docstring), by name; `skip_host`: not those
+    under `HOST_RANGE`."""
     counts = Counter()
     for event in events:
         if not event.name.startswith("aten::") or event.name in NO_KERNEL:
             continue
         if any(child.name.startswith("aten::") for child in event.cpu_children):
+            continue
+        if skip_host and _on_host(event):
             continue
         counts[event.name] += 1
     return counts
@@ -144,11 +177,11 @@ def run_update(head, records, dtype, chunk=CHUNK):
 
 
 def count(head, records, dtype, device_type, chunk=CHUNK) -> Counter:
-    with planned_as(device_type), recompute_as_at_real_widths():
+    with planned_as(device_type), recompute_as_at_real_widths(), record_checks_marked():
         run_update(head, records, dtype, chunk)  # warm-up
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             run_update(head, records, dtype, chunk)
-    return kernel_ops(prof.events())
+    return kernel_ops(prof.events(), skip_host=device_type == "cuda")
 
 
 def measure(args) -> dict:

@@ -33,7 +33,7 @@ from .objectives import chain_lengths
 from .prefix import PrefixStore
 from .records import RecordError, SequenceRecord
 from .topk_logq import score_groups
-from .validation import check_records_fit
+from .validation import check_fits
 
 # Cycles per chunk by the device the head runs on. On a GPU the update is launch-bound at 1,024: 4,096 ran in
 # half the time on an H100 and an H200 for about 1.2 GB more peak memory (`docs/gpu.md`); on a CPU the
@@ -223,14 +223,18 @@ def count_chunks(records: Sequence[SequenceRecord], chunk_cycles: int | None = D
 
 def check_batch(head: MTPHead, records: Sequence[SequenceRecord],
                 hiddens: Sequence[torch.Tensor] | None = None) -> None:
-    """Check that every record fits the head (`validation.check_records_fit`: one K, the head's vocabulary
-    and width) before any model work; errors name the record and field. Records are validated in full once,
-    where they are made (the engine boundary): this is not that validation again."""
+    """Check that every record fits the head (`validation.check_fits`: one K, the head's vocabulary and
+    width) before any model work; errors name the record and field. Records are validated in full once,
+    where they are made (the engine boundary): this is not that validation again. The records stay on the
+    host (a chunk's cycles go to the device when it is reconstructed): these checks launch no kernel."""
     if hiddens is not None and len(hiddens) != len(records):
         raise RecordError(f"hidden: {len(hiddens)} hidden tensors for {len(records)} records")
     depth = records[0].depth if records else None
-    check_records_fit(records, depth=depth, vocab_size=head.config.vocab_size, hidden_size=head.config.hidden_size)
-    for i, (rec, hidden) in enumerate(zip(records, hiddens or ())):
-        if tuple(hidden.shape) != (rec.token_ids.shape[0], head.config.hidden_size):
-            raise RecordError(f"record {i}: hidden: trainer hidden has shape {tuple(hidden.shape)}, expected "
-                              f"[{rec.token_ids.shape[0]}, {head.config.hidden_size}]")
+    for i, rec in enumerate(records):
+        try:
+            check_fits(rec, depth=depth, vocab_size=head.config.vocab_size, hidden_size=head.config.hidden_size)
+            if hiddens is not None and tuple(hiddens[i].shape) != (rec.token_ids.shape[0], head.config.hidden_size):
+                raise RecordError(f"hidden: trainer hidden has shape {tuple(hiddens[i].shape)}, expected "
+                                  f"[{rec.token_ids.shape[0]}, {head.config.hidden_size}]")
+        except RecordError as err:
+            raise RecordError(f"record {i}: {err}") from None

@@ -1,8 +1,8 @@
 """Validation of verification records (`core/records.py` defines them and their terms).
 
 `validate_record` checks everything that makes a record true to its rollout, `validate_records` does so
-for many records side by side, and `check_records_fit` checks only what a head needs to reconstruct
-records without indexing out of range. Each raises a RecordError naming the field.
+for many records side by side, and `check_fits` checks only what a head needs to reconstruct a record
+without indexing out of range. Each raises a RecordError naming the field.
 """
 
 from __future__ import annotations
@@ -53,9 +53,20 @@ def _check_int(tensor, field_name: str, ndim: int) -> None:
         _fail(field_name, f"expected an integer dtype, got {tensor.dtype}")
 
 
+def check_fits(rec: SequenceRecord, depth: int | None = None, vocab_size: int | None = None,
+               hidden_size: int | None = None, topk: int | None = None) -> None:
+    """The shapes, dtypes and index ranges model work relies on (RecordError naming the field).
+
+    The trainer runs only this on records the engine boundary already validated: it is what a head of
+    this depth, vocabulary and width needs to reconstruct them without indexing out of range.
+    """
+    _check_layout(rec, depth=depth, hidden_size=hidden_size, topk=topk)
+    _check_ranges(_Cycles.of([rec]), vocab_size)
+
+
 def _check_layout(rec: SequenceRecord, depth: int | None = None, hidden_size: int | None = None,
                   topk: int | None = None) -> None:
-    """What `check_records_fit` checks without a tensor operation: types, dtypes, shapes."""
+    """`check_fits` without a tensor operation: types, dtypes, shapes."""
     _check_int(rec.token_ids, "token_ids", 1)
     _check_int(rec.start, "start", 1)
     _check_int(rec.drafts, "drafts", 2)
@@ -101,7 +112,7 @@ def validate_record(rec: SequenceRecord, depth: int | None = None, vocab_size: i
                     hidden_size: int | None = None, topk: int | None = None) -> None:
     """Reject every malformed record with a RecordError naming the field. Cheap: no model work.
 
-    `check_records_fit`, plus what makes a record true to its rollout: finite, normalised log-probs, distinct
+    `check_fits`, plus what makes a record true to its rollout: finite, normalised log-probs, distinct
     top-k ids, monotone starts, committed tokens that equal the accepted drafts, finite hidden states.
     """
     _check_layout(rec, depth=depth, hidden_size=hidden_size, topk=topk)
@@ -116,43 +127,20 @@ def validate_records(records: Sequence[SequenceRecord], depth: int | None = None
     side by side: a generate's records cost a few tensor operations in all, not a few per record. A bad
     record's RecordError is the one `validate_record` raises for it, after its name (names[i], default
     "record i")."""
-
-    def layout(rec):
-        _check_layout(rec, depth=depth, hidden_size=hidden_size, topk=topk)
-        _check_rest(rec)
-
-    _side_by_side(records, names, layout, lambda cycles: _check_values(cycles, vocab_size))
-
-
-def check_records_fit(records: Sequence[SequenceRecord], depth: int | None = None, vocab_size: int | None = None,
-                      hidden_size: int | None = None, names: Sequence[str] | None = None) -> None:
-    """The shapes, dtypes and index ranges model work relies on (RecordError naming the record and field).
-
-    The trainer runs only this on records the engine boundary already validated: it is what a head of this
-    depth, vocabulary and width needs to reconstruct them without indexing out of range. The index ranges
-    are checked once over all the records side by side (a few operators and host reads per batch, not per
-    record: each is a kernel launch or a synchronisation on a GPU); a bad record's error is the one it
-    gets alone."""
-    _side_by_side(records, names, lambda rec: _check_layout(rec, depth=depth, hidden_size=hidden_size),
-                  lambda cycles: _check_ranges(cycles, vocab_size))
-
-
-def _side_by_side(records, names, layout, values) -> None:
-    """`layout(record)` for each record, then `values(cycles)` once over all of them (where their cycle
-    fields can be concatenated), or, where that fails or they cannot, record by record for the name."""
     named = names or [f"record {i}" for i in range(len(records))]
     for name, rec in zip(named, records):
         with _named(name):
-            layout(rec)
+            _check_layout(rec, depth=depth, hidden_size=hidden_size, topk=topk)
+            _check_rest(rec)
     layouts = {(rec.topk_logprobs.dtype, tuple(rec.topk_logprobs.shape[1:])) for rec in records}
     if len(layouts) == 1:  # side by side (else: one at a time, or none)
         try:
-            return values(_Cycles.of(records))
+            return _check_values(_Cycles.of(records), vocab_size)
         except RecordError:
-            pass  # which record, and what it is told alone:
+            pass  # which record, and what validate_record says of it:
     for name, rec in zip(named, records):
         with _named(name):
-            values(_Cycles.of([rec]))
+            _check_values(_Cycles.of([rec]), vocab_size)
 
 
 @contextlib.contextmanager
@@ -219,7 +207,7 @@ def _check_values(c: _Cycles, vocab_size: int | None) -> None:
 
 
 def _check_ranges(c: _Cycles, vocab_size: int | None) -> None:
-    """The index ranges of `check_records_fit`: token ids in the vocabulary, accepted in 0..K, cycles that start
+    """The index ranges of `check_fits`: token ids in the vocabulary, accepted in 0..K, cycles that start
     after the prompt's last position and leave their next token inside the sequence."""
     if vocab_size is not None:
         for name, ids in (("token_ids", c.tokens), ("drafts", c.drafts), ("topk_ids", c.topk_ids)):
