@@ -28,8 +28,8 @@ Shapes. Qwen3-4B's layout where it sets how the work is cut (32 query / 8 key-va
 tokens each, 4 x 512 = 2,048 cycles by default: two chunks of 1,024.
 
 Chunks. `ops_per_cycle` is counted at the chunk a GPU runs by default (`reconstruction.CHUNK_CYCLES`,
-4,096 cycles, over twice the responses: one full chunk); `ops_per_cycle_at_1024` at 1,024 (the default
-before, and still the CPU's) over --responses. Most of an update's operators come per chunk, per
+4,096 cycles, over four times --responses: two full chunks, as at 1,024); `ops_per_cycle_at_1024` at 1,024
+(the default before, and still the CPU's) over --responses. Most of an update's operators come per chunk, per
 sequence and per draft position, not per cycle: a larger chunk spreads them over more cycles.
 
 Before. `RECORDED_BEFORE` is this script's output on the code before issue 47 (commit 9730da4), run with
@@ -77,7 +77,7 @@ NO_KERNEL = frozenset(f"aten::{name}" for name in (
 ))
 
 # This script's output (its defaults) on the code before issue 47, commit 9730da4, with that tree first on
-# PYTHONPATH (`--before-tree`). The CPU time is this project's CPU machine's (2 cores shared with other
+# PYTHONPATH (`--before-tree`), the record checks left out of the CUDA plan's count as for the current code. The CPU time is this project's CPU machine's (2 cores shared with other
 # jobs): compare it only with a run on the same machine, or measure the old tree again beside the new.
 RECORDED_BEFORE = {"responses": 4, "tokens": 1536, "ops_per_cycle_at_1024": 3.91845703125,
                    "ops_per_cycle_cpu_plan": 27.49755859375, "cpu_update_s": 8.557117106000078}
@@ -203,7 +203,7 @@ def measure(args) -> dict:
             t0 = time.perf_counter()
             run_update(head, records, torch.float32)
             seconds.append(time.perf_counter() - t0)
-    # at the GPU's default chunk: as many cycles again for each 1,024, so that the chunk is full
+    # at the GPU's default chunk: as many responses per chunk as at 1,024 (two chunks' worth)
     gpu_records = responses(args.responses * args.gpu_chunk // CHUNK)
     gpu_cycles = sum(rec.num_cycles for rec in gpu_records)
     gpu_plan = count(head, gpu_records, torch.bfloat16, "cuda", args.gpu_chunk)
