@@ -26,7 +26,7 @@ from transformers import PretrainedConfig
 
 from .draft_attention import ATTENTION_NAME
 from .families import CONCAT_EH, FEED_PRE_NORM, HeadFamily, get_family
-from .rms_norm import HeadRMSNorm, replace_norms
+from .rms_norm import family_norm, replace_norms
 
 HEAD_CONFIG_FIELD = "growmtp_family"
 
@@ -112,15 +112,11 @@ class MTPHead(nn.Module):
         config._attn_implementation = ATTENTION_NAME
         self.config = config
         fam, hidden, eps = self.family, config.hidden_size, config.rms_norm_eps
-
-        def norm() -> HeadRMSNorm:
-            return HeadRMSNorm.like(fam.norm_class(hidden, eps=eps), fam.norm_unit_weight)
-
-        self.add_module(fam.norm_embedding_name, norm())
-        self.add_module(fam.norm_hidden_name, norm())
+        self.add_module(fam.norm_embedding_name, family_norm(fam, hidden, eps))
+        self.add_module(fam.norm_hidden_name, family_norm(fam, hidden, eps))
         self.add_module(fam.fc_name, nn.Linear(2 * hidden, hidden, bias=False))
         layer = fam.layer_class(config, 0)
-        replace_norms(layer, fam.norm_class, fam.norm_unit_weight)  # the same norms, fewer launches (rms_norm.py)
+        replace_norms(layer, fam)  # the same norms, fewer launches (rms_norm.py)
         if fam.layer_prefix:
             container, index = fam.layer_prefix.split(".")
             self.add_module(container, nn.ModuleList([layer]))
@@ -130,7 +126,7 @@ class MTPHead(nn.Module):
             for child_name, child in layer.named_children():
                 self.add_module(child_name, child)
         self.__dict__["decoder_layer"] = layer
-        self.add_module(fam.final_norm_name, norm())
+        self.add_module(fam.final_norm_name, family_norm(fam, hidden, eps))
         self.rotary_emb = FP32RoPE(fam.rotary_class(config))
         self.bind(embed_tokens, lm_head)
 

@@ -25,6 +25,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .families import HeadFamily
+
 
 class _RMSNorm(torch.autograd.Function):
     @staticmethod
@@ -83,9 +85,14 @@ class HeadRMSNorm(nn.Module):
         return f"{tuple(self.weight.shape)}, eps={self.eps}, offset={self.offset}"
 
 
-def replace_norms(module: nn.Module, norm_class: type, unit_weight: float) -> None:
-    """Put a `HeadRMSNorm` in place of every `norm_class` instance below `module`, in place."""
+def family_norm(family: HeadFamily, width: int, eps: float) -> HeadRMSNorm:
+    """A new norm of `family`'s (its transformers class's initial weight and eps), as a `HeadRMSNorm`."""
+    return HeadRMSNorm.like(family.norm_class(width, eps=eps), family.norm_unit_weight)
+
+
+def replace_norms(module: nn.Module, family: HeadFamily) -> None:
+    """Put a `HeadRMSNorm` in place of every norm of `family`'s class below `module`, in place."""
     for parent in list(module.modules()):
         for name, child in list(parent.named_children()):
-            if isinstance(child, norm_class):
-                setattr(parent, name, HeadRMSNorm.like(child, unit_weight))
+            if isinstance(child, family.norm_class):
+                setattr(parent, name, HeadRMSNorm.like(child, family.norm_unit_weight))
