@@ -124,18 +124,26 @@ def run_world(name: str, args, out: Path, seeds: tuple[int, ...], arms: list[str
 
 
 def restore(kept_dir: Path | None, name: str, local: Path, made_under: dict | None = None) -> None:
-    """Copy kept_dir/name to `local` where this invocation's runs directory lacks it; a kept run result only if it
-    was made under `made_under` (its settings, arm flags and K). Nothing without a keep directory."""
+    """Copy kept_dir/name to `local` where this invocation's runs directory lacks it. A run result, local or kept,
+    counts only if it was made under `made_under` (its settings, arm flags and K): a local one made under others
+    (another setting's run under the same --name) is removed, a kept one is left where it is; either way the run
+    goes again. Nothing is copied without a keep directory."""
+    if made_under is not None and local.exists() and not _made_under(local, made_under):
+        print(f"{local}: made under other settings or flags; its run goes again", flush=True)
+        local.unlink()
     kept = kept_dir / name if kept_dir else None
     if kept is None or local.exists() or not kept.exists():
         return
-    if made_under is not None:
-        found = json.loads(kept.read_text())
-        if {key: found.get(key) for key in made_under} != made_under:
-            print(f"{kept}: made under other settings or flags; its run goes again", flush=True)
-            return
+    if made_under is not None and not _made_under(kept, made_under):
+        print(f"{kept}: made under other settings or flags; its run goes again", flush=True)
+        return
     local.parent.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(kept, local)
+
+
+def _made_under(result: Path, made_under: dict) -> bool:
+    found = json.loads(result.read_text())
+    return {key: found.get(key) for key in made_under} == made_under
 
 
 def note_build(builds: Path, digest: str) -> None:

@@ -75,9 +75,19 @@ def test_a_kept_result_is_restored_into_a_fresh_runs_directory_only_when_made_un
         restore(kept, "ce-s42.json", other, changed)
         assert not other.exists()  # that run goes again
 
-    fresh.write_text("{}")  # a sitting's own result is never overwritten by a kept one
+    own = json.dumps({"rows": [{"step": 1, "tau": 1.7}], "wall_s": 61.0, **made_under})
+    fresh.write_text(own)  # a sitting's own result, made under the same settings, is never overwritten by a kept one
     restore(kept, "ce-s42.json", fresh, made_under)
-    assert fresh.read_text() == "{}"
+    assert fresh.read_text() == own
+    # one made under other settings (another setting's run under the same --name) is not read back as this one's
+    flags = ["--growmtp_loss", "ce", "--growmtp_alpha_estimate", "topk"]
+    fresh.write_text(json.dumps({"rows": [{"step": 1, "tau": 1.9}], "wall_s": 62.0, **made_under, "flags": flags}))
+    restore(kept, "ce-s42.json", fresh, made_under)
+    assert fresh.read_bytes() == first.read_bytes()  # replaced by the kept run made under this setting
+    other.parent.mkdir(parents=True, exist_ok=True)
+    other.write_text(json.dumps({**made_under, "settings": {"steps": 41, "k": 5}}))
+    restore(None, "ce-s42.json", other, made_under)  # nothing kept: removed, so that the run goes again
+    assert not other.exists()
     restore(kept, "missing.json", tmp_path / "sitting4" / "x.json")
     restore(None, "ce-s42.json", tmp_path / "sitting4" / "y.json")
     assert not (tmp_path / "sitting4").exists()
