@@ -171,6 +171,7 @@ def _text_statistics(world, recipe, out: Path, kept: Path | None) -> dict:
         stats = world_text_statistics(world.policy, world.prompts, recipe.topk,
                                       max_new_tokens=recipe.max_new_tokens)
         cached.write_text(json.dumps(stats) + "\n")
+    if kept and not (kept / cached.name).exists():  # made by another setting's invocation under the same --name
         keep(cached, kept, cached.name)
     return json.loads(cached.read_text())
 

@@ -93,6 +93,18 @@ def test_a_kept_result_is_restored_into_a_fresh_runs_directory_only_when_made_un
     assert not (tmp_path / "sitting4").exists()
 
 
+def test_sampled_text_statistics_are_kept_with_every_setting_that_reads_them(tmp_path):
+    from openrlhf_growmtp.experiments.ablations import _text_statistics
+
+    out, first, second = tmp_path / "runs" / "paper", tmp_path / "docs" / "paper-abc", tmp_path / "docs" / "paper-abc-t"
+    first.mkdir(parents=True)
+    (first / "sampled_text.json").write_text(json.dumps({"entropy_nats": 2.3}) + "\n")
+    assert _text_statistics(None, None, out, first) == {"entropy_nats": 2.3}  # restored, nothing recomputed
+    # a second setting under the same --name finds the runs directory's copy and keeps it beside its own runs
+    assert _text_statistics(None, None, out, second) == {"entropy_nats": 2.3}
+    assert (second / "sampled_text.json").read_bytes() == (first / "sampled_text.json").read_bytes()
+
+
 def test_a_worlds_digest_follows_its_tensors_not_its_files_metadata(tmp_path):
     import torch
     from safetensors.torch import load_file, save_file
