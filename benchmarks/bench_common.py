@@ -87,15 +87,20 @@ def policy_step(policy: Qwen3ForCausalLM, ids: torch.Tensor) -> torch.Tensor:
 
 
 class LineFit:
-    """y = a + b x by least squares, with its residuals."""
+    """y = a + b x by least squares, with its residuals. With `nonnegative_slope` (a time against a size, which
+    cannot fall as the size grows) a negative least-squares slope is the timings' noise, not a cost: the best
+    line with b >= 0 is then flat at the mean, and `clipped` says so."""
 
-    def __init__(self, xs, ys):
+    def __init__(self, xs, ys, nonnegative_slope: bool = False):
         x = torch.tensor([float(v) for v in xs], dtype=torch.float64)
         y = torch.tensor([float(v) for v in ys], dtype=torch.float64)
         if x.numel() < 2 or float(x.max() - x.min()) == 0.0:
             raise ValueError(f"a line needs two distinct x values, got {list(xs)}")
         design = torch.stack([torch.ones_like(x), x], dim=1)
         coef = torch.linalg.lstsq(design, y[:, None]).solution[:, 0]
+        self.clipped = nonnegative_slope and float(coef[1]) < 0
+        if self.clipped:
+            coef = torch.stack([y.mean(), torch.zeros((), dtype=torch.float64)])
         self.a, self.b = float(coef[0]), float(coef[1])
         self.xs, self.ys = x.tolist(), y.tolist()
         self.residuals = (y - design @ coef).tolist()
@@ -104,8 +109,9 @@ class LineFit:
         return self.a + self.b * x
 
     def as_dict(self) -> dict:
-        return {"a": self.a, "b": self.b, "x": self.xs, "y": self.ys, "residuals": self.residuals}
+        return {"a": self.a, "b": self.b, "x": self.xs, "y": self.ys, "residuals": self.residuals,
+                "clipped": self.clipped}
 
 
-def fit_line(xs, ys) -> LineFit:
-    return LineFit(xs, ys)
+def fit_line(xs, ys, nonnegative_slope: bool = False) -> LineFit:
+    return LineFit(xs, ys, nonnegative_slope)

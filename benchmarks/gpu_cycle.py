@@ -208,7 +208,8 @@ def cycle_prediction(decode: float, verify: float, draft: float, k: int, tau: fl
 def rollout_prediction(contexts, decode, cycle, tau: float, prompt: int, response: int) -> dict:
     """Decode and cycle times fitted as a + b x context over the measured contexts, summed over one response
     of `response` tokens after `prompt` (linear: the fit at the mean context, times the steps)."""
-    dec_fit, cyc_fit = fit_line(contexts, decode), fit_line(contexts, cycle)
+    dec_fit = fit_line(contexts, decode, nonnegative_slope=True)
+    cyc_fit = fit_line(contexts, cycle, nonnegative_slope=True)
     mean_context = prompt + response / 2
     ar = response * dec_fit.at(mean_context)
     spec = response / tau * cyc_fit.at(mean_context)
@@ -245,11 +246,11 @@ def check_cycle_cost(plan, build_policy, build_head, trainer: dict | None, log) 
     real = plan.real_layers
     fits, at_real = {}, {}
     for c in contexts:
-        dec = fit_line(depths, [per_depth[d]["contexts"][c]["decode_s"] for d in depths])
-        ver = fit_line(depths, [per_depth[d]["contexts"][c]["verify_s"] for d in depths])
+        dec = fit_line(depths, [per_depth[d]["contexts"][c]["decode_s"] for d in depths], nonnegative_slope=True)
+        ver = fit_line(depths, [per_depth[d]["contexts"][c]["verify_s"] for d in depths], nonnegative_slope=True)
         fits[c] = {"decode": dec.as_dict(), "verify": ver.as_dict()}
         at_real[c] = {"decode_s": dec.at(real), "verify_s": ver.at(real), "draft_s": head_draft[c][0]}
-    train_fit = fit_line(depths, [per_depth[d]["train_s"] for d in depths])
+    train_fit = fit_line(depths, [per_depth[d]["train_s"] for d in depths], nonnegative_slope=True)
     tau = PAPER["tau"]
     per_context = {c: cycle_prediction(t["decode_s"], t["verify_s"], t["draft_s"], k, tau) for c, t in at_real.items()}
     rollout = rollout_prediction(list(contexts), [at_real[c]["decode_s"] for c in contexts],

@@ -278,6 +278,12 @@ def test_fit_line_recovers_a_line_and_reports_residuals():
     assert sum(fit.residuals) == pytest.approx(0.0, abs=1e-12) and max(map(abs, fit.residuals)) > 0.1
     with pytest.raises(ValueError):
         fit_line([2, 2], [1.0, 2.0])
+    # a time that falls with the size is noise: the least-squares line would extrapolate it below zero
+    falling = [3.0e-3, 2.0e-3, 1.6e-3]
+    assert fit_line([1, 2, 3], falling).at(36) < 0 and not fit_line([1, 2, 3], falling).clipped
+    flat = fit_line([1, 2, 3], falling, nonnegative_slope=True)
+    assert flat.clipped and flat.b == 0 and flat.at(36) == pytest.approx(sum(falling) / 3)
+    assert not fit_line([1, 2, 3, 4], [3.0, 5.0, 7.0, 9.5], nonnegative_slope=True).clipped
 
 
 def test_alpha_for_tau_inverts_the_acceptance_length():
