@@ -77,8 +77,9 @@ NO_KERNEL = frozenset(f"aten::{name}" for name in (
 ))
 
 # This script's output (its defaults) on the code before issue 47, commit 9730da4, with that tree first on
-# PYTHONPATH (`--before-tree`), the record checks left out of the CUDA plan's count as for the current code. The CPU time is this project's CPU machine's (2 cores shared with other
-# jobs): compare it only with a run on the same machine, or measure the old tree again beside the new.
+# PYTHONPATH (`--before-tree`), the record checks left out of the CUDA plan's count as for the current code.
+# The CPU time is this project's CPU machine's (2 cores shared with other jobs): compare it only with a run on
+# the same machine, or measure the old tree again beside the new.
 RECORDED_BEFORE = {"responses": 4, "tokens": 1536, "ops_per_cycle_at_1024": 3.91845703125,
                    "ops_per_cycle_cpu_plan": 27.49755859375, "cpu_update_s": 8.557117106000078}
 
