@@ -7,17 +7,17 @@ base 1e6), K=5, top-64, with weights drawn at random from the config (nothing is
 (c) one RL step's head update against one policy forward + backward over the same responses: time and
     peak memory, side by side in one run;
 (d) a rejection sampler's acceptance against E_{x~q}[min(1, p/q)] = sum min(p, q), and its output ~ p;
+cycle_cost: a decoding step, a verify of K + 1 positions and a draft step with a KV cache at 1K, 4K and 8K
+    tokens for 64 sequences; the break-even tau and the rollout speedup they predict (gpu_cycle.py);
 trainer_step: upstream's DeepSpeed ZeRO-3 bf16 step and ours with the head, in one process, on cycles
     recorded by a reference drafter on the device: the policy identical with and without the head, the head
-    moved, the head's share of the step (gpu_trainer.py);
-cycle_cost: a decoding step, a verify of K + 1 positions and a draft step with a KV cache at 1K, 4K and 8K
-    tokens for 64 sequences; the break-even tau and the speedups they predict (gpu_cycle.py).
+    moved, the head's share of the step (gpu_trainer.py); then, from both, the RL step's end-to-end speedup.
 Each module says how its bounds follow from the dtype and the number of trials: gpu_numerics.py (a, b),
 gpu_cost.py (c), gpu_sampler.py (d), gpu_trainer.py. Prints one table and writes it as JSON, rewritten
 whole after every check ("complete": false until the last; "cut_off" says where a SIGTERM or the deadline
 stopped it), so a run cut off by a time limit still leaves what it did.
 
-    python benchmarks/gpu_check.py [--json PATH] [--only a,b,c,d,trainer_step,cycle_cost] [--deadline-s S]
+    python benchmarks/gpu_check.py [--json PATH] [--only a,b,c,d,cycle_cost,trainer_step] [--deadline-s S]
     python benchmarks/gpu_check.py --tiny [--device cuda]   # the same at tiny shapes, on a CPU by default
 
 Exit status: 0 every check passed, 1 a check failed, 2 it cannot run here (no CUDA without --tiny, bad
@@ -42,14 +42,16 @@ from pathlib import Path
 import torch
 import transformers
 from gpu_cost import check_cost
-from gpu_cycle import check_cycle_cost
+from gpu_cycle import check_cycle_cost, end_to_end
 from gpu_numerics import check_alpha, check_reconstruction
 from gpu_report import Row, all_passed, rows_json, table, write_json
 from gpu_sampler import check_sampler
 from gpu_world import REAL, TINY, build_head, build_policy
 
 ROOT = Path(__file__).resolve().parent.parent
-CHECKS = ("a", "b", "d", "c", "trainer_step", "cycle_cost")  # in the order they run
+# in the order they run: cycle_cost (seconds) before trainer_step (minutes), so that a run cut short keeps it;
+# the end-to-end prediction, which needs both, comes last
+CHECKS = ("a", "b", "d", "c", "cycle_cost", "trainer_step")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -237,22 +239,30 @@ def main(argv=None) -> int:
             return build_policy(plan.trainer_config(layers), device, torch.bfloat16).eval()
 
         found, payload["cycle_cost"] = check_cycle_cost(plan, policy_of, lambda p: build_head(p, torch.bfloat16),
-                                                        payload.get("trainer_step"), log)
+                                                        log)
+        rows.extend(found)
+
+    def step_speedup():
+        found, payload["cycle_cost"]["end_to_end"] = end_to_end(plan, payload["cycle_cost"],
+                                                                payload.get("trainer_step"))
         rows.extend(found)
 
     try:
         for check, fn, needs in (("a", reconstruction, None), ("b", alpha, "draft_logits"), ("d", sampler, "logp"),
-                                 ("c", cost, None), ("trainer_step", trainer, None), ("cycle_cost", cycle, None)):
+                                 ("c", cost, None), ("cycle_cost", cycle, None), ("trainer_step", trainer, None)):
             if check not in args.only:
                 continue
-            if check == "c" or check == "trainer_step":
+            if check in ("c", "cycle_cost", "trainer_step"):
                 state.pop("draft_logits", None), state.pop("logp", None)
-            if check == "trainer_step":  # the 36-layer policy leaves the device to the trainer's
+            if check in ("cycle_cost", "trainer_step"):  # the 36-layer policy leaves the device to theirs
                 release_models()
             if needs is not None and needs not in state:
                 rows.append(Row(check, f"not run: an earlier check left no {needs}", "-", "-", False))
                 continue
             run(check, fn)
+        if payload.get("cycle_cost"):
+            step_speedup()
+            save()
         release_models()
         payload["complete"] = payload["cut_off"] is None
     except CutOff as err:

@@ -28,7 +28,8 @@ head's few newly committed positions; counted as one step here):
   tau x decode / cycle (the paper: 2.13x);
 - over the paper's rollouts (responses of up to 8,192 tokens, 64 per GPU), decode and cycle times
   fitted linearly in the context and integrated over one response;
-- with the trainer's step (check `trainer_step`): the RL step's end-to-end speedup (the paper: 1.60x).
+- with the trainer's step (check `trainer_step`, which runs after this one; `end_to_end`): the RL step's
+  end-to-end speedup (the paper: 1.60x).
 What the prediction leaves out: vLLM's scheduling and sampling overheads per engine step, CUDA graphs
 (vLLM captures decode steps; these timings are eager), the paged KV cache's kernels, and the length
 tail (every sequence is taken to run to the cap, where a real batch thins out as responses finish).
@@ -222,10 +223,10 @@ def step_prediction(rollout_ar: float, rollout_speedup: float, train: float, hea
     return (rollout_ar + train) / (rollout_ar / rollout_speedup + train + head)
 
 
-def check_cycle_cost(plan, build_policy, build_head, trainer: dict | None, log) -> tuple[list[Row], dict]:
-    """The measurements at each depth and context, the fits to 36 layers, the predictions (module docstring).
-    `build_policy(layers)` and `build_head(policy)` give the models; `trainer` is check `trainer_step`'s
-    details, or None where it did not run."""
+def check_cycle_cost(plan, build_policy, build_head, log) -> tuple[list[Row], dict]:
+    """The measurements at each depth and context, the fits to 36 layers, the rollout's predictions (module
+    docstring); `end_to_end` adds the step's, once check `trainer_step` has run. `build_policy(layers)` and
+    `build_head(policy)` give the models."""
     k, batch, contexts, depths = plan.k, plan.cycle_batch, plan.cycle_contexts, plan.cycle_depths
     per_depth, head_draft = {}, {}
     for depth in depths:
@@ -276,14 +277,20 @@ def check_cycle_cost(plan, build_policy, build_head, trainer: dict | None, log) 
     rows.append(Row("cycle_cost", f"rollout speedup at tau {tau}, {plan.rollout_response}-token responses",
                     f"{rollout['speedup']:.2f}x", f"paper {PAPER['rollout_speedup']}x (leaves out vLLM's scheduling, "
                     "CUDA graphs, the length tail)", None, {"speedup": rollout["speedup"]}))
+    return rows, details
+
+
+def end_to_end(plan, cycle: dict, trainer: dict | None) -> tuple[list[Row], dict | None]:
+    """The RL step's end-to-end speedup from check `cycle_cost`'s details and check `trainer_step`'s (None
+    where it did not run or failed): the rows, and the prediction's terms."""
     if trainer is None or "step_s_without_head" not in trainer:
-        details["end_to_end"] = None
-        rows.append(Row("cycle_cost", "end-to-end step speedup", "-", "not predicted: check trainer_step did not "
-                        "run or failed", None, {}))
-        return rows, details
+        return [Row("cycle_cost", "end-to-end step speedup", "-", "not predicted: check trainer_step did not "
+                    "run or failed", None, {})], None
     # the trainer's step, scaled from its tokens and depth to the paper's: 64 responses per GPU of the cap
     tokens = PAPER["responses_per_gpu"] * (plan.rollout_prompt + plan.rollout_response)
-    depth_scale = train_fit.at(real) / train_fit.at(trainer["layers"])
+    train_fit, tau, rollout = cycle["train_fit"], cycle["tau"], cycle["rollout"]
+    depth_scale = ((train_fit["a"] + train_fit["b"] * cycle["real_layers"])
+                   / (train_fit["a"] + train_fit["b"] * trainer["layers"]))
     train = trainer["step_s_without_head"] * tokens / trainer["tokens"] * depth_scale
     cycles = PAPER["responses_per_gpu"] * plan.rollout_response / tau
     head = trainer["head_update_s"] * cycles / trainer["cycles"]
@@ -292,12 +299,11 @@ def check_cycle_cost(plan, build_policy, build_head, trainer: dict | None, log) 
     paper_train = PAPER["ar_step_s"] - PAPER["ar_rollout_s"]
     with_paper_split = step_prediction(PAPER["ar_rollout_s"], rollout["speedup"], paper_train,
                                        paper_train * head / train)
-    details["end_to_end"] = {"rollout_ar_s": rollout_ar, "train_s": train, "head_s": head, "tokens_per_gpu": tokens,
-                             "cycles_per_gpu": cycles, "depth_scale": depth_scale, "speedup": measured,
-                             "speedup_with_paper_ar_split": with_paper_split}
-    rows.append(Row("cycle_cost", "end-to-end step speedup (rollout and training measured here)", f"{measured:.2f}x",
-                    f"paper {PAPER['step_speedup']}x; rollout {rollout_ar:.0f} s, training {train:.0f} s, head "
-                    f"{head:.0f} s per GPU", None, {"speedup": measured}))
-    rows.append(Row("cycle_cost", "end-to-end with the paper's AR rollout / training split",
-                    f"{with_paper_split:.2f}x", f"paper {PAPER['step_speedup']}x", None, {"speedup": with_paper_split}))
-    return rows, details
+    e2e = {"rollout_ar_s": rollout_ar, "train_s": train, "head_s": head, "tokens_per_gpu": tokens,
+           "cycles_per_gpu": cycles, "depth_scale": depth_scale, "speedup": measured,
+           "speedup_with_paper_ar_split": with_paper_split}
+    return [Row("cycle_cost", "end-to-end step speedup (rollout and training measured here)", f"{measured:.2f}x",
+                f"paper {PAPER['step_speedup']}x; rollout {rollout_ar:.0f} s, training {train:.0f} s, head "
+                f"{head:.0f} s per GPU", None, {"speedup": measured}),
+            Row("cycle_cost", "end-to-end with the paper's AR rollout / training split", f"{with_paper_split:.2f}x",
+                f"paper {PAPER['step_speedup']}x", None, {"speedup": with_paper_split})], e2e

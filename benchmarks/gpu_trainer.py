@@ -12,8 +12,9 @@ Ray and no vLLM (`gpu_standins` answers for their names).
    paper's schedule). Each runs `trainer_steps` RL steps; the last one is timed.
 It shows:
 - the policy's parameters after the steps: bit-identical with and without the head. Both runs use
-  torch's deterministic algorithms (upstream's `--train.full_determinism_enable`), so nothing but the
-  head could make them differ; any operator that warned it has no deterministic implementation is listed;
+  torch's deterministic algorithms, strict (upstream's `--train.full_determinism_enable`), so nothing but
+  the head could make them differ; an operator without a deterministic implementation raises. Should they
+  differ all the same, upstream runs a second time, and how far it lands from itself is reported beside;
 - the head's parameters moved: every weight matrix differs from where it started;
 - the head's share of the whole step: the head update's seconds (the step's `growmtp/head_update_s`) over
   the step with it, and the step with the head over the step without, measured one after the other.
@@ -43,21 +44,51 @@ from gpu_world import build_head
 # gives ~1). Sum min(p, q) of a head whose q is unrelated to p cannot exceed sum min(p, 1/V): 0.62 at
 # std 1, 0.80 at 0.5; the paper's tau of 2.91 at K = 5 needs 0.70 per position.
 POLICY_NORM_SCALE = 0.5
-# Bytes a parameter holds under ZeRO-3 in bf16 on one device: bf16 weight and gradient (2 + 2), fp32
-# master, momentum and variance (4 x 3), fp32 gradient partition (4).
-ZERO3_BYTES_PER_PARAM = 20
+# Bytes per parameter (the policy's and the head's) at the peak of the step, measured: on an H100 (2026-11-27)
+# 18 layers, 2.32B parameters with the head, ran out of memory in our run's optimizer step with 75.88 GiB
+# allocated and 3.76 GiB more asked: at least 36.9 bytes per parameter. ZeRO-3's state in bf16 is 20 of them
+# (bf16 weight and gradient, fp32 master, momentum, variance and gradient partition); torch's multi-tensor
+# AdamW adds a temporary of its sub-group's size at the step (the 3.76 GiB); the rest (activations, what the
+# run before left on the device) that run did not separate (`memory_mb` in the JSON now does).
+PEAK_BYTES_PER_PARAM = 37
+# Environment variables upstream's --train.full_determinism_enable sets (transformers' enable_full_determinism)
+DETERMINISM_ENV = ("CUDA_LAUNCH_BLOCKING", "CUBLAS_WORKSPACE_CONFIG", "ASCEND_LAUNCH_BLOCKING", "HCCL_DETERMINISTIC",
+                   "FLASH_ATTENTION_DETERMINISTIC")
 Z_LIMIT = 5.0  # the drafter's first-position acceptance against its expectation, as in check (d)
 
 
-def layers_that_fit(config, memory_bytes: int, share: float = 0.6) -> int:
-    """Decoder layers of `config`'s widths whose ZeRO-3 state, with the embedding and a head layer, fills
-    `share` of `memory_bytes` (the rest: activations, the allocator's slack); at least 1, at most 36."""
+def layers_that_fit(config, memory_bytes: int, share: float = 0.8) -> int:
+    """Decoder layers of `config`'s widths whose step, with the embedding and a head layer, peaks within `share`
+    of `memory_bytes` (the rest: the allocator's slack, and what the measured lower bound of
+    `PEAK_BYTES_PER_PARAM` may miss); at least 1, at most 36."""
     h, inter = config.hidden_size, config.intermediate_size
     attn = h * config.head_dim * (config.num_attention_heads * 2 + config.num_key_value_heads * 2)
     layer = attn + 3 * h * inter
     fixed = config.vocab_size * h + layer + 2 * h * h  # embedding (tied), the head's layer and fc
-    fit = (share * memory_bytes / ZERO3_BYTES_PER_PARAM - fixed) // layer
+    fit = (share * memory_bytes / PEAK_BYTES_PER_PARAM - fixed) // layer
     return int(max(1, min(36, fit)))
+
+
+@contextlib.contextmanager
+def determinism_restored():
+    """Upstream's --train.full_determinism_enable switches torch's deterministic algorithms on for the whole
+    process (strict, with cuDNN's deterministic mode and environment variables): the checks after this one
+    must not be timed under it. (On the H100 on 2026-11-27, `cycle_cost` run after `trainer_step` in one
+    process timed decode steps ~3x as long as in a process of its own: deterministic mode fills every new
+    tensor, a launch more per allocation, and the eager steps there are launch-bound.)"""
+    env = {name: os.environ.get(name) for name in DETERMINISM_ENV}
+    algorithms = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    cudnn = torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(algorithms[0], warn_only=algorithms[1])
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = cudnn
+        for name, value in env.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def _free_port() -> int:
@@ -147,9 +178,13 @@ def _run_steps(args, ours: bool, make_experience, steps: int, device: torch.devi
     from openrlhf_growmtp.trainer import ppo_actor, strategy as ours_strategy
 
     strategy = ours_strategy.get_strategy(args) if ours else upstream_get_strategy(args)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        at_start = torch.cuda.memory_allocated(device)
+    # upstream's enable_full_determinism, strict as upstream sets it: an operator without a deterministic kernel
+    # raises (the check's error names it), and attention's backward takes its deterministic kernels (with
+    # warn_only, as the first device run had it, cuDNN's attention ran its non-deterministic backward)
     strategy.setup_distributed()
-    # after upstream's enable_full_determinism: warn (and list) where an operator has no deterministic kernel
-    torch.use_deterministic_algorithms(True, warn_only=True)
     train_config = strategy.get_ds_train_config
 
     def torch_adam_config(*a, **kw):
@@ -188,7 +223,9 @@ def _run_steps(args, ours: bool, make_experience, steps: int, device: torch.devi
         policy = _gathered(hf_model)
     out = {"seconds": seconds, "status": {k: float(v) for k, v in status.items() if isinstance(v, (int, float))},
            "policy": policy, "head": _gathered(head) if head is not None else None,
-           "nondeterministic_ops": nondeterministic}
+           "nondeterministic_ops": nondeterministic,
+           "memory_mb": {"at_start": at_start / 2**20, "peak": torch.cuda.max_memory_allocated(device) / 2**20}
+           if device.type == "cuda" else None}
     with contextlib.suppress(Exception):
         actor.model.destroy()
     del trainer, actor, optimizer, scheduler, strategy
@@ -254,17 +291,26 @@ def check_trainer_step(plan, config, device: torch.device, log) -> tuple[list[Ro
         return lambda step: _experience(sequences, logp, plan.trainer_prompt, records if with_records else None,
                                         seed=10 + step)
 
-    without = _run_steps(_train_args(work / "policy", work / "up", plan, None), False, experience(False),
-                         plan.trainer_steps, device)
-    log(f"  (trainer_step) upstream, no head: steps {', '.join(f'{s:.2f}' for s in without['seconds'])} s")
-    with_head = _run_steps(_train_args(work / "policy", work / "ours", plan, work / "head"), True,
-                           experience(True), plan.trainer_steps, device)
-    log(f"  (trainer_step) ours, with the head: steps {', '.join(f'{s:.2f}' for s in with_head['seconds'])} s")
+    def upstream(run: str) -> dict:
+        return _run_steps(_train_args(work / "policy", work / run, plan, None), False, experience(False),
+                          plan.trainer_steps, device)
+
+    with determinism_restored():
+        without = upstream("up")
+        log(f"  (trainer_step) upstream, no head: steps {', '.join(f'{s:.2f}' for s in without['seconds'])} s")
+        with_head = _run_steps(_train_args(work / "policy", work / "ours", plan, work / "head"), True,
+                               experience(True), plan.trainer_steps, device)
+        log(f"  (trainer_step) ours, with the head: steps {', '.join(f'{s:.2f}' for s in with_head['seconds'])} s")
+        differing, worst = _differences(without["policy"], with_head["policy"])
+        control = None
+        if differing:  # the head's doing, or the device's? upstream once more, from the same start
+            again = upstream("up_again")
+            names, largest = _differences(without["policy"], again["policy"])
+            control = {"differing": len(names), "max_abs_diff": largest}
+            log(f"  (trainer_step) upstream against itself: {control['differing']} tensors differ")
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
 
-    differing = [n for n in without["policy"] if not torch.equal(without["policy"][n], with_head["policy"][n])]
-    worst = max((float((without["policy"][n] - with_head["policy"][n]).abs().max()) for n in differing), default=0.0)
     trained = _count_trained(work / "policy", without["policy"])
     matrices = [n for n, p in with_head["head"].items() if p.ndim == 2]
     moved = [n for n in matrices if not torch.equal(with_head["head"][n], initial_head[n])]
@@ -286,8 +332,10 @@ def check_trainer_step(plan, config, device: torch.device, log) -> tuple[list[Ro
         "policy_max_abs_diff": worst, "policy_tensors_trained": trained,
         "head_matrices": matrices, "head_matrices_moved": moved, "status_with_head": status,
         "status_without_head": without["status"],
+        "upstream_against_itself": control,
+        "memory_mb": {"without_head": without["memory_mb"], "with_head": with_head["memory_mb"]},
         "nondeterministic_ops": sorted(set(without["nondeterministic_ops"] + with_head["nondeterministic_ops"])),
-        "optimizer": "torch AdamW through DeepSpeed (torch_adam)", "deterministic_algorithms": True,
+        "optimizer": "torch AdamW through DeepSpeed (torch_adam)", "deterministic_algorithms": "strict",
         "standins": standins,
     }
     n = len(without["policy"])
@@ -297,7 +345,9 @@ def check_trainer_step(plan, config, device: torch.device, log) -> tuple[list[Ro
             f"|z| <= {Z_LIMIT:g}", abs(z) <= Z_LIMIT, {"z": z, "tau": rollouts.tau}),
         Row("trainer_step", f"policy after {plan.trainer_steps} ZeRO-3 bf16 steps, {config.num_hidden_layers} "
             f"layers: ours with the head vs upstream without", f"{n - len(differing)} of {n} tensors identical"
-            + (f", max|d| {worst:.1e}" if differing else ""), f"bit-identical; {trained} of {n} trained",
+            + (f", max|d| {worst:.1e}" if differing else "")
+            + (f"; upstream vs itself: {n - control['differing']} identical, max|d| {control['max_abs_diff']:.1e}"
+               if control else ""), f"bit-identical; {trained} of {n} trained",
             not differing and trained > 0 and status.get("growmtp/head_finite") == 1.0,
             {"differing": len(differing), "max_abs_diff": worst}),
         Row("trainer_step", "head's weight matrices moved", f"{len(moved)} of {len(matrices)}", "all",
@@ -309,6 +359,12 @@ def check_trainer_step(plan, config, device: torch.device, log) -> tuple[list[Ro
             f"{step_with:.2f} s / {step_without:.2f} s", None, {"ratio": step_with / step_without}),
     ]
     return rows, details
+
+
+def _differences(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> tuple[list[str], float]:
+    """The names whose tensors differ, and the largest absolute difference among them."""
+    differing = [n for n in a if not torch.equal(a[n], b[n])]
+    return differing, max((float((a[n] - b[n]).abs().max()) for n in differing), default=0.0)
 
 
 def _count_trained(policy_dir: Path, params: dict[str, torch.Tensor]) -> int:

@@ -301,3 +301,30 @@ def test_trainer_layers_follow_the_devices_memory():
     h100, h200 = layers_that_fit(config, 80 * 10**9), layers_that_fit(config, 141 * 10**9)
     assert 1 <= h100 < h200 <= 36
     assert layers_that_fit(config, 10**12) == 36 and layers_that_fit(config, 10**9) == 1
+
+
+def test_trainer_step_gives_back_the_determinism_it_switched_on(monkeypatch):
+    """Upstream's --train.full_determinism_enable switches deterministic algorithms on for the whole process;
+    the checks run after trainer_step must find the process as it was (they are timed)."""
+    import random
+
+    import numpy as np
+    from gpu_trainer import DETERMINISM_ENV, determinism_restored
+    from transformers.trainer_utils import enable_full_determinism
+
+    for name in DETERMINISM_ENV:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # what gpu_check sets before any check
+    before = (torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.deterministic,
+              torch.backends.cudnn.benchmark)
+    rng = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    try:
+        with determinism_restored():
+            enable_full_determinism(1)
+            assert torch.are_deterministic_algorithms_enabled() and os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":16:8"
+    finally:
+        random.setstate(rng[0]), np.random.set_state(rng[1]), torch.set_rng_state(rng[2])
+    assert (torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.deterministic,
+            torch.backends.cudnn.benchmark) == before
+    assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+    assert not {"CUDA_LAUNCH_BLOCKING", "FLASH_ATTENTION_DETERMINISTIC"} & set(os.environ)
