@@ -36,6 +36,7 @@ class Rollouts:
     tau: float  # 1 + mean accepted, over the kept cycles
     cycles: int
     seconds: float
+    phases: dict[str, float]  # seconds per phase ("prefill", then the loop's "head", "verify", "sampling", "commit")
     first_accept_rate: float  # share of cycles whose first draft was accepted
     first_alpha: float  # mean over cycles of sum min(p_1, q_1): that share's expectation
     first_alpha_var: float  # sum over cycles of alpha (1 - alpha) / cycles^2: the share's variance
@@ -120,6 +121,16 @@ def draft_rollouts(policy: Qwen3ForCausalLM, head: MTPHead, prompts: torch.Tenso
     written = [0] * batch  # head cache entries written per sequence (positions 0..written-1)
     cycles = [[] for _ in range(batch)]  # (start, drafts, topk ids, topk log-probs, accepted)
     first_alpha = []
+    phases = dict.fromkeys(("prefill", "head", "verify", "sampling", "commit"), 0.0)
+    mark = [time.perf_counter()]
+
+    def lap(phase: str) -> None:  # where the loop's time goes (the first device run took 0.4 s an iteration)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        now = time.perf_counter()
+        phases[phase] += now - mark[0]
+        mark[0] = now
+
     started = time.perf_counter()
     with torch.no_grad():
         # the prefill: the whole prompt, and its next token sampled from p as a decoding step does; the first
@@ -132,7 +143,9 @@ def draft_rollouts(policy: Qwen3ForCausalLM, head: MTPHead, prompts: torch.Tenso
         valid = torch.ones(batch, prompt, dtype=torch.bool, device=device)  # the policy's cache slots
         head_cache, head_valid = HeadKVCache(), torch.zeros(batch, 0, dtype=torch.bool, device=device)
         dtype = hidden.dtype
+        lap("prefill")
         while min(lengths) - prompt < response_tokens:
+            lap("commit")  # the loop's test, with the commit before it
             starts = [n - 2 for n in lengths]
             # 1. the head's entries for the newly committed positions, then its chain of k drafts
             counts = [s - w + 1 for s, w in zip(starts, written)]
@@ -161,12 +174,14 @@ def draft_rollouts(policy: Qwen3ForCausalLM, head: MTPHead, prompts: torch.Tenso
             if k > 1:  # the chain's entries are this cycle's only
                 head_valid[:, -(k - 1):] = False
             drafts, q = torch.stack(drafts, dim=1), torch.stack(q, dim=1)  # [B, K], [B, K, V]
+            lap("head")
             # 2. the policy verifies [x_{s+1}, d_1..d_K]
             last_token = tokens.gather(1, (start + 1)[:, None])
             ids = torch.cat([last_token, drafts], dim=1)
             positions = (start + 1)[:, None] + torch.arange(k + 1, device=device)[None, :]
             verify_valid = torch.ones(batch, k + 1, dtype=torch.bool, device=device)
             hidden, logits, cache = _policy_step(policy, ids, positions, _visible(valid, verify_valid), cache)
+            lap("verify")
             logp = torch.log_softmax(logits, dim=-1)
             p = logp.exp()
             # 3. rejection sampling
@@ -182,6 +197,7 @@ def draft_rollouts(policy: Qwen3ForCausalLM, head: MTPHead, prompts: torch.Tenso
             source = torch.where((accepted == k)[:, None], bonus, residual)
             emitted = torch.multinomial(source / source.sum(-1, keepdim=True), 1, generator=g)[:, 0]
             top = logp[:, :k].topk(topk, dim=-1)
+            lap("sampling")
             # commit: the accepted drafts and the emitted token; the policy's slots of rejected drafts go
             valid = torch.cat([valid, torch.arange(k + 1, device=device)[None, :] <= accepted[:, None]], dim=1)
             acc = accepted.tolist()
@@ -192,6 +208,7 @@ def draft_rollouts(policy: Qwen3ForCausalLM, head: MTPHead, prompts: torch.Tenso
                 hiddens[b, n - 1:n + a] = hidden[b, :a + 1]
                 lengths[b] = n + a + 1
                 cycles[b].append((starts[b], drafts[b].cpu(), top.indices[b].cpu(), top.values[b].cpu(), a))
+    lap("commit")
     seconds = time.perf_counter() - started
     length = min(lengths)
     records, kept = [], []
@@ -207,6 +224,7 @@ def draft_rollouts(policy: Qwen3ForCausalLM, head: MTPHead, prompts: torch.Tenso
     all_accepted = torch.tensor([c[4] for rows in cycles for c in rows])
     n = alpha.numel()
     return Rollouts(records=records, tau=1.0 + sum(kept) / max(1, len(kept)), cycles=len(kept), seconds=seconds,
+                    phases=phases,
                     first_accept_rate=float((all_accepted >= 1).double().mean()), first_alpha=float(alpha.mean()),
                     first_alpha_var=float((alpha * (1 - alpha)).sum()) / (n * n))
 

@@ -86,6 +86,10 @@ def _check_trainer_step(trainer):
     assert status["growmtp/head_cycles"] == trainer["cycles"] and status["growmtp/head_finite"] == 1.0
     assert 0 < trainer["head_share_of_step"] < 1 and trainer["step_ratio_with_over_without"] > 0
     assert 1.0 < trainer["tau"] <= TINY.k + 1
+    # the drafter's phases account for its loop's time (where a device's seconds go is read from them)
+    drafter = trainer["drafter"]
+    assert set(drafter["phases"]) == {"prefill", "head", "verify", "sampling", "commit"}
+    assert sum(drafter["phases"].values()) == pytest.approx(drafter["seconds"], rel=0.05)
     # the policy's loss and gradient norm are upstream's too (the head's gradients are not in the norm)
     for key in ("policy_loss", "actor_grad_norm"):
         assert status[key] == trainer["status_without_head"][key], key
