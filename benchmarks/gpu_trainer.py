@@ -323,8 +323,8 @@ def check_trainer_step(plan, config, device: torch.device, log) -> tuple[list[Ro
         "responses": plan.trainer_responses, "prompt_tokens": plan.trainer_prompt,
         "sequence_tokens": int(sequences.shape[1]), "tokens": tokens, "cycles": rollouts.cycles,
         "tau": rollouts.tau, "micro_batch": plan.micro_batch, "steps": plan.trainer_steps,
-        "drafter": {"seconds": rollouts.seconds, "phases": rollouts.phases, "calibration": calibration, "first_accept_rate":
-                    rollouts.first_accept_rate, "first_alpha": rollouts.first_alpha, "z": z},
+        "drafter": {"seconds": rollouts.seconds, "phases": rollouts.phases, "calibration": calibration,
+                    "first_accept_rate": rollouts.first_accept_rate, "first_alpha": rollouts.first_alpha, "z": z},
         "seconds_without_head": without["seconds"], "seconds_with_head": with_head["seconds"],
         "step_s_without_head": step_without, "step_s_with_head": step_with, "head_update_s": head_s,
         "head_share_of_step": head_s / step_with, "step_ratio_with_over_without": step_with / step_without,
