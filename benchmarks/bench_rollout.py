@@ -176,6 +176,7 @@ def deep_policy(out_dir: Path, args) -> Path:
 def sweep(args) -> None:
     from vllm import LLM, SamplingParams
 
+    from vllm_patches.collector import DROPPED_META
     from vllm_patches.engine import SpecEngine
 
     levels = sorted(int(c) for c in args.concurrency.split(","))
@@ -200,6 +201,8 @@ def sweep(args) -> None:
             result, wall = timed(lambda: engine.generate(prompts[:row["concurrency"]], params), args.repeats)
             row[f"spec{tag}_tokens_per_s"] = row["concurrency"] * args.max_tokens / wall
             row[f"tau{tag}"] = result.metrics.acceptance.tau
+            # the engine's steps for the batch: the prefill step, then the cycles of its longest request
+            row[f"steps{tag}"] = 1 + max(r.num_cycles + r.meta[DROPPED_META] for r in result.records)
             row[f"break_even_tau{tag}"] = row[f"tau{tag}"] * row["ar_tokens_per_s"] / row[f"spec{tag}_tokens_per_s"]
         engine.close()
         gc.collect()

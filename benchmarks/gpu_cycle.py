@@ -157,6 +157,26 @@ def policy_times(model: Qwen3ForCausalLM, batch: int, context: int, k: int, repe
     return {"decode_s": decode, "verify_s": verify, "decode_all_s": decode_all, "verify_all_s": verify_all}
 
 
+def prefill_time(model: Qwen3ForCausalLM, batch: int, length: int, repeats: int, seed: int = 0) -> float:
+    """Median seconds of a prefill: `batch` prompts of `length` tokens through the policy into empty caches
+    (causal), and a token sampled from each prompt's last position."""
+    config, device = model.config, model.device
+    dtype = model.model.embed_tokens.weight.dtype
+    g = torch.Generator(device=device).manual_seed(seed)
+    caches = [KVBuffer(batch, config.num_key_value_heads, length, config.head_dim, device, dtype)
+              for _ in range(config.num_hidden_layers)]
+    ids = torch.randint(0, config.vocab_size, (batch, length), device=device, generator=g)
+
+    def run():
+        for cache in caches:
+            cache.reset(0)
+        logits = cached_forward(model, ids, caches, causal=True)
+        torch.multinomial(torch.softmax(logits[:, -1].float(), dim=-1), 1, generator=g)
+
+    with torch.no_grad():
+        return _median_seconds(run, device, repeats)[0]
+
+
 def draft_time(head: MTPHead, batch: int, context: int, repeats: int, seed: int = 0) -> tuple[float, list[float]]:
     """Median seconds of one draft step of the head with its KV cache holding `context` positions."""
     config = head.config

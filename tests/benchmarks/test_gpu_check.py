@@ -18,6 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
 sys.path.insert(0, str(ROOT / "benchmarks"))  # the benchmarks' modules, as the script itself sees them
 
+import bench_cycle_formula  # noqa: E402
 import gpu_cycle  # noqa: E402
 import gpu_drafter  # noqa: E402
 import gpu_sampler  # noqa: E402
@@ -274,6 +275,44 @@ def test_cycle_formula():
     # end to end: only the rollout part speeds up, and the head update adds to the step
     assert gpu_cycle.step_prediction(rollout_ar=60.0, rollout_speedup=2.0, train=40.0, head=0.0) == pytest.approx(100 / 70)
     assert gpu_cycle.step_prediction(60.0, 2.0, 40.0, 10.0) == pytest.approx(100 / 80)
+
+
+def test_engine_formula_is_the_cycle_formula_plus_what_it_measures():
+    # bench_cycle_formula: with no prefill, no engine overhead and a free head, the prefill step gives a request's
+    # first token and each later step 1 (AR) or tau (spec): 91 tokens in 91 or 1 + 90 / 3 steps
+    engine = bench_cycle_formula.generate_wall
+    ar = engine(prefill=0.0, first=0.0, step=2.0, steps=91, overhead=0.0)
+    spec = engine(prefill=0.0, first=0.0, step=3.0, steps=1 + 30, overhead=0.0)
+    assert ar / spec == pytest.approx(gpu_cycle.cycle_prediction(2.0, 3.0, 0.0, 5, tau=3.0)["speedup"])
+    # the overhead is what a wall leaves over the timed parts, per step
+    wall = engine(prefill=0.7, first=0.3, step=2.0, steps=31, overhead=0.25)
+    assert bench_cycle_formula.step_overhead(wall, prefill=0.7, first=0.3, step=2.0, steps=31) == pytest.approx(0.25)
+    # the same cost per step on both sides weighs more on the side with more steps: the speedup moves from the
+    # cycle formula's toward the ratio of the step counts
+    with_overhead = engine(0.0, 0.0, 2.0, 91, 1.0) / engine(0.0, 0.0, 3.0, 31, 1.0)
+    assert ar / spec < with_overhead < 91 / 31
+
+
+def test_engine_cost_is_read_at_the_target_depth_on_the_line_through_the_shallow_ones():
+    assert bench_cycle_formula.at_depth([1, 4], [0.5, -1.0], 8) == pytest.approx(-3.0)
+    assert bench_cycle_formula.at_depth([1], [0.5], 8) == 0.5
+
+
+def test_engine_gemms_compute_what_torch_linear_computes():
+    # vLLM's CPU GEMM (oneDNN or sgl-kernel) in place of torch's: both accumulate in fp32 and round to bf16, so
+    # an output may differ by one rounding, at most 2^-7 of its magnitude (bf16 keeps 8 significant bits)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 96, bias=False), torch.nn.Linear(96, 32)).to(torch.bfloat16)
+    x = torch.randn(5, 64, dtype=torch.bfloat16)
+    with torch.no_grad():
+        expected = [model[0](x)]
+        expected.append(model[1](expected[0]))
+        bench_cycle_formula.with_engine_gemms(model)
+        assert all(hasattr(layer, "cpu_linear") for layer in model)
+        got = [model[0](x), model[1](expected[0])]
+    for e, g in zip(expected, got):
+        e, g = e.float(), g.float()
+        assert ((e - g).abs() <= 2 ** -7 * torch.maximum(e.abs(), g.abs()) + 1e-6).all()
 
 
 def test_fit_line_recovers_a_line_and_reports_residuals():
