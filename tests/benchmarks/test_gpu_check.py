@@ -103,7 +103,9 @@ def _check_cycle_cost(cycle, trainer=None):
         p, t = cycle["per_context"][c], cycle["at_real_layers"][c]
         assert p["cycle_s"] > 0 and t["decode_s"] > 0 and t["verify_s"] > 0 and t["draft_s"] > 0
         assert abs(p["break_even_tau"] * t["decode_s"] - p["cycle_s"]) < 1e-9 * p["cycle_s"] + 1e-15
-    assert cycle["rollout"]["speedup"] > 0 and len(cycle["leaves_out"]) == 4
+    assert cycle["rollout"]["speedup"] > 0
+    # what the CPU check of the formula found missing is said to be missing (bench_cycle_formula.py)
+    assert {"the prefill", "a spec batch's cycles: as many as its slowest sequence needs"} <= set(cycle["leaves_out"])
     if trainer is None:
         assert cycle["end_to_end"] is None
     else:
