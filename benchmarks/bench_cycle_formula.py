@@ -47,10 +47,11 @@ from pathlib import Path
 
 import torch
 from bench_common import fit_line
+from bench_rollout import deep_policy
 from gpu_cycle import cycle_prediction, draft_time, policy_times, prefill_time
 
 from openrlhf_growmtp.core.checkpoint import load_head, materialize_random_head
-from openrlhf_growmtp.experiments.worlds.toy import load_policy, make_policy, random_prompts
+from openrlhf_growmtp.experiments.worlds.toy import load_policy, random_prompts
 
 HERE = Path(__file__).resolve().parent
 PROMPT_VOCAB, PROMPT_SEED = 128, 7  # bench_rollout.py's sweep prompts: random_prompts(n, 128, seed=7)
@@ -82,14 +83,6 @@ def with_engine_gemms(model: torch.nn.Module) -> torch.nn.Module:
             dispatch_cpu_unquantized_gemm(layer, remove_weight=False)
             layer.forward = functools.partial(through_engine_gemm, linear=layer)
     return model
-
-
-def sweep_policy(out_dir: Path, layers: int, args) -> Path:
-    """bench_rollout.py's `deep_policy`: the toy policy at layers x --hidden, heads of 64, 4 queries per kv head."""
-    heads = max(args.hidden // 64, 1)
-    return make_policy(out_dir, hidden_size=args.hidden, num_hidden_layers=layers,
-                       intermediate_size=3 * args.hidden, num_attention_heads=heads,
-                       num_key_value_heads=max(heads // 4, 1), head_dim=64, vocab_size=args.vocab)
 
 
 def measure(policy, head, levels: list[int], context: int, prompt: int, k: int, repeats: int) -> dict:
@@ -172,7 +165,7 @@ def main() -> None:
 
     work = Path(tempfile.mkdtemp(prefix="bench_cycle_formula_"))
     depths = [args.layers, *shallow]
-    policies = {d: with_engine_gemms(load_policy(sweep_policy(work / f"policy_{d}", d, args)).to(dtype).eval())
+    policies = {d: with_engine_gemms(load_policy(deep_policy(work / f"policy_{d}", args, d)).to(dtype).eval())
                 for d in depths}
     # the head's shape depends on the policy's width and vocabulary only: one head times every policy's drafts
     head_dir = materialize_random_head(work / f"policy_{args.layers}", work / "head")

@@ -164,11 +164,11 @@ def compare(args) -> None:
             "tau_random": rows["spec_capture_random"]["tau"], "k": args.k, "deep": args.deep}))
 
 
-def deep_policy(out_dir: Path, args) -> Path:
-    """The toy world's policy, --layers deep, --hidden wide, --vocab tokens (heads of 64, 4 query heads per kv
-    head)."""
+def deep_policy(out_dir: Path, args, layers: int | None = None) -> Path:
+    """The toy world's policy, `layers` (else --layers) deep, --hidden wide, --vocab tokens (heads of 64, 4 query
+    heads per kv head)."""
     heads = max(args.hidden // 64, 1)
-    return make_policy(out_dir, hidden_size=args.hidden, num_hidden_layers=args.layers,
+    return make_policy(out_dir, hidden_size=args.hidden, num_hidden_layers=layers or args.layers,
                        intermediate_size=3 * args.hidden, num_attention_heads=heads,
                        num_key_value_heads=max(heads // 4, 1), head_dim=64, vocab_size=args.vocab)
 

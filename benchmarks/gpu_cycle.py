@@ -134,13 +134,18 @@ def _median_seconds(fn, device, repeats: int) -> tuple[float, list[float]]:
     return statistics.median(seconds), seconds
 
 
+def policy_caches(model: Qwen3ForCausalLM, batch: int, capacity: int) -> list[KVBuffer]:
+    """One empty `KVBuffer` per layer of the policy, for `capacity` positions, on its device and in its dtype."""
+    config, dtype = model.config, model.model.embed_tokens.weight.dtype
+    return [KVBuffer(batch, config.num_key_value_heads, capacity, config.head_dim, model.device, dtype)
+            for _ in range(config.num_hidden_layers)]
+
+
 def policy_times(model: Qwen3ForCausalLM, batch: int, context: int, k: int, repeats: int, seed: int = 0) -> dict:
     """Median seconds of one decode step and one verify of k + 1 positions over `context` cached positions."""
     config, device = model.config, model.device
-    dtype = model.model.embed_tokens.weight.dtype
     g = torch.Generator(device=device).manual_seed(seed)
-    caches = [KVBuffer(batch, config.num_key_value_heads, context + k + 1, config.head_dim, device, dtype)
-              for _ in range(config.num_hidden_layers)]
+    caches = policy_caches(model, batch, context + k + 1)
     for cache in caches:
         cache.fill_random(context, g)
     ids = torch.randint(0, config.vocab_size, (batch, k + 1), device=device, generator=g)
@@ -165,10 +170,8 @@ def prefill_time(model: Qwen3ForCausalLM, batch: int, length: int, repeats: int,
     """Median seconds of a prefill: `batch` prompts of `length` tokens through the policy into empty caches
     (causal), and a token sampled from each prompt's last position."""
     config, device = model.config, model.device
-    dtype = model.model.embed_tokens.weight.dtype
     g = torch.Generator(device=device).manual_seed(seed)
-    caches = [KVBuffer(batch, config.num_key_value_heads, length, config.head_dim, device, dtype)
-              for _ in range(config.num_hidden_layers)]
+    caches = policy_caches(model, batch, length)
     ids = torch.randint(0, config.vocab_size, (batch, length), device=device, generator=g)
 
     def run():

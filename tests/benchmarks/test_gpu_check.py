@@ -216,9 +216,7 @@ def _model(layers):
 
 
 def _caches(model, batch=3, capacity=32):
-    c = model.config
-    return [gpu_cycle.KVBuffer(batch, c.num_key_value_heads, capacity, c.head_dim, "cpu", torch.float32)
-            for _ in range(c.num_hidden_layers)]
+    return gpu_cycle.policy_caches(model, batch, capacity)
 
 
 def test_cached_forward_is_the_models_forward():
