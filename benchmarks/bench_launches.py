@@ -34,7 +34,9 @@ sequence and per draft position, not per cycle: a larger chunk spreads them over
 
 Before. `RECORDED_BEFORE` is this script's output on the code before issue 47 (commit 9730da4), run with
 that tree first on PYTHONPATH; `--before-tree PATH` measures such a tree again (e.g. `mkdir /tmp/before &&
-git archive 9730da4 openrlhf_growmtp | tar -x -C /tmp/before`) and reports it beside the current code.
+git archive 9730da4 openrlhf_growmtp | tar -x -C /tmp/before`) and reports it beside the current code. The
+JSON compares like with like: `ops_per_cycle_before` at the same chunk as `ops_per_cycle`,
+`ops_per_cycle_at_1024_before` at 1,024.
 
     python benchmarks/bench_launches.py [--responses 4] [--tokens 1536] [--repeats 3] [--before-tree PATH] [--json]
 """
@@ -80,8 +82,9 @@ NO_KERNEL = frozenset(f"aten::{name}" for name in (
 # PYTHONPATH (`--before-tree`), the record checks left out of the CUDA plan's count as for the current code.
 # The CPU time is this project's CPU machine's (2 cores shared with other jobs): compare it only with a run on
 # the same machine, or measure the old tree again beside the new.
-RECORDED_BEFORE = {"responses": 4, "tokens": 1536, "ops_per_cycle_at_1024": 3.91845703125,
-                   "ops_per_cycle_cpu_plan": 27.49755859375, "cpu_update_s": 8.557117106000078}
+RECORDED_BEFORE = {"responses": 4, "tokens": 1536, "chunk_cycles": 4096, "ops_per_cycle": 2.5198974609375,
+                   "ops_per_cycle_at_1024": 3.91845703125, "ops_per_cycle_cpu_plan": 27.49755859375,
+                   "cpu_update_s": 8.557117106000078}
 
 
 def make_head() -> tuple[MTPHead, object]:
@@ -247,9 +250,9 @@ def main() -> None:
                                                  f"--repeats={args.repeats}", f"--top={args.top}",
                                                  f"--gpu-chunk={args.gpu_chunk}"])
         before["source"] = f"measured: {args.before_tree}"
-    elif not args.no_before and (args.responses, args.tokens) == (RECORDED_BEFORE["responses"],
-                                                                  RECORDED_BEFORE["tokens"]):  # recorded at these
-        before = dict(RECORDED_BEFORE, source="recorded at 9730da4")
+    elif not args.no_before and (args.responses, args.tokens, args.gpu_chunk) == (
+            RECORDED_BEFORE["responses"], RECORDED_BEFORE["tokens"], RECORDED_BEFORE["chunk_cycles"]):
+        before = dict(RECORDED_BEFORE, source="recorded at 9730da4")  # recorded at these settings only
 
     print(f"head update, {now['responses']} responses of {now['tokens']} tokens, {now['cycles']} cycles "
           f"(τ={now['tau']:.2f}, K={K}, top-{TOPK}); package {now['package']}")
@@ -261,16 +264,16 @@ def main() -> None:
           f"{now['ops_per_cycle_cpu_plan']:.2f} per cycle")
     print(f"  CPU update time (fp32, chunks of {CHUNK}, median of {args.repeats}): {now['cpu_update_s']:.2f} s")
     if before:
-        print(f"  before ({before['source']}), chunks of {CHUNK}: {before['ops_per_cycle_at_1024']:.2f} per cycle "
-              f"(CUDA plan), {before['ops_per_cycle_cpu_plan']:.2f} (CPU plan), CPU update "
-              f"{before['cpu_update_s']:.2f} s" + (f"; at {args.gpu_chunk}: {before['ops_per_cycle']:.2f} per cycle"
-                                                     if "ops" in before else ""))
+        print(f"  before ({before['source']}): at {args.gpu_chunk} {before['ops_per_cycle']:.2f} per cycle; at "
+              f"{CHUNK} {before['ops_per_cycle_at_1024']:.2f} (CUDA plan), {before['ops_per_cycle_cpu_plan']:.2f} "
+              f"(CPU plan), CPU update {before['cpu_update_s']:.2f} s")
     print(f"  most dispatched (CUDA plan, chunk {args.gpu_chunk}): " +
           ", ".join(f"{k[6:]} {v}" for k, v in now["top_ops"].items()))
     if args.json:
         row = dict(now)
         if before:
-            row |= {"ops_per_cycle_before": before["ops_per_cycle_at_1024"],
+            row |= {"ops_per_cycle_before": before["ops_per_cycle"],
+                    "ops_per_cycle_at_1024_before": before["ops_per_cycle_at_1024"],
                     "ops_per_cycle_cpu_plan_before": before["ops_per_cycle_cpu_plan"],
                     "cpu_update_s_before": before["cpu_update_s"], "before_source": before["source"]}
         print(json.dumps(row))
