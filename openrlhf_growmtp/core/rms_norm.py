@@ -28,13 +28,42 @@ from torch import nn
 from .families import HeadFamily
 
 
+def norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y, r): the norm's output in x's dtype and the fp32 reciprocal RMS [..., 1] (module docstring).
+    A plain function, so that a caller may compile it (`torch.compile`) where it wants fewer kernels."""
+    x32 = x.to(torch.float32)
+    r = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    normed = x32 * r
+    out = (normed * (1.0 + weight.float())).type_as(x) if offset else weight * normed.to(x.dtype)
+    return out, r
+
+
+def norm_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, r: torch.Tensor, offset: bool,
+                  need_x: bool, need_weight: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(dL/dx, dL/dw) from the output's gradient (module docstring); None where not needed. A plain function,
+    as `norm_forward`."""
+    normed = x.to(torch.float32) * r
+    rows = tuple(range(grad.ndim - 1))
+    if offset:
+        grad32 = grad.to(torch.float32)
+        grad_weight = (grad32 * normed).sum(rows).to(weight.dtype) if need_weight else None
+        grad_normed = grad32 * (1.0 + weight.float())
+    else:
+        grad_weight = (grad * normed.to(x.dtype)).sum(rows) if need_weight else None
+        grad_normed = (grad * weight).to(torch.float32)
+    grad_x = None
+    if need_x:
+        projection = (grad_normed * normed).sum(-1, keepdim=True)
+        grad_x = (torch.addcmul(grad_normed, normed, projection, value=-1.0 / x.shape[-1]) * r).to(x.dtype)
+    return grad_x, grad_weight
+
+
 class _RMSNorm(torch.autograd.Function):
+    # the module's functions are looked up at each call: a caller that rebinds them (compiled) is used
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool) -> torch.Tensor:
-        x32 = x.to(torch.float32)
-        r = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-        normed = x32 * r
-        out = (normed * (1.0 + weight.float())).type_as(x) if offset else weight * normed.to(x.dtype)
+        out, r = norm_forward(x, weight, eps, offset)
         ctx.save_for_backward(x, weight, r)
         ctx.offset = offset
         return out
@@ -42,19 +71,7 @@ class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         x, weight, r = ctx.saved_tensors
-        normed = x.to(torch.float32) * r
-        rows = tuple(range(grad.ndim - 1))
-        if ctx.offset:
-            grad32 = grad.to(torch.float32)
-            grad_weight = (grad32 * normed).sum(rows).to(weight.dtype) if ctx.needs_input_grad[1] else None
-            grad_normed = grad32 * (1.0 + weight.float())
-        else:
-            grad_weight = (grad * normed.to(x.dtype)).sum(rows) if ctx.needs_input_grad[1] else None
-            grad_normed = (grad * weight).to(torch.float32)
-        grad_x = None
-        if ctx.needs_input_grad[0]:
-            projection = (grad_normed * normed).sum(-1, keepdim=True)
-            grad_x = (torch.addcmul(grad_normed, normed, projection, value=-1.0 / x.shape[-1]) * r).to(x.dtype)
+        grad_x, grad_weight = norm_backward(grad, x, weight, r, ctx.offset, *ctx.needs_input_grad[:2])
         return grad_x, grad_weight, None, None
 
 
