@@ -38,14 +38,15 @@ git archive 9730da4 openrlhf_growmtp | tar -x -C /tmp/before`) and reports it be
 JSON compares like with like: `ops_per_cycle_before` at the same chunk as `ops_per_cycle`,
 `ops_per_cycle_at_1024_before` at 1,024.
 
-Fused norms. `--compile-norms` counts and times the update once more with the RMSNorms' math
-(`rms_norm.norm_forward`, `norm_backward`) compiled by `torch.compile`: what fusing the largest part of what
-is left would leave. Its kernels are counted as inductor generates them for this CPU (one per norm each way
-here); for a GPU it generates Triton kernels, where a backward's two reductions (over a row, over the rows) may
-be two or three: the CPU's count is then the lower end. The head's code does not compile anything itself.
+Fused kernels. `--compile` counts and times the update again with plain functions of the head's code
+compiled by `torch.compile` (`COMPILED`): the RMSNorms' math (`rms_norm.norm_forward`, `norm_backward`), the
+largest part of what is left, then the objective as well (`head_loss_per_cycle_at`, forward and backward):
+what fusing them would leave. Their kernels are counted as inductor generates them for this CPU (one per norm
+each way here); for a GPU it generates Triton kernels, where a backward's two reductions (over a row, over the
+rows) may be two or three: the CPU's count is then the lower end. The head's code compiles nothing itself.
 
     python benchmarks/bench_launches.py [--responses 4] [--tokens 1536] [--repeats 3] [--before-tree PATH]
-                                        [--compile-norms] [--json]
+                                        [--compile] [--json]
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from openrlhf_growmtp.core import MTPHead, init_random_head_, make_head_config
 from openrlhf_growmtp.core import draft_attention, recompute, topk_logq
-from openrlhf_growmtp.core import chunk_plan, reconstruction, rms_norm
+from openrlhf_growmtp.core import chunk_plan, head_loss, reconstruction, rms_norm
 from openrlhf_growmtp.core.families import get_family
 
 K, TOPK, TAU, PROMPT, CHUNK = 5, 64, 3.0, 256, 1024
@@ -168,7 +169,7 @@ def kernel_ops(events, skip_host: bool) -> Counter:
     under `HOST_RANGE`."""
     counts = Counter()
     for event in events:
-        if INDUCTOR_KERNEL in event.name:  # a kernel that torch.compile generated (`norms_compiled`)
+        if INDUCTOR_KERNEL in event.name:  # a kernel that torch.compile generated (`compiled`)
             counts[event.name] += 1
             continue
         if not event.name.startswith("aten::") or event.name in NO_KERNEL:
@@ -184,24 +185,28 @@ def kernel_ops(events, skip_host: bool) -> Counter:
 INDUCTOR_KERNEL = "cpp_fused_"  # in the name of each kernel inductor generates for a CPU
 
 
+NORMS = [(rms_norm, "norm_forward"), (rms_norm, "norm_backward")]
+COMPILED = {"norms": NORMS, "norms_objective": NORMS + [(head_loss, "head_loss_per_cycle_at")]}
+
+
 @contextlib.contextmanager
-def norms_compiled():
-    """The head's RMSNorm math (`rms_norm.norm_forward`, `norm_backward`) compiled by `torch.compile`
-    (inductor): what fusing each norm into a kernel each way would leave. Each generated kernel is a profiler
-    event of its own (`cpp.enable_kernel_profile`)."""
+def compiled(functions):
+    """The (module, name) functions compiled by `torch.compile` (inductor), where the head's code calls them.
+    Each generated kernel is a profiler event of its own (`cpp.enable_kernel_profile`)."""
     from torch._inductor import config as inductor_config
 
-    saved = (rms_norm.norm_forward, rms_norm.norm_backward, inductor_config.cpp.enable_kernel_profile,
-             torch._dynamo.config.recompile_limit)
+    saved = [(module, name, getattr(module, name)) for module, name in functions]
+    settings = inductor_config.cpp.enable_kernel_profile, torch._dynamo.config.recompile_limit
     inductor_config.cpp.enable_kernel_profile = True
-    torch._dynamo.config.recompile_limit = 64  # one graph per dtype, offset and input strides
-    rms_norm.norm_forward = torch.compile(saved[0], dynamic=True)
-    rms_norm.norm_backward = torch.compile(saved[1], dynamic=True)
+    torch._dynamo.config.recompile_limit = 64  # one graph per dtype, flags and input strides
+    for module, name, function in saved:
+        setattr(module, name, torch.compile(function, dynamic=True))
     try:
         yield
     finally:
-        rms_norm.norm_forward, rms_norm.norm_backward = saved[:2]
-        inductor_config.cpp.enable_kernel_profile, torch._dynamo.config.recompile_limit = saved[2:]
+        for module, name, function in saved:
+            setattr(module, name, function)
+        inductor_config.cpp.enable_kernel_profile, torch._dynamo.config.recompile_limit = settings
 
 
 def run_update(head, records, dtype, chunk=CHUNK):
@@ -246,14 +251,12 @@ def measure(args) -> dict:
     cuda_plan = count(head, records, torch.bfloat16, "cuda")
     cpu_plan = count(head, records, torch.float32, "cpu")
     seconds = cpu_seconds(head, records, args.repeats)
-    compiled = {}
-    if args.compile_norms:
-        with norms_compiled():
-            ops = sum(count(head, records, torch.bfloat16, "cuda").values())
-            compiled_seconds = cpu_seconds(head, records, args.repeats)
-        compiled = {"ops_per_cycle_at_1024_norms_compiled": ops / cycles,
-                    "cpu_update_s_norms_compiled": statistics.median(compiled_seconds),
-                    "cpu_update_s_norms_compiled_repeats": compiled_seconds}
+    fused = {"ops_per_cycle_at_1024_compiled": {}, "cpu_update_s_compiled": {}} if args.compile else {}
+    for variant, functions in COMPILED.items() if args.compile else ():
+        with compiled(functions):
+            fused["ops_per_cycle_at_1024_compiled"][variant] = sum(count(head, records, torch.bfloat16,
+                                                                         "cuda").values()) / cycles
+            fused["cpu_update_s_compiled"][variant] = statistics.median(cpu_seconds(head, records, args.repeats))
     # at the GPU's default chunk: as many responses per chunk as at 1,024 (two chunks' worth)
     gpu_records = responses(args.responses * args.gpu_chunk // CHUNK)
     gpu_cycles = sum(rec.num_cycles for rec in gpu_records)
@@ -266,7 +269,7 @@ def measure(args) -> dict:
             "ops_at_1024": sum(cuda_plan.values()), "ops_per_cycle_at_1024": sum(cuda_plan.values()) / cycles,
             "ops_cpu_plan": sum(cpu_plan.values()), "ops_per_cycle_cpu_plan": sum(cpu_plan.values()) / cycles,
             "cpu_update_s": statistics.median(seconds), "cpu_update_s_repeats": seconds,
-            "top_ops": dict(gpu_plan.most_common(args.top)), **compiled}
+            "top_ops": dict(gpu_plan.most_common(args.top)), **fused}
 
 
 def measure_tree(tree: str, argv: list[str]) -> dict:
@@ -286,8 +289,8 @@ def main() -> None:
     parser.add_argument("--before-tree", help="a checkout of the code before, measured again instead of recorded")
     parser.add_argument("--no-before", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--gpu-chunk", type=int, default=GPU_CHUNK, help=argparse.SUPPRESS)
-    parser.add_argument("--compile-norms", action="store_true",
-                        help="also count and time the update with the RMSNorms compiled (torch.compile)")
+    parser.add_argument("--compile", action="store_true",
+                        help="also count and time the update with the norms, then the objective, compiled")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     now = measure(args)
@@ -312,10 +315,9 @@ def main() -> None:
     print(f"  at chunks of {CHUNK} cycles, as the CPU runs them (fp32): {now['ops_cpu_plan']:7d} = "
           f"{now['ops_per_cycle_cpu_plan']:.2f} per cycle")
     print(f"  CPU update time (fp32, chunks of {CHUNK}, median of {args.repeats}): {now['cpu_update_s']:.2f} s")
-    if args.compile_norms:
-        print(f"  with the RMSNorms compiled (torch.compile, kernels counted as inductor generates them for this CPU): "
-              f"{now['ops_per_cycle_at_1024_norms_compiled']:.2f} per cycle at {CHUNK} (CUDA plan), CPU update "
-              f"{now['cpu_update_s_norms_compiled']:.2f} s")
+    for variant, ops in now.get("ops_per_cycle_at_1024_compiled", {}).items():
+        print(f"  compiled by torch.compile, {variant.replace('_', ' + ')} (inductor's kernels for this CPU): "
+              f"{ops:.2f} per cycle at {CHUNK} (CUDA plan), CPU update {now['cpu_update_s_compiled'][variant]:.2f} s")
     if before:
         print(f"  before ({before['source']}): at {args.gpu_chunk} {before['ops_per_cycle']:.2f} per cycle; at "
               f"{CHUNK} {before['ops_per_cycle_at_1024']:.2f} (CUDA plan), {before['ops_per_cycle_cpu_plan']:.2f} "
