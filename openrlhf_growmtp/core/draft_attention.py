@@ -198,30 +198,33 @@ class DraftPathAttention:
         self.prefix, self.heads = list(prefix), heads
         self.seq, self.start = seq, start
         self.seq_list, self.start_list = seq.tolist(), start.tolist()
-        self.position_cycles: list[torch.Tensor] = []
-        self.position_keys: list[torch.Tensor] = []  # [N_j, kv, d] per draft position
-        self.position_values: list[torch.Tensor] = []
+        self.cycles: torch.Tensor | None = None  # this draft position's cycles
+        self.kept: torch.Tensor | None = None  # their rows among the previous position's cycles
+        # this position's cycles' chain entries at every position so far: [N_j, kv, j, d]
+        self.chain_keys: torch.Tensor | None = None
+        self.chain_values: torch.Tensor | None = None
 
     def next_position(self, cycles: torch.Tensor) -> None:
-        self.position_cycles.append(cycles)
+        self.kept = None if self.cycles is None else torch.searchsorted(self.cycles, cycles)
+        self.cycles = cycles
         chosen = cycles.tolist()
         self.blocks = plan_blocks([self.seq_list[c] for c in chosen], [self.start_list[c] for c in chosen],
                                   self.heads, BLOCK_SCORES.get(self.start.device.type, BLOCK_SCORES["cuda"]))
 
     # transformers' Cache duck type: the layer writes the position's keys and values [1, kv, N_j, d]
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int = 0, cache_kwargs=None):
-        self.position_keys.append(key[0].transpose(0, 1))
-        self.position_values.append(value[0].transpose(0, 1))
+        new_keys, new_values = key[0].transpose(0, 1)[:, :, None], value[0].transpose(0, 1)[:, :, None]
+        if self.kept is None:
+            self.chain_keys, self.chain_values = new_keys, new_values
+        else:  # one gather of the earlier positions' entries (the cycles still drafting), then this position's
+            self.chain_keys = torch.cat([self.chain_keys[self.kept], new_keys], dim=2)
+            self.chain_values = torch.cat([self.chain_values[self.kept], new_values], dim=2)
         return key, value
 
     def __call__(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float):
         """query [1, heads, N_j, d] of this position's cycles -> ([1, N_j, heads, d], None)."""
-        cycles = self.position_cycles[-1]
-        num, kv = cycles.shape[0], key.shape[1]
+        num, kv = self.cycles.shape[0], key.shape[1]
         q = query[0].transpose(0, 1).reshape(num, kv, -1, query.shape[-1])
-        # this position's cycles' entries at every position so far: their rows in each position's sorted list
-        rows = [torch.searchsorted(c, cycles) for c in self.position_cycles]
-        keys = torch.stack([k[r] for k, r in zip(self.position_keys, rows)], dim=2)
-        values = torch.stack([v[r] for v, r in zip(self.position_values, rows)], dim=2)
-        out = draft_attention(q, keys, values, self.start[cycles], self.blocks, scaling, self.prefix)
+        out = draft_attention(q, self.chain_keys, self.chain_values, self.start[self.cycles], self.blocks, scaling,
+                              self.prefix)
         return out.reshape(1, num, -1, query.shape[-1]), None
