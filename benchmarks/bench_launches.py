@@ -86,6 +86,8 @@ NO_KERNEL = frozenset(f"aten::{name}" for name in (
     "_has_compatible_shallow_copy_type", "requires_grad_", "retain_grad", "output_nr", "_version",
 ))
 
+INDUCTOR_KERNEL = "cpp_fused_"  # in the name of each kernel inductor generates for a CPU (`compiled`)
+
 # This script's output (its defaults) on the code before issue 47, commit 9730da4, with that tree first on
 # PYTHONPATH (`--before-tree`), the record checks left out of the CUDA plan's count as for the current code.
 # The CPU time is this project's CPU machine's (2 cores shared with other jobs): compare it only with a run on
@@ -169,7 +171,7 @@ def kernel_ops(events, skip_host: bool) -> Counter:
     under `HOST_RANGE`."""
     counts = Counter()
     for event in events:
-        if INDUCTOR_KERNEL in event.name:  # a kernel that torch.compile generated (`compiled`)
+        if INDUCTOR_KERNEL in event.name:
             counts[event.name] += 1
             continue
         if not event.name.startswith("aten::") or event.name in NO_KERNEL:
@@ -180,9 +182,6 @@ def kernel_ops(events, skip_host: bool) -> Counter:
             continue
         counts[event.name] += 1
     return counts
-
-
-INDUCTOR_KERNEL = "cpp_fused_"  # in the name of each kernel inductor generates for a CPU
 
 
 NORMS = [(rms_norm, "norm_forward"), (rms_norm, "norm_backward")]
@@ -251,12 +250,14 @@ def measure(args) -> dict:
     cuda_plan = count(head, records, torch.bfloat16, "cuda")
     cpu_plan = count(head, records, torch.float32, "cpu")
     seconds = cpu_seconds(head, records, args.repeats)
-    fused = {"ops_per_cycle_at_1024_compiled": {}, "cpu_update_s_compiled": {}} if args.compile else {}
-    for variant, functions in COMPILED.items() if args.compile else ():
-        with compiled(functions):
-            fused["ops_per_cycle_at_1024_compiled"][variant] = sum(count(head, records, torch.bfloat16,
-                                                                         "cuda").values()) / cycles
-            fused["cpu_update_s_compiled"][variant] = statistics.median(cpu_seconds(head, records, args.repeats))
+    fused = {}
+    if args.compile:
+        fused = {"ops_per_cycle_at_1024_compiled": {}, "cpu_update_s_compiled": {}}
+        for variant, functions in COMPILED.items():
+            with compiled(functions):
+                ops = sum(count(head, records, torch.bfloat16, "cuda").values())
+                fused["ops_per_cycle_at_1024_compiled"][variant] = ops / cycles
+                fused["cpu_update_s_compiled"][variant] = statistics.median(cpu_seconds(head, records, args.repeats))
     # at the GPU's default chunk: as many responses per chunk as at 1,024 (two chunks' worth)
     gpu_records = responses(args.responses * args.gpu_chunk // CHUNK)
     gpu_cycles = sum(rec.num_cycles for rec in gpu_records)
