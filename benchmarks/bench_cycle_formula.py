@@ -107,15 +107,20 @@ def run_sweep(layers: int, args) -> dict:
     return {row["concurrency"]: row for row in json.loads(proc.stdout.strip().splitlines()[-1])["sweep"]}
 
 
+def timed_parts(times: dict, draft: float, row: dict, suffix: str, k: int, max_tokens: int) -> dict:
+    """A generate call's torch-timed parts, AR and spec, as `generate_wall` takes them: (prefill, first, step,
+    steps). Spec: the prefill step also runs the K first draft steps, and a step is K drafts and a verify."""
+    first = k * draft
+    return {"ar": (times["prefill_s"], 0.0, times["decode_s"], max_tokens),
+            "spec": (times["prefill_s"], first, first + times["verify_s"], row[f"steps{suffix}"])}
+
+
 def leftover(c: int, times: dict, draft: float, row: dict, suffix: str, k: int, max_tokens: int) -> dict:
     """One policy's sweep at concurrency c with one head: the engine's seconds per step beyond the torch-timed
     parts (`times`), AR and spec."""
-    first = k * draft
-    ar_wall = c * max_tokens / row["ar_tokens_per_s"]
-    spec_wall = c * max_tokens / row[f"spec{suffix}_tokens_per_s"]
-    return {"ar": step_overhead(ar_wall, times["prefill_s"], 0.0, times["decode_s"], max_tokens),
-            "spec": step_overhead(spec_wall, times["prefill_s"], first, first + times["verify_s"],
-                                  row[f"steps{suffix}"])}
+    walls = {"ar": c * max_tokens / row["ar_tokens_per_s"], "spec": c * max_tokens / row[f"spec{suffix}_tokens_per_s"]}
+    parts = timed_parts(times, draft, row, suffix, k, max_tokens)
+    return {side: step_overhead(walls[side], *parts[side]) for side in walls}
 
 
 def at_depth(depths: list[int], values: list[float], depth: int) -> float:
@@ -126,10 +131,8 @@ def at_depth(depths: list[int], values: list[float], depth: int) -> float:
 def predict(c: int, target: dict, row: dict, engine: dict, suffix: str, k: int, max_tokens: int) -> dict:
     """One head's measured speedup at concurrency c, the formula's prediction and the engine formula's (with
     `engine`, the engine's seconds per step at the target's depth, AR and spec)."""
-    first = k * target["draft_s"]
-    engine_ar = generate_wall(target["prefill_s"], 0.0, target["decode_s"], max_tokens, engine["ar"])
-    engine_spec = generate_wall(target["prefill_s"], first, first + target["verify_s"], row[f"steps{suffix}"],
-                                engine["spec"])
+    parts = timed_parts(target, target["draft_s"], row, suffix, k, max_tokens)
+    engine_ar, engine_spec = (generate_wall(*parts[side], engine[side]) for side in ("ar", "spec"))
     own = leftover(c, target, target["draft_s"], row, suffix, k, max_tokens)
     return {"tau": row[f"tau{suffix}"], "steps": row[f"steps{suffix}"],
             "measured": row[f"spec{suffix}_tokens_per_s"] / row["ar_tokens_per_s"],
