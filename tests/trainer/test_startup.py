@@ -48,6 +48,7 @@ def test_valid_configuration_has_no_errors(policy_dir):
 
 @pytest.mark.parametrize("argv, message", [
     (["--growmtp_k", "-1"], "--growmtp_k must be >= 0"),
+    (["--growmtp_max_num_seqs", "0"], "--growmtp_max_num_seqs must be >= 1"),
     (["--data.max_len", "64", "--rollout.max_new_tokens", "160"], "leaves no room for the prompt"),
     (["--growmtp_k", "3", "--data.max_len", "64", "--rollout.max_new_tokens", "64"], "leaves no room for the prompt"),
     (["--growmtp_k", "3", "--growmtp_head", "native"], "ships no native MTP layer"),
@@ -115,7 +116,7 @@ def test_upstream_contract_holds_and_breaks_loudly(monkeypatch):
     assert "_init_vllm_sync_group is missing" in str(err.value) and "pinned to 0.11.2" in str(err.value)
 
 
-@pytest.mark.parametrize("world", ["demo", "paper"])
+@pytest.mark.parametrize("world", ["demo", "paper", "speed"])
 @pytest.mark.parametrize("preset", ["full", "quick"])
 def test_every_ablation_arm_command_passes_the_startup_checks(policy_dir, head_dir, tmp_path, world, preset):
     # an arm refused at startup would only show up as a failed arm an hour into `make ablations`
@@ -138,8 +139,25 @@ def test_every_ablation_arm_command_passes_the_startup_checks(policy_dir, head_d
         steps[name] = policy_steps_per_rl_step(flat["rollout.batch_size"], flat["rollout.n_samples_per_prompt"],
                                                flat["train.batch_size"], flat["train.max_epochs"])
     assert steps.pop("joint") == 1
-    # every other arm: the world's own layout (the demo's mini-batches, the paper's one policy step)
+    # every other arm: the world's own layout (the demo's mini-batches, the others' one policy step)
     assert len(set(steps.values())) == 1 and (steps["growmtp"] > 1) == (world == "demo")
+
+
+def test_max_num_seqs_reaches_the_rollout_actors_of_both_arms_and_is_left_to_vllm_unset(policy_dir, head_dir):
+    from openrlhf.trainer.ray import vllm_engine
+
+    from openrlhf_growmtp.cli.train_ppo_ray import growmtp_classes, plain_classes
+    from openrlhf_growmtp.trainer.args import engine_kwargs
+
+    args = ["--actor.model_name_or_path", str(policy_dir), *GOOD, "--growmtp_k", "3"]
+    flat = vars(parse_train_args([*args, "--growmtp_max_num_seqs", "2"]))
+    flat["growmtp.head_dir"] = str(head_dir)
+    assert growmtp_classes(flat).rollout_actor.kwargs["max_num_seqs"] == 2
+    for cpu in (True, False):  # the autoregressive arm's, on CPU (ours) and on a GPU (upstream's actor)
+        assert plain_classes(cpu, engine_kwargs(flat)).rollout_actor.kwargs["max_num_seqs"] == 2
+    assert engine_kwargs(vars(parse_train_args(args))) == {}
+    assert plain_classes(False, {}).rollout_actor is vllm_engine.RolloutRayActor
+    assert "max_num_seqs" not in plain_classes(True, {}).rollout_actor.kwargs
 
 
 def _qwen3_5_checkpoint(out, *, vision: bool = False, mtp: bool = True):
