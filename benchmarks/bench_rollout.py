@@ -29,7 +29,7 @@ the random head and with the trained one: the two estimates agree as far as that
 
     python benchmarks/bench_rollout.py [--k 3] [--prompts 32] [--max-tokens 96] [--deep] [--json]
     python benchmarks/bench_rollout.py --sweep [--k 3] [--layers 8] [--hidden 512] [--vocab 128] [--json]
-    python benchmarks/bench_rollout.py --sweep --model /models/Qwen3-4B [--k 5] [--concurrency 1,8,64] [--dtype bfloat16]
+    python benchmarks/bench_rollout.py --sweep --model /models/Qwen3-4B --k 5 --concurrency 1,8,64 --dtype bfloat16
 """
 
 from __future__ import annotations

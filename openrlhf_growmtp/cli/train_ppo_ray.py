@@ -65,26 +65,27 @@ def logical_gpus(flat: dict) -> int:
 
 def growmtp_classes(flat: dict):
     """What upstream's `train()` builds in a GrowMTP run (K > 0)."""
+    from openrlhf_growmtp.trainer.args import engine_kwargs
     from openrlhf_growmtp.trainer.installer import RunClasses
     from openrlhf_growmtp.trainer.ppo_actor import GrowMTPPolicyActor
     from openrlhf_growmtp.trainer.ppo_trainer import GrowMTPPPOTrainer
     from openrlhf_growmtp.trainer.ppo_trainer_async import GrowMTPPPOTrainerAsync
-    from openrlhf_growmtp.trainer.args import engine_kwargs
     from openrlhf_growmtp.trainer.rollout_actor import RolloutOptions, growmtp_rollout_actor
     from openrlhf_growmtp.trainer.strategy import get_strategy
 
     options = RolloutOptions(k=flat["growmtp.k"], head_dir=flat["growmtp.head_dir"], topk=flat["growmtp.topk"],
                              cpu=cpu_support.needed())
-    return RunClasses(policy_actor=GrowMTPPolicyActor, rollout_actor=growmtp_rollout_actor(options, engine_kwargs(flat)),
+    return RunClasses(policy_actor=GrowMTPPolicyActor,
+                      rollout_actor=growmtp_rollout_actor(options, engine_kwargs(flat)),
                       get_strategy=get_strategy, controller=GrowMTPPPOTrainer,
                       async_controller=GrowMTPPPOTrainerAsync)
 
 
 def plain_classes(cpu: bool, engine: dict):
     """A plain run (K = 0) that needs more than upstream: the actor-side trainer applies the
-    negative-advantage weight, the engines take `engine` (`args.engine_kwargs`), and without CUDA
-    the engines take weights through Ray (upstream's weight sync is NCCL/CUDA only), and the controller can
-    make rollouts reproducible with them."""
+    negative-advantage weight, the engines take `engine` (`args.engine_kwargs`), and without CUDA the
+    engines take weights through Ray (upstream's weight sync is NCCL/CUDA only) and the controller can make
+    rollouts reproducible with them."""
     from openrlhf.trainer.ray import vllm_engine
 
     from openrlhf_growmtp.trainer.installer import RunClasses
@@ -95,7 +96,8 @@ def plain_classes(cpu: bool, engine: dict):
     if not cpu:
         rollout = WithOptions(vllm_engine.RolloutRayActor, engine) if engine else vllm_engine.RolloutRayActor
         return RunClasses(policy_actor=PolicyActor, rollout_actor=rollout)
-    return RunClasses(policy_actor=PolicyActor, rollout_actor=cpu_rollout_actor(engine), controller=OrderedPPOTrainer)
+    return RunClasses(policy_actor=PolicyActor, rollout_actor=cpu_rollout_actor(engine),
+                      controller=OrderedPPOTrainer)
 
 
 def prepare(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> None:

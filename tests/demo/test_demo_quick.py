@@ -40,7 +40,8 @@ def test_outputs_exist_and_parse(quick_run):
     # the speedups are the time ratios the other way round (over all 4 steps, the quick run's last ten)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     mean_of = lambda arm, field: sum(r[field] for r in rows if r["arm"] == arm) / 4  # noqa: E731
-    assert summary["rollout_speedup_last10"] == pytest.approx(mean_of("ar", "rollout_s") / mean_of("growmtp", "rollout_s"))
+    expected = mean_of("ar", "rollout_s") / mean_of("growmtp", "rollout_s")
+    assert summary["rollout_speedup_last10"] == pytest.approx(expected)
     walls = summary["arm_wall_s"]
     assert summary["net_wall_ratio"] == pytest.approx(walls["growmtp"] / walls["ar"], rel=1e-2)  # walls are rounded
     assert summary["crossover_step"] is None or 1 <= summary["crossover_step"] <= 4
