@@ -75,9 +75,10 @@ WORLDS = {
         "full": Recipe(steps=50, prompts_per_step=4, samples_per_prompt=4, train_batch=16, epochs=1,
                        actor_lr="5e-5", k=3, topk=16, head_lr="1.5e-3", head_warmup_steps=5, max_new_tokens=64,
                        max_num_seqs=2),
-        "quick": Recipe(steps=4, prompts_per_step=4, samples_per_prompt=4, train_batch=16, epochs=1,
+        # the smoke test's and `make reproduce`'s: the same pipeline at its smallest (one micro-batch per rank)
+        "quick": Recipe(steps=3, prompts_per_step=2, samples_per_prompt=4, train_batch=8, epochs=1,
                         actor_lr="5e-5", k=3, topk=16, head_lr="1.5e-3", head_warmup_steps=1, max_new_tokens=64,
-                        max_num_seqs=2)}),
+                        micro_batch=4, max_num_seqs=2)}),
     "paper": WorldRecipes(build_paper_world, WORLDS_DIR / "paper_reward.py", PAPER_RECIPES),
     "reasoning": WorldRecipes(build_reasoning_world, WORLDS_DIR / "reasoning_reward.py", PAPER_RECIPES),
 }

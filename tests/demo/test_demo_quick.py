@@ -34,17 +34,17 @@ def test_outputs_exist_and_parse(quick_run):
     out, stdout = quick_run
     summary = json.loads((out / "summary.json").read_text())
     assert SUMMARY_KEYS <= summary.keys()
-    assert summary["k"] == 3 and summary["steps"] == 4 and len(summary["alpha_final"]) == 3
+    assert summary["k"] == 3 and summary["steps"] == 3 and len(summary["alpha_final"]) == 3
     assert all(math.isfinite(summary[key]) and summary[key] > 0
                for key in ("rollout_time_ratio", "step_time_ratio", "rollout_speedup_last10", "step_speedup_last10"))
-    # the speedups are the time ratios the other way round (over all 4 steps, the quick run's last ten)
+    # the speedups are the time ratios the other way round (over all 3 steps, the quick run's last ten)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    mean_of = lambda arm, field: sum(r[field] for r in rows if r["arm"] == arm) / 4  # noqa: E731
+    mean_of = lambda arm, field: sum(r[field] for r in rows if r["arm"] == arm) / 3  # noqa: E731
     expected = mean_of("ar", "rollout_s") / mean_of("growmtp", "rollout_s")
     assert summary["rollout_speedup_last10"] == pytest.approx(expected)
     walls = summary["arm_wall_s"]
     assert summary["net_wall_ratio"] == pytest.approx(walls["growmtp"] / walls["ar"], rel=1e-2)  # walls are rounded
-    assert summary["crossover_step"] is None or 1 <= summary["crossover_step"] <= 4
+    assert summary["crossover_step"] is None or 1 <= summary["crossover_step"] <= 3
     assert summary["world_name"] == "speed" and summary["world"]["spec"]["num_layers"] >= 8
     for name in PLOTS:
         image = matplotlib.image.imread(out / name)
@@ -71,7 +71,7 @@ def test_metrics_agree_with_the_controllers_own_log_and_tau_is_one_plus_alphas(q
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     ar = [r for r in rows if r["arm"] == "ar"]
     growmtp = [r for r in rows if r["arm"] == "growmtp"]
-    assert [r["step"] for r in ar] == [r["step"] for r in growmtp] == [1, 2, 3, 4]
+    assert [r["step"] for r in ar] == [r["step"] for r in growmtp] == [1, 2, 3]
     assert all("tau" not in r for r in ar)
     # the demo reads TensorBoard; the GrowMTP controller writes its own jsonl from the same step status
     own = [json.loads(line) for line in (out / "growmtp" / "ckpt" / "growmtp_metrics.jsonl").read_text().splitlines()]

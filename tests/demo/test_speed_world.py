@@ -30,8 +30,9 @@ def test_grown_policy_computes_the_small_policys_logits(small):
     with torch.no_grad():
         want = small(input_ids=ids).logits
         out = big(input_ids=ids, output_hidden_states=True)
-    # the same sums in fp32 with exact zeros added, in another blocking: a few units of rounding of logits of
-    # magnitude ~10 (fp32 unit roundoff 6e-8 times sums over at most 1,536 terms)
+    # the same sums in fp32 with exact zeros added, blocked otherwise by the GEMM: a dot product of n <= 1,536
+    # terms rounds by about sqrt(n) x 6e-8 = 2.4e-6 of its size, a few of them in turn move logits of size ~10 by
+    # ~1e-5 (n x 6e-8 = 9e-5 of their size at worst): 1e-4 absolute
     torch.testing.assert_close(out.logits, want, rtol=1e-5, atol=1e-4)
     for hidden in out.hidden_states:  # the stream's new dimensions hold nothing
         assert torch.count_nonzero(hidden[..., SMALL["hidden_size"]:]) == 0

@@ -10,7 +10,8 @@ world grows the demo world's pretrained policy into a larger one that computes t
   dimensions; what the new dimensions, heads and MLP units write into the residual stream starts at zero, so
   the stream's new dimensions stay zero and the old ones hold the old values. RMSNorm over the wider stream
   divides by a root mean square smaller by sqrt(128 / hidden_size); every norm weight is scaled by that
-  factor and the norm's epsilon by its square, which undoes it exactly (powers of two here: bit for bit).
+  factor and the norm's epsilon by its square, which undoes it exactly (powers of two here: the norm's output
+  is the small policy's bit for bit; the GEMMs over the wider stream add exact zeros, in another order).
 - **deeper**: `num_layers - 2` new layers after the pretrained two, each starting as the identity (its
   attention's and MLP's output projections zero).
 Every other new weight is drawn as transformers initialises a model (seed `seed`), so nothing stays at a
