@@ -8,6 +8,8 @@
 #                                            per model: prompts over PROMPT_TOKENS of its tokenizer are dropped)
 #   K, HEAD                                  override the preset's depth / head ("random", "native", a dir)
 #   ACTOR_GPUS, VLLM_ENGINES, VLLM_TP        layout of one 8-GPU node (default 4 training GPUs + 4 engines)
+#   MAX_NUM_SEQS                             requests each vLLM engine decodes at once (default: vLLM's); set
+#                                            it alike for a run and its baseline_ar.sh
 #   RUN_ROOT                                 checkpoints, logs and exports (default runs/<run name>)
 #   PYTHON                                   interpreter (default python)
 #   GROWMTP_DRY_RUN=1                        build the command, run every startup check, exit 0 before Ray
@@ -118,6 +120,9 @@ run_growmtp() {
     --ckpt.path "$root/ckpt" --ckpt.save_steps 50 --ckpt.output_dir "$root/final"
     --logger.tensorboard_dir "$root/tensorboard"
     --growmtp_k "$k")
+  if [[ -n "${MAX_NUM_SEQS:-}" ]]; then
+    cmd+=(--growmtp_max_num_seqs "$MAX_NUM_SEQS")
+  fi
   if [[ "$k" != 0 ]]; then
     # chunks of 4096 cycles: on an H100 the head update took half the time of the default 1024's, for 1.5 GB
     # more peak memory (docs/gpu.md); a rehearsal's updates hold fewer cycles than either, so it runs one chunk
