@@ -25,13 +25,13 @@ from __future__ import annotations
 import argparse
 import json
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from bench_common import qwen3_4b_config
 from bench_cycle_formula import with_engine_gemms
-from bench_rollout import deep_policy
+from bench_rollout import deep_policy, timed
 from gpu_cycle import draft_time, policy_times
 
 from openrlhf_growmtp.core.checkpoint import load_head, materialize_random_head
@@ -75,11 +75,15 @@ def step_traffic(shape: Shape, batch: int, new: int, context: int, dtype_bytes: 
 
 
 def qwen3_4b_h100(contexts=(1024, 4096, 8192), batch: int = 64, k: int = 5) -> dict:
-    """Qwen3-4B (36 layers, hidden 2560, 8 of 32 heads for keys and values, head_dim 128, tied lm_head of
-    151,936) decoding and verifying `batch` sequences on an H100, bf16, from the spec sheet's roofs."""
-    layer, lm_head = 2560 * 4096 + 2 * 2560 * 1024 + 4096 * 2560 + 3 * 2560 * 9728, 151936 * 2560
-    shape = Shape(layers=36, hidden=2560, kv_heads=8, head_dim=128, heads=32, params=36 * layer + lm_head)
-    head = layer + 2 * 2560 * 2560 + lm_head  # its layer, its fc over [embedding; hidden], and the lm_head it reads
+    """Qwen3-4B (`bench_common.qwen3_4b_config`, 36 layers, tied lm_head) decoding and verifying `batch`
+    sequences on an H100, bf16, from the spec sheet's roofs."""
+    c = qwen3_4b_config()
+    layers, hidden, q, kv = 36, c.hidden_size, c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    layer = hidden * q + 2 * hidden * kv + q * hidden + 3 * hidden * c.intermediate_size
+    lm_head = c.vocab_size * hidden
+    shape = Shape(layers=layers, hidden=hidden, kv_heads=c.num_key_value_heads, head_dim=c.head_dim,
+                  heads=c.num_attention_heads, params=layers * layer + lm_head)
+    head = layer + 2 * hidden * hidden + lm_head  # its layer, its fc over [embedding; hidden], and the lm_head it reads
     ridge = H100["flops"] / H100["bandwidth_Bps"]
     out = {}
     for context in contexts:
@@ -94,24 +98,14 @@ def qwen3_4b_h100(contexts=(1024, 4096, 8192), batch: int = 64, k: int = 5) -> d
             "head_over_target_bytes": head / shape.params, "contexts": out}
 
 
-def best_seconds(fn, repeats: int) -> float:
-    fn()  # warm-up
-    best = float("inf")
-    for _ in range(repeats):
-        began = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - began)
-    return best
-
-
 def machine(dtype: torch.dtype, repeats: int = 5) -> dict:
     """Read bandwidth (bytes/s) and GEMM rate (flops/s) of this process's threads."""
     big = torch.ones(256 * 1024 * 1024, dtype=torch.float32)  # 1 GiB, far beyond any cache
-    bandwidth = big.numel() * 4 / best_seconds(big.sum, repeats)
+    bandwidth = big.numel() * 4 / timed(big.sum, repeats)[1]  # the best of `repeats` after a warm-up
     del big
     n = 2048
     a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
-    rate = 2 * n ** 3 / best_seconds(lambda: torch.mm(a, b), repeats)
+    rate = 2 * n ** 3 / timed(lambda: torch.mm(a, b), repeats)[1]
     return {"threads": torch.get_num_threads(), "bandwidth_Bps": bandwidth, "flops": rate,
             "ridge_flops_per_byte": rate / bandwidth, "gemm_dtype": str(dtype).removeprefix("torch.")}
 
