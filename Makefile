@@ -53,15 +53,17 @@ serve-check: $(STAMP)
 	$(PY) -m openrlhf_growmtp.cli.serve_check
 
 # the paper's ablations in two worlds (demo; paper: 8 layers, V=4096, K=5) under the paper's head schedule, 9 arms x 3
-# seeds; each run's result.json is kept and a re-run resumes (docs/ablations.md)
+# seeds; a re-run resumes; results and export under runs/ablations/ (docs/ablations.md). ARGS=--docs updates the
+# repository's record instead: the export into docs/, every result kept under docs/ablations_runs/
 ablations: $(STAMP)
-	$(PY) -m openrlhf_growmtp.experiments.ablations --export docs --keep docs/ablations_runs
+	$(PY) -m openrlhf_growmtp.experiments.ablations $(ARGS)
 
-# the from-scratch study (docs/from_scratch.md): every run its settings still lack, one at a time, then
-# docs/from_scratch.json; kept and resumable with the ablations' runs
+# the from-scratch study (docs/from_scratch.md): every run its settings still lack, one at a time, then its export,
+# under runs/from_scratch/ (kept/, export/); resumable. ARGS=--docs: the repository's record (docs/ablations_runs/,
+# docs/from_scratch.json)
 from-scratch: $(STAMP)
-	while cmd="$$($(PY) -m openrlhf_growmtp.experiments.from_scratch next)" && [ -n "$$cmd" ]; do $$cmd || exit 1; done
-	$(PY) -m openrlhf_growmtp.experiments.from_scratch export
+	while cmd="$$($(PY) -m openrlhf_growmtp.experiments.from_scratch next $(ARGS))" && [ -n "$$cmd" ]; do $$cmd || exit 1; done
+	$(PY) -m openrlhf_growmtp.experiments.from_scratch export $(ARGS)
 
 ablations-quick: $(STAMP)
 	$(PY) -m openrlhf_growmtp.experiments.ablations --quick
@@ -76,7 +78,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_rollout.py
 	$(PY) benchmarks/bench_topk.py
 
-# The GPU check (docs/gpu.md). On a lent GPU machine, with its own python and torch and no registry, in at most
+# The GPU check (docs/gpu.md). On a GPU machine, with its own python and torch (no registry needed), in at most
 # $$GPU_BUDGET_S seconds (480): installs the carried .gpu-wheels/ into .gpu-site/, then checks at Qwen3-4B's
 # shapes (ARGS="--only a,trainer_step" for a subset); results in $$OUT (else runs/gpu/), as JSON even when
 # cut off. Refuses without CUDA unless ARGS=--tiny.

@@ -1,14 +1,16 @@
 """The from-scratch study (docs/from_scratch.md): its settings, the runs still to make, and its export.
 
-Every setting is a set of runs of `make ablations`' driver (`experiments.ablations`), kept with the others
-under docs/ablations_runs/ and resumable as they are. Settings, seeds and the decision rule are the ones
+Every setting is a set of runs of `make ablations`' driver (`experiments.ablations`), kept under
+runs/from_scratch/kept/ (with `--docs`: with the repository's other runs under docs/ablations_runs/) and
+resumable as they are. Settings, seeds and the decision rule are the ones
 docs/from_scratch.md fixed before any run; two settings add seeds only on a condition stated there, which
 `runs` evaluates on the kept results of the seed before.
 
     python -m openrlhf_growmtp.experiments.from_scratch next      # the driver command of the next run to make
-    python -m openrlhf_growmtp.experiments.from_scratch export    # docs/from_scratch.json, the table, the default
+    python -m openrlhf_growmtp.experiments.from_scratch export    # runs/from_scratch/export/from_scratch.json
+    python -m openrlhf_growmtp.experiments.from_scratch export --docs   # the repository's: docs/from_scratch.json
 
-`make from-scratch` makes every run in turn, then exports.
+`make from-scratch` makes every run in turn, then exports (`make from-scratch ARGS=--docs`: the repository's).
 """
 
 from __future__ import annotations
@@ -24,7 +26,9 @@ from statistics import mean
 from openrlhf_growmtp.experiments import ablation_arms
 from openrlhf_growmtp.experiments.recipes import WORLDS
 
-KEEP = Path("docs/ablations_runs")
+KEEP = Path("runs/from_scratch/kept")
+OUT = Path("runs/from_scratch/export/from_scratch.json")
+DOCS_KEEP, DOCS_OUT = Path("docs/ablations_runs"), Path("docs/from_scratch.json")  # --docs: the repository's record
 # the estimate bench_alpha_estimate.py's rule chose for paper/unbiased-alpha (docs/from_scratch.md): mean |gap| at
 # the first draft position over the random and the K = 1 CE head at top-64, residual 0.053 against topk 0.071
 UNBIASED_ALPHA = "residual"
@@ -226,15 +230,22 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m openrlhf_growmtp.experiments.from_scratch", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("what", choices=("next", "export"))
-    parser.add_argument("--keep", type=Path, default=KEEP)
-    parser.add_argument("--out", type=Path, default=Path("docs/from_scratch.json"))
+    parser.add_argument("--keep", type=Path, help=f"where the runs are kept (default {KEEP})")
+    parser.add_argument("--out", type=Path, help=f"the export (default {OUT})")
+    parser.add_argument("--docs", action="store_true", help=f"the repository's record: --keep {DOCS_KEEP} "
+                                                            f"--out {DOCS_OUT}")
     args = parser.parse_args(argv)
+    if args.docs and (args.keep or args.out):
+        parser.error("--docs sets --keep and --out itself: drop them, or --docs")
+    args.keep = DOCS_KEEP if args.docs else args.keep or KEEP
+    args.out = DOCS_OUT if args.docs else args.out or OUT
     if args.what == "next":
         cmd = next_command(args.keep)
         if cmd is not None:
             print(" ".join(cmd))
         return 0
     doc = export(args.keep)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(doc, indent=1) + "\n")
     for name, world in doc["worlds"].items():
         print(f"{name}: " + ", ".join(f"{arm} " + " ".join(f"{tau:.3f}" for tau in entry["tau_final"].values())

@@ -25,8 +25,7 @@ def quick_run(tmp_path_factory, world_cache):
     tmp = tmp_path_factory.mktemp("ablations")
     env = {**os.environ, "GROWMTP_RAY_TMP": str(tmp / "ray")}
     command = [sys.executable, "-m", "openrlhf_growmtp.experiments.ablations", "--quick", "--worlds", "demo", "--arms",
-               ",".join(ARMS), "--steps", "3", "--runs-dir", str(tmp), "--cache-dir", str(world_cache),
-               "--export", str(tmp / "docs")]
+               ",".join(ARMS), "--steps", "3", "--runs-dir", str(tmp), "--cache-dir", str(world_cache)]
     result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     doc = json.loads((tmp / "ablations-quick" / "summary.json").read_text())
@@ -52,10 +51,11 @@ def test_every_arm_is_summarised_and_exported(quick_run):
         assert (tmp / "ablations-quick" / "demo" / f"{arm}-s42" / "command.txt").read_text().count(
             f"--growmtp_k {0 if arm == 'ar' else 3}") == 1
     assert "head_update_s" in summary["arms"]["growmtp"]["42"]
-    exported = json.loads((tmp / "docs" / "ablations.json").read_text())
+    export = tmp / "ablations-quick" / "export"  # the run directory's, without --export
+    exported = json.loads((export / "ablations.json").read_text())
     assert exported["worlds"] == doc["worlds"]
     for plot in ("tau", "alpha", "reward"):
-        assert (tmp / "docs" / f"ablations_demo_{plot}.png").stat().st_size > 1000
+        assert (export / f"ablations_demo_{plot}.png").stat().st_size > 1000
     assert "GrowMTP (DCA + VGM)" in stdout
 
 
