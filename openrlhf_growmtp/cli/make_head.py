@@ -1,4 +1,4 @@
-"""growmtp-make-head: write a head directory for a local backbone, once, before training.
+"""growmtp-make-head: write a head directory for a backbone (a local directory or a hub id), once, before training.
 
     growmtp-make-head --backbone /models/Qwen3-4B --out /heads/qwen3-4b-random            # from scratch, seed 0
     growmtp-make-head --backbone /models/MiMo-7B-SFT --native --out /heads/mimo-native   # the shipped head
@@ -13,6 +13,7 @@ import torch
 
 from openrlhf_growmtp.core.checkpoint import (HeadCheckpointError, export_head, load_native_head,
                                               materialize_random_head)
+from openrlhf_growmtp.hub import local_dir
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -20,17 +21,19 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="growmtp-make-head", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--backbone", required=True, help="local model directory (config.json, and weights for --native)")
+    parser.add_argument("--backbone", required=True,
+                        help="model directory or hub id (its config.json, and its weights for --native)")
     parser.add_argument("--out", required=True, help="head directory to write")
     parser.add_argument("--seed", type=int, default=0, help="seed of the from-scratch init (default 0)")
     parser.add_argument("--native", action="store_true", help="extract the model's own MTP head instead")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     args = parser.parse_args(argv)
     try:
+        backbone = local_dir(args.backbone, weights=args.native)
         if args.native:
-            out = export_head(load_native_head(args.backbone, dtype=DTYPES[args.dtype]), args.out)
+            out = export_head(load_native_head(backbone, dtype=DTYPES[args.dtype]), args.out)
         else:
-            out = materialize_random_head(args.backbone, args.out, seed=args.seed, dtype=DTYPES[args.dtype])
+            out = materialize_random_head(backbone, args.out, seed=args.seed, dtype=DTYPES[args.dtype])
     except (HeadCheckpointError, ValueError) as err:
         print(f"growmtp-make-head: {err}", file=sys.stderr)
         return 2

@@ -37,10 +37,12 @@ DRY_RUN_ENV = "GROWMTP_DRY_RUN"  # =1: parse and check everything, then exit 0 w
 def resolve_head_dir(flat: dict) -> str:
     """The head directory every engine and trainer starts from (written once for random / native)."""
     from openrlhf_growmtp.core.checkpoint import export_head, load_native_head, materialize_random_head
+    from openrlhf_growmtp.hub import local_dir
 
-    source, model = flat["growmtp.head"], flat["actor.model_name_or_path"]
+    source = flat["growmtp.head"]
     if source not in ("random", "native"):
-        return str(Path(source).resolve())
+        return str(local_dir(source, weights=True).resolve())  # a directory, or a hub id's cached snapshot
+    model = local_dir(flat["actor.model_name_or_path"], weights=source == "native")
     out = Path(flat["ckpt.path"]).resolve() / INITIAL_HEAD_DIR / source
     if source == "random":
         materialize_random_head(model, out, seed=0)

@@ -4,14 +4,14 @@ Every flag is registered under both spellings (`--growmtp_k` and upstream's grou
 `--growmtp.k`) with the dotted destination, so OpenRLHF's `hierarchize` turns it into `args.growmtp.k`.
 `check_args` works on the flat namespace right after parsing: a bad combination stops the launch with
 one message naming every problem, before any actor, engine or checkpoint is touched.
-No openrlhf import here: the checks read only the flat namespace and local config files.
+No openrlhf import here: the checks read only the flat namespace and the model's and head's config files
+(a hub id's from its cached snapshot, `hub.local_dir`).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 
 from ..core.checkpoint import (HeadCheckpointError, check_text_only, native_head_layers, native_head_tensor_names,
                                read_head_config, resolve_backbone)
@@ -19,6 +19,7 @@ from ..core.objectives import ALPHA_ESTIMATES, OBJECTIVES
 from ..core.reconstruction import CHUNK_CYCLES
 from ..core.records import DEFAULT_TOPK
 from ..core.schedule import DEFAULT_HEAD_LR, DEFAULT_MIN_LR_RATIO, DEFAULT_WARMUP_STEPS
+from ..hub import ModelLocationError, local_dir
 
 SUPPORTED_STAGES = (2, 3)  # DeepSpeed ZeRO stages whose optimizer trainer/head_optimizer.py knows
 
@@ -191,29 +192,33 @@ def policy_steps_per_rl_step(rollout_batch: int, samples_per_prompt: int, train_
 
 def _check_head(flat: dict, g: dict, k: int) -> list[str]:
     model = flat.get("actor.model_name_or_path")
+    family = text_config = raw = model_dir = None
     try:
-        family, text_config, raw = resolve_backbone(model) if model and Path(model).is_dir() else (None, None, None)
-        if family is not None:
-            check_text_only(model)
+        if model:  # a local directory or a hub id (its cached snapshot, fetched when the hub is reachable)
+            model_dir = local_dir(model)
+            family, text_config, raw = resolve_backbone(model_dir)
+            check_text_only(model_dir)
+    except ModelLocationError as err:  # names the model itself
+        return [f"--actor.model_name_or_path {err}"]
     except (HeadCheckpointError, KeyError, ValueError) as err:
         return [f"--actor.model_name_or_path {model}: {err}"]
     source = g["head"]
     if source in HEAD_SOURCES:
         if family is None:
-            return [f"--growmtp_head {source} reads the model's config: --actor.model_name_or_path must be a local "
-                    f"model directory (got {model!r})"]
+            return [f"--growmtp_head {source} reads the model's config: set --actor.model_name_or_path (a local "
+                    "model directory or a hub id)"]
         if source == "native" and native_head_layers(family, raw) == 0:
             return [f"--growmtp_head native: {model} ships no native MTP layer ({family.name} config field "
                     f"{family.native_layers_field!r} is 0 or missing); use --growmtp_head random"]
-        if source == "native" and native_head_tensor_names(model) == []:
+        if source == "native" and native_head_tensor_names(model_dir) == []:
             # e.g. a checkpoint saved by transformers' Qwen3_5ForCausalLM, which drops mtp.* on load
             return [f"--growmtp_head native: {model}'s config declares an MTP layer but its weights hold no "
                     f"{family.native_prefix}* tensors; use a checkpoint with them, or --growmtp_head random"]
         max_depth = MAX_DRAFT_DEPTH
     else:
         try:
-            config = read_head_config(source)
-        except HeadCheckpointError as err:
+            config = read_head_config(local_dir(source))
+        except (HeadCheckpointError, ModelLocationError) as err:
             return [f"--growmtp_head: {err}"]
         max_depth = int(getattr(config, "max_draft_depth", MAX_DRAFT_DEPTH))
         if text_config is not None and (config.hidden_size, config.vocab_size) != (
