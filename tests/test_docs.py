@@ -1,5 +1,7 @@
-"""The user's guide stays a guide, and its links resolve: README.md has at most 300 lines, and every relative
-link in README.md and docs/*.md names a file that exists and, with a `#anchor`, a heading of that file.
+"""The user's guide stays a guide, and its links resolve: README.md has at most 300 lines; every relative
+link in README.md, docs/*.md and examples/README.md names a file that exists and, with a `#anchor`, a heading of
+that file, and a README section cited in prose (README, "Section") is one of its headings; README.md and docs/*.md
+read as a manual, naming no issue number and no sitting (the project's history is CHANGELOG.md's).
 
 Links are markdown's `[text](target)` (images `![alt](target)` too) outside code blocks and code spans;
 http(s) and mailto targets are not checked. Anchors are GitHub's heading slugs. Standard library only.
@@ -15,12 +17,16 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 README_MAX_LINES = 300
 DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+LINKED = [*DOCUMENTS, ROOT / "examples" / "README.md"]  # whose links are checked
 
 FENCE = re.compile(r"^\s*(```|~~~)")
 CODE_SPAN = re.compile(r"(`+)(?:(?!\1).)+?\1")
 LINK = re.compile(r"!?\[(?:[^\[\]]|\[[^\[\]]*\])*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
 HEADING = re.compile(r"^ {0,3}(#{1,6})\s+(.*?)\s*#*\s*$")
 EXTERNAL = ("http://", "https://", "mailto:")
+# a README section cited in prose: README, "Rehearsal" / README "Running on GPUs" / the README's "..."
+README_CITATION = re.compile(r"README(?:'s)?,?\s+\"([^\"]+)\"")
+HISTORY = re.compile(r"\bissues?\s*#?\s*\d|sitting", re.IGNORECASE)  # what a manual does not name
 
 
 def prose_lines(text: str) -> list[str]:
@@ -84,10 +90,46 @@ def test_readme_is_at_most_300_lines():
     assert len(lines) <= README_MAX_LINES, f"README.md has {len(lines)} lines; move details into docs/"
 
 
-@pytest.mark.parametrize("document", DOCUMENTS, ids=lambda path: str(path.relative_to(ROOT)))
+def readme_citations(text: str) -> list[str]:
+    """The README sections a text cites in prose, as `README, "Section"`, joined over line breaks."""
+    return [" ".join(m.group(1).split()) for m in README_CITATION.finditer(" ".join(prose_lines(text)))]
+
+
+def readme_headings() -> list[str]:
+    """README.md's headings, read when a test runs."""
+    return [m.group(2) for line in prose_lines((ROOT / "README.md").read_text(encoding="utf-8"))
+            if (m := HEADING.match(line))]
+
+
+def history_mentions(text: str) -> list[str]:
+    """The lines of a text that name an issue number or a sitting."""
+    return [line.strip() for line in text.splitlines() if HISTORY.search(line)]
+
+
+@pytest.mark.parametrize("document", LINKED, ids=lambda path: str(path.relative_to(ROOT)))
 def test_every_relative_link_resolves(document: Path):
     problems = broken_links(document)
     assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("document", LINKED, ids=lambda path: str(path.relative_to(ROOT)))
+def test_every_readme_section_cited_in_prose_exists(document: Path):
+    headings = {slug(h) for h in readme_headings()}
+    missing = [c for c in readme_citations(document.read_text(encoding="utf-8")) if slug(c) not in headings]
+    assert not missing, f"README.md has no section {missing}"
+
+
+@pytest.mark.parametrize("document", DOCUMENTS, ids=lambda path: str(path.relative_to(ROOT)))
+def test_the_manual_names_no_issue_and_no_sitting(document: Path):
+    found = history_mentions(document.read_text(encoding="utf-8"))
+    assert not found, "history belongs in CHANGELOG.md; rewrite as manual text:\n" + "\n".join(found)
+
+
+def test_the_history_and_citation_patterns_catch_what_they_should():
+    assert history_mentions("before issue 47\nIssues #12 and 13\nsecond Sitting\nan issue's target\nthe issues") == [
+        "before issue 47", "Issues #12 and 13", "second Sitting"]
+    assert readme_citations('see (README, "Rehearsal") and the README\'s "Serve what\nthe run grew"') == [
+        "Rehearsal", "Serve what the run grew"]
 
 
 def test_slugs_and_links_follow_github():
