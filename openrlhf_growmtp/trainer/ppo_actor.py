@@ -32,11 +32,11 @@ from .head_rl_step import HeadRLStep
 from .head_update import HeadUpdateConfig
 from .keys import ACCEPTED_KEY, DROPPED_KEY, RECORD_INDEX_KEY, RECORD_KEY
 from .loss import NegativeAdvantageWeightedLoss
+from .resume import SNAPSHOT_FILE  # noqa: F401 (its one definition: the startup check reads it too)
 from .strategy import gathered_head_state, head_of, without_head
 
 logger = logging.getLogger("growmtp")
 
-SNAPSHOT_FILE = "growmtp_head_snapshot.pt"  # head weights, rank-0 head Adam moments and head LR
 ALPHA_1_STATE = "growmtp_alpha_1"  # in the checkpoint's client states: GrowMTPActorTrainer.alpha_1
 
 

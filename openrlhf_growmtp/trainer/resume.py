@@ -1,0 +1,53 @@
+"""Which checkpoints a resumed run can load, decided at startup.
+
+`--ckpt.load_enable` resumes from DeepSpeed's checkpoint under `<ckpt.path>/_actor/<tag>` (the tag named in
+its `latest` file). A run with a training head saves the head inside it: the head's parameters in the model's
+state (under `mtp_head.`) and the head's own param group in the optimizer's. DeepSpeed loads both strictly, so a
+run without a training head (`--growmtp_k 0`, or `--growmtp_mode frozen`) cannot load a checkpoint that has one,
+nor a run with a training head one that has none. Either way DeepSpeed would fail only after Ray and the
+engines have started, with a list of unexpected keys; this check says so before anything starts.
+
+A checkpoint has a head when its tag holds SNAPSHOT_FILE, which a run with a training head writes beside every
+checkpoint it saves (`ppo_actor.GrowMTPPolicyActor`). No openrlhf or DeepSpeed import here.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+SNAPSHOT_FILE = "growmtp_head_snapshot.pt"  # head weights, rank-0 head Adam moments and head LR
+ACTOR_DIR = "_actor"  # upstream's actor checkpoints under --ckpt.path
+LATEST = "latest"  # DeepSpeed's file naming the newest tag
+
+
+def checkpoint_to_load(ckpt_path: str | Path) -> Path | None:
+    """The checkpoint directory a resume from `ckpt_path` would load (None: none, and the run starts fresh)."""
+    latest = Path(ckpt_path) / ACTOR_DIR / LATEST
+    if not latest.is_file():
+        return None
+    tag_dir = latest.parent / latest.read_text().strip()
+    return tag_dir if tag_dir.is_dir() else None
+
+
+def resume_problem(flat: dict) -> str | None:
+    """Why this run cannot load the checkpoint it would resume from (None: it can, or it resumes nothing).
+    `flat` is vars(the parsed namespace)."""
+    if not flat.get("ckpt.load_enable") or not flat.get("ckpt.path"):
+        return None
+    checkpoint = checkpoint_to_load(flat["ckpt.path"])
+    if checkpoint is None:
+        return None
+    saved_with_head = (checkpoint / SNAPSHOT_FILE).is_file()
+    training_head = (flat.get("growmtp.k") or 0) > 0 and flat.get("growmtp.mode") != "frozen"
+    fresh_run = ("start a new run (a new --ckpt.path) from the run's HF export (--ckpt.output_dir, or a "
+                 "--ckpt.save_hf checkpoint) as --actor.model_name_or_path: the policy's weights carry over, its "
+                 "optimizer state and LR schedule start again")
+    if saved_with_head and not training_head:
+        return (f"--ckpt.load_enable: {checkpoint} holds a training GrowMTP head (its weights and Adam state), "
+                "which a run without one (--growmtp_k 0 or --growmtp_mode frozen) cannot load. Resume with "
+                f"--growmtp_k >= 1 (any depth), or, to go on without the head, {fresh_run}")
+    if training_head and not saved_with_head:
+        return (f"--ckpt.load_enable: {checkpoint} was saved without a training GrowMTP head (--growmtp_k 0 or "
+                "--growmtp_mode frozen), and a run that trains one cannot load it. Resume it as it was saved, "
+                f"or, to start growing a head from this policy, {fresh_run}")
+    return None
