@@ -25,8 +25,9 @@ class Chunk:
     states: DraftStates
     topk_ids: torch.Tensor  # [N, K, k] the target's recorded top-k ids at each draft position
     topk_logprobs: torch.Tensor  # [N, K, k] their log p
-    accepted: torch.Tensor | None  # [N] (chain length min(accepted + 1, K)); None: every position (no VGM)
+    accepted: torch.Tensor  # [N] a_r: the cycle reached positions 1..min(a_r + 1, K) and passed 1..a_r
     weight: float  # of each cycle's loss in the backward; 0 for padding
+    vgm: bool = True  # the chain stops at min(a_r + 1, K); False: every cycle's chain runs over all K
 
     @property
     def num_cycles(self) -> int:

@@ -56,10 +56,12 @@ class HeadLossStats:
     loss: float = 0.0  # batch loss (mean over cycles, or over teacher-forced chains)
     num_cycles: int = 0
     num_chunks: int = 0
-    # per draft position: the sum and count of the head's α over the cycles whose loss reads it (all of
-    # them without VGM; under VGM those whose earlier drafts were all accepted)
+    # per draft position k, over the cycles that reached k (every earlier draft accepted; with or without
+    # VGM): the sum of the head's α, their count, and how many of them the engine accepted at k. The last
+    # over the count is the engine's acceptance on the same cycles the α is averaged over.
     alpha_sum: list[float] = field(default_factory=list)
     alpha_count: list[float] = field(default_factory=list)
+    accepted_count: list[float] = field(default_factory=list)
     finite: bool = True
 
     @property
@@ -72,8 +74,9 @@ class HeadLossStats:
             return
         self.loss += float(scored.loss) * weight
         # summed in fp32, as the α they are sums of
-        self.alpha_sum = (torch.tensor(self.alpha_sum) + (scored.alpha * scored.read).sum(0).cpu()).tolist()
-        self.alpha_count = (torch.tensor(self.alpha_count) + scored.read.sum(0).cpu()).tolist()
+        for name, value in (("alpha_sum", scored.alpha * scored.reached), ("alpha_count", scored.reached),
+                            ("accepted_count", scored.passed)):
+            setattr(self, name, (torch.tensor(getattr(self, name)) + value.sum(0).cpu()).tolist())
 
 
 def alpha_means(alpha_sum: Sequence[float], alpha_count: Sequence[float]) -> list[float]:
@@ -83,13 +86,14 @@ def alpha_means(alpha_sum: Sequence[float], alpha_count: Sequence[float]) -> lis
 
 @dataclass
 class Scored:
-    """One chunk scored: its summed loss, the gradient of weight x that sum at the states, α and which
-    (cycle, position) the loss reads."""
+    """One chunk scored: its summed loss, the gradient of weight x that sum at the states, α, which
+    (cycle, position) drafting reached and which the engine accepted."""
 
     loss: torch.Tensor  # [] sum over the chunk's cycles
     grad_normed: torch.Tensor | None  # [M, H], None when not training
     alpha: torch.Tensor  # [N, K]
-    read: torch.Tensor  # [N, K] bool: positions up to the chain length
+    reached: torch.Tensor  # [N, K] bool: positions 1..min(a_r + 1, K), every earlier draft accepted
+    passed: torch.Tensor  # [N, K] bool: positions 1..a_r, accepted by the engine
 
 
 def head_loss_backward(head, records: Sequence[SequenceRecord], hiddens: Sequence[torch.Tensor] | None = None,
@@ -105,7 +109,8 @@ def head_loss_backward(head, records: Sequence[SequenceRecord], hiddens: Sequenc
     """
     plan = ChunkPlan(head, records, hiddens, cfg, lockstep)  # this rank's chunks, then padding
     stats = HeadLossStats(num_cycles=plan.num_cycles, num_chunks=plan.num_chunks,
-                          alpha_sum=[0.0] * plan.depth, alpha_count=[0.0] * plan.depth)
+                          alpha_sum=[0.0] * plan.depth, alpha_count=[0.0] * plan.depth,
+                          accepted_count=[0.0] * plan.depth)
     with plan.recomputing(train):
         for planned in plan:
             chunk = planned.reconstruct()  # the draft paths, as drafted
@@ -145,7 +150,7 @@ def score(head, chunk: Chunk, cfg: HeadLossConfig, groups: int, train: bool = Tr
                 loss = scores.logq.sum() * 0.0
             else:
                 target = chunk.topk_logprobs[lo:hi].float()
-                accepted = None if chunk.accepted is None else chunk.accepted[lo:hi]
+                accepted = chunk.accepted[lo:hi] if chunk.vgm else None
                 per_cycle, alpha[lo:hi] = head_loss_per_cycle_at(
                     target.index_put((cycle - lo, position), scores.logq), target, accepted, cfg.objective,
                     alpha_residual=cfg.alpha_estimate == "residual", hybrid_lambda=cfg.hybrid_lambda)
@@ -155,6 +160,6 @@ def score(head, chunk: Chunk, cfg: HeadLossConfig, groups: int, train: bool = Tr
                 # added, not assigned: a padding row is some group's real slot, and its gradient here is 0
                 grad_normed.index_add_(0, rows, scores.input_grad(grad_logq))
         loss_sum = loss_sum + loss.detach()
-    lengths = chain_lengths(chunk.accepted, num_cycles, depth, device=device)
-    read = torch.arange(depth, device=device)[None, :] < lengths[:, None]
-    return Scored(loss_sum, grad_normed, alpha, read)
+    positions = torch.arange(depth, device=device)[None, :]
+    reached = positions < chain_lengths(chunk.accepted, num_cycles, depth, device=device)[:, None]
+    return Scored(loss_sum, grad_normed, alpha, reached, positions < chunk.accepted.long()[:, None])

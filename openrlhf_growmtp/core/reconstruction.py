@@ -206,9 +206,9 @@ class DraftPaths:
         pieces, device = self.chunks[i], self.prefix.device
         self.prefix.open(self._opens(i), work.prefix_open)
         states = reconstruct_states(self.head, self.records, pieces, self.prefix, self._lengths(i))
-        accepted = _cat_cycles(self.records, pieces, "accepted").to(device) if self.vgm else None
         return Chunk(states, _cat_cycles(self.records, pieces, "topk_ids").to(device),
-                     _cat_cycles(self.records, pieces, "topk_logprobs").to(device), accepted, weight)
+                     _cat_cycles(self.records, pieces, "topk_logprobs").to(device),
+                     _cat_cycles(self.records, pieces, "accepted").to(device), weight, self.vgm)
 
     def backward(self, i: int, work: ChunkWork, surrogate: torch.Tensor,
                  backward: Callable[[torch.Tensor], None]) -> None:

@@ -23,6 +23,7 @@ import torch
 from ..core.head import MTPHead
 from ..core.head_loss import HeadLossConfig, HeadLossStats, alpha_means, head_loss_backward
 from ..core.lockstep import Lockstep
+from ..core.objectives import chain_lengths
 from ..core.records import SequenceRecord
 
 
@@ -46,9 +47,12 @@ class HeadUpdateTotals:
     teacher_forcing: bool = False
     cycles: float = 0.0
     loss_sum: float = 0.0  # sum over cycles of the per-cycle loss (NaN once a call was not finite)
-    mass_sum: float = 0.0  # sum over cycles and draft positions of the recorded top-k's target mass
-    alpha_sum: list[float] = field(default_factory=list)  # [K] per draft position
-    alpha_count: list[float] = field(default_factory=list)  # [K] cycles whose loss reads that position
+    mass_sum: float = 0.0  # sum over the (cycle, draft position) pairs the loss reads of the top-k's mass
+    mass_count: float = 0.0  # how many pairs that is
+    # [K] per draft position k, over the cycles that reached k (`core.head_loss.HeadLossStats`)
+    alpha_sum: list[float] = field(default_factory=list)
+    alpha_count: list[float] = field(default_factory=list)
+    accepted_count: list[float] = field(default_factory=list)
     finite: bool = True
     seconds: float = 0.0
 
@@ -58,14 +62,15 @@ class HeadUpdateTotals:
         if not first_visit:
             return
         if other.k:
-            if not self.k:
-                self.k, self.alpha_sum, self.alpha_count = other.k, [0.0] * other.k, [0.0] * other.k
-            self.alpha_sum = [a + b for a, b in zip(self.alpha_sum, other.alpha_sum or [0.0] * self.k)]
-            self.alpha_count = [a + b for a, b in zip(self.alpha_count, other.alpha_count or [0.0] * self.k)]
+            self.k = other.k
+            for name in ("alpha_sum", "alpha_count", "accepted_count"):
+                mine, theirs = getattr(self, name) or [0.0] * other.k, getattr(other, name) or [0.0] * other.k
+                setattr(self, name, [a + b for a, b in zip(mine, theirs)])
         self.teacher_forcing = self.teacher_forcing or other.teacher_forcing
         self.cycles += other.cycles
         self.loss_sum += other.loss_sum
         self.mass_sum += other.mass_sum
+        self.mass_count += other.mass_count
 
     def metrics(self) -> dict[str, float]:
         cycles = max(self.cycles, 1.0)
@@ -73,12 +78,16 @@ class HeadUpdateTotals:
                    "head_loss": self.loss_sum / cycles if self.finite else float("nan"),
                    "head_update_s": self.seconds}
         if self.k:
-            # The recorded top-k's share of the target's mass: the sparse alpha estimate can exceed the true
-            # alpha by at most 1 minus it (objectives.py), so a small value says the alphas are loose.
-            metrics["head_topk_mass"] = self.mass_sum / max(self.cycles * self.k, 1.0)
+            # The recorded top-k's share of the target's mass where the loss reads it: the sparse alpha
+            # estimate can exceed the true alpha by at most 1 minus it (objectives.py).
+            metrics["head_topk_mass"] = self.mass_sum / max(self.mass_count, 1.0)
             if not self.teacher_forcing:
-                # per position, over the cycles whose loss reads it (under VGM: those that reached it)
                 metrics.update(alphas("head_alpha", self.alpha_sum, self.alpha_count))
+                # like for like: the head's α and the engine's acceptance over the same cycles (those that
+                # reached k), from the same records
+                engine = alpha_means(self.accepted_count, self.alpha_count)
+                metrics.update({f"alpha_gap_{k}": metrics[f"head_alpha_{k}"] - accepted
+                                for k, accepted in enumerate(engine, start=1)})
         return metrics
 
 
@@ -90,22 +99,34 @@ def update_head(head: MTPHead, records: Sequence[SequenceRecord], hiddens: Seque
     `gradient_accumulation`); `cycles_per_step` divides the summed loss (module docstring)."""
     began = time.perf_counter()
     local_cycles = sum(rec.num_cycles for rec in records)
-    local_mass = sum(float(torch.logsumexp(rec.topk_logprobs.float(), dim=-1).exp().sum()) for rec in records)
-    cycles, mass = lockstep.total([local_cycles, local_mass])
+    cycles, mass, mass_count = lockstep.total([local_cycles, *read_topk_mass(records, cfg.loss.vgm)])
     scale = lockstep.size * gradient_accumulation * local_cycles / (cycles_per_step or cycles) if local_cycles else 0.0
     scaled = replace(lockstep, backward=lambda loss: lockstep.backward(loss * scale))
     dtype = next(head.parameters()).dtype
     stats = head_loss_backward(head, records, [h.to(dtype) for h in hiddens], cfg.loss, scaled)
     totals = HeadUpdateTotals(teacher_forcing=cfg.loss.teacher_forcing, cycles=cycles, mass_sum=mass,
-                            finite=stats.finite)
+                              mass_count=mass_count, finite=stats.finite)
     if stats.alpha_sum:
         k = len(stats.alpha_sum)
         sums = lockstep.total([stats.loss * local_cycles if stats.finite else 0.0, *stats.alpha_sum,
-                               *stats.alpha_count])
-        totals.k, totals.alpha_sum, totals.alpha_count = k, sums[1:1 + k], sums[1 + k:]
-        totals.loss_sum = sums[0] if stats.finite else float("nan")
+                               *stats.alpha_count, *stats.accepted_count])
+        totals.k, totals.loss_sum = k, sums[0] if stats.finite else float("nan")
+        totals.alpha_sum, totals.alpha_count, totals.accepted_count = (sums[1 + i * k:1 + (i + 1) * k]
+                                                                       for i in range(3))
     totals.seconds = time.perf_counter() - began
     return totals
+
+
+def read_topk_mass(records: Sequence[SequenceRecord], vgm: bool) -> tuple[float, float]:
+    """The recorded top-k's target mass summed over the (cycle, draft position) pairs the loss reads (under
+    VGM positions 1..min(a_r + 1, K), else all K), and how many pairs that is."""
+    total, count = 0.0, 0.0
+    for rec in records:
+        mass = torch.logsumexp(rec.topk_logprobs.float(), dim=-1).exp()  # [cycles, K]
+        lengths = chain_lengths(rec.accepted if vgm else None, rec.num_cycles, rec.depth)
+        read = torch.arange(rec.depth)[None, :] < lengths[:, None]
+        total, count = total + float((mass * read).sum()), count + float(read.sum())
+    return total, count
 
 
 def head_alpha_on(head: MTPHead, records: Sequence[SequenceRecord], hiddens: Sequence[torch.Tensor],

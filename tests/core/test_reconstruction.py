@@ -217,18 +217,20 @@ def test_vgm_builds_only_the_positions_up_to_the_first_rejection_with_unchanged_
 
 
 @pytest.mark.parametrize("vgm", [True, False])
-def test_alpha_statistics_average_each_position_over_the_cycles_whose_loss_reads_it(vgm):
+def test_alpha_statistics_average_each_position_over_the_cycles_that_reached_it(vgm):
+    # with or without VGM: the cycles whose earlier drafts were all accepted, where the engine's own
+    # acceptance at that position is known (accepted_count counts those it accepted)
     head = make_head("qwen3")
     records = make_records(k=4)
     accepted = torch.cat([r.accepted for r in records])
     with torch.no_grad():
         _, alpha = head_loss_per_cycle(chain_by_chain_logits(head, records), torch.cat([r.topk_ids for r in records]),
                                        torch.cat([r.topk_logprobs for r in records]), accepted, "dca")
-    lengths = chain_lengths(accepted if vgm else None, len(accepted), 4)
-    reads = torch.arange(4)[None, :] < lengths[:, None]
-    expected = (alpha * reads).sum(0) / reads.sum(0)
+    reached = torch.arange(4)[None, :] < chain_lengths(accepted, len(accepted), 4)[:, None]
+    expected = (alpha * reached).sum(0) / reached.sum(0)
     stats = update(head, records, objective="dca", vgm=vgm, chunk_cycles=5)
-    assert stats.alpha_count == reads.sum(0).float().tolist()
+    assert stats.alpha_count == reached.sum(0).float().tolist()
+    assert stats.accepted_count == [float((accepted >= k).sum()) for k in range(1, 5)]
     assert stats.alpha_mean == pytest.approx(expected.tolist(), abs=1e-5)
 
 

@@ -1,21 +1,51 @@
-"""What the controller adds to each RL step's metrics (`trainer/ppo_trainer.py`): the α gaps and the
-warning about a top-k that holds too little of the policy's mass."""
+"""What each RL step reports about the head update's α: the α gaps, like for like with the engine
+(`trainer/head_update.py`), the top-k's mass, and the controller's warning about a top-k that holds too
+little of the policy's mass (`trainer/ppo_trainer.py`)."""
 
 from __future__ import annotations
 
 import logging
 from types import SimpleNamespace
 
+import pytest
+import torch
+
+from helpers.tiny import chain_by_chain_logits, make_head, make_records
 from helpers.trainer import cpu_support  # noqa: F401  (the CPU layer before openrlhf is imported)
-from openrlhf_growmtp.trainer.ppo_trainer import TRUSTED_TOPK_MASS, GrowMTPStepMetrics, alpha_gaps
+from openrlhf_growmtp.core import HeadLossConfig, Lockstep
+from openrlhf_growmtp.core.objectives import acceptance_rates
+from openrlhf_growmtp.trainer.head_update import HeadUpdateConfig, update_head
+from openrlhf_growmtp.trainer.ppo_trainer import TRUSTED_TOPK_MASS, GrowMTPStepMetrics
 
 
-def test_the_gap_is_the_updates_alpha_minus_the_realised_one_where_both_were_logged():
-    status = {"growmtp/head_alpha_1": 0.30, "growmtp/alpha_1": 0.25, "growmtp/head_alpha_2": 0.2,
-              "growmtp/alpha_2": 0.1, "growmtp/head_alpha_3": 0.1, "growmtp/tau": 1.3}
-    gaps = alpha_gaps(status)
-    assert set(gaps) == {"growmtp/alpha_gap_1", "growmtp/alpha_gap_2"}  # no realised α_3 logged: no gap
-    assert abs(gaps["growmtp/alpha_gap_1"] - 0.05) < 1e-12 and abs(gaps["growmtp/alpha_gap_2"] - 0.1) < 1e-12
+@pytest.mark.parametrize("vgm", [True, False])
+def test_the_alpha_gap_compares_the_head_and_the_engine_over_the_cycles_that_reached_k(vgm):
+    # the records' accepted counts: 11 cycles of K = 4, with full accepts and early rejections
+    head, records = make_head("qwen3"), make_records(k=4)
+    metrics = update_head(head, records, [rec.hidden for rec in records],
+                          HeadUpdateConfig(HeadLossConfig(vgm=vgm, chunk_cycles=3)), Lockstep()).metrics()
+    cat = lambda name: torch.cat([getattr(rec, name) for rec in records])  # noqa: E731
+    # the reference: each cycle drafted on its own, α from its full logits; the engine's counts by hand
+    with torch.no_grad():
+        alpha = acceptance_rates(chain_by_chain_logits(head, records), cat("topk_ids"), cat("topk_logprobs"))
+    accepted, positions = cat("accepted").long(), torch.arange(4)
+    reached = positions[None, :] <= accepted[:, None]  # every earlier draft accepted
+    passed = positions[None, :] < accepted[:, None]
+    differ = 0
+    for k in range(1, 5):
+        rows = reached[:, k - 1]
+        head_alpha, engine = float(alpha[rows, k - 1].mean()), float(passed[rows, k - 1].float().mean())
+        # α in [0, 1] from fp32 logits, averaged over at most 11 cycles: batched and chain by chain agree to
+        # a few ulps of 1; 1e-5 leaves room for the sums' order
+        assert metrics[f"head_alpha_{k}"] == pytest.approx(head_alpha, abs=1e-5)
+        assert metrics[f"alpha_gap_{k}"] == pytest.approx(head_alpha - engine, abs=1e-5)
+        unconditional = float((accepted >= k).float().mean())  # growmtp/alpha_k, over every cycle
+        differ += abs(unconditional - engine) > 0.1
+    assert differ >= 2  # the case tells the two definitions apart at k >= 2
+    # the top-k's mass over the pairs the loss reads: under VGM the reached ones, else all K
+    mass = torch.logsumexp(cat("topk_logprobs").float(), dim=-1).exp()
+    read = reached if vgm else torch.ones_like(reached)
+    assert metrics["head_topk_mass"] == pytest.approx(float(mass[read].mean()), rel=1e-6)
 
 
 def test_a_low_topk_mass_is_warned_about_once_naming_the_flag(tmp_path, caplog):
