@@ -67,8 +67,11 @@ def run_world(name: str, args, out: Path, seeds: tuple[int, ...], arms: list[str
     recipe = replace(recipe, head_lr=args.head_lr or recipe.head_lr)
     extra = ("--growmtp_alpha_estimate", args.alpha_estimate) if args.alpha_estimate else ()
     digest = world.digest()
+    config = json.loads((world.policy / "config.json").read_text())
+    facts = {"vocab_size": config["vocab_size"], "policy_layers": config["num_hidden_layers"]}
     if kept:
-        note_build(kept / "builds.json", digest)
+        note_build(kept / "builds.json", digest, facts)
+    made_at = source_commit()
     rows: dict[str, dict[int, list[dict]]] = {arm: {} for arm in arms}
     wall: dict[str, dict[int, float]] = {arm: {} for arm in arms}
     failed: dict[str, dict[int, str]] = {}
@@ -96,8 +99,13 @@ def run_world(name: str, args, out: Path, seeds: tuple[int, ...], arms: list[str
                     print(f"{name}: {arm} (seed {seed}) FAILED: {failed[arm][seed]}", flush=True)
                     continue
                 report.write_metrics(run_dir / "metrics.jsonl", logged)
+                # how it was made, beside what restore() compares: the seed, the code, the whole command (the
+                # determinism flag included) and the α estimate in effect
+                made_how = {"seed": seed, "commit": made_at, "command": [str(part) for part in cmd],
+                            "full_determinism": "--train.full_determinism_enable" in cmd,
+                            "alpha_estimate": (args.alpha_estimate or "residual") if arm_spec.drafts else None}
                 result.write_text(json.dumps({"rows": logged, "wall_s": seconds, "world_digest": digest,
-                                              **made_under}) + "\n")
+                                              **made_under, **made_how}) + "\n")
                 keep(result, kept, f"{arm}-s{seed}.json")
             done = json.loads(result.read_text())
             rows[arm][seed], wall[arm][seed] = done["rows"], done["wall_s"]
@@ -106,8 +114,7 @@ def run_world(name: str, args, out: Path, seeds: tuple[int, ...], arms: list[str
     rows = {arm: by_seed for arm, by_seed in rows.items() if by_seed}
     per_seed = {arm: {seed: ablation_arms.seed_summary(runs, recipe.head_warmup_steps) for seed, runs in by_seed.items()}
                 for arm, by_seed in rows.items()}
-    config = json.loads((world.policy / "config.json").read_text())
-    summary = {"k": recipe.k, "vocab_size": config["vocab_size"], "policy_layers": config["num_hidden_layers"],
+    summary = {"k": recipe.k, **facts,
                "topk": recipe.topk, "topk_mass": ablation_arms.mean_topk_mass(rows.get(ablation_arms.REFERENCE, {})),
                "schedule": "rl_step", "start": args.start, "alpha_estimate": args.alpha_estimate or "residual",
                "seeds": list(seeds), "settings": asdict(recipe),
@@ -149,14 +156,37 @@ def _made_under(result: Path, made_under: dict) -> bool:
     return {key: found.get(key) for key in made_under} == made_under
 
 
-def note_build(builds: Path, digest: str) -> None:
-    """Record in the keep directory that an invocation built this world with these weights (World.digest): runs
-    kept by invocations on other machines compare only if the digests agree."""
+def note_build(builds: Path, digest: str, facts: dict) -> None:
+    """Record in the keep directory that an invocation built this world with these weights (World.digest), and
+    the world's facts (`vocab_size`, `policy_layers`) that exports read from here: runs kept by invocations on
+    other machines compare only if the digests agree."""
     seen = json.loads(builds.read_text()) if builds.exists() else []
-    if digest not in [b["digest"] for b in seen]:
-        seen.append({"digest": digest, "first_seen": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())})
+    entry = next((b for b in seen if b["digest"] == digest), None)
+    if entry is None:
+        entry = {"digest": digest, "first_seen": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+        seen.append(entry)
+    if any(entry.get(key) != value for key, value in facts.items()):
+        entry.update(facts)
         builds.parent.mkdir(parents=True, exist_ok=True)
         builds.write_text(json.dumps(seen, indent=1) + "\n")
+
+
+def world_facts(kept: Path) -> dict:
+    """The facts every build kept under `kept` agrees on (`note_build`); {} where none is recorded."""
+    builds = kept / "builds.json"
+    seen = json.loads(builds.read_text()) if builds.exists() else []
+    keys = {key for b in seen for key in b} - {"digest", "first_seen"}
+    return {key: seen[0][key] for key in sorted(keys) if len({json.dumps(b.get(key)) for b in seen}) == 1}
+
+
+def source_commit() -> str | None:
+    """The checkout's commit, `+dirty` when tracked files differ from it; None outside a git checkout."""
+    def git(*argv: str) -> str:
+        return subprocess.run(["git", *argv], capture_output=True, text=True, timeout=30, check=True).stdout.strip()
+    try:
+        return git("rev-parse", "HEAD") + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
+    except (OSError, subprocess.SubprocessError):
+        return None
 
 
 def keep(local: Path, kept_dir: Path | None, name: str) -> None:

@@ -24,6 +24,7 @@ from pathlib import Path
 from statistics import mean
 
 from openrlhf_growmtp.experiments import ablation_arms
+from openrlhf_growmtp.experiments.ablations import world_facts
 from openrlhf_growmtp.experiments.recipes import WORLDS
 
 KEEP = Path("runs/from_scratch/kept")
@@ -172,7 +173,9 @@ def export(keep: Path = KEEP) -> dict:
             if "alpha_gap_final" in result:
                 entry["alpha_gap"][str(seed)] = result["alpha_gap_final"]
         head_lr = setting.head_lr or (f"{float(recipe.head_lr) / 3:g}" if setting.start == "ce_k1" else recipe.head_lr)
-        worlds[name] = {"k": recipe.k, "vocab_size": _vocab_size(setting.world), "policy_layers": _layers(setting.world),
+        facts = world_facts(folder) if folder else {}  # what the kept builds recorded, not a cache
+        worlds[name] = {"k": recipe.k, "vocab_size": facts.get("vocab_size"),
+                        "policy_layers": facts.get("policy_layers"),
                         "topk_mass": text.get(f"top{recipe.topk}_mass"), "entropy_nats": text.get("entropy_nats"),
                         "alpha_estimate": setting.alpha_estimate or "residual", "start": setting.start,
                         "head_lr": float(head_lr), "steps": setting.steps or recipe.steps,
@@ -210,20 +213,6 @@ def _differences_by_world(worlds: dict) -> dict[str, list[float]]:
 
 def _differences(worlds: dict) -> list[float]:
     return [d for per_world in _differences_by_world(worlds).values() for d in per_world]
-
-
-def _config(world: str) -> dict:
-    cache = Path("runs/.cache")
-    found = sorted(cache.glob(f"{WORLD_PREFIX[world]}-*/policy/config.json"))
-    return json.loads(found[-1].read_text()) if found else {}
-
-
-def _vocab_size(world: str) -> int | None:
-    return _config(world).get("vocab_size")
-
-
-def _layers(world: str) -> int | None:
-    return _config(world).get("num_hidden_layers")
 
 
 def main(argv: list[str] | None = None) -> int:

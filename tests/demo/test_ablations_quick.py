@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -51,6 +52,13 @@ def test_every_arm_is_summarised_and_exported(quick_run):
         assert (tmp / "ablations-quick" / "demo" / f"{arm}-s42" / "command.txt").read_text().count(
             f"--growmtp_k {0 if arm == 'ar' else 3}") == 1
     assert "head_update_s" in summary["arms"]["growmtp"]["42"]
+    for arm in ARMS:  # each result says how it was made
+        made = json.loads((tmp / "ablations-quick" / "demo" / f"{arm}-s42" / "result.json").read_text())
+        assert made["seed"] == 42 and made["world_digest"] == summary["world_digest"]
+        assert re.fullmatch(r"[0-9a-f]{40}(\+dirty)?", made["commit"])
+        assert made["full_determinism"] and "--train.full_determinism_enable" in made["command"]
+        assert made["command"][made["command"].index("--train.seed") + 1] == "42"
+        assert made["alpha_estimate"] == ("residual" if arm != "ar" else None)
     export = tmp / "ablations-quick" / "export"  # the run directory's, without --export
     exported = json.loads((export / "ablations.json").read_text())
     assert exported["worlds"] == doc["worlds"]

@@ -128,8 +128,21 @@ def test_a_worlds_digest_follows_its_tensors_not_its_files_metadata(tmp_path):
 
     builds = tmp_path / "keep" / "builds.json"
     for digest in (one.digest(), same.digest(), other.digest()):
-        note_build(builds, digest)
+        note_build(builds, digest, {"vocab_size": 32, "policy_layers": 2})
     assert [b["digest"] for b in json.loads(builds.read_text())] == [one.digest(), other.digest()]
+
+
+def test_the_world_facts_an_export_reads_are_the_kept_builds_own(tmp_path):
+    from openrlhf_growmtp.experiments.ablations import note_build, world_facts
+
+    builds = tmp_path / "builds.json"
+    assert world_facts(tmp_path) == {}  # nothing kept: nothing claimed (an export writes null, not a guess)
+    builds.write_text(json.dumps([{"digest": "a" * 16, "first_seen": "then"}]))  # kept before facts were recorded
+    note_build(builds, "a" * 16, {"vocab_size": 4096, "policy_layers": 8})
+    assert world_facts(tmp_path) == {"vocab_size": 4096, "policy_layers": 8}
+    assert json.loads(builds.read_text())[0]["first_seen"] == "then"
+    note_build(builds, "b" * 16, {"vocab_size": 4096, "policy_layers": 10})  # another build disagrees on one
+    assert world_facts(tmp_path) == {"vocab_size": 4096}
 
 
 def test_the_ce_k1_start_trains_one_k1_ce_head_per_world_and_runs_from_it_at_a_third_of_the_lr(tmp_path, monkeypatch):
@@ -187,3 +200,21 @@ def test_the_ceiling_trains_the_objective_it_is_given():
     reported = ceiling.train(make_head("qwen3"), records, hiddens, epochs=1, lr=1e-3, batch=len(records), seed=0,
                              cfg=HeadLossConfig(objective="ce"))
     assert reported == pytest.approx(ce, rel=1e-6) and abs(reported - dca) > 1e-3
+
+
+def test_every_kept_run_says_how_it_was_made():
+    # the repository's record: seed, commit (null where it was not recorded), the determinism flag, the α
+    # estimate (none without a head) and the world's digest, one of the builds kept beside it with its facts
+    from pathlib import Path
+
+    kept = sorted(Path(__file__).resolve().parents[2].glob("docs/ablations_runs/*/*-s[0-9]*.json"))
+    assert len(kept) > 100
+    for path in kept:
+        made = json.loads(path.read_text())
+        assert made["seed"] == int(path.stem.rsplit("-s", 1)[1]), path
+        assert made["commit"] is None or len(made["commit"]) >= 40, path
+        assert made["full_determinism"] is True, path
+        assert made["alpha_estimate"] == ("residual" if made["k"] else None) or "--growmtp_alpha_estimate" in made["flags"]
+        builds = json.loads((path.parent / "builds.json").read_text())
+        assert made["world_digest"] in [b["digest"] for b in builds], path
+        assert all(b["vocab_size"] > 0 and b["policy_layers"] > 0 for b in builds), path
