@@ -15,7 +15,7 @@ STACK = {
 
 setup(
     name="openrlhf-growmtp",
-    version="0.1.0.dev0",
+    version="0.1.0",
     description="OpenRLHF extended so that an RL run grows its own speculative-decoding draft head (GrowMTP).",
     packages=find_packages(include=["openrlhf_growmtp", "openrlhf_growmtp.*", "vllm_patches", "vllm_patches.*"]),
     python_requires=">=3.10",
