@@ -11,8 +11,8 @@ vocabulary, tying); nothing is downloaded. Three parts:
    is printed apart.
 2. **The head.** Its parameters, counted on the meta device (no memory), and what training them holds under
    DeepSpeed's bf16 mixed precision: bf16 weights and gradients (2 + 2 bytes a parameter) and Adam's fp32 master
-   copy, m and v (4 + 4 + 4), the last three divided across the training ranks by ZeRO (2 and 3), the weights
-   and gradients too under ZeRO-3. The embedding and lm_head are the backbone's, shared, never copied.
+   copy, m and v (4 + 4 + 4); ZeRO-2 divides Adam's state and the gradients across the training ranks, ZeRO-3
+   the weights too. The embedding and lm_head are the backbone's, shared, never copied.
 3. **The update's peak per chunk.** One head update (DCA + VGM, backward included, bf16) over one response whose
    cycles fill one chunk, at several chunk sizes: the peak of the bytes malloc has handed out above the level at
    entry, sampled every millisecond (`bench_reconstruction.PeakMemory`), with the head, its gradients, the
@@ -119,12 +119,12 @@ def head_parameters(shape: Shape) -> int:
 
 
 def head_training_bytes(params: int, ranks: int, zero_stage: int) -> dict:
-    """Bytes a trained head holds per training rank: Adam's state is split by ZeRO 2 and 3; weights and
-    gradients by ZeRO-3 only (ZeRO-3 gathers a module's weights while it runs)."""
+    """Bytes a trained head holds per training rank: ZeRO-2 partitions Adam's state and the gradients across the
+    ranks, ZeRO-3 the weights too (it gathers a module's weights while the module runs)."""
     if zero_stage not in (2, 3) or ranks < 1:
         raise ValueError(f"zero_stage must be 2 or 3 and ranks >= 1, got {zero_stage}, {ranks}")
-    split = ranks if zero_stage == 3 else 1
-    return {"weights": params * WEIGHT_BYTES / split, "grads": params * GRAD_BYTES / split,
+    weight_split = ranks if zero_stage == 3 else 1
+    return {"weights": params * WEIGHT_BYTES / weight_split, "grads": params * GRAD_BYTES / ranks,
             "adam": params * ADAM_BYTES / ranks}
 
 

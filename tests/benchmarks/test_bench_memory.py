@@ -68,7 +68,7 @@ def test_training_bytes_split_by_zero_stage():
     z3 = bench_memory.head_training_bytes(params, ranks, 3)
     z2 = bench_memory.head_training_bytes(params, ranks, 2)
     assert sum(z3.values()) * ranks == 16 * params  # 2 + 2 + 12 bytes a parameter, all partitioned
-    assert z2 == {"weights": 2 * params, "grads": 2 * params, "adam": 12 * params / ranks}
+    assert z2 == {"weights": 2 * params, "grads": 2 * params / ranks, "adam": 12 * params / ranks}
     with pytest.raises(ValueError, match="zero_stage"):
         bench_memory.head_training_bytes(params, ranks, 1)
 
