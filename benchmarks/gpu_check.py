@@ -43,15 +43,19 @@ import torch
 import transformers
 from gpu_cost import check_cost
 from gpu_cycle import check_cycle_cost, end_to_end
+from gpu_head_graph import check_head_update_graph
+from gpu_loop import check_rollout_loop
 from gpu_numerics import check_alpha, check_reconstruction
 from gpu_report import Row, all_passed, rows_json, table, write_json
 from gpu_sampler import check_sampler
 from gpu_world import REAL, TINY, build_head, build_policy
 
 ROOT = Path(__file__).resolve().parent.parent
-# in the order they run: cycle_cost (seconds) before trainer_step (minutes), so that a run cut short keeps it;
-# the end-to-end prediction, which needs both, comes last
-CHECKS = ("a", "b", "d", "c", "cycle_cost", "trainer_step")
+# in the order they run: what has never run on a device first (the loop, the captured head update: about 2
+# minutes together), then cycle_cost (seconds) before trainer_step (minutes), so that a run cut short keeps
+# them; (a) to (c), which have passed on this code, last. The end-to-end prediction, which needs cycle_cost and
+# trainer_step (and reads rollout_loop where it ran), comes after every check.
+CHECKS = ("rollout_loop", "head_update_graph", "cycle_cost", "trainer_step", "a", "b", "d", "c")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -242,19 +246,37 @@ def main(argv=None) -> int:
                                                         log)
         rows.extend(found)
 
+    def loop():
+        def policy_of(layers: int, dtype: torch.dtype):
+            policy = build_policy(plan.trainer_config(layers), device, dtype)
+            policy.gradient_checkpointing_disable()
+            return policy.eval()
+
+        found, payload["rollout_loop"] = check_rollout_loop(plan, policy_of, lambda p: build_head(p, torch.bfloat16),
+                                                            device, log)
+        rows.extend(found)
+
+    def head_graph():
+        found, payload["head_update_graph"] = check_head_update_graph(plan, *models(), log)
+        rows.extend(found)
+
     def step_speedup():
         found, payload["cycle_cost"]["end_to_end"] = end_to_end(plan, payload["cycle_cost"],
-                                                                payload.get("trainer_step"))
+                                                                payload.get("trainer_step"),
+                                                                payload.get("rollout_loop"))
         rows.extend(found)
 
     try:
-        for check, fn, needs in (("a", reconstruction, None), ("b", alpha, "draft_logits"), ("d", sampler, "logp"),
-                                 ("c", cost, None), ("cycle_cost", cycle, None), ("trainer_step", trainer, None)):
+        fns = {"rollout_loop": (loop, None), "head_update_graph": (head_graph, None), "a": (reconstruction, None),
+               "b": (alpha, "draft_logits"), "d": (sampler, "logp"), "c": (cost, None), "cycle_cost": (cycle, None),
+               "trainer_step": (trainer, None)}
+        for check in CHECKS:
+            fn, needs = fns[check]
             if check not in args.only:
                 continue
-            if check in ("c", "cycle_cost", "trainer_step"):
+            if check in ("c", "cycle_cost", "trainer_step", "rollout_loop", "head_update_graph"):
                 state.pop("draft_logits", None), state.pop("logp", None)
-            if check in ("cycle_cost", "trainer_step"):  # the 36-layer policy leaves the device to theirs
+            if check in ("cycle_cost", "trainer_step", "rollout_loop"):  # the 36-layer policy leaves the device
                 release_models()
             if needs is not None and needs not in state:
                 rows.append(Row(check, f"not run: an earlier check left no {needs}", "-", "-", False))

@@ -308,15 +308,19 @@ def check_cycle_cost(plan, build_policy, build_head, log) -> tuple[list[Row], di
     return rows, details
 
 
-def end_to_end(plan, cycle: dict, trainer: dict | None) -> tuple[list[Row], dict | None]:
+def end_to_end(plan, cycle: dict, trainer: dict | None, loop: dict | None = None) -> tuple[list[Row], dict | None]:
     """The RL step's end-to-end speedup from check `cycle_cost`'s details and check `trainer_step`'s (None
-    where it did not run or failed): the rows, and the prediction's terms."""
+    where it did not run or failed): the rows, and the prediction's terms. With check `rollout_loop`'s details
+    (`loop`), its rollout (CUDA graphs, sampled drafts, measured) replaces the eager formula's, which is
+    then printed beside it."""
     if trainer is None or "step_s_without_head" not in trainer:
         return [Row("cycle_cost", "end-to-end step speedup", "-", "not predicted: check trainer_step did not "
                     "run or failed", None, {})], None
     # the trainer's step, scaled from its tokens and depth to the paper's: 64 responses per GPU of the cap
     tokens = PAPER["responses_per_gpu"] * (plan.rollout_prompt + plan.rollout_response)
-    train_fit, tau, rollout = cycle["train_fit"], cycle["tau"], cycle["rollout"]
+    train_fit, tau = cycle["train_fit"], cycle["tau"]
+    rollout = loop["rollout"] if loop is not None else cycle["rollout"]
+    source = "rollout_loop (CUDA graphs)" if loop is not None else "cycle_cost (eager formula)"
     depth_scale = ((train_fit["a"] + train_fit["b"] * cycle["real_layers"])
                    / (train_fit["a"] + train_fit["b"] * trainer["layers"]))
     train = trainer["step_s_without_head"] * tokens / trainer["tokens"] * depth_scale
@@ -327,11 +331,18 @@ def end_to_end(plan, cycle: dict, trainer: dict | None) -> tuple[list[Row], dict
     paper_train = PAPER["ar_step_s"] - PAPER["ar_rollout_s"]
     with_paper_split = step_prediction(PAPER["ar_rollout_s"], rollout["speedup"], paper_train,
                                        paper_train * head / train)
-    e2e = {"rollout_ar_s": rollout_ar, "train_s": train, "head_s": head, "tokens_per_gpu": tokens,
-           "cycles_per_gpu": cycles, "depth_scale": depth_scale, "speedup": measured,
-           "speedup_with_paper_ar_split": with_paper_split}
-    return [Row("cycle_cost", "end-to-end step speedup (rollout and training measured here)", f"{measured:.2f}x",
+    e2e = {"rollout_from": source, "rollout_ar_s": rollout_ar, "rollout_speedup": rollout["speedup"],
+           "train_s": train, "head_s": head, "tokens_per_gpu": tokens, "cycles_per_gpu": cycles,
+           "depth_scale": depth_scale, "speedup": measured, "speedup_with_paper_ar_split": with_paper_split}
+    rows = [Row("cycle_cost", f"end-to-end step speedup (rollout: {source}; training measured)", f"{measured:.2f}x",
                 f"paper {PAPER['step_speedup']}x; rollout {rollout_ar:.0f} s, training {train:.0f} s, head "
                 f"{head:.0f} s per GPU", None, {"speedup": measured}),
             Row("cycle_cost", "end-to-end with the paper's AR rollout / training split", f"{with_paper_split:.2f}x",
-                f"paper {PAPER['step_speedup']}x", None, {"speedup": with_paper_split})], e2e
+                f"paper {PAPER['step_speedup']}x", None, {"speedup": with_paper_split})]
+    if loop is not None:
+        eager = cycle["rollout"]["speedup"]
+        e2e["eager_rollout_speedup"] = eager
+        rows.append(Row("cycle_cost", f"rollout speedup at tau {tau}: loop (graphs) / eager formula / paper",
+                        f"{rollout['speedup']:.2f}x / {eager:.2f}x", f"paper {PAPER['rollout_speedup']}x", None,
+                        {"loop": rollout["speedup"], "eager": eager}))
+    return rows, e2e

@@ -26,7 +26,8 @@ from bench_common import fit_line, qwen3_4b_config  # noqa: E402
 from gpu_world import TINY, tiny_config  # noqa: E402
 
 SECTIONS = {"environment", "shapes", "rows", "errors", "complete", "cut_off", "checks", "all_passed", "seconds",
-            "reconstruction", "alpha", "rejection_sampler", "head_update_cost", "trainer_step", "cycle_cost"}
+            "reconstruction", "alpha", "rejection_sampler", "head_update_cost", "trainer_step", "cycle_cost",
+            "rollout_loop", "head_update_graph"}
 COST_FIELDS = {"responses", "responses_asked", "scaled_by_budget", "tokens", "cycles", "tau", "k", "chunk_cycles",
                "micro_batch", "repeats", "median_s", "peak_mb", "hidden_states_mb", "time_ratio",
                "time_ratio_with_own_forward", "memory_ratio"}
@@ -51,7 +52,8 @@ def test_tiny_gpu_check_passes_on_cpu_and_writes_every_field(tmp_path):
     assert result["complete"] and result["all_passed"] and not result["errors"] and result["cut_off"] is None
     assert result["shapes"]["k"] == 5 and result["shapes"]["topk"] == 64 and result["shapes"]["tie_word_embeddings"]
     rows = result["rows"]
-    assert {r["check"] for r in rows} == {"a", "b", "c", "d", "trainer_step", "cycle_cost"}
+    assert {r["check"] for r in rows} == {"a", "b", "c", "d", "trainer_step", "cycle_cost", "rollout_loop",
+                                          "head_update_graph"}
     judged = [r for r in rows if r["passed"] is not None]
     assert len(judged) >= 13 and all(r["passed"] for r in judged)
     for row in rows:  # the table printed what the JSON holds
@@ -73,6 +75,41 @@ def test_tiny_gpu_check_passes_on_cpu_and_writes_every_field(tmp_path):
     assert cost["time_ratio"] > 0 and cost["memory_ratio"] is None  # peak memory is read on CUDA only
     _check_trainer_step(result["trainer_step"])
     _check_cycle_cost(result["cycle_cost"], trainer=result["trainer_step"])
+    _check_rollout_loop(result["rollout_loop"])
+    _check_head_update_graph(result["head_update_graph"])
+    assert result["cycle_cost"]["end_to_end"]["rollout_from"].startswith("rollout_loop")
+    assert result["cycle_cost"]["end_to_end"]["rollout_speedup"] == result["rollout_loop"]["rollout"]["speedup"]
+
+
+def _check_rollout_loop(loop):
+    import gpu_loop
+
+    plan = gpu_loop.LOOP_PLANS["tiny"]
+    assert loop["depths"] == [TINY.trainer_layers, TINY.trainer_layers // 2] and loop["real_layers"] == 36
+    assert sorted(loop["per_context"], key=int) == [str(c) for c in plan.contexts]
+    for c, entry in loop["per_context"].items():
+        deep = entry["measured"][str(loop["depths"][0])]
+        assert deep["capacity"] >= int(c) and set(deep["taus"]) == {str(t) for t in plan.taus}
+        for t in deep["taus"].values():  # tokens per second = tau x batch / cycle seconds, as measured
+            assert t["spec_tokens_per_s"] == pytest.approx(t["tau"] * loop["batch"] / t["cycle_s"])
+            assert 1.0 <= t["tau"] <= TINY.k + 1
+        real = entry["at_real_layers"]
+        assert real["break_even_tau"] == pytest.approx(real["cycle_s"] / real["decode_s"])
+    # the bisection found scales whose measured tau rises as the target does
+    first = loop["per_context"][str(plan.contexts[0])]["measured"][str(loop["depths"][0])]["taus"]
+    assert first[str(plan.taus[0])]["tau"] < first[str(plan.taus[-1])]["tau"]
+    assert loop["target_as_drafter"]["all_accepted"] == loop["target_as_drafter"]["cycles"] > 0
+    assert abs(loop["acceptance"]["z"]) <= 5 and loop["acceptance"]["cycles"] > 1000
+    assert "per-layer" in loop["scaling_rule"] and loop["cuda_graphs"] is False
+
+
+def _check_head_update_graph(graph):
+    assert graph["path"].startswith("fixed-shape") and graph["policy_s"] > 0
+    numerics = graph["numerics"]
+    assert numerics["gradients"]["worst_ratio"] <= 1 and numerics["fp64_grad_rel"] <= numerics["cycles"] * 2**-24
+    for entry in graph["per_chunk"].values():
+        assert entry["graph_s"] > 0 and entry["eager_s"] > 0 and entry["min_grad_cosine_graph_vs_eager"] > 0.99
+        assert entry["kernels"] == {"eager": None, "graph": None}  # the profiler counts kernels on CUDA only
 
 
 def _check_trainer_step(trainer):
@@ -371,3 +408,131 @@ def test_trainer_step_gives_back_the_determinism_it_switched_on(monkeypatch):
             torch.backends.cudnn.benchmark) == before
     assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
     assert not {"CUDA_LAUNCH_BLOCKING", "FLASH_ATTENTION_DETERMINISTIC"} & set(os.environ)
+
+
+def _loop_world(batch=64, context=24, cycles=30, dtype=torch.float32):
+    import gpu_loop
+    from gpu_world import build_head, build_policy
+
+    config = TINY.trainer_config(2)
+    policy = build_policy(config, torch.device("cpu"), dtype).eval()
+    policy.gradient_checkpointing_disable()
+    capacity = gpu_loop._round_up(context + (cycles + 1) * (TINY.k + 1) + 1)
+    g = torch.Generator().manual_seed(5)
+    caches = [gpu_loop.StaticKV(batch, config.num_key_value_heads, capacity, config.head_dim, "cpu", dtype)
+              for _ in range(3)]
+    for cache in caches:
+        cache.fill_random(context, g)
+    return policy, build_head(policy, dtype), caches, capacity
+
+
+def test_loop_forward_over_a_static_cache_is_the_models_forward():
+    import gpu_loop
+
+    policy, _, caches, capacity = _loop_world(batch=3, context=0)
+    ids = torch.randint(0, policy.config.vocab_size, (3, 14), generator=torch.Generator().manual_seed(1))
+    views = [gpu_loop.KVView(c, capacity) for c in caches[:2]]
+    with torch.no_grad():
+        want = policy.model(input_ids=ids).last_hidden_state
+        positions = torch.arange(14).expand(3, -1)
+        # eight tokens at once, then one at a time, at shifted positions per sequence as in a lockstep batch
+        got = [gpu_loop.policy_forward(policy, 2, ids[:, :8], positions[:, :8], views)]
+        got += [gpu_loop.policy_forward(policy, 2, ids[:, t:t + 1], positions[:, t:t + 1], views) for t in range(8, 14)]
+    torch.testing.assert_close(torch.cat(got, 1), want, rtol=1e-5, atol=1e-5)
+
+
+def test_target_as_its_own_drafter_has_every_draft_accepted():
+    import gpu_loop
+
+    same = gpu_loop.target_drafts_are_all_accepted(TINY, gpu_loop.LOOP_PLANS["tiny"], _fp64_policy, torch.device("cpu"))
+    assert same["cycles"] > 0 and same["all_accepted"] == same["cycles"] and same["tau"] == TINY.k + 1
+
+
+def _fp64_policy(layers, dtype):
+    from gpu_world import build_policy
+
+    policy = build_policy(TINY.trainer_config(layers), torch.device("cpu"), dtype)
+    policy.gradient_checkpointing_disable()
+    return policy.eval()
+
+
+def test_loop_first_acceptance_matches_sum_min_p_q():
+    import gpu_loop
+
+    policy, head, caches, capacity = _loop_world()
+    with torch.no_grad():  # a flatter q than the random head's: acceptance near one half, where a bias shows most
+        getattr(head, head.family.final_norm_name).weight.mul_(2.0 ** -3)
+    loop = gpu_loop.Loop(policy, 2, head, caches[:2], caches[2], 24, capacity, TINY.k, seed=7)
+    counts = loop.timed("cycle", 30)[1]
+    alpha = counts["alpha_sum"] / counts["cycles"]
+    assert 0.2 < alpha < 0.9 and counts["cycles"] == 64 * 30
+    assert abs(gpu_loop.acceptance_z(counts)) <= gpu_loop.Z_LIMIT
+    # the same trials held to another expectation 0.05 away would fail: 5 sigma is ~0.05 at these trials
+    sigma = counts["alpha_var"] ** 0.5 / counts["cycles"]
+    assert 5 * sigma < 0.06
+
+
+def test_loop_rejection_step_passes_the_samplers_statistics_and_a_swapped_one_does_not():
+    import gpu_loop
+
+    p, q = _pair()
+    trials = 2**15
+    g = torch.Generator().manual_seed(3)
+
+    def run(target, draft):
+        drafts = torch.stack([gpu_loop.sample(draft[j].expand(trials, -1), g) for j in range(draft.shape[0])], 1)
+        accepted, token = gpu_loop.rejection_step(target.expand(trials, -1, -1), draft.expand(trials, -1, -1), drafts,
+                                                  g)
+        emitted = torch.full((trials, draft.shape[0] + 1), -1, dtype=torch.long)
+        keep = torch.arange(draft.shape[0])[None, :] < accepted[:, None]
+        emitted[:, :-1] = torch.where(keep, drafts, emitted[:, :-1])
+        emitted.scatter_(1, accepted[:, None], token[:, None])
+        return gpu_sampler.sampler_statistics(p, q, accepted, emitted)
+
+    stats = run(p, q)
+    assert abs(stats["z_first"]) <= gpu_sampler.Z_LIMIT and abs(stats["z_mean"]) <= gpu_sampler.Z_LIMIT
+    assert all(pos["p_value"] >= gpu_sampler.P_MIN for pos in stats["positions"] if pos["p_value"] is not None)
+    swapped = run(torch.cat([q, p[3:]]), p[:3])  # drafts from p, accepted with min(1, q/p): emits q's law
+    assert swapped["positions"][0]["p_value"] < gpu_sampler.P_MIN
+
+
+def test_fixed_shape_head_update_is_head_loss_backward():
+    import gpu_head_graph
+    from gpu_world import build_head, build_policy
+
+    from openrlhf_growmtp.core import SequenceRecord
+
+    policy = build_policy(TINY.config, torch.device("cpu"), torch.float64)
+    head = build_head(policy, torch.float64)
+    g = torch.Generator().manual_seed(0)
+    records = [SequenceRecord.make_dummy(prompt_len=prompt, accepted=torch.randint(0, TINY.k + 1, (n,), generator=g)
+                                         .tolist(), depth=TINY.k, topk=8, vocab_size=256, hidden_size=64, seed=i)
+               for i, (prompt, n) in enumerate([(6, 20), (30, 9)])]
+    hiddens = [r.hidden.double() for r in records]
+    # rows of 8 cycles, 2 rows a chunk: chunks cut through both responses, padded rows and cycles included
+    got = gpu_head_graph.eager_and_fixed(head, records, hiddens, cycles_per_row=8, rows=2)
+    cycles = sum(r.num_cycles for r in records)
+    tolerance = cycles * 2.0**-24  # both score log q in fp32 (TopKLogQ), in other groups
+    assert abs(got["fixed_loss"] - got["eager_loss"]) <= tolerance * abs(got["eager_loss"])
+    for name, want in got["eager"].items():
+        assert (got["fixed"][name] - want).norm() <= tolerance * want.norm(), name
+    # not vacuous: one draft token changed (one that a chain reads: its cycle accepted it) moves the gradients
+    # by far more than the tolerance
+    cycle = int((records[0].accepted >= 1).nonzero()[0])
+    records[0].drafts[cycle, 0] = (records[0].drafts[cycle, 0] + 1) % 256
+    moved = gpu_head_graph.eager_and_fixed(head, records, hiddens, cycles_per_row=8, rows=2)
+    assert max((moved["fixed"][n] - g2).norm() / g2.norm() for n, g2 in got["eager"].items()) > 100 * tolerance
+
+
+def test_end_to_end_reads_the_loops_rollout_where_it_ran():
+    cycle = {"train_fit": {"a": 1.0, "b": 1.0}, "tau": 2.91, "real_layers": 36,
+             "rollout": {"ar_s": 100.0, "speedup": 1.5}}
+    trainer = {"step_s_without_head": 10.0, "layers": 12, "tokens": 1000, "head_update_s": 1.0, "cycles": 100,
+               "step_s_with_head": 11.0}
+    loop = {"rollout": {"ar_s": 80.0, "speedup": 2.0}}
+    _, eager = gpu_cycle.end_to_end(TINY, cycle, trainer)
+    rows, measured = gpu_cycle.end_to_end(TINY, cycle, trainer, loop)
+    assert eager["rollout_speedup"] == 1.5 and measured["rollout_speedup"] == 2.0
+    train, head = eager["train_s"], eager["head_s"]
+    assert measured["speedup"] == pytest.approx((80.0 + train) / (80.0 / 2.0 + train + head))
+    assert measured["eager_rollout_speedup"] == 1.5 and any("loop (graphs)" in r.name for r in rows)
