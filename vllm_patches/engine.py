@@ -148,8 +148,8 @@ class SpecEngine:
                                     capture_hidden=config.capture_hidden)
         for output, p in zip(outputs, params):
             collector.add_output(output, p)
-        # Measured: after a preemption's recompute some captured hidden rows are off (q still matches the
-        # records with recomputed hiddens to 5e-7). Fall back to transport-free records, never wrong ones.
+        # After a preemption's recompute some captured hidden rows are off (vllm_patches/README.md, "Driver-side
+        # metrics"): fall back to transport-free records, never wrong ones.
         keep_hidden = not (config.capture_hidden and counters.get("num_preemptions", 0) > 0)
         if not keep_hidden:
             logger.warning("GrowMTP: %d preemption(s) in this generate; dropping engine-captured hidden states "

@@ -7,22 +7,22 @@ def register() -> None:
     from . import check_vllm_version
 
     check_vllm_version()
-    from .image_processor_route import route_image_processor
+    from .fixes.image_processor_route import route_image_processor
 
     route_image_processor()  # before anything imports vLLM's Qwen3.5 model (model inspection does)
     from vllm.platforms import current_platform
 
-    from .capture import install_hooks
-    from .cpu_fixes import apply_cpu_fixes
-    from .draft_config import install_draft_config_hook
+    from .capture.v1 import install_hooks
+    from .fixes.draft_config import install_draft_config_hook
+    from .fixes.expand_kernel import install_expand_kernel
     from .head_model import register_head_model
     from .seeded_drafts import install_seeded_drafts
 
     register_head_model()
     install_draft_config_hook()
-    apply_cpu_fixes()
+    install_expand_kernel()
     if current_platform.is_cpu():
-        from .gdn_core import install_gdn_core
+        from .fixes.gdn_core import install_gdn_core
 
         install_gdn_core()  # before a Qwen3.5 model is built (its first GDN layer registers the op)
     install_hooks()

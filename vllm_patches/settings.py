@@ -51,7 +51,7 @@ class SpecConfigError(ValueError):
 
 @dataclass(frozen=True)
 class CaptureConfig:
-    """Record capture in every worker of one engine (see capture.py for what each switch records)."""
+    """Record capture in every worker of one engine (see capture/core.py for what each switch records)."""
 
     enabled: bool
     topk: int = DEFAULT_TOPK  # recorded top-k width per draft position (capped at the vocabulary)

@@ -10,7 +10,9 @@ from __future__ import annotations
 import torch
 from openrlhf.trainer.ray.vllm_worker_wrap import WorkerWrap
 
-from . import capture, head_model, plugin
+from . import head_model, plugin
+from .capture import core as capture
+from .capture.v1 import hooks_active
 from .settings import ASYNC_SCHEDULING, RUNNER_ENV, RUNNER_ENV_VALUE, CaptureConfig, SpecConfigError
 from .transport import load_blob
 
@@ -28,7 +30,7 @@ class GrowMTPWorkerExtension(WorkerWrap):
         if config.enabled and bool(self.vllm_config.scheduler_config.async_scheduling) is not ASYNC_SCHEDULING:
             raise SpecConfigError("this engine schedules asynchronously, which records a cycle after a request's "
                                   "end; build it with async_scheduling=False (settings.spec_engine_kwargs does)")
-        if config.enabled and not capture.hooks_active(runner):
+        if config.enabled and not hooks_active(runner):
             raise RuntimeError(
                 f"GrowMTP record capture hooks vLLM's V1 model runner, but this worker runs "
                 f"{type(runner).__module__}.{type(runner).__qualname__}. Set {RUNNER_ENV}={RUNNER_ENV_VALUE} "

