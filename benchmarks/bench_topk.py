@@ -1,4 +1,4 @@
-"""The capture hook's top-k selection (`capture.top_k_rows`) next to torch.topk, per step of rows.
+"""The capture hook's top-k selection (`capture.core.top_k_rows`) next to torch.topk, per step of rows.
 
 Each configuration times both on the same fresh rows (never the same rows twice: a CPU's branch predictor
 learns a repeated row, which made torch's nth_element look 7x faster than it is). Rows are fp32
@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from vllm_patches.capture import top_k_rows
+from vllm_patches.capture.core import top_k_rows
 
 # (rows, V, k): the toy's step (32 requests x K=3, V=128, top-64), a 32k vocabulary with a wide top-k,
 # Qwen3's vocabulary at the default top-64 (torch's partial sort) and at a top-k past V / 64
