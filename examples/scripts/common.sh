@@ -104,6 +104,10 @@ run_growmtp() {
   local run=${RUN_NAME:-${model}_${domain}_k${k}}
   local root=${RUN_ROOT:-runs/$run}
   if [[ "$REHEARSAL" == 1 ]]; then
+    # a CPU run on any machine (GROWMTP_REHEARSAL=1 in the launcher's environment decides it, CUDA or not);
+    # its engines need vLLM's CPU build
+    "$PYTHON" -c "import sys; from openrlhf_growmtp.cpu_support import rehearsal_install_problem as p; m = p()
+sys.exit(m and 'GROWMTP_REHEARSAL=1: ' + m)"
     "$PYTHON" -m openrlhf_growmtp.experiments.rehearse world "$REHEARSAL_DIR/world" "$model"
     MODEL_PATH=$REHEARSAL_DIR/world/$model MAX_NEW=64 root=$REHEARSAL_DIR/runs/$run
     MATH_SOURCE=$REHEARSAL_DIR/world/dapo-math.jsonl MATH_DATA=$REHEARSAL_DIR/world/dapo-math.$model.jsonl
