@@ -6,5 +6,9 @@
 - `v1`: the adapter to vLLM 0.29's V1 model runner, the only code that knows that runner's names. An
   adapter to the V2 runner would be one more module beside it, calling the same `core` functions.
 
+On the driver, `vllm_patches/collector.py` joins drained payloads with finished outputs into records; it
+reads only vLLM's engine-level outputs (`RequestOutput`, per-request spec-decode metrics), none of a
+runner's names.
+
 Importing this package imports neither part.
 """
