@@ -12,12 +12,19 @@ cycle_cost: a decoding step, a verify of K + 1 positions and a draft step with a
 trainer_step: upstream's DeepSpeed ZeRO-3 bf16 step and ours with the head, in one process, on cycles
     recorded by a reference drafter on the device: the policy identical with and without the head, the head
     moved, the head's share of the step (gpu_trainer.py); then, from both, the RL step's end-to-end speedup.
+rollout_loop: a minimal generation loop in vLLM's place (static KV caches, every phase captured in a CUDA
+    graph, drafts sampled from the head's q, rejection sampling): AR and speculative tokens/s side by side at
+    1K, 4K and 8K tokens for 64 sequences, at tau 1.5, 2.0, 2.5 and 2.91 (set by the head's logit scale), at as
+    many layers as the card holds and read at 36 (gpu_loop.py); its rollout feeds the end-to-end prediction;
+head_update_graph: the head update over chunks of one fixed shape, captured in a CUDA graph, against the
+    eager update within (a)'s bf16 bounds, and its share of the policy's forward + backward at chunks of 1,024
+    and 4,096 beside the eager one, with the kernels per cycle (gpu_head_graph.py).
 Each module says how its bounds follow from the dtype and the number of trials: gpu_numerics.py (a, b),
-gpu_cost.py (c), gpu_sampler.py (d), gpu_trainer.py. Prints one table and writes it as JSON, rewritten
+gpu_cost.py (c), gpu_sampler.py (d), gpu_trainer.py, gpu_loop.py, gpu_head_graph.py. Prints one table and writes it as JSON, rewritten
 whole after every check ("complete": false until the last; "cut_off" says where a SIGTERM or the deadline
 stopped it), so a run cut off by a time limit still leaves what it did.
 
-    python benchmarks/gpu_check.py [--json PATH] [--only a,b,c,d,cycle_cost,trainer_step] [--deadline-s S]
+    python benchmarks/gpu_check.py [--json PATH] [--only rollout_loop,head_update_graph,cycle_cost,...] [--deadline-s S]
     python benchmarks/gpu_check.py --tiny [--device cuda]   # the same at tiny shapes, on a CPU by default
 
 Exit status: 0 every check passed, 1 a check failed, 2 it cannot run here (no CUDA without --tiny, bad
