@@ -20,9 +20,9 @@ head_update_graph: the head update over chunks of one fixed shape, captured in a
     eager update within (a)'s bf16 bounds, and its share of the policy's forward + backward at chunks of 1,024
     and 4,096 beside the eager one, with the kernels per cycle (gpu_head_graph.py).
 Each module says how its bounds follow from the dtype and the number of trials: gpu_numerics.py (a, b),
-gpu_cost.py (c), gpu_sampler.py (d), gpu_trainer.py, gpu_loop.py, gpu_head_graph.py. Prints one table and writes it as JSON, rewritten
-whole after every check ("complete": false until the last; "cut_off" says where a SIGTERM or the deadline
-stopped it), so a run cut off by a time limit still leaves what it did.
+gpu_cost.py (c), gpu_sampler.py (d), gpu_trainer.py, gpu_loop.py, gpu_head_graph.py. Prints one table and
+writes it as JSON, rewritten whole after every check ("complete": false until the last; "cut_off" says where a
+SIGTERM or the deadline stopped it), so a run cut off by a time limit still leaves what it did.
 
     python benchmarks/gpu_check.py [--json PATH] [--only rollout_loop,head_update_graph,cycle_cost,...] [--deadline-s S]
     python benchmarks/gpu_check.py --tiny [--device cuda]   # the same at tiny shapes, on a CPU by default

@@ -300,7 +300,8 @@ def check_numerics(plan, head: MTPHead) -> tuple[list[Row], dict]:
                 f"<= {sci(loss_tol)}", loss_diff <= loss_tol, {"diff": loss_diff, "tolerance": loss_tol}),
             Row("head_update_graph", f"fp64: {what} vs head_loss_backward (one function)",
                 f"max rel |d|2 {sci(exact)}, loss {sci(exact_loss)}", f"<= cycles x u(fp32) = {sci(exact_tol)}",
-                max(exact, exact_loss) <= exact_tol, {"grad_rel": exact, "loss_rel": exact_loss, "tolerance": exact_tol})]
+                max(exact, exact_loss) <= exact_tol,
+                {"grad_rel": exact, "loss_rel": exact_loss, "tolerance": exact_tol})]
     return rows, {"cycles": cycles, "gradients": grads, "loss": {"fixed": bf16["fixed_loss"],
                   "eager": bf16["eager_loss"], "fp64": ref["eager_loss"], "tolerance": loss_tol},
                   "fp64_grad_rel": exact, "fp64_loss_rel": exact_loss}
