@@ -75,7 +75,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--prompt-tokens", type=int, help="(c): tokens per prompt (default 256; tiny 16)")
     parser.add_argument("--micro-batch", type=int, help="(c): responses per policy forward (default 2)")
     parser.add_argument("--repeats", type=int, help="(c): timed runs of each side (default 3; tiny 2)")
-    parser.add_argument("--budget-s", type=float, help="(c): seconds its timed runs may take (default 240)")
+    parser.add_argument("--budget-s", type=float, help="(c): seconds its timed runs may take (default 150)")
     parser.add_argument("--chunk-cycles", type=int,
                         help="(c): cycles per head-update chunk (default 4096, a GPU's --growmtp_chunk_cycles; tiny 64)")
     parser.add_argument("--only", help=f"comma-separated checks to run, of {','.join(CHECKS)} (b and d need a, "

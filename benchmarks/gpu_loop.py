@@ -1,5 +1,5 @@
-"""Check `rollout_loop` of the GPU check: a minimal generation loop in place of vLLM (which does not travel to
-the lent machine), timed autoregressive and speculative side by side, at the policy's shapes.
+"""Check `rollout_loop` of the GPU check: a minimal generation loop in place of vLLM (which the check does not
+need on the GPU machine), timed autoregressive and speculative side by side, at the policy's shapes.
 
 The loop. `batch` sequences (64) decode in lockstep over static KV caches (the policy's, one per layer, and
 the head's), preallocated for `capacity` positions: a forward writes its new keys and values at their

@@ -1,5 +1,5 @@
 """Where the head update's time goes on a GPU, and how far each path of check (a) is from fp64 in fp32:
-the follow-up to `make gpu-check` (docs/gpu.md, "First run").
+the follow-up to `make gpu-check` (docs/gpu.md).
 
 1. The head update of check (c) (DCA + VGM, K=5, τ≈3, top-64, Qwen3-4B's head and vocabulary, hidden states
    N(0, 1) in bf16), timed in bf16 and in fp32 and at several chunk sizes, medians of `--repeats`; then one

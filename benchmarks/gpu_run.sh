@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# `make gpu-check`: the GPU check on a lent machine (docs/gpu.md), with the machine's own python and torch, in
+# `make gpu-check`: the GPU check on a GPU machine (docs/gpu.md), with the machine's own python and torch, in
 # one command that keeps to $GPU_BUDGET_S seconds (default 480: 8 minutes of the machine), the install
 # of the carried wheels included.
 #   1. installs the carried wheels (.gpu-wheels/, from `make gpu-wheels`) into .gpu-site/, never into the

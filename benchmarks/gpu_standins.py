@@ -1,4 +1,4 @@
-"""Stand-ins for Ray and vLLM where they are not installed (the lent GPU machine: neither travels there).
+"""Stand-ins for Ray and vLLM where they are not installed (a GPU machine with only the carried wheels).
 
 The trainer check (`gpu_trainer.py`) runs upstream's actor-side PPO trainer in one process, with no Ray
 actor and no engine, but the modules it imports name Ray and vLLM at import time: decorators

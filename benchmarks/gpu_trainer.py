@@ -19,7 +19,7 @@ It shows:
 - the head's share of the whole step: the head update's seconds (the step's `growmtp/head_update_s`) over
   the step with it, and the step with the head over the step without, measured one after the other.
 DeepSpeed's optimizer is torch's AdamW (`torch_adam`): DeepSpeed's fused Adam is a C++/CUDA build at first
-use, which the lent machine cannot make; the update is the same AdamW.
+use, which an offline GPU machine may not be able to make; the update is the same AdamW.
 """
 
 from __future__ import annotations

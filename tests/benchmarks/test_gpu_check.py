@@ -1,5 +1,5 @@
 """`benchmarks/gpu_check.py --tiny` runs on CPU, every check passes and the JSON holds every field, so the
-check a lent GPU machine runs cannot rot between loans; its statistical sampler check has the power to fail;
+check a GPU machine runs cannot rot between loans; its statistical sampler check has the power to fail;
 `--only` runs a subset and a run cut off (deadline, SIGTERM) leaves its JSON; the pieces of the two newer
 checks (the cached forward, the reference drafter's arithmetic, the cycle formula) hold on their own."""
 
