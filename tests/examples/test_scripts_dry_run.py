@@ -1,12 +1,14 @@
 """Every example script under GROWMTP_DRY_RUN=1: it builds its full command, the training CLI runs every
 startup check (ours, then upstream's), and it exits 0 without starting Ray or writing anything.
 
-The models are config-only directories of the real families (the checks read only config.json)."""
+The models are the scripts' DEFAULT hub ids (`common.sh`), served from a huggingface_hub cache made here with
+the hub off (HF_HUB_OFFLINE=1): config-only snapshots of the real families (the checks read only config.json)."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -15,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from openrlhf_growmtp.core.checkpoint import export_head
+from helpers.hub_cache import add_to_hub_cache
 from helpers.tiny import make_head, tiny_backbone_config
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "examples" / "scripts"
@@ -49,18 +52,27 @@ PAPER_GRPO = ["--growmtp_neg_adv_weight 0.5", "--actor.dual_clip 3.0", "--actor.
               "--rollout.temperature 1.0 --rollout.top_p 1.0", "--train.seed 1"]
 
 
+def default_model_ids() -> dict[str, str]:
+    """The hub id each model variable of common.sh defaults to (`${QWEN3_4B:-Qwen/Qwen3-4B}`)."""
+    text = (SCRIPTS / "common.sh").read_text()
+    ids = {variable: re.search(r"\$\{" + variable + r":-([^}]+)\}", text) for variable in MODELS}
+    assert all(ids.values()), ids
+    return {variable: found.group(1) for variable, found in ids.items()}
+
+
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("models")
-    variables = {"PYTHON": sys.executable, "GROWMTP_DRY_RUN": "1"}
-    for variable, family in MODELS.items():
-        raw = tiny_backbone_config(family).to_dict()
-        if family == "mimo":
+    """The scripts' own defaults: no model variable set, every default id in a hub cache, the hub off."""
+    cache = tmp_path_factory.mktemp("hub")
+    for variable, repo_id in default_model_ids().items():
+        raw = tiny_backbone_config(MODELS[variable]).to_dict()
+        if MODELS[variable] == "mimo":
             raw["model_type"] = "mimo"
-        (tmp / family).mkdir()
-        (tmp / family / "config.json").write_text(json.dumps(raw))
-        variables[variable] = str(tmp / family)
-    return {**os.environ, **variables}
+        add_to_hub_cache(cache, repo_id, {"config.json": raw})
+    hub_settings = ("HF_HOME", "HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_HUB_OFFLINE", *MODELS)
+    base = {key: value for key, value in os.environ.items() if key not in hub_settings}
+    return {**base, "PYTHON": sys.executable, "GROWMTP_DRY_RUN": "1", "HF_HUB_CACHE": str(cache),
+            "HF_HUB_OFFLINE": "1"}
 
 
 def run_script(script: str, args: list[str], env: dict, cwd: Path) -> subprocess.CompletedProcess:
@@ -95,11 +107,21 @@ def test_dry_run_passes_every_check_and_starts_nothing(results, name):
         assert flag in command, (flag, command)
     assert "Started a local Ray instance" not in result.stdout + result.stderr
     assert not list(cwd.iterdir())  # no data prepared, no run directory, no head materialised
+    assert f"--actor.model_name_or_path {default_model_ids()[model_variable(name)]} " in command  # its default id
+
+
+def model_variable(case: str) -> str:
+    if case.startswith(("qwen3_4b", "ar_qwen3_4b")):
+        return "QWEN3_4B"
+    if case.startswith("qwen3_5"):
+        return "QWEN3_5_4B_BASE"
+    return "MIMO_7B_SFT"  # MiMo's scripts, its baselines and the ablations (MiMo's native head)
 
 
 @pytest.mark.parametrize("extra, message", [
     ({"K": "99"}, "deeper than this head supports"),
     ({"HEAD": "native"}, "ships no native MTP layer"),
+    ({"QWEN3_4B": "TinyOrg/Not-Cached"}, "--actor.model_name_or_path TinyOrg/Not-Cached: not a local directory"),
 ])
 def test_dry_run_reports_a_bad_override(env, tmp_path, extra, message):
     result = run_script("qwen3_4b_math.sh", [], {**env, **extra}, tmp_path)

@@ -7,8 +7,11 @@ import os
 import subprocess
 import sys
 
+from pathlib import Path
+
 import pytest
 import torch
+from helpers.hub_cache import add_to_hub_cache
 from helpers.trainer import train_args
 
 from openrlhf_growmtp import cpu_support
@@ -61,7 +64,7 @@ def test_valid_configuration_has_no_errors(policy_dir):
     (["--growmtp_k", "3", "--growmtp_mode", "joint", "--train.batch_size", "4"], "one policy step per RL step (got 2)"),
     (["--growmtp_k", "3", "--growmtp_mode", "joint", "--train.max_epochs", "2"], "one policy step per RL step (got 2)"),
     (["--growmtp_k", "3", "--growmtp_mode", "joint", "--ds.adam_offload"], "joint is not supported with --ds.adam"),
-    (["--growmtp_k", "3", "--growmtp_head", "/no/such/head"], "not a head directory"),
+    (["--growmtp_k", "3", "--growmtp_head", "/no/such/head"], "--growmtp_head: /no/such/head: no such local directory"),
     (["--growmtp_k", "3", "--growmtp_mode", "frozen", "--growmtp_log_lag"], "--growmtp_log_lag measures a training"),
     (["--growmtp_k", "3", "--growmtp_teacher_forcing", "--growmtp_log_lag"], "--growmtp_log_lag measures a training"),
 ])
@@ -79,6 +82,67 @@ def test_head_directory_depth_limit_and_shape_mismatch(policy_dir, head_dir, tmp
     (shallow / "config.json").write_text(json.dumps({**config, "hidden_size": 64}))
     assert any("hidden_size/vocab_size" in e for e in errors_for(policy_dir, "--growmtp_k", "3",
                                                                   "--growmtp_head", str(shallow)))
+
+
+@pytest.fixture
+def hub_cache(tmp_path, monkeypatch):
+    """An empty huggingface_hub cache this process reads, the hub off (HF_HUB_OFFLINE=1)."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    return tmp_path / "hub"
+
+
+def test_a_hub_id_passes_the_checks_and_grows_its_head_from_the_cached_snapshot(policy_dir, head_dir, hub_cache,
+                                                                               tmp_path):
+    from openrlhf_growmtp.cli.train_ppo_ray import resolve_head_dir
+    from openrlhf_growmtp.core.checkpoint import read_head_config
+
+    files = {name: (policy_dir / name).read_bytes() for name in ("config.json", "model.safetensors")}
+    add_to_hub_cache(hub_cache, "TinyOrg/Toy-Policy", files)
+    assert errors_for("TinyOrg/Toy-Policy", "--growmtp_k", "3") == []
+    missing = errors_for("TinyOrg/Not-Cached", "--growmtp_k", "3")
+    assert len(missing) == 1 and missing[0].startswith("--actor.model_name_or_path TinyOrg/Not-Cached: not a local")
+    assert "HF_HUB_OFFLINE=1" in missing[0]
+    assert any("TinyOrg/Toy-Policy ships no native MTP layer" in e
+               for e in errors_for("TinyOrg/Toy-Policy", "--growmtp_k", "3", "--growmtp_head", "native"))
+
+    flat = {"growmtp.head": "random", "actor.model_name_or_path": "TinyOrg/Toy-Policy", "ckpt.path": str(tmp_path)}
+    grown = read_head_config(resolve_head_dir(flat))
+    local = read_head_config(head_dir)  # the same head grown from the local directory
+    assert grown.to_dict() == local.to_dict()
+
+    # a head directory named by its hub id
+    add_to_hub_cache(hub_cache, "TinyOrg/Toy-Head", {name: (head_dir / name).read_bytes()
+                                                     for name in ("config.json", "model.safetensors")})
+    assert errors_for("TinyOrg/Toy-Policy", "--growmtp_k", "3", "--growmtp_head", "TinyOrg/Toy-Head") == []
+    resolved = resolve_head_dir({**flat, "growmtp.head": "TinyOrg/Toy-Head"})
+    assert (Path(resolved) / "model.safetensors").read_bytes() == (head_dir / "model.safetensors").read_bytes()
+
+
+def test_a_native_head_is_extracted_from_a_hub_ids_cached_weights(hub_cache, tmp_path):
+    from safetensors.torch import load_file
+
+    from openrlhf_growmtp.cli.train_ppo_ray import resolve_head_dir
+    from openrlhf_growmtp.core.checkpoint import export_head, load_head
+    from helpers.tiny import make_head, tiny_backbone_config
+
+    head = make_head("mimo")  # MiMo's checkpoint carries its head as model.mtp_layers.0.*, fc halves swapped
+    native = export_head(head, tmp_path / "native", native=True)
+    backbone = {**tiny_backbone_config("mimo").to_dict(), "model_type": "mimo"}
+    files = {"config.json": backbone, "model.safetensors": (native / "model.safetensors").read_bytes()}
+    add_to_hub_cache(hub_cache, "TinyOrg/Toy-MiMo", {"config.json": backbone})
+    flat = {"growmtp.head": "native", "actor.model_name_or_path": "TinyOrg/Toy-MiMo", "ckpt.path": str(tmp_path)}
+    with pytest.raises(ValueError, match="TinyOrg/Toy-MiMo: .*lacks model.safetensors"):
+        resolve_head_dir(flat)  # the checks read config.json only; the extraction needs the weights
+    add_to_hub_cache(hub_cache, "TinyOrg/Toy-MiMo", files)
+    extracted = load_file(str(Path(resolve_head_dir(flat)) / "model.safetensors"))
+    expected = head.state_dict()
+    assert set(extracted) == set(expected)
+    for name, tensor in expected.items():
+        assert torch.equal(extracted[name], tensor), name  # a copy, bit for bit
+    assert load_head(resolve_head_dir(flat)).family.name == "mimo"
 
 
 def test_help_lists_the_hybrid_objective_and_the_alpha_estimate():
