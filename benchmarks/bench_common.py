@@ -12,6 +12,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from openrlhf_growmtp.core import HeadLossConfig, MTPHead, SequenceRecord, head_loss_backward
 from openrlhf_growmtp.core.head import HeadKVCache
+from openrlhf_growmtp.experiments.worlds.toy import synthetic_record
 
 
 def qwen3_4b_config(num_layers: int = 1) -> Qwen3Config:
@@ -54,8 +55,8 @@ def records_at_tau(tokens: int, prompt: int, tau: float, k: int, topk: int, voca
     measured; which ids a record holds does not change the cost of using it)."""
     g = torch.Generator().manual_seed(seed)
     accepted = accepted_at_tau(max(1, int(tokens / tau)), tau, k, g)
-    return SequenceRecord.make_dummy(prompt_len=prompt, accepted=accepted, depth=k, topk=topk, vocab_size=vocab_size,
-                                     hidden_size=hidden_size, seed=seed)
+    return synthetic_record(prompt_len=prompt, accepted=accepted, depth=k, topk=topk, vocab_size=vocab_size,
+                            hidden_size=hidden_size, seed=seed)
 
 
 def chain_by_chain(head: MTPHead, rec: SequenceRecord, hidden: torch.Tensor | None = None) -> torch.Tensor:

@@ -41,6 +41,7 @@ from openrlhf_growmtp.core import (HeadLossConfig, Lockstep, MTPHead, SequenceRe
                                    init_random_head_, make_head_config, reconstruct_draft_logits)
 from openrlhf_growmtp.core.families import get_family
 from openrlhf_growmtp.core.objectives import head_loss_per_cycle
+from openrlhf_growmtp.experiments.worlds.toy import synthetic_record
 
 K, TOPK = 5, 64
 
@@ -67,8 +68,8 @@ def make_record(num_cycles: int, seed: int = 0) -> SequenceRecord:
     g = torch.Generator().manual_seed(seed)
     accepted = torch.multinomial(torch.tensor([0.25, 0.25, 0.2, 0.12, 0.08, 0.1]), num_cycles, replacement=True,
                                  generator=g).tolist()
-    return SequenceRecord.make_dummy(prompt_len=128, accepted=accepted, depth=K, topk=TOPK, vocab_size=4096,
-                                     hidden_size=256, seed=seed)
+    return synthetic_record(prompt_len=128, accepted=accepted, depth=K, topk=TOPK, vocab_size=4096,
+                            hidden_size=256, seed=seed)
 
 
 def grads_of(head: MTPHead) -> torch.Tensor:
@@ -252,8 +253,8 @@ def real_shape_chunk(device: str, cycles: int = 1024, dtype: torch.dtype = torch
     accepted = torch.multinomial(torch.tensor([0.25, 0.25, 0.2, 0.12, 0.08, 0.1]), cycles, replacement=True,
                                  generator=torch.Generator().manual_seed(2)).tolist()
     # drawn over the first 4,096 ids (a [cycles, K, 151936] draw would dwarf what is measured); all are valid
-    rec = SequenceRecord.make_dummy(prompt_len=128, accepted=accepted, depth=K, topk=TOPK, vocab_size=4096,
-                                    hidden_size=2560, seed=2)
+    rec = synthetic_record(prompt_len=128, accepted=accepted, depth=K, topk=TOPK, vocab_size=4096,
+                           hidden_size=2560, seed=2)
     hidden = rec.hidden.to(device=device, dtype=dtype)
     for p in head.parameters():  # the head's gradients exist across a step's chunks: not the chunk's memory
         p.grad = torch.zeros_like(p)

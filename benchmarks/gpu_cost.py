@@ -31,6 +31,7 @@ from gpu_report import Row
 from gpu_world import Plan
 
 from openrlhf_growmtp.core import MTPHead, SequenceRecord
+from openrlhf_growmtp.experiments.worlds.toy import synthetic_record
 
 RECORD_VOCAB = 1024  # records' ids are drawn over the first 1,024 ids: which ids they hold costs nothing
 
@@ -44,9 +45,9 @@ def make_records(plan: Plan, count: int, first_seed: int = 0) -> list[SequenceRe
         drawn.append(accepted_at_tau(max(1, int(plan.response_tokens / plan.tau)), plan.tau, plan.k, g))
     length = max(plan.prompt_tokens + sum(a) + len(a) for a in drawn) + 1
     vocab = min(RECORD_VOCAB, plan.config.vocab_size)
-    return [SequenceRecord.make_dummy(prompt_len=plan.prompt_tokens, accepted=a, depth=plan.k, topk=plan.topk,
-                                      vocab_size=vocab, hidden_size=None, seed=first_seed + i,
-                                      trailing_tokens=length - plan.prompt_tokens - sum(a) - len(a))
+    return [synthetic_record(prompt_len=plan.prompt_tokens, accepted=a, depth=plan.k, topk=plan.topk,
+                             vocab_size=vocab, hidden_size=None, seed=first_seed + i,
+                             trailing_tokens=length - plan.prompt_tokens - sum(a) - len(a))
             for i, a in enumerate(drawn)]
 
 

@@ -35,6 +35,7 @@ from gpu_world import Plan, head_copy
 from openrlhf_growmtp.core import MTPHead, SequenceRecord, acceptance_rates, reconstruct_draft_logits
 from openrlhf_growmtp.core.objectives import head_loss_per_cycle
 from openrlhf_growmtp.core.recompute import worth_recomputing
+from openrlhf_growmtp.experiments.worlds.toy import synthetic_record
 
 # The next lower precision a path in each dtype could slip into unnoticed: TF32 matmuls (fp16's 10-bit
 # mantissa) under fp32, fp8 e4m3 under bf16.
@@ -65,10 +66,10 @@ def make_records(plan: Plan, seed: int = 0) -> list[SequenceRecord]:
     the loss here)."""
     g = torch.Generator().manual_seed(seed)
     vocab = min(plan.config.vocab_size, 4096)
-    return [SequenceRecord.make_dummy(prompt_len=prompt, accepted=accepted_at_tau(plan.recon_cycles, plan.tau,
-                                                                                   plan.k, g),
-                                      depth=plan.k, topk=plan.topk, vocab_size=vocab,
-                                      hidden_size=plan.config.hidden_size, seed=seed + i)
+    return [synthetic_record(prompt_len=prompt, accepted=accepted_at_tau(plan.recon_cycles, plan.tau,
+                                                                          plan.k, g),
+                             depth=plan.k, topk=plan.topk, vocab_size=vocab,
+                             hidden_size=plan.config.hidden_size, seed=seed + i)
             for i, prompt in enumerate(plan.recon_prompts)]
 
 

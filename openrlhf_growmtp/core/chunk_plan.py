@@ -9,6 +9,7 @@ rank before any model work.
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
@@ -18,8 +19,8 @@ from .chunks import Chunk, ChunkWork
 from .lockstep import Lockstep
 from .recompute import elementwise_recomputed, worth_recomputing
 from .records import RecordError, SequenceRecord
-from .reconstruction import DraftPaths, check_batch
-from .teacher_forcing import TeacherForcedChains
+from .reconstruction import ChunkLayout, DraftPaths, check_batch, plan_chunks
+from .teacher_forcing import TeacherForcedChains, TeacherForcingLayout, teacher_forcing_layout
 
 
 @dataclass
@@ -54,24 +55,32 @@ class ChunkPlan:
                  lockstep: Lockstep):
         self.head, self.cfg, self.lockstep = head, cfg, lockstep
         _agree_records_fit(head, records, hiddens, lockstep)
-        self.paths = self._source(records, hiddens)
+        layout = self._layout(records)  # no model work yet
         depth, width = (records[0].depth, int(records[0].topk_ids.shape[2])) if records else (0, 0)
-        count, self.depth, width = lockstep.most([len(self.paths), depth, width])
-        self.work: list[ChunkWork] = []
+        count, self.depth, width = lockstep.most([len(layout.chunks), depth, width])
         if self.depth:
             count = max(count, 1)
-            self.padding = self._source(*_padding_cycle(head, self.depth, width, hiddens))
-            for chunks in (self.paths, self.padding):
-                chunks.one_chunk = count == 1
+        # every rank runs one chunk: the prefixes keep their graph into its backward (`prefix.PrefixStore`)
+        one_chunk = bool(self.depth) and count == 1
+        self.paths = self._source(records, hiddens, layout, one_chunk)
+        self.work: list[ChunkWork] = []
+        if self.depth:
+            padding = _padding_cycle(head, self.depth, width, hiddens)
+            self.padding = self._source(*padding, self._layout(padding[0]), one_chunk)
             mine = [self.paths.work(i) for i in range(len(self.paths))]
             mine += [self.padding.work(0)] * (count - len(self.paths))
             agreed = lockstep.most([n for w in mine for n in w.as_list()])
             self.work = [ChunkWork(*agreed[3 * i:3 * i + 3]) for i in range(count)]
 
-    def _source(self, records, hiddens):
+    def _layout(self, records) -> ChunkLayout | TeacherForcingLayout:
         if self.cfg.teacher_forcing:
-            return TeacherForcedChains(self.head, records, hiddens, self.cfg.chunk_cycles)
-        return DraftPaths(self.head, records, hiddens, self.cfg.chunk_cycles, self.cfg.vgm)
+            return teacher_forcing_layout(records, self.cfg.chunk_cycles)
+        return ChunkLayout(plan_chunks(records, self.cfg.chunk_cycles), self.cfg.chunk_cycles)
+
+    def _source(self, records, hiddens, layout, one_chunk: bool):
+        if self.cfg.teacher_forcing:
+            return TeacherForcedChains(self.head, records, hiddens, layout)
+        return DraftPaths(self.head, records, hiddens, layout, self.cfg.vgm, one_chunk)
 
     @property
     def num_cycles(self) -> int:
@@ -110,12 +119,23 @@ def _agree_records_fit(head, records, hiddens, lockstep: Lockstep) -> None:
         raise RecordError(error or "a malformed record on another data-parallel rank (see its log)")
 
 
+def padding_record(depth: int, width: int, hidden_size: int) -> SequenceRecord:
+    """A record of one cycle (its drafts all rejected) in the head's shapes, for rank padding: a two-token
+    prompt, the cycle's recovered token and one more, the top `width` ids at uniform log-probs. What it holds
+    is never read into a loss or a gradient (its weight is 0); its shapes set the padding's module calls."""
+    length = 4  # prompt x_0 x_1, the cycle's recovered token at 2 (start s = 1), and one more
+    topk_ids = torch.arange(width).expand(1, depth, width).clone()
+    return SequenceRecord(token_ids=torch.zeros(length, dtype=torch.long), prompt_len=2,
+                          start=torch.ones(1, dtype=torch.long), drafts=torch.zeros(1, depth, dtype=torch.long),
+                          topk_ids=topk_ids, topk_logprobs=torch.full((1, depth, width), -math.log(width)),
+                          accepted=torch.zeros(1, dtype=torch.long), hidden=torch.zeros(length, hidden_size))
+
+
 def _padding_cycle(head, depth: int, width: int, hiddens) -> tuple[list[SequenceRecord], list[torch.Tensor]]:
-    """One cycle in the head's shapes, whose loss weighs 0 (rank padding). Where the batch's hidden states
-    carry a graph (joint mode), the padding's does too, so that its backward reaches the same modules."""
+    """One padding cycle (`padding_record`), whose loss weighs 0. Where the batch's hidden states carry a graph
+    (joint mode), the padding's does too, so that its backward reaches the same modules."""
     config = head.config
-    record = SequenceRecord.make_dummy(prompt_len=2, accepted=(0,), depth=depth, topk=min(width, config.vocab_size),
-                                       vocab_size=config.vocab_size, hidden_size=config.hidden_size)
+    record = padding_record(depth, min(width, config.vocab_size), config.hidden_size)
     like = hiddens[0] if hiddens else None
     param = next(head.parameters())
     hidden = record.hidden.to(device=param.device, dtype=param.dtype)

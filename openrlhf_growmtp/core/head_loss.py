@@ -1,25 +1,24 @@
 """The head update of the paper's algorithm (Algorithm 1, lines 4-11) over a batch of verification records.
 
-Terms, defined once:
+The words (cycle, draft position, draft path, chain length, chunk, objective, head α_k, VGM, DCA, ...) are
+the README's glossary (README.md, "Glossary"); the symbols here:
 
-- *cycle* r: one draft-then-verify round of one sequence; its record (`records.py`) holds the start s_r,
-  the drafts d_{r,1..K}, the target's top-k log-probs log p_{r,k} at every draft position and the
-  accepted count a_r.
-- *draft position* k = 1..K, the k-th draft of a cycle; K is the *drafting depth*.
-- *draft path*: the head's input at draft position k as drafting ran it, [c_r, d_{r,1}, ..., d_{r,k-1}];
-  q_{r,k} is the head's distribution there, rebuilt from the records (`reconstruction.py`), not resampled.
-- *alpha* α_{r,k} = Σ_d min(p_{r,k}(d), q_{r,k}(d)): the probability that rejection sampling accepts a
-  draft sampled from q_{r,k}; estimated on the recorded top-k plus one residual bin (`objectives.py`).
-- *first rejection* j_r = a_r + 1 (K + 1 when every draft passed). Verify-gated masking (VGM) stops the
-  chain at L_r = min(j_r, K); without VGM, L_r = K.
-- the *objective* of a cycle, DCA: -log Σ_{l≤L_r} Π_{i≤l} α_{r,i}. The ablations swap in TV, CE or KL,
-  or train on the committed response instead of the draft paths (teacher forcing, `teacher_forcing.py`).
-- the *batch loss* is the mean over cycles; its gradient reaches the head's parameters only (recorded p
+- cycle r of a record (`records.py`): start s_r, drafts d_{r,1..K}, the target's top-k log-probs log p_{r,k}
+  at every draft position k = 1..K, accepted count a_r;
+- q_{r,k}: the head's distribution at draft position k, on the draft path [c_r, d_{r,1}, ..., d_{r,k-1}]
+  (c_r the committed context), rebuilt from the records (`reconstruction.py`), not resampled;
+- α_{r,k} = Σ_d min(p_{r,k}(d), q_{r,k}(d)), estimated on the recorded top-k plus one residual bin
+  (`objectives.py`);
+- j_r = a_r + 1 the first rejection (K + 1 when every draft passed); the chain length L_r = min(j_r, K)
+  under VGM, K without;
+- a cycle's DCA objective: -log Σ_{l≤L_r} Π_{i≤l} α_{r,i}; the ablations swap in TV, CE or KL, or train on
+  the committed response instead of the draft paths (teacher forcing, `teacher_forcing.py`);
+- the batch loss is the mean over cycles; its gradient reaches the head's parameters only (recorded p
   and j are constants; the backbone's hidden states enter detached unless they carry a graph).
-- *chunk*: cycles reconstructed in one forward and one backward, so that memory stays bounded.
 
 `head_loss_backward` is the algorithm box: for each chunk, reconstruct the draft paths, score log q at the
-recorded top-k into alpha and each cycle's objective (`score`), and backpropagate. What data-parallel
+recorded top-k into alpha and each cycle's objective (`score`), and backpropagate; `measure_head_loss` runs
+the same chunks without the backward. What data-parallel
 ranks agree on (every chunk's work, padding chunks, records that fit) is the plan's (`chunk_plan.py`).
 """
 
@@ -97,16 +96,28 @@ class Scored:
 
 
 def head_loss_backward(head, records: Sequence[SequenceRecord], hiddens: Sequence[torch.Tensor] | None = None,
-                       cfg: HeadLossConfig = HeadLossConfig(), lockstep: Lockstep = ONE_RANK,
-                       train: bool = True) -> HeadLossStats:
-    """Accumulate the gradient of the batch loss into the head's .grad, chunk by chunk (or, with `train`
-    False, only measure it: no backward).
+                       cfg: HeadLossConfig = HeadLossConfig(), lockstep: Lockstep = ONE_RANK) -> HeadLossStats:
+    """Accumulate the gradient of the batch loss into the head's .grad, chunk by chunk (`_over_chunks`).
 
     hiddens: H_p [T, H] per record (the trainer's), or None to read each record's own. A record that does
     not fit the head fails on every rank before any model work (RecordError naming the record and field).
     If a chunk's loss is not finite on some rank, no rank backpropagates it and the stats say
     finite=False: the caller must then drop this update (earlier chunks may have added gradients).
     """
+    return _over_chunks(head, records, hiddens, cfg, lockstep, train=True)
+
+
+def measure_head_loss(head, records: Sequence[SequenceRecord], hiddens: Sequence[torch.Tensor] | None = None,
+                      cfg: HeadLossConfig = HeadLossConfig(), lockstep: Lockstep = ONE_RANK) -> HeadLossStats:
+    """The batch loss and the head's α as `head_loss_backward` measures them, over the same chunks (the ranks
+    in lockstep alike), without a backward or any gradient: a reading of the head as it is."""
+    with torch.no_grad():
+        return _over_chunks(head, records, hiddens, cfg, lockstep, train=False)
+
+
+def _over_chunks(head, records: Sequence[SequenceRecord], hiddens: Sequence[torch.Tensor] | None,
+                 cfg: HeadLossConfig, lockstep: Lockstep, train: bool) -> HeadLossStats:
+    """The algorithm box: for each chunk, reconstruct, score, and (`train`) backpropagate."""
     plan = ChunkPlan(head, records, hiddens, cfg, lockstep)  # this rank's chunks, then padding
     stats = HeadLossStats(num_cycles=plan.num_cycles, num_chunks=plan.num_chunks,
                           alpha_sum=[0.0] * plan.depth, alpha_count=[0.0] * plan.depth,

@@ -35,9 +35,8 @@ from .records import RecordError, SequenceRecord
 from .topk_logq import score_groups
 from .validation import check_fits
 
-# Cycles per chunk by the device the head runs on. On a GPU the update is launch-bound at 1,024: 4,096 ran in
-# half the time on an H100 and an H200 for about 1.2 GB more peak memory (`docs/gpu.md`); on a CPU the
-# default stays where it was.
+# Cycles per chunk by the device the head runs on: a GPU's update is launch-bound at small chunks, so its chunk
+# is larger, for more peak memory (what each chunk measured: docs/measurements.md#behind-the-codes-defaults).
 CHUNK_CYCLES = {"cuda": 4096, "cpu": 1024}
 DEFAULT_CHUNK_CYCLES = CHUNK_CYCLES["cpu"]  # where no device is named
 
@@ -54,6 +53,14 @@ class Piece:
     seq: int
     lo: int
     hi: int
+
+
+@dataclass
+class ChunkLayout:
+    """Which cycles each chunk of a head update holds (`plan_chunks`), decided before any model work."""
+
+    chunks: list[list[Piece]]
+    chunk_cycles: int | None  # the most cycles a chunk holds (None: one chunk)
 
 
 def plan_chunks(records: Sequence[SequenceRecord], chunk_cycles: int | None) -> list[list[Piece]]:
@@ -150,21 +157,23 @@ def _cat_cycles(records: Sequence[SequenceRecord], pieces: Sequence[Piece], name
 
 
 class DraftPaths:
-    """The head update's chunks of recorded cycles, reconstructed as drafted.
+    """The head update's chunks of recorded cycles (`layout`), reconstructed as drafted.
 
     A sequence's prefix opens in its first chunk and closes after its last one (`prefix.PrefixStore`);
-    where every rank runs one chunk (`one_chunk`, set before any work) the prefixes keep their graph into
-    that chunk's backward instead. `work` is a chunk's module calls without model work; `chunk` builds its
-    states; `backward` backpropagates its loss (and closes the prefixes whose last chunk it was).
+    where every rank runs one chunk (`one_chunk`, which the caller decides before building) the prefixes
+    keep their graph into that chunk's backward instead. `work` is a chunk's module calls without model
+    work; `chunk` builds its states; `backward` backpropagates its loss (and closes the prefixes whose last
+    chunk it was).
     """
 
     def __init__(self, head: MTPHead, records: Sequence[SequenceRecord], hiddens: Sequence[torch.Tensor] | None,
-                 chunk_cycles: int | None, vgm: bool):
+                 layout: ChunkLayout, vgm: bool, one_chunk: bool = False):
         self.head, self.records, self.vgm = head, records, vgm
-        self.chunks = plan_chunks(records, chunk_cycles)
+        self.chunks = layout.chunks
         depth = records[0].depth if records else 0
         # a prefix piece holds at most as many positions as a chunk has slots (one piece in a single chunk)
-        self.prefix = PrefixStore(head, records, hiddens, None if chunk_cycles is None else chunk_cycles * depth)
+        piece_tokens = None if layout.chunk_cycles is None else layout.chunk_cycles * depth
+        self.prefix = PrefixStore(head, records, hiddens, piece_tokens, graph=one_chunk)
         self.total = sum(rec.num_cycles for rec in records)
         self._first, self._last = {}, {}
         for i, pieces in enumerate(self.chunks):
@@ -174,14 +183,6 @@ class DraftPaths:
 
     def __len__(self) -> int:
         return len(self.chunks)
-
-    @property
-    def one_chunk(self) -> bool:
-        return self.prefix.graph
-
-    @one_chunk.setter
-    def one_chunk(self, value: bool) -> None:
-        self.prefix.graph = value
 
     def _opens(self, i: int) -> list[int]:
         return [pc.seq for pc in self.chunks[i] if self._first[pc.seq] == i]
@@ -214,11 +215,6 @@ class DraftPaths:
                  backward: Callable[[torch.Tensor], None]) -> None:
         self.prefix.chunk_backward(backward)(surrogate)
         self.prefix.close(self._closes(i), backward, work.prefix_close)
-
-
-def count_chunks(records: Sequence[SequenceRecord], chunk_cycles: int | None = DEFAULT_CHUNK_CYCLES) -> int:
-    """How many chunks the head update reconstructs this batch in (no model work)."""
-    return len(plan_chunks(records, chunk_cycles))
 
 
 def check_batch(head: MTPHead, records: Sequence[SequenceRecord],

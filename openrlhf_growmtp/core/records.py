@@ -1,24 +1,25 @@
 """Verification records: the contract between the drafting engine and the trainer.
 
-Terms, defined once:
+The words (cycle, draft position k, draft path, record, top-k, τ, ...) are the README's glossary
+(README.md, "Glossary"). What this module adds is their symbols and the record's fields:
 
-- *cycle*: one draft-then-verify round of one sequence. It starts at position s, the last committed
-  position whose target hidden state H_s is known; x_{s+1} is the token the previous verification emitted.
-- *draft path*: the K tokens d_1..d_K the head sampled in that cycle, proposed for positions
-  s+2..s+K+1. Draft d_k was sampled from q_k, the head's distribution after consuming d_1..d_{k-1}.
-- *verification*: one target forward over [x_{s+1}, d_1..d_K] gives p_k, the target's distribution for
-  the token at s+1+k conditioned on the draft path. Rejection sampling accepts d_k with prob min(1, p/q).
-- *accepted prefix*: drafts d_1..d_a that passed before the first rejection (a = `accepted`, 0..K; the
-  first rejected position is j = a + 1, or j = K + 1 when all passed).
-- *recovered token*: on a rejection at j, the token sampled from norm(max(p_j - q_j, 0)) instead of d_j.
-- *bonus token*: when all K drafts pass, the extra token sampled from the target at position s+K+2.
-  Either way a cycle commits a + 1 tokens, so the next cycle starts at s + a + 1 (or later, if engine steps
-  without drafts happened in between).
-- *verification record*: per sequence, the committed token ids (and optionally the target hidden states
-  the head consumed), plus per cycle: start, drafts, the target's top-k log-probs at each draft position
+- a cycle starts at position s, the last committed position whose target hidden state H_s is known;
+  x_{s+1} is the token the previous verification emitted. Its *drafts* d_1..d_K (`drafts`) are proposed for
+  positions s+2..s+K+1; d_k was sampled from q_k, the head's distribution at draft position k, whose draft
+  path is the committed context and d_1..d_{k-1};
+- the verification is one target forward over [x_{s+1}, d_1..d_K]: p_k is the target's distribution for
+  the token at s+1+k given d_1..d_{k-1}. Rejection sampling accepts d_k with probability min(1, p_k/q_k);
+- `accepted` a: the drafts d_1..d_a that passed before the first rejection, 0..K (the first rejected
+  position is j = a + 1, or j = K + 1 when all passed);
+- on a rejection at j the *recovered token* is sampled from norm(max(p_j - q_j, 0)) instead of d_j; when
+  all K pass, the *bonus token* is sampled from the target at position s+K+2. Either way a cycle commits
+  a + 1 tokens, so the next cycle starts at s + a + 1 (or later, if engine steps without drafts happened
+  in between);
+- per sequence the record holds the committed token ids (and optionally the target hidden states the
+  head consumed), and per cycle: start, drafts, the target's top-k log-probs at each draft position
   (normalised over the full vocabulary, temperature applied as in verification) and `accepted`.
 
-Mean acceptance length (tau) counts the recovered/bonus token: tau = 1 + mean(accepted).
+τ = 1 + mean(accepted) counts the recovered or bonus token.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ class SequenceRecord:
     token_ids: torch.Tensor  # [T] int, committed tokens x_0..x_{T-1}, prompt included
     prompt_len: int  # number of prompt tokens at the front of token_ids
     start: torch.Tensor  # [R] int, absolute position s of each cycle (strictly increasing)
-    drafts: torch.Tensor  # [R, K] int, the draft path of each cycle
+    drafts: torch.Tensor  # [R, K] int, the drafts d_1..d_K of each cycle
     topk_ids: torch.Tensor  # [R, K, k] int, token ids of the target's top-k at each draft position
     topk_logprobs: torch.Tensor  # [R, K, k] float (bf16 on the wire), full-vocab log p at those ids
     accepted: torch.Tensor  # [R] int in 0..K, accepted drafts per cycle
@@ -105,39 +106,8 @@ class SequenceRecord:
                    self.hidden)
         return sum(t.nbytes for t in tensors if t is not None)
 
-    def bytes_per_token(self) -> float:
-        """Packed record size per generated token (the transport cost the engine reports)."""
-        return len(self.pack()) / max(1, self.num_generated)
-
-    @classmethod
-    def make_dummy(cls, prompt_len: int = 5, accepted: list[int] | tuple[int, ...] = (2, 0, 3), depth: int = 3,
-                   topk: int = 4, vocab_size: int = 50, hidden_size: int | None = 8, seed: int = 0,
-                   trailing_tokens: int = 1) -> "SequenceRecord":
-        """A valid record with the given accepted counts (random tokens and log-probs), for tests."""
-        g = torch.Generator().manual_seed(seed)
-        num_cycles = len(accepted)
-        acc = torch.tensor(accepted, dtype=torch.long)
-        starts = (prompt_len - 1 + torch.cumsum(torch.cat([torch.zeros(1, dtype=torch.long), acc[:-1] + 1]), 0))
-        length = int(starts[-1]) + int(acc[-1]) + 1 + trailing_tokens + 1
-        token_ids = torch.randint(0, vocab_size, (length,), generator=g)
-        drafts = torch.randint(0, vocab_size, (num_cycles, depth), generator=g)
-        for r in range(num_cycles):
-            s, a = int(starts[r]), int(acc[r])
-            token_ids[s + 2:s + 2 + a] = drafts[r, :a]
-            if a < depth:  # the recovered token differs from the rejected draft
-                token_ids[s + 2 + a] = (drafts[r, a] + 1) % vocab_size
-        scores = torch.randn(num_cycles, depth, vocab_size, generator=g)
-        logprobs = torch.log_softmax(scores, dim=-1)
-        top = logprobs.topk(topk, dim=-1)
-        hidden = None if hidden_size is None else torch.randn(length, hidden_size, generator=g)
-        return cls(token_ids=token_ids, prompt_len=prompt_len, start=starts, drafts=drafts, topk_ids=top.indices,
-                   topk_logprobs=top.values, accepted=acc, hidden=hidden)
-
 
 def _read_safetensors_metadata(blob: bytes) -> dict:
     header_len = int.from_bytes(blob[:8], "little")
     return json.loads(blob[8:8 + header_len]).get("__metadata__", {})
 
-
-def total_cycles(records: list[SequenceRecord]) -> int:
-    return sum(rec.num_cycles for rec in records)

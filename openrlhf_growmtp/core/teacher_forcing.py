@@ -132,18 +132,29 @@ def plan_teacher_forcing(targets: Sequence[tuple | None], chunk_cycles: int | No
     return groups + [current] if current else groups
 
 
-class TeacherForcedChains:
-    """The teacher-forcing ablation's chunks (`plan_teacher_forcing`), as `reconstruction.DraftPaths` offers
-    draft paths to the head update: each chain counts as a cycle, its length set by the targets it has
-    (no VGM)."""
+@dataclass
+class TeacherForcingLayout:
+    """The teacher-forcing ablation's chunks, decided before any model work: each record's targets
+    (`_teacher_forcing_targets`, None where it has none) and the chunks of whole sequences over them."""
 
-    one_chunk = False  # no prefix to keep a graph of
+    targets: list[tuple | None]
+    chunks: list[list[int]]
+
+
+def teacher_forcing_layout(records: Sequence[SequenceRecord], chunk_cycles: int | None) -> TeacherForcingLayout:
+    targets = [_teacher_forcing_targets(rec) for rec in records]
+    return TeacherForcingLayout(targets, plan_teacher_forcing(targets, chunk_cycles))
+
+
+class TeacherForcedChains:
+    """The teacher-forcing ablation's chunks (`layout`), as `reconstruction.DraftPaths` offers draft paths to
+    the head update: each chain counts as a cycle, its length set by the targets it has (no VGM), and no
+    prefix to keep a graph of."""
 
     def __init__(self, head: MTPHead, records: Sequence[SequenceRecord], hiddens: Sequence[torch.Tensor] | None,
-                 chunk_cycles: int | None):
+                 layout: TeacherForcingLayout):
         self.head, self.records, self.hiddens = head, records, hiddens
-        self.targets = [_teacher_forcing_targets(rec) for rec in records]
-        self.chunks = plan_teacher_forcing(self.targets, chunk_cycles)
+        self.targets, self.chunks = layout.targets, layout.chunks
         self.total = sum(int(t[0].shape[0]) for t in self.targets if t is not None)
 
     def __len__(self) -> int:

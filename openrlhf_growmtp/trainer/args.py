@@ -21,7 +21,7 @@ from ..core.records import DEFAULT_TOPK
 from ..core.schedule import DEFAULT_HEAD_LR, DEFAULT_MIN_LR_RATIO, DEFAULT_WARMUP_STEPS
 from ..hub import ModelLocationError, local_dir
 
-SUPPORTED_STAGES = (2, 3)  # DeepSpeed ZeRO stages whose optimizer trainer/head_optimizer.py knows
+SUPPORTED_STAGES = (2, 3)  # DeepSpeed ZeRO stages whose optimizer trainer/head_step/ knows
 
 MODES = ("detached", "joint", "frozen")
 HEAD_UPDATES = ("rl_step", "policy_step")  # once per RL step (the paper's), or with every policy optimizer step
@@ -29,10 +29,6 @@ HEAD_SOURCES = ("random", "native")
 # The deepest drafting the records, VGM and reconstruction are tested at; a head directory may declare
 # a smaller `max_draft_depth` in its config.json.
 MAX_DRAFT_DEPTH = 16
-
-
-class GrowMTPConfigError(ValueError):
-    """An unsupported --growmtp_* configuration; the message lists every problem found."""
 
 
 def add_growmtp_args(parser: argparse.ArgumentParser) -> None:

@@ -124,8 +124,8 @@ def check_upstream_contract() -> None:
         raise UpstreamContractError("OpenRLHF integration contract broken:\n  - " + "\n  - ".join(problems))
 
 
-# Attribute paths on upstream's ActorPPOTrainer instance (trainer/upstream_actor.py reads each one).
-TRAINER_CONTRACT = ("args", "actor.model", "actor_scheduler", "micro_train_batch_size", "replay_buffer.items",
+# Attribute paths on upstream's ActorPPOTrainer instance (trainer/head_step/upstream_actor.py reads each one).
+TRAINER_CONTRACT = ("args", "actor.model", "replay_buffer.items",
                     "replay_buffer.sample_batch_size", "replay_buffer.dynamic_optimizer_step",
                     "strategy.accumulated_gradient", "strategy.ring_attn_group")
 
@@ -142,4 +142,4 @@ def check_trainer_contract(trainer) -> None:
             obj = getattr(obj, name)
     if missing:
         raise UpstreamContractError(f"upstream's actor-side trainer ({type(trainer).__name__}) lacks {missing}, which "
-                                    "the head's RL step reads (trainer/upstream_actor.py)")
+                                    "the head's RL step reads (trainer/head_step/upstream_actor.py)")

@@ -1,12 +1,11 @@
 """The policy actor and its actor-side PPO trainer (upstream: trainer/ray/ppo_actor.py).
 
 One RL step on each policy rank: `ppo_train` takes the step's records out of the replay buffer (an index
-into them stays in each sample's Experience.info) and hands them to the RL step's `HeadRLStep`, whose
-`before_policy_backward` it registers at the strategy's seam; upstream's `ppo_train` then runs the
-policy's micro-batches (mini-batches, epochs, dynamic batching as configured), each inside the head RL
-step's `micro_batch`; then `broadcast_to_vllm` sends the policy's weights by upstream's path and the
-head's through Ray. The policy actor's checkpoints carry a head
-snapshot (weights, Adam state, LR) beside upstream's.
+into them stays in each sample's Experience.info), hands them to the RL step's `HeadRLStep` (`head_step/`),
+starts it and registers its `before_policy_backward` at the strategy's seam; upstream's `ppo_train` then runs
+the policy's micro-batches (mini-batches, epochs, dynamic batching as configured), each inside the head RL
+step's `micro_batch`; then `broadcast_to_vllm` sends the policy's weights by upstream's path and the head's
+through Ray. The policy actor's checkpoints carry a head snapshot (weights, Adam state, LR) beside upstream's.
 """
 
 from __future__ import annotations
@@ -22,14 +21,11 @@ from openrlhf.trainer.ray.ppo_actor import ActorPPOTrainer, PolicyModelActor
 from openrlhf.utils.distributed_util import torch_dist_barrier_and_cuda_sync
 
 from .. import cpu_support, reproducibility
-from ..core.head_loss import HeadLossConfig
 from ..core.lockstep import Lockstep
-from ..core.objectives import HYBRID, hybrid_lambda
-from ..core.reconstruction import chunk_cycles_for
 from ..core.records import SequenceRecord
-from . import head_optimizer, installer
-from .head_rl_step import HeadRLStep
-from .head_update import HeadUpdateConfig
+from . import installer
+from .head_step.deepspeed_patches import head_lr, head_optimizer_state
+from .head_step.head_rl_step import HeadRLStep, HeadRLStepConfig
 from .keys import ACCEPTED_KEY, DROPPED_KEY, RECORD_INDEX_KEY, RECORD_KEY
 from .loss import NegativeAdvantageWeightedLoss
 from .resume import SNAPSHOT_FILE  # noqa: F401 (its one definition: the startup check reads it too)
@@ -89,18 +85,22 @@ class GrowMTPActorTrainer(ActorTrainer):
 
     def ppo_train(self, kl_ctl: float):
         records = self._take_records()
-        if head_of(self.actor.model.module) is None:  # a frozen head drafts in the engines only
+        head = head_of(self.actor.model.module)
+        if head is None:  # a frozen head drafts in the engines only
             return super().ppo_train(kl_ctl)
-        cfg = self._head_update_config()
-        step = self.head_rl_step = HeadRLStep(self, records, cfg)
+        cfg = HeadRLStepConfig.from_args(self.args, self.alpha_1, next(self.actor.model.parameters()).device,
+                                         self.micro_train_batch_size)
+        step = self.head_rl_step = HeadRLStep(self, head, self.strategy.head_optimizer, records, cfg)
         try:
+            step.start()
             with self.strategy.before_policy_backward(step.before_policy_backward):
                 status = super().ppo_train(kl_ctl)
         finally:
             self.head_rl_step = None
         status.update({f"growmtp/{key}": value for key, value in step.metrics().items()})
-        if cfg.loss.hybrid_lambda is not None:
-            status["growmtp/hybrid_lambda"] = cfg.loss.hybrid_lambda
+        hybrid = cfg.update.loss_config.hybrid_lambda
+        if hybrid is not None:
+            status["growmtp/hybrid_lambda"] = hybrid
         self.alpha_1 = realised_alpha_1(records, step.lockstep)
         return status
 
@@ -124,15 +124,6 @@ class GrowMTPActorTrainer(ActorTrainer):
                 item.info[RECORD_INDEX_KEY] = len(records)
                 records.append(SequenceRecord.unpack(blob))
         return records
-
-    def _head_update_config(self) -> HeadUpdateConfig:
-        g = self.args.growmtp
-        joint = g.mode == "joint"
-        chunk_cycles = g.chunk_cycles or chunk_cycles_for(next(self.actor.model.parameters()).device)
-        loss = HeadLossConfig(objective=g.loss, vgm=g.vgm, chunk_cycles=None if joint else chunk_cycles,
-                              teacher_forcing=g.teacher_forcing, alpha_estimate=g.alpha_estimate,
-                              hybrid_lambda=hybrid_lambda(self.alpha_1) if g.loss == HYBRID else None)
-        return HeadUpdateConfig(loss=loss, joint=joint, hidden_batch_size=max(1, self.micro_train_batch_size))
 
     def broadcast_to_vllm(self):
         hf_model = self.actor.model.module
@@ -195,5 +186,5 @@ class GrowMTPPolicyActor(PolicyActor):
         (tests, debugging)."""
         engine = self.actor.model
         return {"weights": gathered_head_state(head_of(engine.module)),
-                "adam": head_optimizer.head_optimizer_state(engine), "lr": head_optimizer.head_lr(engine),
+                "adam": head_optimizer_state(engine), "lr": head_lr(engine),
                 "alpha_1": self.trainer.alpha_1, "rank": dist.get_rank()}

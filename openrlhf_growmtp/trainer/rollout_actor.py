@@ -140,8 +140,8 @@ class GrowMTPRolloutActor(RolloutActor):
         kwargs = spec_engine_kwargs(growmtp.head_dir, growmtp.k, capture, **with_draft_headroom(kwargs, growmtp.k))
         await super().__init__(*args, cpu=growmtp.cpu, **kwargs)
         await self.llm.collective_rpc("growmtp_configure_capture", args=(capture.as_dict(),))
-        self.records = RecordCollector(growmtp.k, topk=capture.topk,
-                                       vocab_size=self.llm.model_config.get_vocab_size())
+        self.collector = RecordCollector(growmtp.k, topk=capture.topk,
+                                         vocab_size=self.llm.model_config.get_vocab_size())
         self._requests = itertools.count()
 
     async def generate(self, prompt_token_ids, sampling_params, multi_modal_data=None):
@@ -149,7 +149,7 @@ class GrowMTPRolloutActor(RolloutActor):
         # (which the dispatch fixes), not the order they finish
         order = next(self._requests)
         output = await super().generate(prompt_token_ids, sampling_params, multi_modal_data)
-        self.records.add_output(output, sampling_params, order=order)
+        self.collector.add_output(output, sampling_params, order=order)
         return output
 
     async def generate_responses(self, *args, **kwargs):
@@ -157,9 +157,9 @@ class GrowMTPRolloutActor(RolloutActor):
 
         responses = await super().generate_responses(*args, **kwargs)
         # Other prompts' generates run concurrently: the drain may hold their cycles too (kept until claimed).
-        self.records.add_drained((await self.llm.collective_rpc("growmtp_drain_records"))[0])
+        self.collector.add_drained((await self.llm.collective_rpc("growmtp_drain_records"))[0])
         for response in responses:
-            record = self.records.pop_by_tokens(response["observation_tokens"])
+            record = self.collector.pop_by_tokens(response["observation_tokens"])
             response[RECORD_KEY] = record.pack()
             response[ACCEPTED_KEY] = record.accepted.tolist()
             response[DROPPED_KEY] = record.meta[DROPPED_META]

@@ -95,11 +95,6 @@ def number_request(sampling_params, seeded: bool = True):
     return params
 
 
-def dispatch_number() -> int | None:
-    dispatch = _DISPATCH.get()
-    return None if dispatch is None else dispatch[1]
-
-
 class PrioritizedLLM:
     """A vLLM AsyncLLM whose `generate` passes the current request's scheduling priority (vLLM's public
     `priority` argument; lower runs first under `scheduling_policy="priority"`)."""

@@ -24,8 +24,9 @@ from openrlhf.utils.distributed_util import torch_dist_barrier_and_cuda_sync
 
 from ..core.checkpoint import HEAD_CONFIG, export_head, load_head, read_head_config
 from ..core.schedule import HeadLRSchedule
-from . import head_optimizer
 from .args import policy_steps_per_rl_step, resolve_head_lr
+from .head_step.deepspeed_patches import HEAD_GROUP
+from .head_step.head_optimizer import HeadLR, HeadOptimizer, attach_head_optimizer
 
 HEAD_ATTR = "mtp_head"  # the head's name inside the HF model DeepSpeed wraps
 HEAD_EXPORT_DIR = "growmtp_head"  # next to an HF export
@@ -67,9 +68,11 @@ def trained_head_dir(args) -> str | None:
 class GrowMTPStrategy(DeepspeedStrategy):
     """Upstream's strategy plus the head: attached before DeepSpeed wraps the actor, its own param group
     and LR schedule, an HF export without it (the head goes to its own directory), and a seam between the
-    policy's forward and its backward (`before_policy_backward`)."""
+    policy's forward and its backward (`before_policy_backward`). `head_optimizer`: the head group's
+    run-time owner, once the actor's optimizer is built."""
 
     _before_policy_backward: Callable[[], None] | None = None
+    head_optimizer: HeadOptimizer | None = None
 
     @contextlib.contextmanager
     def before_policy_backward(self, hook: Callable[[], None]):
@@ -94,7 +97,7 @@ class GrowMTPStrategy(DeepspeedStrategy):
         engine = wrapped.model if isinstance(wrapped, Actor) else wrapped
         if head_of(engine.module) is not None:
             multiplier = head_lr_multiplier(self.args, cfg["scheduler_steps"])
-            head_optimizer.attach_head_optimizer(engine, scheduler, multiplier)
+            self.head_optimizer = attach_head_optimizer(engine, scheduler, multiplier)
         return wrapped, optimizer, scheduler
 
     def _get_model_parameters(self, model, *, optim=None, weight_decay=0.0):
@@ -109,7 +112,7 @@ class GrowMTPStrategy(DeepspeedStrategy):
             group["params"] = [p for p in group["params"] if id(p) not in head_ids]
         groups = [group for group in groups if group["params"]]
         groups.append({"params": list(head.parameters()), "weight_decay": 0.0,
-                       "lr": resolve_head_lr(vars(self.args.growmtp)), "name": head_optimizer.HEAD_GROUP})
+                       "lr": resolve_head_lr(vars(self.args.growmtp)), "name": HEAD_GROUP})
         return raw_model, groups
 
     def save_model(self, model, tokenizer, output_dir, **kwargs) -> None:
@@ -130,7 +133,7 @@ class GrowMTPStrategy(DeepspeedStrategy):
             _export_frozen_head(g.head_dir, Path(output_dir) / HEAD_EXPORT_DIR, g.k)
 
 
-def head_lr_multiplier(args, policy_steps: int) -> head_optimizer.HeadLR:
+def head_lr_multiplier(args, policy_steps: int) -> HeadLR:
     """The head's LR schedule over the run (`policy_steps`: upstream's scheduler steps, the policy's optimizer
     steps): per RL step under `--growmtp_head_update rl_step`; per policy step otherwise, where
     --growmtp_warmup_steps (in RL steps) spans that many policy steps per RL step."""
@@ -140,10 +143,10 @@ def head_lr_multiplier(args, policy_steps: int) -> head_optimizer.HeadLR:
     if g.head_update == "rl_step":
         schedule = HeadLRSchedule(total_steps=max(1, int(policy_steps) // per_rl_step), warmup_steps=g.warmup_steps,
                                   min_lr_ratio=g.min_lr_ratio)
-        return head_optimizer.HeadLR(schedule, per_rl_step=True)
+        return HeadLR(schedule, per_rl_step=True)
     schedule = HeadLRSchedule(total_steps=max(1, int(policy_steps)), warmup_steps=g.warmup_steps * per_rl_step,
                               min_lr_ratio=g.min_lr_ratio)
-    return head_optimizer.HeadLR(schedule, per_rl_step=False)
+    return HeadLR(schedule, per_rl_step=False)
 
 
 def _export_frozen_head(head_dir: str, out_dir: Path, k: int) -> None:

@@ -500,13 +500,13 @@ def test_fixed_shape_head_update_is_head_loss_backward():
     import gpu_head_graph
     from gpu_world import build_head, build_policy
 
-    from openrlhf_growmtp.core import SequenceRecord
+    from openrlhf_growmtp.experiments.worlds.toy import synthetic_record
 
     policy = build_policy(TINY.config, torch.device("cpu"), torch.float64)
     head = build_head(policy, torch.float64)
     g = torch.Generator().manual_seed(0)
-    records = [SequenceRecord.make_dummy(prompt_len=prompt, accepted=torch.randint(0, TINY.k + 1, (n,), generator=g)
-                                         .tolist(), depth=TINY.k, topk=8, vocab_size=256, hidden_size=64, seed=i)
+    records = [synthetic_record(prompt_len=prompt, accepted=torch.randint(0, TINY.k + 1, (n,), generator=g)
+                                .tolist(), depth=TINY.k, topk=8, vocab_size=256, hidden_size=64, seed=i)
                for i, (prompt, n) in enumerate([(6, 20), (30, 9)])]
     hiddens = [r.hidden.double() for r in records]
     # rows of 8 cycles, 2 rows a chunk: chunks cut through both responses, padded rows and cycles included

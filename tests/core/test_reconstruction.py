@@ -6,14 +6,14 @@ import pytest
 import torch
 
 from helpers.ranks import TwoRanks
-from helpers.tiny import FAMILY_NAMES, chain_by_chain_logits, make_head, make_records
+from helpers.tiny import FAMILY_NAMES, chain_by_chain_logits, make_head, make_records, synthetic_record
 from openrlhf_growmtp.core import HeadLossConfig, Lockstep, reconstruct_draft_logits, validate_record
 from openrlhf_growmtp.core.head_loss import head_loss_backward
 from openrlhf_growmtp.core.objectives import chain_lengths, head_loss_per_cycle
 from openrlhf_growmtp.core.prefix import PrefixStore
-from openrlhf_growmtp.core.reconstruction import count_chunks, plan_chunks, reconstruct_states
+from openrlhf_growmtp.core.reconstruction import plan_chunks, reconstruct_states
 from openrlhf_growmtp.core.records import RecordError
-from openrlhf_growmtp.core.teacher_forcing import TeacherForcedChains, teacher_forced_chains
+from openrlhf_growmtp.core.teacher_forcing import teacher_forced_chains, teacher_forcing_layout
 
 
 def update(head, records, hiddens=None, lockstep=None, **cfg):
@@ -253,7 +253,7 @@ def test_teacher_forced_loss_and_gradients_equal_the_full_vocabulary_path(object
     expected = _grads(head)
     _zero(head)
     stats = update(head, records, objective=objective, teacher_forcing=True, chunk_cycles=chunk_cycles)
-    assert stats.num_chunks == len(TeacherForcedChains(head, records, None, chunk_cycles))
+    assert stats.num_chunks == len(teacher_forcing_layout(records, chunk_cycles).chunks)
     assert stats.num_chunks == (1 if chunk_cycles is None else 2)  # 12 chains: the sequences do not fit in one
     assert abs(stats.loss - reference.item()) <= 1e-5 * max(1.0, abs(reference.item()))
     for name, grad in _grads(head).items():
@@ -298,7 +298,7 @@ def test_every_rank_makes_the_same_module_calls_whatever_its_records(monkeypatch
 def test_a_rank_with_fewer_chunks_runs_padding_chunks_that_change_no_gradient():
     # one rank has 4 chunks, the other 1: the second pads with 3 zero-weighted padding chunks
     busy, idle = make_records(k=4), make_records(k=4, seed=5)[1:2]
-    assert count_chunks(busy, 3) == 4 and count_chunks(idle, 3) == 1
+    assert len(plan_chunks(busy, 3)) == 4 and len(plan_chunks(idle, 3)) == 1
     _assert_padding_changes_nothing(busy, idle, objective="dca", chunk_cycles=3)
 
 
@@ -334,12 +334,11 @@ def test_ranks_run_as_many_prefix_pieces_as_the_busiest_rank(busy_chunks):
     # A prefix opens (and, unless every rank runs one chunk, closes) in pieces of at most chunk_cycles x K
     # positions (prefix.py): a long prompt takes several, a short one one; padded to the busiest rank's
     # count, every rank makes the same calls, and the padding changes no gradient.
-    from openrlhf_growmtp.core.records import SequenceRecord
 
-    long = [SequenceRecord.make_dummy(prompt_len=60, accepted=[1, 4, 0, 0, 2][:4 * busy_chunks - 3], depth=4,
-                                      topk=8, vocab_size=97, hidden_size=64, seed=3)]
+    long = [synthetic_record(prompt_len=60, accepted=[1, 4, 0, 0, 2][:4 * busy_chunks - 3], depth=4,
+                             topk=8, vocab_size=97, hidden_size=64, seed=3)]
     short = make_records(k=4, seed=5)[1:2]  # prompt of 3, two cycles
-    assert count_chunks(long, 4) == busy_chunks and count_chunks(short, 4) == 1
+    assert len(plan_chunks(long, 4)) == busy_chunks and len(plan_chunks(short, 4)) == 1
     mode = dict(chunk_cycles=4)
     assert _module_calls(make_head("qwen3"), long, **mode) != _module_calls(make_head("qwen3"), short, **mode)
     _assert_padding_changes_nothing(long, short, **mode)

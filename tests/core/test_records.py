@@ -6,14 +6,13 @@ import pytest
 import torch
 
 from openrlhf_growmtp.core import RecordError, SequenceRecord
-from openrlhf_growmtp.core.records import total_cycles
 from openrlhf_growmtp.core.validation import validate_record, validate_records
-from helpers.tiny import HIDDEN, VOCAB
+from helpers.tiny import HIDDEN, VOCAB, synthetic_record
 
 
 def _valid(**kw):
-    return SequenceRecord.make_dummy(**{"prompt_len": 5, "accepted": [2, 0, 3, 1], "depth": 3, "topk": 4,
-                                        "vocab_size": VOCAB, "hidden_size": HIDDEN, **kw})
+    return synthetic_record(**{"prompt_len": 5, "accepted": [2, 0, 3, 1], "depth": 3, "topk": 4,
+                               "vocab_size": VOCAB, "hidden_size": HIDDEN, **kw})
 
 
 def test_dummy_record_is_valid_and_its_committed_tokens_follow_the_cycles():
@@ -37,14 +36,13 @@ def test_record_roundtrip():
     validate_record(back, depth=3, vocab_size=VOCAB, hidden_size=HIDDEN)
 
 
-def test_bytes_per_token_counts_the_packed_size_and_hidden_dominates():
+def test_packed_bytes_per_generated_token_are_dominated_by_the_hidden_states():
     rec = _valid()
-    full = rec.bytes_per_token()
-    assert full == len(rec.pack()) / rec.num_generated
+    full = len(rec.pack()) / rec.num_generated
     # bf16 hidden: 2 * H bytes per committed token (prompt included), spread over generated tokens
     assert full > 2 * HIDDEN * rec.token_ids.numel() / rec.num_generated
     rec.hidden = None  # transport-free mode
-    assert rec.bytes_per_token() < full / 3
+    assert len(rec.pack()) / rec.num_generated < full / 3
 
 
 def test_unpack_refuses_another_schema_version():
@@ -135,8 +133,8 @@ def test_malformed_record_raises_naming_the_field_alone_and_among_others(case, m
 
 def _cut_short(seed: int, prompt_len: int = 4) -> SequenceRecord:
     """A record whose last cycle EOS cut short: it accepted 3 drafts, only the first was committed."""
-    rec = SequenceRecord.make_dummy(prompt_len=prompt_len, accepted=[1, 3], depth=3, topk=4, vocab_size=VOCAB,
-                                    hidden_size=None, trailing_tokens=0, seed=seed)
+    rec = synthetic_record(prompt_len=prompt_len, accepted=[1, 3], depth=3, topk=4, vocab_size=VOCAB,
+                           hidden_size=None, trailing_tokens=0, seed=seed)
     rec.token_ids = rec.token_ids[:int(rec.start[-1]) + 3]
     return rec
 
@@ -180,18 +178,14 @@ def test_records_of_different_layouts_are_validated_one_at_a_time():
 
 def test_cycle_cut_short_by_the_end_of_the_sequence_is_valid():
     # EOS inside a cycle: accepted drafts past the last committed token were never committed
-    rec = SequenceRecord.make_dummy(prompt_len=4, accepted=[1, 3], depth=3, topk=4, vocab_size=VOCAB, hidden_size=None,
-                                    trailing_tokens=0)
+    rec = synthetic_record(prompt_len=4, accepted=[1, 3], depth=3, topk=4, vocab_size=VOCAB, hidden_size=None,
+                           trailing_tokens=0)
     s = int(rec.start[-1])
     rec.token_ids = rec.token_ids[:s + 3]  # keeps x_{s+1} and the first accepted draft only
     validate_record(rec, vocab_size=VOCAB)
     rec.drafts[-1, 0] = (rec.drafts[-1, 0] + 1) % VOCAB  # but the committed part is still checked
     with pytest.raises(RecordError, match="^drafts:"):
         validate_record(rec)
-
-
-def test_total_cycles_counts_every_sequence():
-    assert total_cycles([_valid(), _valid(seed=1)]) == 8
 
 
 def _row_of(log_probs: list[float], width: int) -> torch.Tensor:

@@ -10,6 +10,7 @@ from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
 from openrlhf_growmtp.core import MTPHead, SequenceRecord, make_head_config
 from openrlhf_growmtp.core.families import get_family
 from openrlhf_growmtp.core.head import HeadKVCache
+from openrlhf_growmtp.experiments.worlds.toy import synthetic_record
 
 FAMILY_NAMES = ("qwen3", "qwen3_5", "mimo")
 VOCAB, HIDDEN = 97, 64
@@ -61,8 +62,8 @@ def make_records(k: int = 4, topk: int = 8, seed: int = 0, layouts=None, vocab_s
     lengths, with full accepts, early rejections and a mixed temperature. `hidden_size` None: no hidden."""
     default = layouts is None
     layouts = [(5, [2, 0, k, 1, 0]), (3, [0, 0]), (9, [k, k, 1, 3])] if default else layouts
-    records = [SequenceRecord.make_dummy(prompt_len=p, accepted=[min(a, k) for a in acc], depth=k, topk=topk,
-                                         vocab_size=vocab_size, hidden_size=hidden_size, seed=seed + i)
+    records = [synthetic_record(prompt_len=p, accepted=[min(a, k) for a in acc], depth=k, topk=topk,
+                                vocab_size=vocab_size, hidden_size=hidden_size, seed=seed + i)
                for i, (p, acc) in enumerate(layouts)]
     if default:
         records[1].temperature = 0.7

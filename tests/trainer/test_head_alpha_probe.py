@@ -6,7 +6,7 @@ import pytest
 
 from helpers.tiny import make_head, make_records
 from openrlhf_growmtp.core import ONE_RANK, HeadLossConfig, head_loss_backward
-from openrlhf_growmtp.trainer.head_update import HeadUpdateConfig, head_alpha_on, update_head
+from openrlhf_growmtp.trainer.head_step.head_update import HeadUpdateConfig, head_alpha_on, update_head
 
 
 def _setup():

@@ -8,8 +8,8 @@ import torch
 
 from helpers.tiny import make_head, make_records
 from openrlhf_growmtp.core import HeadLossConfig, Lockstep
-from openrlhf_growmtp.trainer.head_update import HeadUpdateTotals, HeadUpdateConfig, update_head
-from openrlhf_growmtp.trainer.hidden_states import rows_per_sample
+from openrlhf_growmtp.trainer.head_step.head_update import HeadUpdateTotals, HeadUpdateConfig, update_head
+from openrlhf_growmtp.trainer.head_step.hidden_states import rows_per_sample
 
 CFG = HeadUpdateConfig(HeadLossConfig(chunk_cycles=3))
 

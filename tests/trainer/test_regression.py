@@ -20,7 +20,7 @@ from openrlhf_growmtp.experiments.worlds import toy
 from openrlhf_growmtp.core.checkpoint import load_head
 from openrlhf_growmtp.core.records import SequenceRecord
 from openrlhf_growmtp.core.schedule import DEFAULT_HEAD_LR
-from openrlhf_growmtp.trainer.head_optimizer import head_optimizer_state
+from openrlhf_growmtp.trainer.head_step.deepspeed_patches import head_optimizer_state
 from openrlhf_growmtp.trainer.keys import ACCEPTED_KEY, RECORD_KEY
 
 from helpers import tiny
@@ -152,10 +152,12 @@ def test_detached_policy_identical_head_moved(upstream, single_rank, policy_dir,
     assert status["growmtp/head_finite"] == 1.0 and status["growmtp/head_cycles"] == 10
     assert status["growmtp/head_hidden_from_forward"] == 0.0  # records of other tokens: a forward of its own
     assert torch.isfinite(torch.tensor(status["growmtp/head_loss"]))
-    # the recorded top-k's mean share of the target mass, over every cycle and draft position, from the records
-    # as the trainer receives them (packed: bf16 log-probs); the trainer sums <= 40 fp32 terms: rel error < 3e-6
+    # the recorded top-k's mean share of the target mass, over the (cycle, draft position) pairs the loss reads
+    # (VGM: positions 1..min(accepted + 1, K)), from the records as the trainer receives them (packed: bf16
+    # log-probs); the trainer sums <= 40 fp32 terms: rel error < 3e-6
     received = [SequenceRecord.unpack(r.pack()) for r in make_records()]
-    mass = torch.cat([torch.logsumexp(r.topk_logprobs.double(), dim=-1).exp().flatten() for r in received])
+    mass = torch.cat([torch.logsumexp(r.topk_logprobs[c, :min(int(r.accepted[c]) + 1, r.depth)].double(), dim=-1).exp()
+                      for r in received for c in range(r.num_cycles)])
     assert status["growmtp/head_topk_mass"] == pytest.approx(mass.mean().item(), rel=1e-5)
     # the head's own group and schedule: warm-up step 0 runs at peak / warmup_steps, then the next LR is set
     groups = {g.get("name"): g for g in optimizer.param_groups}
@@ -169,7 +171,7 @@ def test_hidden_states_from_the_training_forward_policy_identical_no_extra_forwa
                                                                                    head_dir, tmp_path, monkeypatch):
     # one policy step per RL step and records of exactly their samples' tokens: the head reads H_p from the
     # policy's own training forward of each micro-batch, and no forward of its own runs
-    from openrlhf_growmtp.trainer import head_rl_step, hidden_states
+    from openrlhf_growmtp.trainer.head_step import head_rl_step, hidden_states
 
     assert matching_sequences().shape == (BATCH, PROMPT + RESPONSE)
     flags = ("--ds.packing_samples",) if packed else ()
@@ -300,7 +302,7 @@ def layout(request, single_rank, policy_dir, tmp_path_factory):
 
 def head_state_after_each_step(monkeypatch, optimizer_cls) -> list[dict]:
     """After every optimizer step: the head group's fp32 partitions and Adam state (moments, step count)."""
-    from openrlhf_growmtp.trainer.head_optimizer import _head_step_indices, head_group_index
+    from openrlhf_growmtp.trainer.head_step.deepspeed_patches import head_group_index, head_step_indices
 
     states = []
     real = optimizer_cls.step
@@ -309,7 +311,7 @@ def head_state_after_each_step(monkeypatch, optimizer_cls) -> list[dict]:
         out = real(self, *args, **kwargs)
         zero3 = hasattr(self, "fp32_partitioned_groups_flat")
         flats = self.fp32_partitioned_groups_flat if zero3 else self.single_partition_of_fp32_groups
-        indices = _head_step_indices(self, 3 if zero3 else 2, head_group_index(self))
+        indices = head_step_indices(self, 3 if zero3 else 2, head_group_index(self))
         states.append({**{f"param{i}": flats[i].detach().clone() for i in indices},
                        **head_optimizer_state(SimpleNamespace(optimizer=self))})
         return out
@@ -325,7 +327,7 @@ def test_several_policy_steps_policy_identical_records_follow_their_samples(layo
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
     from openrlhf.trainer.ray.ppo_actor import ActorPPOTrainer
 
-    from openrlhf_growmtp.trainer import head_rl_step
+    from openrlhf_growmtp.trainer.head_step import head_rl_step
 
     flags, steps, (up_status, up_policy, _, _, _) = layout
     if schedule == "policy_step" and steps == 1:
@@ -410,7 +412,7 @@ def test_zero2_and_zero3_step_the_head_with_the_same_gradient(single_rank, polic
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
-    from openrlhf_growmtp.trainer.head_optimizer import head_group_index
+    from openrlhf_growmtp.trainer.head_step.deepspeed_patches import head_group_index
 
     stepped = {}
     for cls in (DeepSpeedZeroOptimizer, DeepSpeedZeroOptimizer_Stage3):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from openrlhf_growmtp.trainer.schedules import FirstWindow, OwnRecords
+from openrlhf_growmtp.trainer.head_step.schedules import FirstWindow, OwnRecords
 
 
 class Upstream:

@@ -1,5 +1,5 @@
-"""The toy world of the tests and of benchmarks/bench_rollout.py: a tiny Qwen3 policy vLLM can serve, and a
-few-step head trainer on records.
+"""The toy world of the tests and of the benchmarks: a tiny Qwen3 policy vLLM can serve, a few-step head
+trainer on records, and synthetic records of any shape (`synthetic_record`).
 
 A word-level tokenizer ("t0".."t{V-1}", whitespace-split) comes with it, because vLLM 0.29's `LLM`
 cannot start without one; prompts are token ids anyway. The policy's lm_head is
@@ -15,6 +15,8 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+
+from openrlhf_growmtp.core.records import SequenceRecord
 
 POLICY = dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32, intermediate_size=256,
               num_hidden_layers=2, vocab_size=128, max_position_embeddings=1024, rms_norm_eps=1e-6,
@@ -84,3 +86,28 @@ def train_head_on_records(head, policy: Qwen3ForCausalLM, records, steps: int, l
         optimizer.step()
         losses.append(float(stats.loss))
     return losses
+
+
+def synthetic_record(prompt_len: int = 5, accepted: list[int] | tuple[int, ...] = (2, 0, 3), depth: int = 3,
+                     topk: int = 4, vocab_size: int = 50, hidden_size: int | None = 8, seed: int = 0,
+                     trailing_tokens: int = 1) -> SequenceRecord:
+    """A valid record with the given accepted counts: random tokens, drafts and log-probs, consistent with
+    one another as an engine's would be (the committed tokens hold each cycle's accepted drafts and a
+    recovered token that differs from the rejected draft), and, with `hidden_size`, random hidden states."""
+    g = torch.Generator().manual_seed(seed)
+    num_cycles = len(accepted)
+    acc = torch.tensor(accepted, dtype=torch.long)
+    starts = (prompt_len - 1 + torch.cumsum(torch.cat([torch.zeros(1, dtype=torch.long), acc[:-1] + 1]), 0))
+    length = int(starts[-1]) + int(acc[-1]) + 1 + trailing_tokens + 1
+    token_ids = torch.randint(0, vocab_size, (length,), generator=g)
+    drafts = torch.randint(0, vocab_size, (num_cycles, depth), generator=g)
+    for r in range(num_cycles):
+        s, a = int(starts[r]), int(acc[r])
+        token_ids[s + 2:s + 2 + a] = drafts[r, :a]
+        if a < depth:  # the recovered token differs from the rejected draft
+            token_ids[s + 2 + a] = (drafts[r, a] + 1) % vocab_size
+    scores = torch.randn(num_cycles, depth, vocab_size, generator=g)
+    top = torch.log_softmax(scores, dim=-1).topk(topk, dim=-1)
+    hidden = None if hidden_size is None else torch.randn(length, hidden_size, generator=g)
+    return SequenceRecord(token_ids=token_ids, prompt_len=prompt_len, start=starts, drafts=drafts,
+                          topk_ids=top.indices, topk_logprobs=top.values, accepted=acc, hidden=hidden)

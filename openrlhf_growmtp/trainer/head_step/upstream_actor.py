@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 
-from .contract import check_trainer_contract
+from ..contract import check_trainer_contract
 
 
 class UpstreamActorTrainer:
@@ -26,14 +26,6 @@ class UpstreamActorTrainer:
     def engine(self):
         """The DeepSpeed engine wrapping the policy's HF model (the head is its submodule)."""
         return self._trainer.actor.model
-
-    @property
-    def scheduler(self):
-        return self._trainer.actor_scheduler
-
-    @property
-    def micro_batch_size(self) -> int:
-        return self._trainer.micro_train_batch_size
 
     @property
     def replay_items(self) -> list:

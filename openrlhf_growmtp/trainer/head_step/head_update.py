@@ -20,16 +20,16 @@ from typing import Sequence
 
 import torch
 
-from ..core.head import MTPHead
-from ..core.head_loss import HeadLossConfig, HeadLossStats, alpha_means, head_loss_backward
-from ..core.lockstep import Lockstep
-from ..core.objectives import chain_lengths
-from ..core.records import SequenceRecord
+from ...core.head import MTPHead
+from ...core.head_loss import HeadLossConfig, HeadLossStats, alpha_means, head_loss_backward, measure_head_loss
+from ...core.lockstep import Lockstep
+from ...core.objectives import chain_lengths
+from ...core.records import SequenceRecord
 
 
 @dataclass(frozen=True)
 class HeadUpdateConfig:
-    loss: HeadLossConfig = HeadLossConfig()
+    loss_config: HeadLossConfig = HeadLossConfig()
     joint: bool = False  # the head loss also reaches the backbone (through the hidden states): one chunk
     hidden_batch_size: int = 8  # sequences per backbone forward when recomputing hidden states
 
@@ -99,12 +99,12 @@ def update_head(head: MTPHead, records: Sequence[SequenceRecord], hiddens: Seque
     `gradient_accumulation`); `cycles_per_step` divides the summed loss (module docstring)."""
     began = time.perf_counter()
     local_cycles = sum(rec.num_cycles for rec in records)
-    cycles, mass, mass_count = lockstep.total([local_cycles, *read_topk_mass(records, cfg.loss.vgm)])
+    cycles, mass, mass_count = lockstep.total([local_cycles, *read_topk_mass(records, cfg.loss_config.vgm)])
     scale = lockstep.size * gradient_accumulation * local_cycles / (cycles_per_step or cycles) if local_cycles else 0.0
     scaled = replace(lockstep, backward=lambda loss: lockstep.backward(loss * scale))
     dtype = next(head.parameters()).dtype
-    stats = head_loss_backward(head, records, [h.to(dtype) for h in hiddens], cfg.loss, scaled)
-    totals = HeadUpdateTotals(teacher_forcing=cfg.loss.teacher_forcing, cycles=cycles, mass_sum=mass,
+    stats = head_loss_backward(head, records, [h.to(dtype) for h in hiddens], cfg.loss_config, scaled)
+    totals = HeadUpdateTotals(teacher_forcing=cfg.loss_config.teacher_forcing, cycles=cycles, mass_sum=mass,
                               mass_count=mass_count, finite=stats.finite)
     if stats.alpha_sum:
         k = len(stats.alpha_sum)
@@ -138,12 +138,11 @@ def head_alpha_on(head: MTPHead, records: Sequence[SequenceRecord], hiddens: Seq
     is the same head's α on the next policy's records, and the difference is the one-step lag.
     Every rank runs the same chunks (padded), like `update_head`.
     """
-    if cfg.loss.teacher_forcing:
+    if cfg.loss_config.teacher_forcing:
         raise ValueError("the lag probe reads the draft paths; teacher forcing has none")
     dtype = next(head.parameters()).dtype
-    with torch.no_grad():
-        stats: HeadLossStats = head_loss_backward(head, records, [h.detach().to(dtype) for h in hiddens], cfg.loss,
-                                                  lockstep, train=False)
+    stats: HeadLossStats = measure_head_loss(head, records, [h.detach().to(dtype) for h in hiddens], cfg.loss_config,
+                                             lockstep)
     if not stats.alpha_sum:
         return {}
     k = len(stats.alpha_sum)

@@ -7,6 +7,13 @@ RL step's head updates take them from (`head_rl_step.py` chooses one per RL step
 - `TrainingForward`: the policy's own training forward of a micro-batch, where that forward runs the
   rollout policy over exactly the records' tokens (`training_forward_mismatch` says where it does not).
 
+Both answer the same calls, in this order: `start()` when the RL step starts (the forward of its own runs
+there, in lockstep), `micro_batch(due, attention_mask, update)` around each policy micro-batch, whose due
+records `update` receives with their H_p as soon as they are ready (before the forward, or between the
+forward and the backward), `before_policy_backward()` at the strategy's seam, `release()` once no record is
+due any more, `of_records(indices)` for the lag probe (which only a forward of its own can answer), and
+`metrics()`.
+
 No openrlhf or DeepSpeed import here.
 """
 
@@ -14,14 +21,16 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 from torch import nn
 
-from ..core.lockstep import Lockstep
-from ..core.records import SequenceRecord
-from .keys import RECORD_INDEX_KEY
+from ...core.lockstep import Lockstep
+from ...core.records import SequenceRecord
+from ..keys import RECORD_INDEX_KEY
+
+Update = Callable[[list[int], list[torch.Tensor]], None]  # HeadRLStep.update: records due, their H_p
 
 
 def _device() -> torch.device:
@@ -77,45 +86,63 @@ def rows_per_sample(last_hidden: torch.Tensor, attention_mask: torch.Tensor) -> 
 
 
 class OwnForward:
-    """H_p of every record from one forward of the rollout policy, read when the RL step starts (with a graph
-    in joint mode; otherwise kept off the accelerator until their micro-batch comes)."""
-
-    ready_before_forward = True
+    """H_p of every record from one forward of the rollout policy, read in `start` (with a graph in joint mode;
+    otherwise kept off the accelerator until their micro-batch comes)."""
 
     def __init__(self, backbone: nn.Module, records: Sequence[SequenceRecord], batch_size: int, grad: bool,
                  lockstep: Lockstep, keep: bool = False):
-        with torch.random.fork_rng(devices=[]):  # upstream's RNG stream (its data order) untouched
-            hiddens = step_hidden_states(backbone, records, batch_size, grad=grad, lockstep=lockstep)
-        self.hiddens = hiddens if grad else [h.to("cpu") for h in hiddens]
+        self.backbone, self.records, self.batch_size = backbone, records, batch_size
+        self.grad, self.lockstep = grad, lockstep
         self.keep = keep  # held through the RL step (the lag probe reads them after it)
+        self.hiddens: list[torch.Tensor] = []
+
+    def start(self) -> None:
+        """The forward, in lockstep with the other ranks, before the policy's first micro-batch."""
+        with torch.random.fork_rng(devices=[]):  # upstream's RNG stream (its data order) untouched
+            hiddens = step_hidden_states(self.backbone, self.records, self.batch_size, grad=self.grad,
+                                         lockstep=self.lockstep)
+        self.hiddens = hiddens if self.grad else [h.to("cpu") for h in hiddens]
+
+    @contextlib.contextmanager
+    def micro_batch(self, due: list[int] | None, attention_mask: torch.Tensor, update: Update):
+        """Around one micro-batch of the policy: the due records update at once (their H_p are ready)."""
+        if due is not None:
+            update(due, self.of_records(due))
+        yield
+
+    def before_policy_backward(self) -> None:
+        """Nothing left to do there: the micro-batch's update ran before its forward."""
 
     def of_records(self, indices: Sequence[int]) -> list[torch.Tensor]:
         return [self.hiddens[i] for i in indices]
-
-    @contextlib.contextmanager
-    def watching(self, active: bool):
-        yield
 
     def release(self) -> None:
         """Used up: not held through the policy's other micro-batches."""
         if not self.keep:
             self.hiddens = []
 
+    def metrics(self) -> dict[str, float]:
+        return {"head_hidden_from_forward": 0.0}
+
 
 class TrainingForward:
     """The backbone's final hidden states of the policy's own training forward of one micro-batch
-    (detached), kept by a forward hook while `watching`."""
-
-    ready_before_forward = False
+    (detached), kept by a forward hook while a micro-batch with due records runs; the update runs between
+    that forward and the micro-batch's backward."""
 
     def __init__(self, backbone: nn.Module):
         self.backbone, self.captured = backbone, []
+        self._pending: tuple[list[int], torch.Tensor, Update] | None = None
+
+    def start(self) -> None:
+        """Nothing to read ahead: each micro-batch's own forward brings its H_p."""
 
     @contextlib.contextmanager
-    def watching(self, active: bool):
-        if not active:
+    def micro_batch(self, due: list[int] | None, attention_mask: torch.Tensor, update: Update):
+        if due is None:
             yield
             return
+        self._pending = (due, attention_mask, update)
         self.captured.clear()
         hook = self.backbone.register_forward_hook(
             lambda module, args, output: self.captured.append(output.last_hidden_state.detach()))
@@ -123,15 +150,27 @@ class TrainingForward:
             yield
         finally:
             hook.remove()
+            self._pending = None
 
-    def of_forward(self, attention_mask: torch.Tensor) -> list[torch.Tensor]:
-        """The micro-batch's H_p per sample, once its one policy forward has run."""
+    def before_policy_backward(self) -> None:
+        """The micro-batch's update, from the H_p of its one policy forward."""
+        if self._pending is None:
+            return
+        due, attention_mask, update = self._pending
+        self._pending = None
         if len(self.captured) != 1:
             raise RuntimeError(f"GrowMTP: expected one policy forward before the backward, saw {len(self.captured)}")
-        return rows_per_sample(self.captured.pop(), attention_mask)
+        update(due, rows_per_sample(self.captured.pop(), attention_mask))
+
+    def of_records(self, indices: Sequence[int]) -> list[torch.Tensor]:
+        raise RuntimeError("GrowMTP: the policy's training forward keeps no hidden states past its micro-batch "
+                           "(the lag probe reads them from a forward of its own)")
 
     def release(self) -> None:
         self.captured.clear()
+
+    def metrics(self) -> dict[str, float]:
+        return {"head_hidden_from_forward": 1.0}
 
 
 def training_forward_mismatch(items, records: Sequence[SequenceRecord]) -> str | None:
