@@ -9,11 +9,11 @@ the DCA+VGM head loss, loaded into the live engine. AR is timed as the best of -
 after one warm-up. For spec decoding, --rounds engines are built for capture, and each runs its
 generates with capture switched off and on alternately (`SpecEngine.set_capture`), --repeats times each
 after a warm-up of each, keeping the best of each: the capture ratio of that engine. The engine with the
-median ratio is reported (all are printed). On this shared 2-core VM one engine's generates run up to
-7% faster or slower than another's whatever either does, which separate engines without and with
-capture would measure as much as the capture. Switched off, the engine keeps what vLLM was started with
-for capture: per-request spec-decode metrics (measured: no cost within noise) and synchronous
-scheduling (which vLLM's CPU platform forces anyway).
+median ratio is reported (all are printed). One engine's generates can run faster or slower than
+another's whatever either does (by how much: docs/measurements.md), which separate engines without and
+with capture would measure as if it were the capture's. Switched off, the engine keeps what vLLM was
+started with for capture: per-request spec-decode metrics (their cost: docs/measurements.md) and
+synchronous scheduling (which vLLM's CPU platform forces anyway).
 --deep runs the same comparison on the deeper target of --sweep: the toy's steps are so short (2 layers,
 hidden 128) that the capture's fixed per-step work weighs more there than at any real model's size.
 

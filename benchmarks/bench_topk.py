@@ -1,7 +1,8 @@
 """The capture hook's top-k selection (`capture.core.top_k_rows`) next to torch.topk, per step of rows.
 
 Each configuration times both on the same fresh rows (never the same rows twice: a CPU's branch predictor
-learns a repeated row, which made torch's nth_element look 7x faster than it is). Rows are fp32
+learns a repeated row, which makes torch's nth_element look faster than it is; by how much:
+docs/measurements.md). Rows are fp32
 log-probs, as the hook's are. Where k * 64 > V, torch selects with std::nth_element per row
 (ATen's TopKImpl.h) and top_k_rows hands the rows to numpy's vectorised argpartition; elsewhere both are
 torch.topk, and the ratio only shows the noise.

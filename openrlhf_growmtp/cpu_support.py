@@ -5,7 +5,8 @@ takes, and nothing of it is active where CUDA exists (`needed()` is False there)
 which is a CPU run on any machine:
 
 - DeepSpeed on its CPU accelerator: gloo collectives, torch's Adam instead of the JIT-built fused
-  Adam, and its shared-memory comm op off (both would compile C++ on first use: ~2 min cold);
+  Adam, and its shared-memory comm op off (both would compile C++ on first use; how long that takes:
+  docs/measurements.md#behind-the-codes-defaults);
 - `torch.cuda` calls upstream makes unconditionally (set_device, synchronize, current_device,
   empty_cache, current_stream) become no-ops or point at the CPU;
 - a pure-torch `flash_attn` padding shim on sys.path (openrlhf.models imports it at module level);

@@ -10,7 +10,8 @@ process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`). Ours adds what makes rollouts repr
   read of memory nothing wrote gives the same value in every run;
 - `fill_gradient_bucket`: that fill for the gradient bucket DeepSpeed's ZeRO-1/2 allocates anew at every
   micro-step (5e8 elements by default). DeepSpeed reads only what it copied gradients into, so the fill
-  changes nothing there; on CPU it is 2 GB of writes per micro-step and rank, most of what the flag cost.
+  changes nothing there; on CPU it is 2 GB of writes per micro-step and rank (its cost:
+  docs/measurements.md#what-reproducibility-costs, the `upstream` row).
   Off where the CPU layer is active (`installer.install_cpu_support`); on a GPU it is a device memset and
   stays as upstream has it;
 - `engine_in_process`: the engine core and its model in one process (upstream's);

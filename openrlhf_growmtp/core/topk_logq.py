@@ -26,10 +26,10 @@ from .head import MTPHead
 GROUP_LOGITS = {"cpu": 2**26, "cuda": 2**28}
 
 # At most this many logits per fp32 block of the softmax's elementwise passes: on a CPU a block that stays
-# in cache (4 MiB) takes about half the time of passes over the whole group; on a GPU a block is the whole
-# group (each block is a fixed run of about twenty launches; four blocks of 256 MiB per group were a sixth of
-# the update's launches at a chunk of 4,096 cycles), for up to 3 GiB of fp32 temporaries while it is scored
-# (the block, its shifted copy and their exponentials, 1 GiB each).
+# in cache (4 MiB) is faster than passes over the whole group; on a GPU a block is the whole group (each
+# block is a fixed run of about twenty launches), for up to 3 GiB of fp32 temporaries while it is scored
+# (the block, its shifted copy and their exponentials, 1 GiB each). What each measured:
+# docs/measurements.md#behind-the-codes-defaults.
 SOFTMAX_BLOCK = {"cpu": 2**20, "cuda": GROUP_LOGITS["cuda"]}
 
 
