@@ -7,6 +7,9 @@ path); nothing here imports from tests/.
 
 from __future__ import annotations
 
+import statistics
+import time
+
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
@@ -26,6 +29,20 @@ def qwen3_4b_config(num_layers: int = 1) -> Qwen3Config:
 def sync(device: str | torch.device) -> None:
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize()
+
+
+def median_seconds(fn, device, repeats: int) -> tuple[float, list[float]]:
+    """fn() timed `repeats` times after one warm-up call, the device synchronised around each: the median
+    and every time, in seconds."""
+    fn()
+    seconds = []
+    for _ in range(repeats):
+        sync(device)
+        began = time.perf_counter()
+        fn()
+        sync(device)
+        seconds.append(time.perf_counter() - began)
+    return statistics.median(seconds), seconds
 
 
 def head_update(head: MTPHead, records: list[SequenceRecord], hiddens: list[torch.Tensor] | None,

@@ -41,12 +41,9 @@ speedup either way: the prediction here is a reading of the formula, not a bound
 
 from __future__ import annotations
 
-import statistics
-import time
-
 import torch
 import torch.nn.functional as F
-from bench_common import fit_line, policy_step, sync
+from bench_common import fit_line, median_seconds, policy_step
 from gpu_report import Row
 from transformers import Qwen3ForCausalLM
 from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
@@ -107,31 +104,30 @@ def cached_forward(model: Qwen3ForCausalLM, ids: torch.Tensor, caches: list[KVBu
     if causal and new > 1:
         keys = torch.arange(start + new, device=ids.device)
         mask = keys[None, :] <= positions[0][:, None]  # [T, start + T], True where visible
+    def attention(q, keys, values, scale):
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
+
     for layer, cache in zip(core.layers, caches):
-        attn = layer.self_attn
-        h = layer.input_layernorm(x)
-        shape = (batch, new, -1, attn.head_dim)
-        q = attn.q_norm(attn.q_proj(h).view(shape)).transpose(1, 2)
-        k = attn.k_norm(attn.k_proj(h).view(shape)).transpose(1, 2)
-        v = attn.v_proj(h).view(shape).transpose(1, 2)
-        q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        keys, values = cache.update(k, v)
-        o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=attn.scaling, enable_gqa=True)
-        x = x + attn.o_proj(o.transpose(1, 2).reshape(batch, new, -1))
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
+        x = layer_forward(layer, x, cos, sin, cache, attention)
     return model.lm_head(core.norm(x))
 
 
-def _median_seconds(fn, device, repeats: int) -> tuple[float, list[float]]:
-    fn()  # warm-up
-    seconds = []
-    for _ in range(repeats):
-        sync(device)
-        t0 = time.perf_counter()
-        fn()
-        sync(device)
-        seconds.append(time.perf_counter() - t0)
-    return statistics.median(seconds), seconds
+def layer_forward(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache, attention) -> torch.Tensor:
+    """One Qwen3 decoder layer of the model's own modules over x [B, T, H]: the new keys and values go into
+    `cache` (its `update(k, v)` gives every key and value to attend over), `attention(q, keys, values, scale)`
+    gives [B, heads, T, head_dim]."""
+    attn = layer.self_attn
+    batch, new = x.shape[:2]
+    h = layer.input_layernorm(x)
+    shape = (batch, new, -1, attn.head_dim)
+    q = attn.q_norm(attn.q_proj(h).view(shape)).transpose(1, 2)
+    k = attn.k_norm(attn.k_proj(h).view(shape)).transpose(1, 2)
+    v = attn.v_proj(h).view(shape).transpose(1, 2)
+    q, k = apply_rotary_pos_emb(q, k, cos, sin)
+    keys, values = cache.update(k, v)
+    o = attention(q, keys, values, attn.scaling)
+    x = x + attn.o_proj(o.transpose(1, 2).reshape(batch, new, -1))
+    return x + layer.mlp(layer.post_attention_layernorm(x))
 
 
 def policy_caches(model: Qwen3ForCausalLM, batch: int, capacity: int) -> list[KVBuffer]:
@@ -160,8 +156,8 @@ def policy_times(model: Qwen3ForCausalLM, batch: int, context: int, k: int, repe
         return run
 
     with torch.no_grad():
-        decode, decode_all = _median_seconds(step(1), device, repeats)
-        verify, verify_all = _median_seconds(step(k + 1), device, repeats)
+        decode, decode_all = median_seconds(step(1), device, repeats)
+        verify, verify_all = median_seconds(step(k + 1), device, repeats)
     del caches
     return {"decode_s": decode, "verify_s": verify, "decode_all_s": decode_all, "verify_all_s": verify_all}
 
@@ -181,7 +177,7 @@ def prefill_time(model: Qwen3ForCausalLM, batch: int, length: int, repeats: int,
         torch.multinomial(torch.softmax(logits[:, -1].float(), dim=-1), 1, generator=g)
 
     with torch.no_grad():
-        return _median_seconds(run, device, repeats)[0]
+        return median_seconds(run, device, repeats)[0]
 
 
 def draft_time(head: MTPHead, batch: int, context: int, repeats: int, seed: int = 0) -> tuple[float, list[float]]:
@@ -203,7 +199,7 @@ def draft_time(head: MTPHead, batch: int, context: int, repeats: int, seed: int 
         torch.multinomial(probs, 1, generator=g)
 
     with torch.no_grad():
-        return _median_seconds(run, device, repeats)
+        return median_seconds(run, device, repeats)
 
 
 def training_time(model: Qwen3ForCausalLM, tokens: int, repeats: int, seed: int = 0) -> float:
@@ -219,7 +215,7 @@ def training_time(model: Qwen3ForCausalLM, tokens: int, repeats: int, seed: int 
         policy_step(model, ids)
 
     try:
-        return _median_seconds(run, model.device, repeats)[0]
+        return median_seconds(run, model.device, repeats)[0]
     finally:
         model.zero_grad(set_to_none=True)
         model.gradient_checkpointing_disable()

@@ -31,12 +31,11 @@ On CUDA, torch's profiler counts the kernels each update runs, per cycle.
 from __future__ import annotations
 
 import math
-import statistics
 import time
 from dataclasses import dataclass
 
 import torch
-from bench_common import head_update, policy_step, sync
+from bench_common import head_update, median_seconds, policy_step, sync
 from gpu_cost import make_records
 from gpu_loop import MaskedGQA
 from gpu_numerics import _compare_grads, noise_factor, unit_roundoff
@@ -307,18 +306,6 @@ def check_numerics(plan, head: MTPHead) -> tuple[list[Row], dict]:
                   "fp64_grad_rel": exact, "fp64_loss_rel": exact_loss}
 
 
-def _median_seconds(fn, device, repeats: int) -> float:
-    fn()
-    seconds = []
-    for _ in range(repeats):
-        sync(device)
-        t0 = time.perf_counter()
-        fn()
-        sync(device)
-        seconds.append(time.perf_counter() - t0)
-    return statistics.median(seconds)
-
-
 def kernels(fn, device) -> dict | None:
     """Kernels and launch calls (cudaLaunchKernel, cudaGraphLaunch, ...) torch's profiler sees in one `fn()`."""
     if device.type != "cuda":
@@ -356,7 +343,7 @@ def check_head_update_graph(plan, policy, head: MTPHead, log) -> tuple[list[Row]
         return out
 
     hiddens = policy_pass()
-    policy_s = _median_seconds(policy_pass, device, sizes["repeats"])
+    policy_s = median_seconds(policy_pass, device, sizes["repeats"])[0]
     policy.zero_grad(set_to_none=True)
     cycles = sum(r.num_cycles for r in records)
     per_chunk, out_rows = {}, []
@@ -375,9 +362,9 @@ def check_head_update_graph(plan, policy, head: MTPHead, log) -> tuple[list[Row]
             head.zero_grad(set_to_none=True)
             captured.run(packed)
 
-        eager_s = _median_seconds(eager, device, sizes["repeats"])
+        eager_s = median_seconds(eager, device, sizes["repeats"])[0]
         eager_grads = _grads(head)
-        graph_s = _median_seconds(graph, device, sizes["repeats"])
+        graph_s = median_seconds(graph, device, sizes["repeats"])[0]
         graph_grads = _grads(head)
         cosine = min(torch.nn.functional.cosine_similarity(graph_grads[n].flatten(), g.flatten(), dim=0).item()
                      for n, g in eager_grads.items())

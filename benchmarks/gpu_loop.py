@@ -50,10 +50,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from bench_common import fit_line
-from gpu_cycle import PAPER
+from gpu_cycle import PAPER, layer_forward
 from gpu_report import Row
 from transformers import Qwen3ForCausalLM
-from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
 
 from openrlhf_growmtp.core import MTPHead
 
@@ -177,19 +176,12 @@ def policy_forward(model: Qwen3ForCausalLM, layers: int, ids: torch.Tensor, posi
     x = core.embed_tokens(ids)
     cos, sin = core.rotary_emb(x, positions)
     mask = visible(positions, len(caches[0]))  # [B, 1, T, L]
+    def attention(q, keys, values, scale):
+        return folded_sdpa(q, keys, values, mask, scale)
+
     for layer, cache in zip(core.layers[:layers], caches):
-        attn = layer.self_attn
-        h = layer.input_layernorm(x)
-        shape = (batch, new, -1, attn.head_dim)
-        q = attn.q_norm(attn.q_proj(h).view(shape)).transpose(1, 2)
-        k = attn.k_norm(attn.k_proj(h).view(shape)).transpose(1, 2)
-        v = attn.v_proj(h).view(shape).transpose(1, 2)
-        q, k = apply_rotary_pos_emb(q, k, cos, sin)
         cache.positions = positions
-        keys, values = cache.update(k, v)
-        o = folded_sdpa(q, keys, values, mask, attn.scaling)
-        x = x + attn.o_proj(o.transpose(1, 2).reshape(batch, new, -1))
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
+        x = layer_forward(layer, x, cos, sin, cache, attention)
     return core.norm(x)
 
 

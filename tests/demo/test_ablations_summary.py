@@ -189,13 +189,13 @@ def test_the_ce_k1_start_trains_one_k1_ce_head_per_world_and_runs_from_it_at_a_t
 def test_the_ceiling_trains_the_objective_it_is_given():
     from helpers.tiny import make_head, make_records
 
-    from openrlhf_growmtp.core.head_loss import HeadLossConfig, head_loss_backward
+    from openrlhf_growmtp.core.head_loss import HeadLossConfig, measure_head_loss
     from openrlhf_growmtp.experiments import ceiling
 
     records = make_records(k=3)
     hiddens = [rec.hidden for rec in records]
-    ce = head_loss_backward(make_head("qwen3"), records, hiddens, HeadLossConfig(objective="ce"), train=False).loss
-    dca = head_loss_backward(make_head("qwen3"), records, hiddens, train=False).loss
+    ce = measure_head_loss(make_head("qwen3"), records, hiddens, HeadLossConfig(objective="ce")).loss
+    dca = measure_head_loss(make_head("qwen3"), records, hiddens).loss
     # one epoch, one batch: the loss it reports is the objective's on the head as it started (fp32, a few terms)
     reported = ceiling.train(make_head("qwen3"), records, hiddens, epochs=1, lr=1e-3, batch=len(records), seed=0,
                              cfg=HeadLossConfig(objective="ce"))

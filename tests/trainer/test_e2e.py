@@ -149,6 +149,7 @@ def trained_head_moved(tmp: Path, ckpt: str, final: str) -> bool:
     return any(not torch.equal(trained[n].float(), random_head[n].float()) for n in random_head)
 
 
+@pytest.mark.slow  # about a minute on 2 cores: `make test-slow`
 def test_mini_batches_epochs_dynamic_batching_zero2_adam_offload_engine_tp2(world):
     """Upstream's usual layouts in one run: 8 samples per RL step in 2 mini-batches of 4, 2 epochs, dynamic
     batching (packed samples, micro-batches planned by token count), ZeRO-2 with Adam on the host, and an
@@ -168,6 +169,7 @@ def test_mini_batches_epochs_dynamic_batching_zero2_adam_offload_engine_tp2(worl
     assert trained_head_moved(tmp, "ckpt_layout", "final_layout")
 
 
+@pytest.mark.slow  # about a minute on 2 cores: `make test-slow`
 def test_async_training(world):
     """`--train.async_enable`: rollouts come from the generator actor while the trainer trains on the previous
     ones; every record is still trained on and the engines draft with the trainer's head after each sync."""
