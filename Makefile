@@ -28,7 +28,7 @@ $(STAMP): setup.py constraints.txt
 test: $(STAMP)
 	$(PY) -m pytest -q -m "not slow" --durations=15 tests
 
-# the tests marked slow (pytest.ini): the rehearsal of qwen3_4b_math.sh and the compiled Qwen3.5 engines (~3 min)
+# the tests marked slow (pytest.ini): end-to-end runs of a minute or more (README, make test-slow)
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow tests
 
