@@ -94,6 +94,15 @@ def chain_by_chain(head: MTPHead, rec: SequenceRecord, hidden: torch.Tensor | No
     return torch.stack(out)
 
 
+def policy_hiddens(policy: Qwen3ForCausalLM, records: list[SequenceRecord], batch: int, device) -> list[torch.Tensor]:
+    """`policy_step` over the records' token ids, `batch` records at a time: each record's hidden states [T, H]."""
+    hiddens = []
+    for lo in range(0, len(records), batch):
+        ids = torch.stack([r.token_ids for r in records[lo:lo + batch]]).to(device)
+        hiddens.extend(policy_step(policy, ids).unbind(0))
+    return hiddens
+
+
 def policy_step(policy: Qwen3ForCausalLM, ids: torch.Tensor) -> torch.Tensor:
     """The part of a GRPO step that grows with the model, over ids [B, T]: forward, the token log-probs
     (log-softmax in fp32, gather), their mean as the loss, backward. Returns the final-norm hidden states

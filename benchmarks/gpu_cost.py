@@ -26,7 +26,7 @@ import statistics
 import time
 
 import torch
-from bench_common import accepted_at_tau, head_update, policy_step, sync
+from bench_common import accepted_at_tau, head_update, policy_hiddens, sync
 from gpu_report import Row
 from gpu_world import Plan
 
@@ -83,11 +83,7 @@ def check_cost(plan: Plan, policy, head: MTPHead, log) -> tuple[list[Row], dict]
 
     def policy_pass(records):
         policy.zero_grad(set_to_none=False)
-        hiddens = []
-        for lo in range(0, len(records), batch):
-            ids = torch.stack([r.token_ids for r in records[lo:lo + batch]]).to(device)
-            hiddens.extend(policy_step(policy, ids).unbind(0))
-        return hiddens
+        return policy_hiddens(policy, records, batch, device)
 
     def own_forward(records):
         with torch.no_grad():

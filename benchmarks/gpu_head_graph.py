@@ -35,7 +35,7 @@ import time
 from dataclasses import dataclass
 
 import torch
-from bench_common import head_update, median_seconds, policy_step, sync
+from bench_common import head_update, median_seconds, policy_hiddens, sync
 from gpu_cost import make_records
 from gpu_loop import MaskedGQA
 from gpu_numerics import _compare_grads, noise_factor, unit_roundoff
@@ -336,11 +336,7 @@ def check_head_update_graph(plan, policy, head: MTPHead, log) -> tuple[list[Row]
 
     def policy_pass():
         policy.zero_grad(set_to_none=True)
-        out = []
-        for lo in range(0, len(records), batch):
-            ids = torch.stack([r.token_ids for r in records[lo:lo + batch]]).to(device)
-            out.extend(policy_step(policy, ids).unbind(0))
-        return out
+        return policy_hiddens(policy, records, batch, device)
 
     hiddens = policy_pass()
     policy_s = median_seconds(policy_pass, device, sizes["repeats"])[0]

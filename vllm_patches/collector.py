@@ -7,7 +7,7 @@ One collector serves `SpecEngine.generate` and the OpenRLHF rollout actor:
     collector.add_drained(blob)                     # what growmtp_drain_records returned, any number of times
     record = collector.pop(output)                  # or collector.pop_by_tokens(prompt + response ids)
 
-Terms, defined once (capture/core.py defines the payload, core/records.py the record):
+Its own terms (capture/core.py defines the payload, core/records.py the record, the README's glossary the words):
 
 - *caller's request id*: `RequestOutput.request_id`. Workers key cycles by vLLM's internal id, the
   caller's id plus "-<8 random chars>"; the collector strips that suffix (unless vLLM was told not to

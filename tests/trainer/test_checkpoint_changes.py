@@ -19,18 +19,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from helpers.rewards import token_parity_reward
 from openrlhf_growmtp.experiments.worlds import toy
 
 pytestmark = pytest.mark.slow
 
-REWARD = '''
-import torch
-def reward_func(queries, prompts, labels):  # the share of response tokens with an odd id
-    tokens = queries[0][len(prompts[0]):].split()
-    odd = sum(1 for t in tokens if t[1:].isdigit() and int(t[1:]) % 2 == 1)
-    value = torch.tensor(odd / max(1, len(tokens)))
-    return {"rewards": value, "scores": value}
-'''
+REWARD = token_parity_reward(1)  # the share of response tokens with an odd id
 PROMPTS_PER_STEP = 2
 SNAPSHOT = "growmtp_head_snapshot.pt"
 

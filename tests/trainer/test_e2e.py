@@ -16,17 +16,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from helpers.rewards import token_parity_reward
 from openrlhf_growmtp.experiments.worlds import toy
 from openrlhf_growmtp.cli.train_ppo_ray import INITIAL_HEAD_DIR
 
-REWARD = '''
-import torch
-def reward_func(queries, prompts, labels):  # the fraction of even token ids in the response
-    tokens = queries[0][len(prompts[0]):].split()
-    even = sum(1 for t in tokens if t[1:].isdigit() and int(t[1:]) % 2 == 0)
-    value = torch.tensor(even / max(1, len(tokens)))
-    return {"rewards": value, "scores": value}
-'''
+REWARD = token_parity_reward(0)  # the share of response tokens with an even id
 
 
 def launch(tmp: Path, samples: int, *extra: str, ckpt: str = "ckpt", final: str = "final", lag: bool = True,

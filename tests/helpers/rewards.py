@@ -1,0 +1,13 @@
+"""Reward files for the launcher's end-to-end tests on the toy world."""
+
+
+def token_parity_reward(parity: int) -> str:
+    """The source of a reward file: the share of a response's toy tokens (`t<id>`) whose id is `parity` mod 2."""
+    return f'''
+import torch
+def reward_func(queries, prompts, labels):
+    tokens = queries[0][len(prompts[0]):].split()
+    hits = sum(1 for t in tokens if t[1:].isdigit() and int(t[1:]) % 2 == {parity})
+    value = torch.tensor(hits / max(1, len(tokens)))
+    return {{"rewards": value, "scores": value}}
+'''
