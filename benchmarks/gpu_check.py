@@ -55,7 +55,7 @@ from gpu_loop import check_rollout_loop
 from gpu_numerics import check_alpha, check_reconstruction
 from gpu_report import Row, all_passed, rows_json, table, write_json
 from gpu_sampler import check_sampler
-from gpu_world import REAL, TINY, build_head, build_policy
+from gpu_world import REAL, TINY, build_head, build_policy, flatten_policy_logits_
 
 ROOT = Path(__file__).resolve().parent.parent
 # in the order they run: what has never run on a device first (the loop, the captured head update: about 2
@@ -257,7 +257,7 @@ def main(argv=None) -> int:
         def policy_of(layers: int, dtype: torch.dtype):
             policy = build_policy(plan.trainer_config(layers), device, dtype)
             policy.gradient_checkpointing_disable()
-            return policy.eval()
+            return flatten_policy_logits_(policy.eval())
 
         found, payload["rollout_loop"] = check_rollout_loop(plan, policy_of, lambda p: build_head(p, torch.bfloat16),
                                                             device, log)

@@ -6,7 +6,8 @@ the head's), preallocated for `capacity` positions: a forward writes its new key
 absolute positions (a scatter per sequence) and attends over the whole buffer with a mask, key <= query
 position. Slots a rejected draft or a finished chain wrote are never read: the next forward writes over
 them before any query can see them. Each phase has one shape, so on CUDA each is captured once in a CUDA
-graph (`torch.cuda.CUDAGraph`, one per shape and context; all graphs share one memory pool) and replayed; on
+graph (`torch.cuda.CUDAGraph`, one per shape and context; a context's graphs share one memory pool, freed with
+them before the next context's are captured: a pool whose graphs are all gone cannot take new ones) and replayed; on
 a CPU the same functions run eagerly. Nothing in a phase reads a value back to the host.
 - decode: one token per sequence through the policy, p = softmax (fp32), a token sampled from p;
 - head_first: the head writes its entries for the K + 1 positions the previous verify committed or
@@ -309,10 +310,12 @@ class Loop:
         for t in self.counts.values():
             t.zero_()
 
-    def capture(self, pool=None) -> None:
-        """One CUDA graph per phase (warm-up runs first, on a side stream, as torch.cuda.graphs asks)."""
+    def capture(self) -> None:
+        """One CUDA graph per phase, all in one new memory pool (warm-up runs first, on a side stream, as
+        torch.cuda.graphs asks)."""
         if self.device.type != "cuda":
             return
+        pool = torch.cuda.graph_pool_handle()
         self.reset()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -445,15 +448,17 @@ def measure(plan, loop_plan: LoopPlan, build_policy, build_head, device: torch.d
     room = "" if free is None else f", {free / 2**30:.1f} GiB free"
     log(f"  (rollout_loop) {layers} of {config.num_hidden_layers} layers fit (caches for {batch} x {biggest} "
         f"positions{room})")
-    pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
-    scales, per, totals = {}, {}, {}
+    scales, per, totals, loop = {}, {}, {}, None
     for depth in depths:
         for context in contexts:
+            loop = None  # the last context's graphs and their pool go before this context's are captured
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
             for cache in policy_kv + [head_kv]:
                 cache.fill_random(context, g)
             t0 = time.perf_counter()
             loop = Loop(policy, depth, head, policy_kv, head_kv, context, capacity[context], k)
-            loop.capture(pool)
+            loop.capture()
             captured = time.perf_counter() - t0
             if not scales:  # the scales of the taus, once, at the deepest policy and the smallest context
                 for tau in loop_plan.taus:

@@ -38,12 +38,8 @@ import gpu_standins
 import torch
 from gpu_drafter import draft_rollouts, first_accept_z
 from gpu_report import Row
-from gpu_world import build_head
+from gpu_world import build_head, flatten_policy_logits_
 
-# The policy's final-norm scale: its logits then have std ~0.5 over the vocabulary (transformers' init
-# gives ~1). Sum min(p, q) of a head whose q is unrelated to p cannot exceed sum min(p, 1/V): 0.62 at
-# std 1, 0.80 at 0.5; the paper's tau of 2.91 at K = 5 needs 0.70 per position.
-POLICY_NORM_SCALE = 0.5
 # Bytes per parameter (the policy's and the head's) at the peak of the step, measured: on an H100 (2026-11-27)
 # 18 layers, 2.32B parameters with the head, ran out of memory in our run's optimizer step with 75.88 GiB
 # allocated and 3.76 GiB more asked: at least 36.9 bytes per parameter. ZeRO-3's state in bf16 is 20 of them
@@ -248,10 +244,7 @@ def _build_policy(config, device, seed: int = 0):
     config._attn_implementation = "sdpa"
     with torch.device(device):
         policy = Qwen3ForCausalLM(config)
-    policy = policy.to(torch.bfloat16).eval()
-    with torch.no_grad():
-        policy.model.norm.weight.fill_(POLICY_NORM_SCALE)
-    return policy
+    return flatten_policy_logits_(policy.to(torch.bfloat16).eval())
 
 
 def check_trainer_step(plan, config, device: torch.device, log) -> tuple[list[Row], dict]:

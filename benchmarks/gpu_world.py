@@ -20,6 +20,10 @@ from openrlhf_growmtp.core.reconstruction import CHUNK_CYCLES
 # units, and bf16 rounds a logit to within |logit| x 2^-9, so the check runs where rounding matters.
 # At std 4, q's top-64 holds ~0.7 of its mass (measured on Gaussian logits at V=151,936).
 LOGIT_STD = 4.0
+# The policy's final-norm scale where a head must reach the paper's tau: its logits then have std ~0.5 over
+# the vocabulary (transformers' init gives ~1). Sum min(p, q) of a head whose q is unrelated to p cannot
+# exceed sum min(p, 1/V): 0.62 at std 1, 0.80 at 0.5; the paper's tau of 2.91 at K = 5 needs 0.70 per position.
+POLICY_NORM_SCALE = 0.5
 
 
 @dataclass(frozen=True)
@@ -115,6 +119,14 @@ def build_policy(config: Qwen3Config, device: torch.device, dtype: torch.dtype) 
     if config.tie_word_embeddings and policy.lm_head.weight is not policy.model.embed_tokens.weight:
         raise RuntimeError("the policy's lm_head is not tied to its embedding, as Qwen3-4B's is")
     return policy.train()
+
+
+def flatten_policy_logits_(policy: Qwen3ForCausalLM) -> Qwen3ForCausalLM:
+    """Scale the policy's final norm to POLICY_NORM_SCALE, so that a head unrelated to it can reach tau 2.91
+    (the rollout loop and the trainer step's drafter). Costs nothing: only the norm's weight changes."""
+    with torch.no_grad():
+        policy.model.norm.weight.fill_(POLICY_NORM_SCALE)
+    return policy
 
 
 def build_head(policy: Qwen3ForCausalLM, dtype: torch.dtype, seed: int = 0) -> MTPHead:
