@@ -58,9 +58,9 @@ from gpu_sampler import check_sampler
 from gpu_world import REAL, TINY, build_head, build_policy, flatten_policy_logits_
 
 ROOT = Path(__file__).resolve().parent.parent
-# in the order they run: what has never run on a device first (the loop, the captured head update: about 2
-# minutes together), then cycle_cost (seconds) before trainer_step (minutes), so that a run cut short keeps
-# them; (a) to (c), which have passed on this code, last. The end-to-end prediction, which needs cycle_cost and
+# in the order they run: the loop and the captured head update first (about 90 s together on an H100), then
+# cycle_cost (seconds) before trainer_step (minutes), so that a run cut short keeps them; (a) to (c), which have
+# passed on this code, last. The end-to-end prediction, which needs cycle_cost and
 # trainer_step (and reads rollout_loop where it ran), comes after every check.
 CHECKS = ("rollout_loop", "head_update_graph", "cycle_cost", "trainer_step", "a", "b", "d", "c")
 
