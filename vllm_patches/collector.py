@@ -74,16 +74,17 @@ class _Finished:
 class RecordCollector:
     """Joins finished RequestOutputs with drained capture payloads into validated SequenceRecords.
 
-    depth: K, drafts per cycle; topk: the capture's top-k width (CaptureConfig.topk); vocab_size: when
-    given, every token id and the recorded width min(topk, vocab_size) are checked; hidden_dtype: dtype
-    of exact-mode hidden rows;
+    depth: drafts per cycle (K, or the depth set while the engine runs: 0 drafts nothing and records no
+    cycle; `depth` may change between drains); topk: the capture's top-k width (CaptureConfig.topk);
+    vocab_size: when given, every token id and the recorded width min(topk, vocab_size) are checked;
+    hidden_dtype: dtype of exact-mode hidden rows;
     capture_hidden: exact mode, a record with cycles must carry the engine's hidden states.
     """
 
     def __init__(self, depth: int, *, topk: int = DEFAULT_TOPK, vocab_size: int | None = None,
                  hidden_dtype: torch.dtype = torch.bfloat16, capture_hidden: bool = False):
-        if depth < 1:
-            raise ValueError(f"depth (K, drafts per cycle) must be >= 1, got {depth}")
+        if depth < 0:
+            raise ValueError(f"depth (drafts per cycle) must be >= 0, got {depth}")
         self.depth, self.vocab_size = int(depth), vocab_size
         self.topk = min(int(topk), vocab_size) if vocab_size else int(topk)
         self.hidden_dtype, self.capture_hidden = hidden_dtype, capture_hidden

@@ -6,6 +6,8 @@
     result.metrics         # tau, alpha_k, cycles, record bytes per generated token, tokens/s
     engine.load_head(state_dict_or_dir); engine.load_target(hf_state_dict)
     engine.set_capture(False)  # e.g. evaluation rollouts: no records, no capture work; True switches it back
+    engine = SpecEngine(..., k=3, dynamic_depth=True)   # K = 3 at most; then between generates:
+    engine.set_depth(1); engine.cycle_costs()  # records and metrics at depth 1; the engine's step seconds per depth
 
 The engine's settings come from `settings.spec_engine_kwargs` (sampled drafts from q, standard rejection
 sampling; configurations that would verify against a one-hot q are refused there), and its records from
@@ -23,11 +25,13 @@ import torch
 from safetensors.torch import load_file
 
 from openrlhf_growmtp.core.checkpoint import HEAD_WEIGHTS, read_head_config
+from openrlhf_growmtp.core.depth import CycleCosts
 from openrlhf_growmtp.core.metrics import AcceptanceSummary, acceptance_summary
 from openrlhf_growmtp.core.records import DEFAULT_TOPK, SequenceRecord
 
 from . import check_vllm_version
 from .collector import DROPPED_META, RecordCollector
+from .depth_control import calibration
 from .settings import CaptureConfig, SpecConfigError, check_sampling_params, spec_engine_kwargs
 from .transport import dump_blob
 
@@ -96,16 +100,18 @@ class SpecEngine:
 
     def __init__(self, model: str | Path, head_dir: str | Path | None, k: int, *, capture: bool = True,
                  topk: int = DEFAULT_TOPK, logprob_dtype: str = "bfloat16", capture_q: bool = False,
-                 capture_hidden: bool = False, **llm_kwargs):
+                 capture_hidden: bool = False, dynamic_depth: bool = False, **llm_kwargs):
         if head_dir is not None:  # None: the model's own native MTP layer drafts (vLLM's "mtp" method)
             read_head_config(head_dir)  # a clear error for a directory that is not a head, before vLLM starts
         self.capture_config = CaptureConfig(enabled=capture, topk=topk, logprob_dtype=logprob_dtype,
                                             capture_q=capture_q, capture_hidden=capture_hidden)
-        llm_kwargs = spec_engine_kwargs(head_dir, k, self.capture_config, model=str(model), **llm_kwargs)
+        llm_kwargs = spec_engine_kwargs(head_dir, k, self.capture_config, dynamic_depth=dynamic_depth,
+                                        model=str(model), **llm_kwargs)
         llm_kwargs.setdefault("disable_log_stats", False)
         from vllm import LLM
 
         self.k, self.capture, self.head_dir = int(k), capture, None if head_dir is None else Path(head_dir)
+        self.depth = self.k  # drafts per cycle now: K, or what set_depth chose
         self.llm = LLM(**llm_kwargs)
         self.vocab_size = self.llm.llm_engine.model_config.get_vocab_size()
         self._in_process = _in_process(self.llm)
@@ -139,11 +145,11 @@ class SpecEngine:
         counters = _counter_delta(engine_counters(self.llm), before)
         generated = sum(len(o.outputs[0].token_ids) for o in outputs)
         if not self.capture:
-            summary = _summary_from_counters(counters, self.k)
+            summary = _summary_from_counters(counters, self.depth)
             return GenerateResult(outputs, [None] * len(outputs),
                                   RolloutMetrics(summary, generated, wall, vllm_counters=counters))
         config = self.capture_config
-        collector = RecordCollector(self.k, topk=config.topk, vocab_size=self.vocab_size,
+        collector = RecordCollector(self.depth, topk=config.topk, vocab_size=self.vocab_size,
                                     hidden_dtype=getattr(torch, config.logprob_dtype),
                                     capture_hidden=config.capture_hidden)
         for output, p in zip(outputs, params):
@@ -163,7 +169,8 @@ class SpecEngine:
         accepted = torch.cat([r.accepted for r in records]) if records else torch.zeros(0)
         record_bytes = sum(r.nbytes for r in records)
         dropped = sum(r.meta[DROPPED_META] for r in records)
-        metrics = RolloutMetrics(acceptance_summary(accepted, self.k), generated, wall, record_bytes, counters, dropped)
+        metrics = RolloutMetrics(acceptance_summary(accepted, self.depth), generated, wall, record_bytes, counters,
+                                 dropped)
         return GenerateResult(outputs, records, metrics, draft_probs)
 
     def close(self) -> None:
@@ -176,6 +183,43 @@ class SpecEngine:
         else:
             self.llm.llm_engine.engine_core.shutdown()
         del self.llm
+
+    # ---- drafting depth ------------------------------------------------------------------------------
+    def set_depth(self, depth: int) -> None:
+        """Draft `depth` (0..K) tokens per cycle from the next generate on (an engine built with
+        dynamic_depth=True; `depth_control`). Records and metrics then hold `depth` positions."""
+        self.depth = self._core_call("growmtp_set_depth", int(depth))
+
+    def step_times(self) -> list[tuple[int, int, float]]:
+        """The engine's clean steps since the last call: (depth, running requests, seconds) (`depth_control`)."""
+        return [tuple(step) for step in self._core_call("growmtp_step_times")]
+
+    def cycle_costs(self, requests: int) -> CycleCosts:
+        """The engine's seconds per step at every depth 0..K, measured here with capture off: at depths 0, 1
+        and K, `requests` prompts together (`depth_control.calibration`). Leaves the depth as it was."""
+        plan = calibration(self.k, self.vocab_size, requests)
+        depth, capture = self.depth, self.capture
+        if capture:
+            self.set_capture(False)
+        try:
+            self.step_times()
+            steps = []
+            for d in plan.depths:
+                self.set_depth(d)
+                self.generate(plan.prompts, plan.params)
+                steps += self.step_times()
+        finally:
+            self.set_depth(depth)
+            if capture:
+                self.set_capture(True)
+        return plan.costs(steps)
+
+    def _core_call(self, method: str, *args):
+        """An engine-core utility (`depth_control`): called directly in-process, else through vLLM's client."""
+        core = _in_process_core(self.llm)
+        if core is not None:
+            return getattr(core, method)(*args)
+        return self.llm.llm_engine.engine_core.call_utility(method, *args)
 
     # ---- weights ------------------------------------------------------------------------------------
     def load_head(self, head: str | Path | dict[str, torch.Tensor]) -> list[str]:

@@ -13,6 +13,7 @@ def register() -> None:
     from vllm.platforms import current_platform
 
     from .capture.v1 import install_hooks
+    from .depth_control import install_depth_control
     from .fixes.draft_config import install_draft_config_hook
     from .fixes.expand_kernel import install_expand_kernel
     from .head_model import register_head_model
@@ -26,6 +27,7 @@ def register() -> None:
 
         install_gdn_core()  # before a Qwen3.5 model is built (its first GDN layer registers the op)
     install_hooks()
+    install_depth_control()
     from openrlhf_growmtp.reproducibility import ingredient
 
     if ingredient("seeded_drafts"):

@@ -91,12 +91,17 @@ class CaptureConfig:
         return cls(**config)
 
 
-def speculative_config(head_dir: str | Path | None, depth: int) -> dict:
+def speculative_config(head_dir: str | Path | None, depth: int, dynamic_depth: bool = False) -> dict:
     """vLLM's speculative_config for drafting K = depth tokens per cycle by sampling from the head: a GrowMTP
-    head directory, or with head_dir None the model's own native MTP layer (vLLM's "mtp" method)."""
+    head directory, or with head_dir None the model's own native MTP layer (vLLM's "mtp" method).
+    `dynamic_depth`: K is the most, and the depth of each generate is set while the engine runs
+    (`depth_control`): vLLM's dynamic speculative decoding, its batch-size table starting at K for every size."""
     head = {"method": "mtp"} if head_dir is None else {"method": "eagle", "model": str(head_dir)}
-    return {**head, "num_speculative_tokens": int(depth), "draft_sample_method": "probabilistic",
-            "rejection_sample_method": "standard"}
+    config = {**head, "num_speculative_tokens": int(depth), "draft_sample_method": "probabilistic",
+              "rejection_sample_method": "standard"}
+    if dynamic_depth:
+        config["num_speculative_tokens_per_batch_size"] = [(1, 1, int(depth))]  # larger sizes carry it forward
+    return config
 
 
 def check_speculative_config(config: dict) -> None:
@@ -131,7 +136,8 @@ def check_sampling_params(params, capture: bool) -> None:
                               "full-vocabulary p; truncated sampling is supported only without capture")
 
 
-def spec_engine_kwargs(head_dir: str | Path | None, depth: int, capture: CaptureConfig, **llm_kwargs) -> dict:
+def spec_engine_kwargs(head_dir: str | Path | None, depth: int, capture: CaptureConfig, dynamic_depth: bool = False,
+                       **llm_kwargs) -> dict:
     """`llm_kwargs` plus what makes a vLLM engine a GrowMTP engine; forces the V1 runner in this process.
 
     Refuses a speculative_config of the caller's (it is built here from head_dir and depth), another
@@ -158,7 +164,7 @@ def spec_engine_kwargs(head_dir: str | Path | None, depth: int, capture: Capture
         raise SpecConfigError(f"per_request_spec_decode_metrics={metrics!r}: record capture checks every record "
                               f"against vLLM's per-request counters, which need {PER_REQUEST_METRICS!r}")
     check_target(llm_kwargs)
-    config = speculative_config(head_dir, depth)
+    config = speculative_config(head_dir, depth, dynamic_depth)
     check_speculative_config(config)
     if os.environ.get(RUNNER_ENV, RUNNER_ENV_VALUE) != RUNNER_ENV_VALUE:
         raise SpecConfigError(f"{RUNNER_ENV}={os.environ[RUNNER_ENV]!r}: GrowMTP's capture hooks wrap vLLM's V1 "

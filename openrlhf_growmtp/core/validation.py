@@ -76,8 +76,8 @@ def _check_layout(rec: SequenceRecord, depth: int | None = None, hidden_size: in
     num_cycles, found_depth = int(rec.drafts.shape[0]), int(rec.drafts.shape[1])
     if not (isinstance(rec.prompt_len, int) and 1 <= rec.prompt_len <= length):
         _fail("prompt_len", f"must be an int in 1..{length} (len(token_ids)), got {rec.prompt_len!r}")
-    if found_depth < 1:
-        _fail("drafts", "K (second dim) must be at least 1")
+    if found_depth < 1 and num_cycles:  # depth 0 (a rollout that drafted nothing) records no cycle
+        _fail("drafts", "K (second dim) must be at least 1 in a record with cycles")
     if depth is not None and found_depth != depth:
         _fail("drafts", f"K = {found_depth} drafts per cycle, expected K = {depth}")
     if rec.start.shape[0] != num_cycles:

@@ -66,7 +66,7 @@ class VerifyStep:
     topk_logprobs: torch.Tensor  # [D, k] the configured log-prob dtype
     has_q: bool  # the drafts were sampled from q; False: the runner drafted without q (every cycle dropped)
     q: torch.Tensor | None  # [D, V] float32, the q rows the rejection sampler received (capture_q only)
-    depth: int  # K, drafts per cycle
+    depth: int  # drafts per cycle this step's drafts were drafted at (K, or less where set while running)
 
 
 @dataclass
@@ -174,6 +174,9 @@ def cycle_rows(steps: list[VerifyStep]) -> tuple[list[str], torch.Tensor, dict[s
     """The steps' cycle rows grouped by request, each request's in step order: (request ids in first-seen
     order, rows per request [len(req_ids)], field -> [C, ...], dropped cycles per request)."""
     depth = steps[0].depth
+    if any(step.depth != depth for step in steps):
+        raise ValueError(f"verification steps drafted at depths {sorted({step.depth for step in steps})} in one "
+                         "drain: a record keeps one depth, so the depth changes only between generates")
     owners_all = [req_id for step in steps for req_id in step.req_ids]  # every step's rows, side by side
     num_drafts = torch.tensor([n for step in steps for n in step.num_drafts], dtype=torch.int64)
     has_q = torch.tensor([step.has_q for step in steps]).repeat_interleave(

@@ -41,6 +41,9 @@ class _Pending:
 
     verified: dict | None = None  # rejection_sample -> _sample: core.read_verification's fields
     proposal: tuple | None = None  # propose -> propose_draft_token_ids: (query_start, sampled_index, positions, hidden)
+    # propose -> the next step's _sample: the depth the drafts that step verifies were drafted at (the
+    # scheduler's per-step depth under dynamic speculative decoding, `depth_control`; else always K)
+    drafted_depth: int | None = None
 
 
 def hooks_active(runner) -> bool:
@@ -98,8 +101,11 @@ def _sample_hook(original):
             core.report_error("a verification step bypassed rejection_sample (hook not reached)")
             return output
         # sampled_token_ids: [batch, max_spec_len + 1], PLACEHOLDER_TOKEN_ID after the first rejection
+        depth = _Pending.drafted_depth
+        if depth is None:
+            depth = self.speculative_config.num_speculative_tokens
         record_verification(req_ids, computed, spec_decode_metadata, core.host_copy(output.sampled_token_ids),
-                            verified, depth=self.speculative_config.num_speculative_tokens)
+                            verified, depth=depth)
         return output
 
     setattr(_sample, _HOOK_MARK, True)
@@ -111,6 +117,7 @@ def _propose_hook(original):
     def propose(self, num_speculative_tokens, target_token_ids, target_positions, target_hidden_states,
                 next_token_ids, token_indices_to_sample, common_attn_metadata, *args, **kwargs):
         # target_positions: [num_tokens] (or [3, num_tokens] with M-RoPE); target_hidden_states: [num_tokens, H]
+        _Pending.drafted_depth = int(num_speculative_tokens)
         config = core.STATE.config
         if config.enabled and config.capture_hidden:
             query_start = core.host_copy(common_attn_metadata.query_start_loc_cpu, torch.int64)  # [batch + 1]
