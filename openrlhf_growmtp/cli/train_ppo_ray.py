@@ -76,7 +76,7 @@ def growmtp_classes(flat: dict):
     from openrlhf_growmtp.trainer.strategy import get_strategy
 
     options = RolloutOptions(k=flat["growmtp.k"], head_dir=flat["growmtp.head_dir"], topk=flat["growmtp.topk"],
-                             cpu=cpu_support.needed())
+                             cpu=cpu_support.needed(), dynamic_depth=flat.get("growmtp.depth") == "auto")
     return RunClasses(policy_actor=GrowMTPPolicyActor,
                       rollout_actor=growmtp_rollout_actor(options, engine_kwargs(flat)),
                       get_strategy=get_strategy, controller=GrowMTPPPOTrainer,

@@ -79,12 +79,18 @@ class GrowMTPStepMetrics:
                 "growmtp/head_sync_params": float(sum(r["params"] for r in ranks))}
 
     def _rollout_metrics(self, samples) -> dict[str, float]:
-        k = self.args.growmtp.k
+        generator = getattr(self, "samples_generator", None)
+        depth = generator.depth if generator is not None else self.args.growmtp.k  # drafted at (auto: per rollout)
         accepted = [torch.tensor(acc, dtype=torch.long) for s in samples for acc in s.info.get(ACCEPTED_KEY, [])]
-        summary = acceptance_summary(torch.cat(accepted) if accepted else torch.zeros(0, dtype=torch.long), k)
+        accepted = torch.cat(accepted) if accepted else torch.zeros(0, dtype=torch.long)
+        summary = acceptance_summary(accepted, depth)
         record_bytes = sum(len(blob) for s in samples for blob in s.info.get(RECORD_KEY, []))
         generated = float(sum(s.response_length.sum().item() for s in samples))
         metrics = summary.as_dict("growmtp/")
+        # the share of generated tokens that came out of drafting cycles (records come only from those)
+        metrics["growmtp/drafted_share"] = float((accepted + 1).sum()) / max(generated, 1.0) if depth else 0.0
+        if getattr(generator, "depth_controller", None) is not None:
+            metrics.update(generator.depth_controller.metrics())
         metrics["growmtp/record_bytes_per_token"] = record_bytes / max(generated, 1.0)
         metrics["growmtp/dropped_cycles"] = float(sum(n for s in samples for n in s.info.get(DROPPED_KEY, [])))
         return metrics
@@ -93,11 +99,12 @@ class GrowMTPStepMetrics:
         row = {"step": step, **{key: value for key, value in status.items()
                                 if key.startswith(("growmtp/", "rollout/", "timing/"))
                                 or key in ("policy_loss", "reward", "actor_grad_norm", "actor_lr")}}
-        alpha = [row[key] for key in sorted(row) if key.startswith("growmtp/alpha_")]
+        # the engine's alpha_1..alpha_depth (not alpha_gap_k), in position order
+        alpha = [row[f"growmtp/alpha_{k}"] for k in range(1, 17) if f"growmtp/alpha_{k}" in row]
         logger.warning(
-            "GrowMTP step %d: tau=%.3f alpha=[%s] cycles=%d head_loss=%.4f head_lr=%.2e rollout=%.2fs "
+            "GrowMTP step %d: tau=%.3f depth=%d alpha=[%s] cycles=%d head_loss=%.4f head_lr=%.2e rollout=%.2fs "
             "head_update=%.2fs step=%.2fs record_bytes/token=%.0f", step, row.get("growmtp/tau", 0.0),
-            " ".join(f"{a:.2f}" for a in alpha), row.get("growmtp/cycles", 0), row.get("growmtp/head_loss", 0.0),
+            int(row.get("growmtp/depth", len(alpha))), " ".join(f"{a:.2f}" for a in alpha), row.get("growmtp/cycles", 0), row.get("growmtp/head_loss", 0.0),
             row.get("growmtp/head_lr", 0.0), row.get("growmtp/rollout_s", 0.0), row.get("growmtp/head_update_s", 0.0),
             row.get("growmtp/step_s", 0.0), row.get("growmtp/record_bytes_per_token", 0.0))
         self.metrics_path.parent.mkdir(parents=True, exist_ok=True)

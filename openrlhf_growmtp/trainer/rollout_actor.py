@@ -43,6 +43,7 @@ class RolloutOptions:
     head_dir: str  # the head every engine starts from
     topk: int  # target log-probs recorded per draft position
     cpu: bool  # the launcher's CPU decision (cpu_support.needed() in the driver)
+    dynamic_depth: bool = False  # --growmtp_depth auto: K the most, each rollout's depth set between rollouts
 
 
 @dataclass(frozen=True)
@@ -137,12 +138,15 @@ class GrowMTPRolloutActor(RolloutActor):
         from vllm_patches.settings import CaptureConfig, spec_engine_kwargs, with_draft_headroom
 
         capture = CaptureConfig(enabled=True, topk=growmtp.topk)
-        kwargs = spec_engine_kwargs(growmtp.head_dir, growmtp.k, capture, **with_draft_headroom(kwargs, growmtp.k))
+        kwargs = spec_engine_kwargs(growmtp.head_dir, growmtp.k, capture, dynamic_depth=growmtp.dynamic_depth,
+                                    **with_draft_headroom(kwargs, growmtp.k))
         await super().__init__(*args, cpu=growmtp.cpu, **kwargs)
         await self.llm.collective_rpc("growmtp_configure_capture", args=(capture.as_dict(),))
+        self._k = growmtp.k
         self.collector = RecordCollector(growmtp.k, topk=capture.topk,
                                          vocab_size=self.llm.model_config.get_vocab_size())
         self._requests = itertools.count()
+        self._capture = capture
 
     async def generate(self, prompt_token_ids, sampling_params, multi_modal_data=None):
         # a response claims its record by its tokens: equal samples claim theirs in the order they were made
@@ -164,6 +168,33 @@ class GrowMTPRolloutActor(RolloutActor):
             response[ACCEPTED_KEY] = record.accepted.tolist()
             response[DROPPED_KEY] = record.meta[DROPPED_META]
         return responses
+
+    async def growmtp_set_depth(self, depth: int) -> int:
+        """Draft `depth` tokens per cycle from the next rollout on (`vllm_patches.depth_control`); the records
+        then hold `depth` positions."""
+        self.collector.depth = await self.llm.engine_core.call_utility_async("growmtp_set_depth", int(depth))
+        return self.collector.depth
+
+    async def growmtp_cycle_costs(self, requests: int) -> list[float]:
+        """This engine's seconds per step at every depth 0..K, measured on it now with capture off
+        (`depth_control.calibration`); leaves the depth as it was."""
+        from vllm_patches.depth_control import calibration
+        from vllm_patches.settings import CaptureConfig
+
+        plan = calibration(self._k, self.llm.model_config.get_vocab_size(), requests)
+        depth = self.collector.depth
+        await self.llm.collective_rpc("growmtp_configure_capture", args=(CaptureConfig(enabled=False).as_dict(),))
+        try:
+            await self.llm.engine_core.call_utility_async("growmtp_step_times")
+            steps = []
+            for d in plan.depths:
+                await self.llm.engine_core.call_utility_async("growmtp_set_depth", d)
+                await asyncio.gather(*(RolloutActor.generate(self, ids, plan.params) for ids in plan.prompts))
+                steps += await self.llm.engine_core.call_utility_async("growmtp_step_times")
+        finally:
+            await self.llm.engine_core.call_utility_async("growmtp_set_depth", depth)
+            await self.llm.collective_rpc("growmtp_configure_capture", args=(self._capture.as_dict(),))
+        return list(plan.costs(steps).seconds)
 
     async def growmtp_load_head(self, blob: bytes) -> list[str]:
         return (await self.llm.collective_rpc("growmtp_load_head_weights", args=(blob,)))[0]

@@ -16,6 +16,7 @@ import ray
 from openrlhf.trainer.ppo_utils.samples_generator import SamplesGenerator
 
 from .. import reproducibility
+from .depth_controller import DepthController
 from .keys import ACCEPTED_KEY, DROPPED_KEY, RECORD_KEY
 from .rollout_order import ORDER_KEY, NumberedEngines
 
@@ -67,7 +68,26 @@ class OrderedSamplesGenerator(SamplesGenerator):
 
 
 class GrowMTPSamplesGenerator(OrderedSamplesGenerator):
-    """Carries each sample's record into its Experience.info."""
+    """Carries each sample's record into its Experience.info; under `--growmtp_depth auto`, sets the depth of
+    each vLLM call first (`depth_controller`; inside the rollout's time)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        auto = getattr(self.args.growmtp, "depth", "fixed") == "auto"
+        self.depth_controller = DepthController(self.vllm_engines, self.args) if auto else None
+
+    def _generate_vllm(self, *args, **kwargs):
+        if self.depth_controller is None:
+            return super()._generate_vllm(*args, **kwargs)
+        self.depth_controller.before_rollout()
+        experiences, prompts_consumed, exhausted = super()._generate_vllm(*args, **kwargs)
+        self.depth_controller.after_rollout(experiences)
+        return experiences, prompts_consumed, exhausted
+
+    @property
+    def depth(self) -> int:
+        """The depth the last rollout drafted at."""
+        return self.depth_controller.depth if self.depth_controller is not None else int(self.args.growmtp.k)
 
     def _process_response_into_experience(self, response, **generate_kwargs):
         experience = super()._process_response_into_experience(response, **generate_kwargs)

@@ -47,6 +47,9 @@ def test_valid_configuration_has_no_errors(policy_dir):
     assert errors_for(policy_dir, "--growmtp_k", "3", "--train.batch_size", "4", "--train.max_epochs", "2",
                       "--train.dynamic_batch_enable") == []
     assert errors_for(policy_dir, "--growmtp_k", "3", "--ds.zero_stage", "2", "--ds.adam_offload") == []
+    assert errors_for(policy_dir, "--growmtp_k", "3", "--growmtp_depth", "auto") == []
+    assert errors_for(policy_dir, "--growmtp_k", "3", "--growmtp_depth", "auto", "--growmtp_cycle_costs",
+                      "1,1.1,1.2,1.3") == []
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -67,6 +70,12 @@ def test_valid_configuration_has_no_errors(policy_dir):
     (["--growmtp_k", "3", "--growmtp_head", "/no/such/head"], "--growmtp_head: /no/such/head: no such local directory"),
     (["--growmtp_k", "3", "--growmtp_mode", "frozen", "--growmtp_log_lag"], "--growmtp_log_lag measures a training"),
     (["--growmtp_k", "3", "--growmtp_teacher_forcing", "--growmtp_log_lag"], "--growmtp_log_lag measures a training"),
+    (["--growmtp_depth", "auto"], "it needs --growmtp_k >= 1"),
+    (["--growmtp_k", "3", "--growmtp_depth", "auto", "--train.async_enable"], "needs the synchronous controller"),
+    (["--growmtp_k", "3", "--growmtp_depth", "auto", "--growmtp_cycle_costs", "1,2"], "must be 4 positive seconds"),
+    (["--growmtp_k", "3", "--growmtp_depth", "auto", "--growmtp_cycle_costs", "1,2,x,4"], "must be 4 positive"),
+    (["--growmtp_k", "3", "--growmtp_depth", "auto", "--growmtp_cycle_costs", "1,2,0,4"], "must be 4 positive"),
+    (["--growmtp_k", "3", "--growmtp_cycle_costs", "1,2,3,4"], "--growmtp_cycle_costs needs --growmtp_depth auto"),
 ])
 def test_bad_combinations_are_refused(policy_dir, argv, message):
     errors = errors_for(policy_dir, *argv)
