@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 export PIP_CONSTRAINT := $(CURDIR)/constraints.txt
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: test test-slow venv bench demo demo-quick reproduce serve serve-check ablations ablations-quick from-scratch rehearse \
+.PHONY: test test-slow venv bench demo demo-quick reproduce depth-study serve serve-check ablations ablations-quick from-scratch rehearse \
 	gpu-check gpu-wheels \
 	clean
 
@@ -34,14 +34,20 @@ test-slow: $(STAMP)
 
 # the embedded default: AR vs GrowMTP GRPO on CPU, plots and summary under runs/demo/ (docs/demo.md)
 demo: $(STAMP)
-	$(PY) -m openrlhf_growmtp.experiments.demo
+	$(PY) -m openrlhf_growmtp.experiments.demo $(ARGS)
 
 demo-quick: $(STAMP)
 	$(PY) -m openrlhf_growmtp.experiments.demo --quick
 
-# the demo's quick run twice per arm with one seed: every logged number and exported tensor compared (~3 min)
+# the demo's quick run twice per arm (autoregressive, GrowMTP, --growmtp_depth auto) with one seed: every logged
+# number and exported tensor compared (~5 min)
 reproduce: $(STAMP)
 	$(PY) -m openrlhf_growmtp.experiments.reproduce
+
+# --growmtp_depth auto against fixed K and autoregressive in the speed world, 3 evaluation seeds x 3 arms
+# (~60 min on 2 cores; runs/depth-study/, docs/depth.md)
+depth-study: $(STAMP)
+	$(PY) -m openrlhf_growmtp.experiments.depth_study --seeds 11 12 13 $(ARGS)
 
 # vLLM's OpenAI-compatible server on 127.0.0.1:8000 for the newest demo run's policy, drafting with its grown head
 # (docs/serving.md); Ctrl-C stops it

@@ -79,6 +79,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cache-dir", default=None, help="where the world is cached (default: <runs-dir>/.cache)")
     parser.add_argument("--steps", type=int, help="RL steps per arm (overrides the preset)")
     parser.add_argument("--k", type=int, help="drafting depth of the GrowMTP arm (default 3)")
+    parser.add_argument("--depth", default="fixed", choices=("fixed", "auto"),
+                        help="the GrowMTP arm's --growmtp_depth: K every cycle, or chosen per RL step "
+                             "(default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=42, help="--train.seed of both arms (default: %(default)s)")
     parser.add_argument("--world", default="speed", choices=sorted(WORLDS),
                         help="the world and its recipe (default: %(default)s)")
     args = parser.parse_args(argv)
@@ -95,11 +99,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"world: {world.root} (policy pretrained {world.info['pretrain']['steps']} steps, expected sampled "
           f"accuracy {world.info['pretrain']['expected_accuracy']:.2f})")
     arms = {"ar": 0, "growmtp": preset.k}
-    labels = {"ar": "autoregressive (--growmtp_k 0)", "growmtp": f"GrowMTP (--growmtp_k {preset.k})"}
+    labels = {"ar": "autoregressive (--growmtp_k 0)",
+              "growmtp": f"GrowMTP (--growmtp_k {preset.k}"
+                         + (", --growmtp_depth auto)" if args.depth == "auto" else ")")}
+    extra = {"ar": [], "growmtp": ["--growmtp_depth", "auto"] if args.depth == "auto" else []}
     wall = {}
     for arm, k in arms.items():
-        wall[arm] = run_arm(train_command(world, out / arm, preset, k, demo.reward), out / arm, labels[arm],
-                            preset.steps)
+        wall[arm] = run_arm(train_command(world, out / arm, preset, k, demo.reward, seed=args.seed) + extra[arm],
+                            out / arm, labels[arm], preset.steps)
     rows = {arm: report.read_arm(out / arm / "tensorboard", arm, k) for arm, k in arms.items()}
     for arm, arm_rows in rows.items():
         if len(arm_rows) != preset.steps:
@@ -110,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     plots = report.plot(out, rows["growmtp"], rows["ar"], preset.k)
     summary = report.summarize(rows["growmtp"], rows["ar"], preset.k, extra={
         "preset": "quick" if args.quick else "full", "settings": asdict(preset), "world": world.info,
+        "depth": args.depth, "seed": args.seed,
         "world_name": args.world, "arm_wall_s": {arm: round(seconds, 1) for arm, seconds in wall.items()},
         # each arm's whole wall (start-up, every step, the final export): what a user waits for
         "net_wall_ratio": wall["growmtp"] / wall["ar"],
@@ -121,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(f"τ {summary['tau_first']:.2f} -> {summary['tau_final']:.2f} (mean of the last {summary['final_window']} "
           f"steps; max {summary['tau_max']:.2f}; K+1 = {preset.k + 1}); α_final = "
-          f"[{' '.join(f'{a:.2f}' for a in summary['alpha_final'])}]")
+          f"[{' '.join(f'{a:.2f}' if a is not None else '-' for a in summary['alpha_final'])}]")
     print(f"reward: GrowMTP {summary['reward_first_growmtp']:.2f} -> {summary['reward_final_growmtp']:.2f}, "
           f"autoregressive {summary['reward_first_ar']:.2f} -> {summary['reward_final_ar']:.2f}")
     print(f"GrowMTP / autoregressive, mean per step after the first: rollout time "

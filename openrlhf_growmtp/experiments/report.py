@@ -26,6 +26,7 @@ TAGS = {  # row field -> TensorBoard tag written by upstream's TensorboardLogger
     "step_s": "train/timing/step_total",
     "response_length": "train/response_length",
     "tau": "train/growmtp/tau",
+    "depth": "train/growmtp/depth",
     "cycles": "train/growmtp/cycles",
     "head_loss": "train/growmtp/head_loss",
     "head_update_s": "train/growmtp/head_update_s",
@@ -52,11 +53,17 @@ def read_arm(tensorboard_dir: str | Path, arm: str, k: int) -> list[dict]:
     rows = []
     for step in sorted(series["reward"]):
         row = {"arm": arm, "step": step, **{field: values[step] for field, values in series.items() if step in values}}
-        for name, per_position in positional.items():
-            if all(step in values for values in per_position):
-                row[name] = [values[step] for values in per_position]
+        for name, per_position in positional.items():  # None beyond the depth a step drafted at (auto)
+            if any(step in values for values in per_position):
+                row[name] = [values.get(step) for values in per_position]
         rows.append(row)
     return rows
+
+
+def _mean_known(values) -> float | None:
+    """The mean of the values that were logged (None: a step that drafted less deep)."""
+    known = [v for v in values if v is not None]
+    return mean(known) if known else None
 
 
 def _final(rows: list[dict], field: str) -> float:
@@ -97,7 +104,8 @@ def summarize(growmtp: list[dict], ar: list[dict], k: int, extra: dict) -> dict:
         "tau_final": _final(growmtp, "tau"),
         "tau_max": max(row["tau"] for row in growmtp),
         "alpha_first": growmtp[0]["alpha"],
-        "alpha_final": [mean(row["alpha"][i] for row in growmtp[-final_window(len(growmtp)):]) for i in range(k)],
+        "alpha_final": [_mean_known(row["alpha"][i] for row in growmtp[-final_window(len(growmtp)):])
+                        for i in range(k)],
         "reward_first_growmtp": growmtp[0]["reward"],
         "reward_first_ar": ar[0]["reward"],
         "reward_final_growmtp": _final(growmtp, "reward"),
@@ -122,15 +130,18 @@ def summarize(growmtp: list[dict], ar: list[dict], k: int, extra: dict) -> dict:
 def table(growmtp: list[dict], ar: list[dict], k: int) -> str:
     """The per-step table, both arms side by side."""
     alpha_heads = "".join(f"{f'α{i}':>6}" for i in range(1, k + 1))
-    lines = [f"{'':5}{'GrowMTP K=' + str(k):<{7 + 6 * k + 25}}| autoregressive",
-             f"{'step':>5}{'τ':>7}{alpha_heads}{'reward':>8}{'roll s':>8}{'head s':>8}{'step s':>8} |"
-             f"{'reward':>8}{'roll s':>8}{'step s':>8}"]
+    depth = any("depth" in row for row in growmtp)  # --growmtp_depth auto: the depth of each step
+    width = 7 + 6 * k + 25 + (6 if depth else 0)
+    lines = [f"{'':5}{'GrowMTP K=' + str(k):<{width}}| autoregressive",
+             f"{'step':>5}{'depth' if depth else '':>{6 if depth else 0}}{'τ':>7}{alpha_heads}{'reward':>8}"
+             f"{'roll s':>8}{'head s':>8}{'step s':>8} |{'reward':>8}{'roll s':>8}{'step s':>8}"]
     by_step = {row["step"]: row for row in ar}
     for row in growmtp:
         other = by_step.get(row["step"])
-        alphas = "".join(f"{a:6.2f}" for a in row["alpha"])
+        alphas = "".join(f"{a:6.2f}" if a is not None else f"{'-':>6}" for a in row.get("alpha", [None] * k))
         right = (f"{other['reward']:8.3f}{other['rollout_s']:8.2f}{other['step_s']:8.2f}" if other else "")
-        lines.append(f"{row['step']:5d}{row['tau']:7.3f}{alphas}{row['reward']:8.3f}{row['rollout_s']:8.2f}"
+        chosen = f"{int(row['depth']):6d}" if depth else ""
+        lines.append(f"{row['step']:5d}{chosen}{row['tau']:7.3f}{alphas}{row['reward']:8.3f}{row['rollout_s']:8.2f}"
                      f"{row['head_update_s']:8.2f}{row['step_s']:8.2f} |{right}")
     return "\n".join(lines)
 
@@ -158,7 +169,9 @@ def plot(out_dir: Path, growmtp: list[dict], ar: list[dict], k: int) -> list[Pat
 
     def alpha(ax):
         for i in range(k):
-            ax.plot(steps, [row["alpha"][i] for row in growmtp], marker=".", label=f"α{i + 1}")
+            known = [(row["step"], row["alpha"][i]) for row in growmtp
+                     if row.get("alpha") and row["alpha"][i] is not None]
+            ax.plot([s for s, _ in known], [a for _, a in known], marker=".", label=f"α{i + 1}")
         ax.set(title="per-position acceptance α_k = P(accepted ≥ k)", xlabel="RL step", ylabel="α", ylim=(0, 1))
         ax.legend(loc="upper left")
 
@@ -170,6 +183,12 @@ def plot(out_dir: Path, growmtp: list[dict], ar: list[dict], k: int) -> list[Pat
         crossed = crossover_step(growmtp, ar)
         if crossed is not None:
             ax.axvline(crossed, color="grey", lw=0.8, ls=":", label=f"GrowMTP faster from step {crossed}")
+        if any("depth" in row for row in growmtp):  # --growmtp_depth auto: the depth each rollout drafted at
+            depth_ax = ax.twinx()
+            depth_ax.step(steps, [row.get("depth", k) for row in growmtp], where="mid", color="grey", lw=0.8,
+                          label="depth drafted")
+            depth_ax.set(ylabel="depth drafted", ylim=(-0.2, k + 0.5))
+            depth_ax.legend(loc="lower right", fontsize="small")
         ax.set(title="wall time per RL step (first step: engine warm-up)", xlabel="RL step", ylabel="seconds",
                yscale="log")
         ax.legend(loc="upper right", fontsize="small")

