@@ -201,7 +201,8 @@ class SpecEngine:
         depth, capture = self.depth, self.capture
         if capture:
             self.set_capture(False)
-        try:
+        try:  # a first generate warms the engine (its first steps after start-up are slow); its steps are dropped
+            self.generate(plan.prompts, plan.params)
             self.step_times()
             steps = []
             for d in plan.depths:

@@ -176,14 +176,11 @@ def cycle_costs(text: str | None) -> list[float] | None:
 
 
 def _check_depth(g: dict, k: int, async_train: bool) -> list[str]:
-    if g.get("depth", "fixed") not in DEPTH_MODES:
-        return [f"--growmtp_depth must be one of {DEPTH_MODES}, got {g.get('depth')!r}"]
-    if g.get("depth") != "auto":
+    if g.get("depth", "fixed") != "auto":  # argparse keeps it to DEPTH_MODES
         return [] if g.get("cycle_costs") is None else ["--growmtp_cycle_costs needs --growmtp_depth auto"]
-    errors = []
-    if async_train:
-        errors.append("--growmtp_depth auto chooses each rollout's depth from the last one's acceptance: it needs the "
-                      "synchronous controller (not --train.async_enable)")
+    errors = [] if not async_train else [
+        "--growmtp_depth auto chooses each rollout's depth from the last one's acceptance: it needs the synchronous "
+        "controller (not --train.async_enable)"]
     try:
         costs = cycle_costs(g.get("cycle_costs"))
     except ValueError:

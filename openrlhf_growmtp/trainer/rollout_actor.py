@@ -184,7 +184,8 @@ class GrowMTPRolloutActor(RolloutActor):
         plan = calibration(self._k, self.llm.model_config.get_vocab_size(), requests)
         depth = self.collector.depth
         await self.llm.collective_rpc("growmtp_configure_capture", args=(CaptureConfig(enabled=False).as_dict(),))
-        try:
+        try:  # a first generate warms the engine (its first steps after start-up are slow); its steps are dropped
+            await asyncio.gather(*(RolloutActor.generate(self, ids, plan.params) for ids in plan.prompts))
             await self.llm.engine_core.call_utility_async("growmtp_step_times")
             steps = []
             for d in plan.depths:

@@ -128,3 +128,25 @@ def test_crossover_is_the_first_step_from_which_every_step_is_faster(ratios, exp
     growmtp = [{"step": i + 1, "step_s": 10.0 * r} for i, r in enumerate(ratios)]
     ar = [{"step": i + 1, "step_s": 10.0} for i in range(len(ratios))]
     assert report.crossover_step(growmtp, ar) == expected
+
+
+def test_auto_depth_rows_the_table_the_summary_and_the_study_comparison(tmp_path):
+    """--growmtp_depth auto: alpha logged up to each step's depth only; the table shows the depth, the summary
+    averages the positions where they were logged, and the study's comparison reads the same rows."""
+    from openrlhf_growmtp.experiments.depth_study import compare, early_steps
+
+    growmtp = rows_for("growmtp", [(0.5, 3.0, 6.0), (0.5, 3.0, 6.6), (0.5, 2.0, 4.0), (0.5, 2.0, 4.0)], k=3)
+    for row, depth in zip(growmtp, (1, 1, 3, 3)):
+        row["depth"] = depth
+        row["alpha"] = row["alpha"][:depth] + [None] * (3 - depth)
+    ar = rows_for("ar", [(0.5, 3.0, 6.0)] * 4)
+    table = report.table(growmtp, ar, 3)
+    assert "depth" in table and "    1     1  1.100  0.10     -     -" in table
+    s = report.summarize(growmtp, ar, k=3, extra={})
+    assert s["alpha_final"] == pytest.approx([0.4, 0.0, 0.0])  # the last step (window 1), every position drafted
+    assert report.plot(tmp_path, growmtp, ar, 3)[2].name == "time.png"
+    c = compare(growmtp, ar, arm_wall=90.0, ar_wall=100.0)
+    assert early_steps(4) == 2 and early_steps(50) == 15
+    assert c["step_ratio_first30_mean"] == pytest.approx(1.1) and c["step_ratio_max_after_first"] == pytest.approx(1.1)
+    assert c["steps_over_1_10_after_first"] == 0  # 1.1 is not over
+    assert c["crossover_step"] == 3 and c["net_wall_ratio"] == pytest.approx(0.9) and c["depths"] == [1, 1, 3, 3]

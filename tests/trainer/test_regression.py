@@ -166,6 +166,25 @@ def test_detached_policy_identical_head_moved(upstream, single_rank, policy_dir,
     assert groups["growmtp_head"]["lr"] == pytest.approx(DEFAULT_HEAD_LR["random"] * 2 / 10)
 
 
+def test_a_rollout_drafted_shallower_than_k_policy_identical_head_reads_its_depth(upstream, single_rank, policy_dir,
+                                                                                 head_dir, tmp_path):
+    """`--growmtp_depth auto` drafted this step's rollout at depth 1 < K: the policy is upstream's, the head
+    trains on the depth-1 records, and its per-position statistics stop at the depth drafted."""
+    args = train_args(policy_dir, tmp_path, "--growmtp_k", str(K), "--growmtp_topk", str(TOPK), "--growmtp_depth",
+                      "auto")
+    args.growmtp.head_dir = str(head_dir)
+    shallow = tiny.make_records(1, TOPK, layouts=[(4, acc) for acc in ([0, 1, 1], [1, 0], [1, 1, 1, 0], [1])],
+                                vocab_size=128, hidden_size=None)
+    status, policy, head, _, _ = one_step(args, policy_dir, ours=True, records=shallow)
+    up_status, up_policy, _, _, _ = upstream
+    assert_identical(policy, up_policy)
+    assert status["policy_loss"] == up_status["policy_loss"]
+    assert status["growmtp/head_finite"] == 1.0 and status["growmtp/head_cycles"] == 10
+    assert "growmtp/head_alpha_1" in status and "growmtp/head_alpha_2" not in status
+    initial = {n: p.to(torch.bfloat16).float() for n, p in load_head(head_dir).state_dict().items()}
+    assert any(not torch.equal(head[n], initial[n]) for n in head if head[n].ndim == 2)
+
+
 @pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
 def test_hidden_states_from_the_training_forward_policy_identical_no_extra_forward(packed, single_rank, policy_dir,
                                                                                    head_dir, tmp_path, monkeypatch):
