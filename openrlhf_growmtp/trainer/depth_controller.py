@@ -1,8 +1,9 @@
 """`--growmtp_depth auto` on the controller's side (upstream: none): before each rollout, the depth of its
-cycles, chosen by `core.depth.choose_depth` and set on every engine (`GrowMTPRolloutActor.growmtp_set_depth`).
+cycles, chosen by `core.depth.DepthRule` and set on every engine (`GrowMTPRolloutActor.growmtp_set_depth`).
 
 The costs are engine 0's own seconds per step at each depth, measured once before the first rollout at the
-running batch the rollouts run at (`growmtp_cycle_costs`), unless `--growmtp_cycle_costs` gives them. The
+running batch the rollouts run at, after a warm-up generate (`growmtp_cycle_costs`), unless
+`--growmtp_cycle_costs` gives them. The
 acceptance is the last rollout's, read from its samples' accepted counts at the depth it drafted.
 """
 
