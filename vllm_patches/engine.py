@@ -195,8 +195,8 @@ class SpecEngine:
         return [tuple(step) for step in self._core_call("growmtp_step_times")]
 
     def cycle_costs(self, requests: int) -> CycleCosts:
-        """The engine's seconds per step at every depth 0..K, measured here with capture off: at depths 0, 1
-        and K, `requests` prompts together (`depth_control.calibration`). Leaves the depth as it was."""
+        """The engine's seconds per step at every depth 0..K, timed on its own generates with capture off: at
+        depths 0, 1 and K, `requests` prompts together (`depth_control.calibration`). Leaves the depth as it was."""
         plan = calibration(self.k, self.vocab_size, requests)
         depth, capture = self.depth, self.capture
         if capture:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shutil
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -129,8 +130,6 @@ def main(argv: list[str] | None = None) -> int:
             if (arm_dir / WALL_FILE).exists() and not args.redo:
                 continue
             if arm_dir.exists():
-                import shutil
-
                 shutil.rmtree(arm_dir)
             wall = run_arm(arm_command(world, arm_dir, preset, arm, demo.reward, seed), arm_dir,
                            f"seed {seed} {arm}", preset.steps)

@@ -99,12 +99,12 @@ class GrowMTPStepMetrics:
         row = {"step": step, **{key: value for key, value in status.items()
                                 if key.startswith(("growmtp/", "rollout/", "timing/"))
                                 or key in ("policy_loss", "reward", "actor_grad_norm", "actor_lr")}}
-        # the engine's alpha_1..alpha_depth (not alpha_gap_k), in position order
-        alpha = [row[f"growmtp/alpha_{k}"] for k in range(1, 17) if f"growmtp/alpha_{k}" in row]
+        depth = int(row.get("growmtp/depth", self.args.growmtp.k))  # the engine's alpha_1..alpha_depth
+        alpha = [row.get(f"growmtp/alpha_{k}", 0.0) for k in range(1, depth + 1)]
         logger.warning(
             "GrowMTP step %d: tau=%.3f depth=%d alpha=[%s] cycles=%d head_loss=%.4f head_lr=%.2e rollout=%.2fs "
-            "head_update=%.2fs step=%.2fs record_bytes/token=%.0f", step, row.get("growmtp/tau", 0.0),
-            int(row.get("growmtp/depth", len(alpha))), " ".join(f"{a:.2f}" for a in alpha), row.get("growmtp/cycles", 0), row.get("growmtp/head_loss", 0.0),
+            "head_update=%.2fs step=%.2fs record_bytes/token=%.0f", step, row.get("growmtp/tau", 0.0), depth,
+            " ".join(f"{a:.2f}" for a in alpha), row.get("growmtp/cycles", 0), row.get("growmtp/head_loss", 0.0),
             row.get("growmtp/head_lr", 0.0), row.get("growmtp/rollout_s", 0.0), row.get("growmtp/head_update_s", 0.0),
             row.get("growmtp/step_s", 0.0), row.get("growmtp/record_bytes_per_token", 0.0))
         self.metrics_path.parent.mkdir(parents=True, exist_ok=True)

@@ -176,7 +176,7 @@ class GrowMTPRolloutActor(RolloutActor):
         return self.collector.depth
 
     async def growmtp_cycle_costs(self, requests: int) -> list[float]:
-        """This engine's seconds per step at every depth 0..K, measured on it now with capture off
+        """This engine's seconds per step at every depth 0..K, timed on its own generates with capture off
         (`depth_control.calibration`); leaves the depth as it was."""
         from vllm_patches.depth_control import calibration
         from vllm_patches.settings import CaptureConfig
