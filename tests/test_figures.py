@@ -46,6 +46,7 @@ def test_a_figure_matches_at_the_precision_shown(kept):
                        "share pct -->\n<!-- table: data/t.md -->\n| a |\n|---|\n| 1 |\n<!-- /table -->\n")
     assert check(page) == []
     assert lookup({"a": [{"b": 2}]}, "a.0.b") == 2
+    assert lookup({"t": {"2.91": {"x": 3}, "2": {}}}, "t.2.91.x") == 3  # a key with a dot in it
 
 
 @pytest.mark.parametrize("text, reason", [

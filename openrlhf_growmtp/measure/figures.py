@@ -3,7 +3,7 @@
 Two marks, both invisible in rendered markdown:
 
 - after a number, `<!-- fig: PATH KEY -->`: the number is the JSON file PATH's value at KEY (dots between keys
-  and list indices, e.g. `paired.0.speedup.low`), rounded to as many decimals as the text shows; ` pct` after
+  and list indices, e.g. `paired.0.speedup.low`; a key may hold dots itself), rounded to as many decimals as the text shows; ` pct` after
   KEY reads a share as a percentage. PATH is relative to the markdown file.
 - `<!-- table: PATH -->` ... `<!-- /table -->` around a block: the block is the file PATH's text (a table a
   study wrote, e.g. `table.md`).
@@ -29,15 +29,20 @@ MARK = re.compile(r"<!-- (fig|table): ")
 
 
 def lookup(document: dict | list, key: str):
-    """`document`'s value at a dotted key (integers index lists)."""
-    value = document
-    for part in key.split("."):
+    """`document`'s value at a dotted key: integers index lists; a dict's own keys may hold dots (e.g. a τ of
+    "2.91"), the longest that matches is taken."""
+    value, parts, i = document, key.split("."), 0
+    while i < len(parts):
         if isinstance(value, list):
-            value = value[int(part)]
-        elif isinstance(value, dict) and part in value:
-            value = value[part]
+            value, i = value[int(parts[i])], i + 1
+            continue
+        for j in range(len(parts), i, -1):
+            name = ".".join(parts[i:j])
+            if isinstance(value, dict) and name in value:
+                value, i = value[name], j
+                break
         else:
-            raise KeyError(f"no {part!r} in {key!r}")
+            raise KeyError(f"no {parts[i]!r} in {key!r}")
     return value
 
 
