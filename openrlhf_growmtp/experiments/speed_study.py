@@ -195,6 +195,40 @@ def table(summary: dict) -> str:
     return "\n".join(lines)
 
 
+def plot(out: Path, summary: dict, rows: dict) -> Path:
+    """paired.png: per GrowMTP arm and run, the paired speedup at each checkpoint with its interval (left), and
+    τ per RL step (right)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for i, (run, arms) in enumerate(summary["runs"].items()):
+        for j, arm in enumerate(a for a in ARMS if a in arms and a != "ar"):
+            found = arms[arm]["paired"]
+            steps = sorted(int(s) for s in found)
+            estimate = [found[str(s)]["estimate"] for s in steps]
+            error = [[found[str(s)]["estimate"] - found[str(s)]["low"] for s in steps],
+                     [found[str(s)]["high"] - found[str(s)]["estimate"] for s in steps]]
+            left.errorbar([s + 0.4 * i for s in steps], estimate, yerr=error, color=f"C{j}", marker="o", ms=3,
+                          capsize=2, lw=0.8, label=arm if i == 0 else None)
+            arm_rows = rows[run][arm]
+            right.plot([r["step"] for r in arm_rows], [r["tau"] for r in arm_rows], color=f"C{j}", lw=0.8,
+                       label=arm if i == 0 else None)
+    left.axhline(1.0, color="grey", lw=0.8, ls=":")
+    left.set(title="paired rollout speedup per generated token (median, 95% interval)", xlabel="checkpoint (RL step)",
+             ylabel="autoregressive / speculative s per token")
+    right.set(title="τ per RL step, every run", xlabel="RL step", ylabel="τ")
+    left.legend(fontsize="small")
+    right.legend(fontsize="small")
+    fig.tight_layout()
+    path = out / "paired.png"
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
 def run_study(out: Path, plan: list, preset, demo, world, log=print) -> None:
     for name, seed, arms in plan:
         for arm in arms:
@@ -223,7 +257,7 @@ def run_study(out: Path, plan: list, preset, demo, world, log=print) -> None:
 def keep(out: Path, dest: Path, plan: list) -> None:
     """What the docs quote, into `dest`: the summary, the table, and every arm's file (its per-step rows)."""
     dest.mkdir(parents=True, exist_ok=True)
-    for name in ("summary.json", "table.md", "time.png"):
+    for name in ("summary.json", "table.md", "paired.png"):
         if (out / name).exists():
             shutil.copyfile(out / name, dest / name)
     for run, _, arms in plan:
@@ -266,6 +300,10 @@ def main(argv: list[str] | None = None) -> int:
         run_study(out, plan, preset, demo, world)
     summary = summarize(out, plan, preset)
     summary["provenance"] = provenance()
+    rows = {run: {arm: json.loads((out / run / arm / ARM_FILE).read_text())["rows"] for arm in arms
+                  if (out / run / arm / ARM_FILE).exists()} for run, _, arms in plan}
+    if summary["runs"]:
+        plot(out, summary, rows)
     (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     (out / "table.md").write_text(table(summary) + "\n")
     print(table(summary))

@@ -71,6 +71,9 @@ def test_a_seed_run_twice_counts_once_and_its_spread_is_kept(tmp_path):
     assert net["low"] < net["estimate"] < net["high"] and net["detectable"] > 0
     assert speed_study.verdict(net) == ("below" if net["high"] < 1 else "tie")
     assert "| fixed | net_wall_ratio |" in speed_study.table(summary)
+    rows = {name: {arm: json.loads((out / name / arm / speed_study.ARM_FILE).read_text())["rows"] for arm in arms}
+            for name, _, arms in plan}
+    assert speed_study.plot(tmp_path, summary, rows).stat().st_size > 10_000
 
 
 def test_paired_checkpoints_the_flags_the_places_and_the_depth_they_draft_at(tmp_path):
