@@ -1,9 +1,10 @@
 """Memory of one process's device, as the per-step `growmtp/mem_*` metrics report it (GiB).
 
-On CUDA: `peak` is what torch allocated at most in this process since the last `reset_peak` (vLLM's KV cache
-and weights, or the policy's ZeRO shards and activations), `used` the whole device's memory in use now, every
-process on it counted (a colocated reference model, vLLM's reserved pool). Without CUDA the same two figures
-are the process's resident host memory: its peak over the process's life and now (the CPU run's "device").
+On CUDA: `peak` is what torch allocated at most in this process since it started (vLLM's KV cache and
+weights, or the policy's ZeRO shards and activations; never reset here, so a caller's own peak readings stay
+theirs), `used` the whole device's memory in use now, every process on it counted (a colocated reference
+model, vLLM's reserved pool). Without CUDA the same two figures are the process's resident host memory: its
+peak over the process's life and now (the CPU run's "device").
 """
 
 from __future__ import annotations
@@ -13,11 +14,6 @@ import resource
 import torch
 
 GIB = 2**30
-
-
-def reset_peak() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.reset_peak_memory_stats()
 
 
 def reading() -> dict[str, float]:

@@ -50,13 +50,12 @@ class ActorTrainer(ActorPPOTrainer):
             self.actor_loss_fn = NegativeAdvantageWeightedLoss(self.actor_loss_fn, weight)
 
     def ppo_train(self, kl_ctl: float):
-        device_memory.reset_peak()
         status = super().ppo_train(kl_ctl)
         status.update(self._memory_metrics())
         return status
 
     def _memory_metrics(self) -> dict[str, float]:
-        """The largest peak and in-use memory of any training rank's device in this step, in GiB."""
+        """The largest peak (since the rank started) and in-use memory of any training rank's device, in GiB."""
         reading = device_memory.reading()
         values = torch.tensor([reading["peak_gib"], reading["used_gib"]], dtype=torch.float64,
                               device=next(self.actor.model.parameters()).device)
