@@ -55,22 +55,21 @@ def untried_paths(argv: list[str]) -> list[UntriedPath]:
     parser.add_argument("--vllm.enforce_eager", dest="eager", action="store_true")
     parser.add_argument("--vllm.tensor_parallel_size", dest="tp", type=int, default=1)
     parser.add_argument("--vllm.enable_sleep", dest="sleep", action="store_true")
-    parser.add_argument("--vllm.num_engines", dest="engines", type=int, default=0)
     a, _ = parser.parse_known_args(argv)
     v1 = a.k > 0 or a.runner == "growmtp"
     return [
         UntriedPath("vLLM's V1 model runner, forced (record capture hooks it)", v1,
-              "none for K > 0; a K = 0 run on vLLM's default runner (no --vllm.runner growmtp) avoids it"),
+                    "none for K > 0; a K = 0 run on vLLM's default runner (no --vllm.runner growmtp) avoids it"),
         UntriedPath("synchronous scheduling (records need it)", v1,
-              "none for K > 0; a K = 0 run on vLLM's defaults schedules asynchronously"),
+                    "none for K > 0; a K = 0 run on vLLM's defaults schedules asynchronously"),
         UntriedPath("the policy's NCCL weight sync with the head hidden from it", a.k > 0 and a.sync == "nccl",
-              "--vllm.sync_backend ray: the policy's weights through Ray's object store, as every CPU run sends "
-              "them (tested on CPU only; a full bf16 copy of the policy in host memory on the first rank)"),
+                    "--vllm.sync_backend ray: the policy's weights through Ray's object store, as every CPU run sends "
+                    "them (tested on CPU only; a full bf16 copy of the policy in host memory on the first rank)"),
         UntriedPath("CUDA graphs with record capture", a.k > 0 and not a.eager,
-              "--vllm.enforce_eager (slower decoding, the capture hooks unchanged)"),
+                    "--vllm.enforce_eager (slower decoding, the capture hooks unchanged)"),
         UntriedPath("tensor-parallel engines over Ray", a.tp > 1,
-              "--vllm.tensor_parallel_size 1 (VLLM_TP=1; a CPU run's TP engines use vLLM's multiprocess "
-              "executor, not Ray's)"),
+                    "--vllm.tensor_parallel_size 1 (VLLM_TP=1; a CPU run's TP engines use vLLM's multiprocess "
+                    "executor, not Ray's)"),
         UntriedPath("vLLM's sleep mode", a.sleep, "leave --vllm.enable_sleep off (the example scripts do)"),
     ]
 
@@ -110,19 +109,19 @@ def checks(rows: list[dict], steps: int, k: int, trains_head: bool) -> list[Chec
     if k:
         every("records equal vLLM's own counters", lambda r: r.get("growmtp/records", 0) > 0
               and r.get("growmtp/records_checked") == r.get("growmtp/records"),
-              "records checked / records per step: " + ", ".join(
+                    "records checked / records per step: " + ", ".join(
                   f"{r.get('growmtp/records_checked', 0):.0f}/{r.get('growmtp/records', 0):.0f}" for r in rows))
         every("tau finite, within 1..K+1", lambda r: _finite(r.get("growmtp/tau")) and 1 <= r["growmtp/tau"] <= k + 1,
-              "tau per step: " + ", ".join(f"{r.get('growmtp/tau', math.nan):.3f}" for r in rows))
+                    "tau per step: " + ", ".join(f"{r.get('growmtp/tau', math.nan):.3f}" for r in rows))
     if k and trains_head:
         every("the engines' head equals the trainer's after the sync",
               lambda r: r.get("growmtp/head_sync_max_diff") == 0 and r.get("growmtp/head_sync_params", 0) > 0,
-              "max difference / parameters compared per step: " + ", ".join(
+                    "max difference / parameters compared per step: " + ", ".join(
                   f"{r.get('growmtp/head_sync_max_diff', math.nan):g}/{r.get('growmtp/head_sync_params', 0):.0f}"
                   for r in rows))
         every("head loss finite, the head update never skipped",
               lambda r: _finite(r.get("growmtp/head_loss")) and r.get("growmtp/head_finite") == 1,
-              "head loss per step: " + ", ".join(f"{r.get('growmtp/head_loss', math.nan):.4f}" for r in rows))
+                    "head loss per step: " + ", ".join(f"{r.get('growmtp/head_loss', math.nan):.4f}" for r in rows))
     every("memory per device logged", lambda r: all(_finite(r.get(key)) for key, _ in MEMORY),
           "trainer and engine, peak and in use")
     every("seconds per phase logged", lambda r: all(_finite(r.get(key)) for key, _ in PHASES

