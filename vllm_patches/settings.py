@@ -4,6 +4,8 @@
   (for `LLM` or `AsyncEngineArgs`): sampled drafting from the head, standard rejection sampling, our worker
   extension, the V1 model runner the capture hooks need and, with capture, synchronous scheduling and
   vLLM's per-request spec-decode metrics (the collector checks every record against them).
+- `v1_sync_engine_kwargs`: the V1 runner and synchronous scheduling alone, which a K = 0 engine matched to a
+  GrowMTP engine also gets (`--vllm.runner growmtp`).
 - `CaptureConfig`: what each worker is told about record capture. It crosses `collective_rpc` as a plain
   dict (`as_dict`) and is rebuilt and checked on the worker (`from_dict`).
 - `with_draft_headroom`: max_model_len with room for K drafts at the end of the longest request.
