@@ -173,7 +173,7 @@ def test_the_smoke_switch_runs_the_matched_autoregressive_baseline_on_cpu_with_a
     on GrowMTP's runner logs the step metrics a GrowMTP run logs (the GrowMTP arm: by hand, docs/guide.md)."""
     ray_tmp = tempfile.mkdtemp(prefix="ray", dir="/tmp")
     env = {**os.environ, "PYTHON": sys.executable, "GROWMTP_SMOKE": "1", "MATCHED_RUNNER": "1",
-           "GROWMTP_REHEARSAL_DIR": str(tmp_path), "GROWMTP_RAY_TMP": ray_tmp, "CUDA_VISIBLE_DEVICES": ""}
+           "GROWMTP_REHEARSAL_DIR": str(tmp_path), "GROWMTP_RAY_TMP": ray_tmp}
     env.pop("GROWMTP_REHEARSAL", None)
     try:
         result = subprocess.run(["bash", str(EXAMPLES / "scripts" / "baseline_ar.sh"), "qwen3_4b", "math"],
