@@ -29,9 +29,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 GIB = 2**30
 MIB = 2**20
-STEP_JSON = "docs/gpu_check_h100_4.json"  # cycle_cost.end_to_end, trainer_step (H100, second run)
-LOOP_JSON = "docs/gpu_check_h100_4_rollout_loop.json"  # rollout_loop.rollout (CUDA graphs)
-HEAD_PEAK_JSON = "docs/gpu_check_h100_3.json"  # head_update_cost.peak_mb.head (chunk 4,096, Qwen3-4B)
+GPU_DATA = "docs/data/gpu/"  # the H100 check's kept runs (docs/gpu_results.md)
+STEP_JSON = GPU_DATA + "trainer_step_head_update_graph_cycle_cost_2026-11-27.json"  # cycle_cost.end_to_end
+LOOP_JSON = GPU_DATA + "rollout_loop_2026-11-27.json"  # rollout_loop.rollout (CUDA graphs)
+HEAD_PEAK_JSON = GPU_DATA + "head_checks_chunk4096_2026-11-27.json"  # head_update_cost.peak_mb.head (Qwen3-4B)
 CARD_GIB = 80.0  # an H100 80GB: what the per-GPU figures are read against
 TRAIN_RANKS, ENGINES, GPU_MEMORY_UTILIZATION = 4, 4, 0.8
 PROMPTS, SAMPLES, MICRO_BATCH, PROMPT_TOKENS = 64, 8, 4, 1024
