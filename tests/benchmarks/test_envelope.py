@@ -15,18 +15,20 @@ sys.path.insert(0, str(ROOT / "benchmarks"))  # the benchmarks' modules, as the 
 import envelope  # noqa: E402
 
 
-def test_parameter_counts_equal_transformers_models_built_from_the_same_fields():
+@pytest.mark.parametrize("layers", [1, 3])  # the count is linear in the layers: two depths fix both terms
+def test_parameter_counts_equal_transformers_models_built_from_the_same_fields(layers):
     from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     qwen3 = Qwen3Config(hidden_size=2560, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-                        intermediate_size=9728, num_hidden_layers=36, vocab_size=151936, tie_word_embeddings=True)
+                        intermediate_size=9728, num_hidden_layers=layers, vocab_size=151936, tie_word_embeddings=True)
     mimo = Qwen2Config(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, intermediate_size=11008,
-                       num_hidden_layers=36, vocab_size=151680, tie_word_embeddings=False)
-    for config, model_cls, derived in ((qwen3, Qwen3ForCausalLM, envelope.QWEN3_4B),
-                                       (mimo, Qwen2ForCausalLM, envelope.MIMO_7B)):
+                       num_hidden_layers=layers, vocab_size=151680, tie_word_embeddings=False)
+    for config, model_cls, qwen2 in ((qwen3, Qwen3ForCausalLM, False), (mimo, Qwen2ForCausalLM, True)):
         with torch.device("meta"):
             model = model_cls(config)
         counted = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())  # tied: counted once
+        derived = envelope.dense_params(layers, config.hidden_size, 32, 8, 128, config.intermediate_size,
+                                        config.vocab_size, tied=config.tie_word_embeddings, qwen2=qwen2)
         assert derived == counted
 
 
