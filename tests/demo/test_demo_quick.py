@@ -52,7 +52,7 @@ def test_outputs_exist_and_parse(quick_run):
     for arm in ("ar", "growmtp"):
         command = (out / arm / "command.txt").read_text()
         assert command.count(f"--growmtp_k {0 if arm == 'ar' else 3}") == 1
-        assert command.count("--growmtp_max_num_seqs 2") == 1  # both arms decode alike
+        assert command.count("--vllm.max_num_seqs 2") == 1  # both arms decode alike
         assert (out / arm / "final" / "model.safetensors").exists()
     assert (out / "growmtp" / "final" / "growmtp_head" / "config.json").exists()
     assert "GrowMTP K=3" in stdout and "paired rollout speedup after step 3" in stdout
