@@ -11,6 +11,7 @@ through Ray. The policy actor's checkpoints carry a head snapshot (weights, Adam
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 
 import deepspeed
@@ -82,9 +83,12 @@ class GrowMTPActorTrainer(ActorTrainer):
     # the realised acceptance rate at the first draft position of the last RL step's rollouts (the engine's
     # counts, over every rank's records): the hybrid objective's λ follows it; 0 before the first rollout
     alpha_1: float = 0.0
+    head_sync_s: float = 0.0  # the last head sync's seconds (reported with the next RL step's metrics)
 
     def ppo_train(self, kl_ctl: float):
+        began = time.perf_counter()
         records = self._take_records()
+        took_records_s = time.perf_counter() - began
         head = head_of(self.actor.model.module)
         if head is None:  # a frozen head drafts in the engines only
             return super().ppo_train(kl_ctl)
@@ -97,11 +101,15 @@ class GrowMTPActorTrainer(ActorTrainer):
                 status = super().ppo_train(kl_ctl)
         finally:
             self.head_rl_step = None
+        began = time.perf_counter()
         status.update({f"growmtp/{key}": value for key, value in step.metrics().items()})
         hybrid = cfg.update.loss_config.hybrid_lambda
         if hybrid is not None:
             status["growmtp/hybrid_lambda"] = hybrid
         self.alpha_1 = realised_alpha_1(records, step.lockstep)
+        status.update({"growmtp/time/take_records_s": took_records_s,
+                       "growmtp/time/head_metrics_s": time.perf_counter() - began,
+                       "growmtp/time/head_sync_s": self.head_sync_s})  # the previous step's sync
         return status
 
     def training_step(self, experience, kl_ctl, step, loss_batch_info=None):
@@ -131,7 +139,9 @@ class GrowMTPActorTrainer(ActorTrainer):
             super().broadcast_to_vllm()
         head = head_of(hf_model)
         if head is not None:
+            began = time.perf_counter()
             self._send_to_engines("growmtp_load_head", gathered_head_state(head))
+            self.head_sync_s = time.perf_counter() - began
 
 
 def realised_alpha_1(records: list[SequenceRecord], lockstep: Lockstep) -> float:

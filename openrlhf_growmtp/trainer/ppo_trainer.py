@@ -92,6 +92,8 @@ class GrowMTPStepMetrics:
         if getattr(generator, "depth_controller", None) is not None:
             metrics.update(generator.depth_controller.metrics())
         metrics["growmtp/record_bytes_per_token"] = record_bytes / max(generated, 1.0)
+        if generator is not None:
+            metrics["growmtp/time/record_rollout_s"] = generator.record_s
         metrics["growmtp/dropped_cycles"] = float(sum(n for s in samples for n in s.info.get(DROPPED_KEY, [])))
         return metrics
 

@@ -22,6 +22,7 @@ import asyncio
 import functools
 import itertools
 import os
+import time
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
@@ -32,7 +33,7 @@ from openrlhf.trainer.ray.vllm_engine import RolloutRayActor
 from .. import reproducibility
 from ..cpu_support import VLLM_THREADS_BIND_ENV, omp_threads_bind
 from . import rollout_order
-from .keys import ACCEPTED_KEY, DROPPED_KEY, RECORD_KEY
+from .keys import ACCEPTED_KEY, DROPPED_KEY, RECORD_KEY, RECORD_SECONDS_KEY
 
 
 @dataclass(frozen=True)
@@ -160,6 +161,7 @@ class GrowMTPRolloutActor(RolloutActor):
         from vllm_patches.collector import DROPPED_META
 
         responses = await super().generate_responses(*args, **kwargs)
+        began = time.perf_counter()
         # Other prompts' generates run concurrently: the drain may hold their cycles too (kept until claimed).
         self.collector.add_drained((await self.llm.collective_rpc("growmtp_drain_records"))[0])
         for response in responses:
@@ -167,6 +169,8 @@ class GrowMTPRolloutActor(RolloutActor):
             response[RECORD_KEY] = record.pack()
             response[ACCEPTED_KEY] = record.accepted.tolist()
             response[DROPPED_KEY] = record.meta[DROPPED_META]
+        for response in responses:
+            response[RECORD_SECONDS_KEY] = (time.perf_counter() - began) / len(responses)
         return responses
 
     async def growmtp_set_depth(self, depth: int) -> int:
