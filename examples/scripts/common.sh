@@ -131,6 +131,9 @@ sys.exit(m and 'GROWMTP_REHEARSAL=1: ' + m)"
     # chunks of 4096 cycles: on an H100 the head update took half the time of the default 1024's, for 1.5 GB
     # more peak memory (docs/gpu.md); a rehearsal's updates hold fewer cycles than either, so it runs one chunk
     cmd+=(--growmtp_head "$head" --growmtp_chunk_cycles 4096)
+    if [[ -n "${DRAFT_VOCAB:-}" ]]; then  # draft over the run's DRAFT_VOCAB most frequent token ids (docs/guide.md)
+      cmd+=(--growmtp_draft_vocab "$DRAFT_VOCAB")
+    fi
   fi
   if [[ "$REHEARSAL" == 1 ]]; then
     cmd+=("${REHEARSAL_SIZES[@]}")

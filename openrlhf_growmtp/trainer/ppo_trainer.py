@@ -20,6 +20,7 @@ import transformers
 from openrlhf.trainer.ppo_trainer import PPOTrainer
 
 from ..core.metrics import acceptance_summary
+from .draft_vocab_sync import DraftVocabRanking
 from .keys import ACCEPTED_KEY, DROPPED_KEY, RECORD_KEY
 from .samples_generator import GrowMTPSamplesGenerator, OrderedSamplesGenerator
 
@@ -42,9 +43,14 @@ class GrowMTPStepMetrics:
 
     def train_step(self, rollout_samples, global_step):
         rollout = self._rollout_metrics(rollout_samples)
+        ranking = getattr(self, "draft_vocab_ranking", None)
+        if ranking is not None:
+            rollout.update(ranking.coverage(rollout_samples))
         began = time.perf_counter()
         status, next_step = super().train_step(rollout_samples, global_step)
         rollout["growmtp/train_step_s"] = time.perf_counter() - began
+        if ranking is not None:  # after the step's weight sync: the next rollout's vocabulary
+            ranking.after_step(rollout_samples)
         generator = getattr(self, "samples_generator", None)
         if generator is not None:  # synchronous: the rollout ran just before this step (async: alongside it)
             rollout["growmtp/rollout_s"] = generator.last_rollout_s
@@ -142,6 +148,10 @@ class _GrowMTPController(GrowMTPStepMetrics, _OrderedController):
     def __init__(self, pretrain, strategy, *args, **kwargs):
         super().__init__(pretrain, strategy, *args, **kwargs)
         self._init_step_metrics(strategy.args)
+        self.draft_vocab_ranking = None
+        if getattr(strategy.args.growmtp, "draft_vocab", None):  # before the first rollout: the prompt set's ranking
+            self.draft_vocab_ranking = DraftVocabRanking(strategy.args, self.prompts_dataloader.dataset.prompts,
+                                                         self.tokenizer, self.vllm_engines, self.actor_model_group)
 
 
 OrderedPPOTrainer = ray.remote(_OrderedController)

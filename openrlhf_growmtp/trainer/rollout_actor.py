@@ -201,6 +201,10 @@ class GrowMTPRolloutActor(RolloutActor):
             await self.llm.collective_rpc("growmtp_configure_capture", args=(self._capture.as_dict(),))
         return list(plan.costs(steps).seconds)
 
+    async def growmtp_set_draft_vocab(self, ids: list[int] | None, tag: str | None) -> None:
+        """Draft over `ids` only from the next rollout on (None: every id); records carry `tag`."""
+        await self.llm.collective_rpc("growmtp_set_draft_vocab", args=(ids, tag))
+
     async def growmtp_load_head(self, blob: bytes) -> list[str]:
         return (await self.llm.collective_rpc("growmtp_load_head_weights", args=(blob,)))[0]
 

@@ -1,0 +1,116 @@
+"""A draft step over a smaller vocabulary at Qwen3-4B's shapes on this CPU (`--growmtp_draft_vocab`).
+
+One request, bf16, Qwen3-4B's real widths and vocabulary (151,936; hidden 2,560; 36 layers, random weights: a
+step's time does not depend on them), every linear through vLLM's CPU GEMM as the engine runs it
+(`bench_cycle_formula.with_engine_gemms`), at --context cached positions, measured side by side in one run:
+  decode      the policy's step: 36 layers, the lm_head, a token sampled (`gpu_cycle.policy_times`)
+  verify      the same over K + 1 positions
+  draft       one head step (fc, its layer, its norm) and its logits, sampled as vLLM's draft sampler does
+              (softmax of logits / T in fp32, exponential noise, argmax of probs / noise):
+              - full:   the lm_head over the whole vocabulary
+              - subset: the draft vocabulary's rows only, gathered once (as `vllm_patches/head_model.py` keeps
+                them), into a [1, V] row of -inf that the softmax and the sampler read as the engine does
+From them, per arm: draft / decode, and the cycle speedup the formula predicts at --tau and K, τ x decode /
+(verify + K x draft) (engine overhead left out, as in docs/gpu.md's cycle formula).
+
+    python benchmarks/bench_draft_vocab.py [--layers 36] [--subset 32768] [--k 5] [--tau 2.91] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+from bench_common import median_seconds, qwen3_4b_config
+from bench_cycle_formula import with_engine_gemms
+from bench_profile import machine, provenance
+from gpu_cycle import KVBuffer, policy_times
+from transformers import Qwen3ForCausalLM
+
+from openrlhf_growmtp.core import MTPHead, make_head_config
+from openrlhf_growmtp.core.families import get_family
+
+
+def draft_step(head: MTPHead, lm_head, vocab_size: int, context: int, repeats: int, subset: torch.Tensor | None,
+               seed: int = 0) -> float:
+    """Median seconds of one draft step (module docstring) with the head's cache holding `context` positions."""
+    config, dtype = head.config, lm_head.weight.dtype if lm_head.weight.numel() else torch.bfloat16
+    g = torch.Generator().manual_seed(seed)
+    cache = KVBuffer(1, config.num_key_value_heads, context + 1, config.head_dim, "cpu", dtype)
+    cache.fill_random(context, g)
+    state = torch.randn(1, 1, config.hidden_size, dtype=dtype, generator=g)
+    token = torch.randint(0, vocab_size, (1, 1), generator=g)
+    position = torch.full((1, 1), context)
+
+    def run():
+        cache.reset(context)
+        normed = head(state, token, position, cache=cache).normed[:, -1]  # [1, H]
+        if subset is None:
+            logits = lm_head(normed)
+        else:
+            logits = normed.new_full((1, vocab_size), float("-inf"))
+            logits[:, subset] = lm_head(normed)
+        probs = torch.softmax(logits.float(), dim=-1)
+        noise = torch.empty_like(probs).exponential_(generator=g)
+        return (probs / noise).argmax(dim=-1)
+
+    with torch.no_grad():
+        return median_seconds(run, "cpu", repeats)[0]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", type=int, default=36)
+    parser.add_argument("--subset", type=int, default=32768, help="draft vocabulary size")
+    parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument("--k", type=int, default=5)
+    parser.add_argument("--tau", type=float, default=2.91)
+    parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--out")
+    args = parser.parse_args()
+
+    began = time.perf_counter()
+    torch.manual_seed(0)
+    config = qwen3_4b_config(args.layers)
+    torch.set_default_dtype(torch.bfloat16)
+    policy = Qwen3ForCausalLM(config).eval()
+    head = MTPHead(make_head_config(config, get_family("qwen3")), policy.model.embed_tokens, policy.lm_head)
+    torch.set_default_dtype(torch.float32)
+    vocab = config.vocab_size
+    subset = torch.randperm(vocab, generator=torch.Generator().manual_seed(1))[: args.subset].sort().values
+    rows = torch.nn.Linear(config.hidden_size, args.subset, bias=False, dtype=torch.bfloat16)
+    with torch.no_grad():
+        rows.weight.copy_(policy.lm_head.weight[subset])  # gathered once, as the engine keeps them
+    for module in (policy, head, rows):
+        with_engine_gemms(module, remove_weight=True)
+    built_s = time.perf_counter() - began
+
+    times = policy_times(policy, 1, args.context, args.k, args.repeats)
+    decode, verify = times["decode_s"], times["verify_s"]
+    arms = {"full": draft_step(head, policy.lm_head, vocab, args.context, args.repeats, None),
+            "subset": draft_step(head, rows, vocab, args.context, args.repeats, subset)}
+    result = {**provenance(["--layers", str(args.layers), "--subset", str(args.subset), "--context", str(args.context),
+                            "--k", str(args.k), "--tau", str(args.tau), "--repeats", str(args.repeats)]),
+              "shapes": {"layers": args.layers, "hidden": config.hidden_size, "vocab": vocab, "subset": args.subset,
+                         "context": args.context, "dtype": "bfloat16", "requests": 1},
+              "decode_s": decode, "verify_s": verify, "decode_all_s": times["decode_all_s"],
+              "verify_all_s": times["verify_all_s"], "built_s": built_s, "arms": {}}
+    print(f"Qwen3-4B shapes ({args.layers} layers, V {vocab}, bf16, 1 request, context {args.context}) on "
+          f"{machine()['processor']}: decode {decode * 1e3:.1f} ms, verify of {args.k + 1} {verify * 1e3:.1f} ms")
+    for arm, draft in arms.items():
+        speedup = args.tau * decode / (verify + args.k * draft)
+        result["arms"][arm] = {"draft_s": draft, "draft_over_decode": draft / decode,
+                               "predicted_cycle_speedup": speedup}
+        print(f"  draft over {'all ' + str(vocab) if arm == 'full' else str(args.subset)} ids: {draft * 1e3:6.2f} ms, "
+              f"draft / decode {draft / decode:.4f}, predicted cycle speedup at tau {args.tau}, K {args.k}: "
+              f"{speedup:.2f}x")
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
