@@ -31,6 +31,7 @@ Writes JSON (--out) with the commit, command, machine and date.
 
     python benchmarks/bench_profile.py --cycle --out docs/data/profile/cycle_before.json
     python benchmarks/bench_profile.py --step --steps 8 --out docs/data/profile/step_before.json
+    python benchmarks/bench_profile.py --markdown docs/data/profile/cycle_*.json   # kept runs as one table
 """
 
 from __future__ import annotations
@@ -275,24 +276,43 @@ def run_step(args) -> dict:
     name = "profile-step"
     cmd = [sys.executable, "-m", "openrlhf_growmtp.experiments.demo", "--steps", str(args.steps), "--name", name,
            "--runs-dir", args.runs_dir, "--cache-dir", args.cache_dir]
-    subprocess.run(cmd, check=True)
-    out = {}
+    if not args.read_only:
+        subprocess.run(cmd, check=True)
+    per_step, out = {}, {}
     for arm in ("ar", "growmtp"):
         scalars = read_scalars(Path(args.runs_dir) / name / arm / "tensorboard")
-        out[arm] = {tag: statistics.mean(v for step, v in values.items() if step > 1)
-                    for tag, values in sorted(scalars.items()) if any(step > 1 for step in values)}
-    return {"settings": {"steps": args.steps, "mean_over": "steps 2..N"}, "per_step_s": out}
+        per_step[arm] = {tag: [values[step] for step in sorted(values)] for tag, values in sorted(scalars.items())}
+        out[arm] = {tag: {"mean": statistics.mean(v[1:]), "median": statistics.median(v[1:])}
+                    for tag, v in per_step[arm].items() if len(v) > 1}
+    return {"settings": {"steps": args.steps, "over": "steps 2..N (the first holds start-up)"}, "per_step_s": out,
+            "every_step_s": per_step, "demo_command": " ".join(cmd[1:])}
 
 
 def print_step(result: dict) -> None:
     ar, grow = result["per_step_s"]["ar"], result["per_step_s"]["growmtp"]
-    print(f"seconds per RL step, means over {result['settings']['mean_over']}")
-    print(f"{'timer':34s} {'AR':>8s} {'GrowMTP':>8s} {'extra':>8s}")
+    print(f"seconds per RL step, medians (means) over {result['settings']['over']}")
+    print(f"{'timer':34s} {'AR':>15s} {'GrowMTP':>15s} {'extra':>8s}")
     for tag in sorted(set(ar) | set(grow)):
         a, g = ar.get(tag), grow.get(tag)
-        extra = f"{g - a:8.3f}" if a is not None and g is not None else " " * 8
-        print(f"{tag:34s} {a if a is not None else float('nan'):8.3f} {g if g is not None else float('nan'):8.3f} "
-              f"{extra}")
+        cell = {arm: f"{v['median']:6.3f} ({v['mean']:6.3f})" if v else " " * 15 for arm, v in (("a", a), ("g", g))}
+        extra = f"{g['median'] - a['median']:8.3f}" if a and g else ""
+        print(f"{tag:34s} {cell['a']:>15s} {cell['g']:>15s} {extra}")
+
+
+def markdown(files: list[str]) -> str:
+    """The cycle profiles in `files` (kept JSON, before and after runs alternating) side by side, ms per step."""
+    runs = [json.loads(Path(f).read_text()) for f in files]
+    names = [*COMPONENTS, *(f"  {part}" for part in OTHER_PARTS), "step", "overhead"]
+    head = "| ms per engine step | " + " | ".join(f"{Path(f).stem} (`{r['commit'][:7]}`)" for f, r in zip(files, runs))
+    lines = [head + " | AR (vLLM alone) |", "|---" * (len(runs) + 2) + "|"]
+    for name in names:
+        cells = [f"{r['per_step_ms']['spec'][name.strip()]:.3f}" for r in runs]
+        ar = statistics.median(r["per_step_ms"]["ar"][name.strip()] for r in runs)
+        bold = "**" if name in ("step", "overhead") else ""
+        lines.append(f"| {bold}{name.strip() if not name.startswith(' ') else '· ' + name.strip()}{bold} | "
+                     + " | ".join(cells) + f" | {ar:.3f} |")
+    taus = " / ".join(f"{r['per_step_ms']['spec']['tau']:.2f}" for r in runs)
+    return "\n".join(lines) + f"\n\nτ of the profiled generates: {taus}"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -310,8 +330,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--train-steps", type=int, default=30)
     parser.add_argument("--steps", type=int, default=8, help="--step: RL steps per arm")
+    parser.add_argument("--read-only", action="store_true", help="--step: read the runs already under --runs-dir")
     parser.add_argument("--out", help="write the result as JSON here")
+    parser.add_argument("--markdown", nargs="+", metavar="JSON", help="print kept cycle profiles as one table")
     args = parser.parse_args(argv)
+    if args.markdown:
+        print(markdown(args.markdown))
+        return
     result = {**provenance(argv), **(run_step(args) if args.step else run_cycle(args))}
     (print_step if args.step else print_cycle)(result)
     if args.out:

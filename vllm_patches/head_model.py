@@ -159,8 +159,7 @@ class GrowMTPHeadModel(nn.Module):
         # [N, V]: the draft vocabulary's rows of the lm_head only, -inf elsewhere, so vLLM's draft sampler and
         # rejection sampler see q zero outside it (openrlhf_growmtp/core/draft_vocab.py)
         logits = hidden_states.new_full((hidden_states.shape[0], self.config.vocab_size), float("-inf"))
-        logits[:, self._draft_ids] = torch.nn.functional.linear(hidden_states, self._draft_rows)
-        return logits
+        return logits.index_copy_(1, self._draft_ids, torch.nn.functional.linear(hidden_states, self._draft_rows))
 
     def set_draft_vocab(self, ids: torch.Tensor | None, tag: str | None = None) -> None:
         """Draft over `ids` only (None: every id); `tag` names them in the records (capture reads it here).
@@ -175,6 +174,11 @@ class GrowMTPHeadModel(nn.Module):
         self._draft_ids = ids.to(device=weight.device, dtype=torch.long)
         self._draft_rows = weight[self._draft_ids].contiguous()  # [N, H]
         self.draft_vocab_tag = tag
+
+    def refresh_draft_vocab(self) -> None:
+        """Gather the draft vocabulary's lm_head rows again (after the target's weights changed)."""
+        if self._draft_ids is not None:
+            self.set_draft_vocab(self._draft_ids, self.draft_vocab_tag)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load core-head names (`fc.weight`, `layers.0.self_attn.q_proj.weight`, ...); returns vLLM names."""

@@ -70,8 +70,8 @@ class GrowMTPWorkerExtension(WorkerWrap):
         self.model_runner.reload_weights(weights_iterator=iter(weights.items()))
         _retie_lm_head(self.model_runner.get_model())
         draft = self.model_runner.get_draft_model()
-        if getattr(draft, "_draft_ids", None) is not None:  # its gathered lm_head rows are the old target's
-            draft.set_draft_vocab(draft._draft_ids, draft.draft_vocab_tag)
+        if isinstance(draft, head_model.GrowMTPHeadModel):  # its draft vocabulary's rows are the old target's
+            draft.refresh_draft_vocab()
         return len(weights)
 
     def growmtp_set_draft_vocab(self, ids: list[int] | None, tag: str | None) -> None:

@@ -45,7 +45,7 @@ class GrowMTPStepMetrics:
         rollout = self._rollout_metrics(rollout_samples)
         ranking = getattr(self, "draft_vocab_ranking", None)
         if ranking is not None:
-            rollout.update(ranking.coverage(rollout_samples))
+            rollout.update(ranking.before_step(rollout_samples))
         began = time.perf_counter()
         status, next_step = super().train_step(rollout_samples, global_step)
         rollout["growmtp/train_step_s"] = time.perf_counter() - began
