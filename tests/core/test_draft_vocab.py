@@ -9,7 +9,8 @@ import torch
 from helpers.tiny import FAMILY_NAMES, VOCAB, chain_by_chain_logits, make_head, make_records
 from openrlhf_growmtp.core import HeadLossConfig, head_loss_backward
 from openrlhf_growmtp.core.draft_vocab import DRAFT_VOCAB_META, DraftVocab, TokenCounts, check_drafted_over
-from openrlhf_growmtp.core.objectives import head_loss_per_cycle, log_acceptance_rates
+from openrlhf_growmtp.core.objectives import (LOG_ALPHA_FLOOR, head_loss_per_cycle, log_acceptance_rates,
+                                               log_acceptance_rates_at)
 
 
 def quarter(seed: int = 0) -> DraftVocab:
@@ -114,3 +115,21 @@ def test_records_drafted_over_another_vocabulary_are_refused():
         check_drafted_over(records, quarter(seed=1))
     with pytest.raises(ValueError, match="all ids"):
         check_drafted_over(records, None)
+
+
+def test_an_alpha_the_vocabulary_makes_zero_is_floored_without_a_gradient_and_others_are_untouched():
+    """Every recorded id outside the vocabulary (log q = -inf there): with a target residual the α is that bin's,
+    without one it is exactly 0, read as LOG_ALPHA_FLOOR; no NaN reaches log q (torch's logsumexp over only -inf
+    has a NaN gradient). Rows with finite log q give torch's own values."""
+    logp = torch.log(torch.tensor([[0.6, 0.3, 0.1 - 1e-9], [0.5, 0.2, 0.1], [0.5, 0.2, 0.1]]))
+    inside = torch.log(torch.tensor([0.2, 0.3, 0.1]))
+    logq = torch.stack([torch.full((3,), float("-inf")), torch.full((3,), float("-inf")), inside]).requires_grad_()
+    log_alpha = log_acceptance_rates_at(logq, logp)
+    assert log_alpha[0] == LOG_ALPHA_FLOOR
+    assert torch.allclose(log_alpha[1].exp(), torch.tensor(0.2), atol=1e-6)  # min(residual p 0.2, residual q 1)
+    reference = torch.logsumexp(torch.cat([torch.minimum(logp[2], logq[2].detach()),
+                                           torch.minimum(torch.log1p(-logp[2].exp().sum()),
+                                                         torch.log1p(-logq[2].detach().exp().sum()))[None]]), 0)
+    assert torch.allclose(log_alpha[2], reference, atol=1e-6)
+    log_alpha.sum().backward()
+    assert torch.isfinite(logq.grad).all() and torch.equal(logq.grad[:2], torch.zeros(2, 3))
