@@ -6,7 +6,8 @@ step's time does not depend on them), every linear through vLLM's CPU GEMM as th
   decode      the policy's step: 36 layers, the lm_head, a token sampled (`gpu_cycle.policy_times`)
   verify      the same over K + 1 positions
   draft       one head step (fc, its layer, its norm) and its logits, sampled as vLLM's draft sampler does
-              (softmax of logits / T in fp32, exponential noise, argmax of probs / noise):
+              (softmax of logits / T in fp32, exponential noise, argmax of probs / noise); its three parts are
+              also timed alone:
               - full:   the lm_head over the whole vocabulary
               - subset: the draft vocabulary's rows only, gathered once (as `vllm_patches/head_model.py` keeps
                 them), into a [1, V] row of -inf that the softmax and the sampler read as the engine does
@@ -35,8 +36,9 @@ from openrlhf_growmtp.core.families import get_family
 
 
 def draft_step(head: MTPHead, lm_head, vocab_size: int, context: int, repeats: int, subset: torch.Tensor | None,
-               seed: int = 0) -> float:
-    """Median seconds of one draft step (module docstring) with the head's cache holding `context` positions."""
+               seed: int = 0) -> dict[str, float]:
+    """Median seconds of one draft step (module docstring) with the head's cache holding `context` positions,
+    and of its parts alone: the head's layer (`head_s`), its logits (`logits_s`) and the sampling (`sample_s`)."""
     config, dtype = head.config, lm_head.weight.dtype if lm_head.weight.numel() else torch.bfloat16
     g = torch.Generator().manual_seed(seed)
     cache = KVBuffer(1, config.num_key_value_heads, context + 1, config.head_dim, "cpu", dtype)
@@ -45,20 +47,27 @@ def draft_step(head: MTPHead, lm_head, vocab_size: int, context: int, repeats: i
     token = torch.randint(0, vocab_size, (1, 1), generator=g)
     position = torch.full((1, 1), context)
 
-    def run():
+    def forward():
         cache.reset(context)
-        normed = head(state, token, position, cache=cache).normed[:, -1]  # [1, H]
+        return head(state, token, position, cache=cache).normed[:, -1]  # [1, H]
+
+    def logits_of(normed):
         if subset is None:
-            logits = lm_head(normed)
-        else:
-            logits = normed.new_full((1, vocab_size), float("-inf"))
-            logits[:, subset] = lm_head(normed)
+            return lm_head(normed)
+        logits = normed.new_full((1, vocab_size), float("-inf"))
+        return logits.index_copy_(1, subset, lm_head(normed))  # as vllm_patches/head_model.py does
+
+    def sample(logits):  # vLLM's draft sampler: softmax in fp32, exponential noise, argmax of probs / noise
         probs = torch.softmax(logits.float(), dim=-1)
-        noise = torch.empty_like(probs).exponential_(generator=g)
-        return (probs / noise).argmax(dim=-1)
+        return (probs / torch.empty_like(probs).exponential_(generator=g)).argmax(dim=-1)
 
     with torch.no_grad():
-        return median_seconds(run, "cpu", repeats)[0]
+        normed = forward()
+        logits = logits_of(normed)
+        return {"draft_s": median_seconds(lambda: sample(logits_of(forward())), "cpu", repeats)[0],
+                "head_s": median_seconds(forward, "cpu", repeats)[0],
+                "logits_s": median_seconds(lambda: logits_of(normed), "cpu", repeats)[0],
+                "sample_s": median_seconds(lambda: sample(logits), "cpu", repeats)[0]}
 
 
 def main() -> None:
@@ -100,13 +109,14 @@ def main() -> None:
               "verify_all_s": times["verify_all_s"], "built_s": built_s, "arms": {}}
     print(f"Qwen3-4B shapes ({args.layers} layers, V {vocab}, bf16, 1 request, context {args.context}) on "
           f"{machine()['processor']}: decode {decode * 1e3:.1f} ms, verify of {args.k + 1} {verify * 1e3:.1f} ms")
-    for arm, draft in arms.items():
+    for arm, parts in arms.items():
+        draft = parts["draft_s"]
         speedup = args.tau * decode / (verify + args.k * draft)
-        result["arms"][arm] = {"draft_s": draft, "draft_over_decode": draft / decode,
-                               "predicted_cycle_speedup": speedup}
-        print(f"  draft over {'all ' + str(vocab) if arm == 'full' else str(args.subset)} ids: {draft * 1e3:6.2f} ms, "
-              f"draft / decode {draft / decode:.4f}, predicted cycle speedup at tau {args.tau}, K {args.k}: "
-              f"{speedup:.2f}x")
+        result["arms"][arm] = {**parts, "draft_over_decode": draft / decode, "predicted_cycle_speedup": speedup}
+        print(f"  draft over {'all ' + str(vocab) if arm == 'full' else str(args.subset)} ids: {draft * 1e3:6.2f} ms "
+              f"(alone: head {parts['head_s'] * 1e3:.2f}, logits {parts['logits_s'] * 1e3:.2f}, sampling "
+              f"{parts['sample_s'] * 1e3:.2f}), draft / decode {draft / decode:.4f}, predicted cycle speedup at tau "
+              f"{args.tau}, K {args.k}: {speedup:.2f}x")
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")

@@ -99,7 +99,8 @@ def provenance(argv: list[str]) -> dict:
     commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
     dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
                                 text=True).stdout.strip())
-    return {"commit": commit, "dirty": dirty, "command": "python benchmarks/bench_profile.py " + " ".join(argv),
+    script = Path(sys.argv[0]).name  # this script, or another benchmark that reports through it
+    return {"commit": commit, "dirty": dirty, "command": f"python benchmarks/{script} " + " ".join(argv),
             "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **machine()}
 
 
