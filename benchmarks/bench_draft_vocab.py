@@ -6,11 +6,12 @@ step's time does not depend on them), every linear through vLLM's CPU GEMM as th
   decode      the policy's step: 36 layers, the lm_head, a token sampled (`gpu_cycle.policy_times`)
   verify      the same over K + 1 positions
   draft       one head step (fc, its layer, its norm) and its logits, sampled as vLLM's draft sampler does
-              (softmax of logits / T in fp32, exponential noise, argmax of probs / noise); its three parts are
-              also timed alone:
+              (softmax of logits / T in fp32, exponential noise, argmax of probs / noise), q kept as a [1, V]
+              row for the rejection sampler; its three parts are also timed alone:
               - full:   the lm_head over the whole vocabulary
-              - subset: the draft vocabulary's rows only, gathered once (as `vllm_patches/head_model.py` keeps
-                them), into a [1, V] row of -inf that the softmax and the sampler read as the engine does
+              - subset: the draft vocabulary's rows only, gathered once, into a [1, V] row of -inf, sampled over
+                the vocabulary's ids alone and q written back into a row of zeros, as the engine does
+                (`vllm_patches/head_model.py`, `vllm_patches/draft_sampling.py`)
 From them, per arm: draft / decode, and the cycle speedup the formula predicts at --tau and K, τ x decode /
 (verify + K x draft) (engine overhead left out, as in docs/gpu.md's cycle formula).
 
@@ -57,9 +58,15 @@ def draft_step(head: MTPHead, lm_head, vocab_size: int, context: int, repeats: i
         logits = normed.new_full((1, vocab_size), float("-inf"))
         return logits.index_copy_(1, subset, lm_head(normed))  # as vllm_patches/head_model.py does
 
-    def sample(logits):  # vLLM's draft sampler: softmax in fp32, exponential noise, argmax of probs / noise
+    def vllm_sample(logits):  # vLLM's draft sampler: softmax in fp32, exponential noise, argmax of probs / noise
         probs = torch.softmax(logits.float(), dim=-1)
-        return (probs / torch.empty_like(probs).exponential_(generator=g)).argmax(dim=-1)
+        return (probs / torch.empty_like(probs).exponential_(generator=g)).argmax(dim=-1), probs
+
+    def sample(logits):  # over the vocabulary's ids alone, q back into a row of zeros (vllm_patches/draft_sampling.py)
+        if subset is None:
+            return vllm_sample(logits)
+        token, probs = vllm_sample(logits.index_select(-1, subset))
+        return subset[token], probs.new_zeros(logits.shape).index_copy_(-1, subset, probs)
 
     with torch.no_grad():
         normed = forward()

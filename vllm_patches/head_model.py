@@ -24,7 +24,7 @@ from torch import nn
 from openrlhf_growmtp.core.families import FEED_PRE_NORM, HeadFamily, get_family
 from openrlhf_growmtp.core.head import HEAD_CONFIG_FIELD
 
-from . import check_vllm_version
+from . import check_vllm_version, draft_sampling
 
 check_vllm_version()
 
@@ -157,9 +157,11 @@ class GrowMTPHeadModel(nn.Module):
         if self._draft_ids is None:
             return self.logits_processor(self.lm_head, hidden_states)
         # [N, V]: the draft vocabulary's rows of the lm_head only, -inf elsewhere, so vLLM's draft sampler and
-        # rejection sampler see q zero outside it (openrlhf_growmtp/core/draft_vocab.py)
+        # rejection sampler see q zero outside it (openrlhf_growmtp/core/draft_vocab.py); marked so that the
+        # draft sampler samples over the vocabulary's ids alone (draft_sampling.py)
         logits = hidden_states.new_full((hidden_states.shape[0], self.config.vocab_size), float("-inf"))
-        return logits.index_copy_(1, self._draft_ids, torch.nn.functional.linear(hidden_states, self._draft_rows))
+        logits.index_copy_(1, self._draft_ids, torch.nn.functional.linear(hidden_states, self._draft_rows))
+        return draft_sampling.mark(logits, self._draft_ids)
 
     def set_draft_vocab(self, ids: torch.Tensor | None, tag: str | None = None) -> None:
         """Draft over `ids` only (None: every id); `tag` names them in the records (capture reads it here).
