@@ -16,6 +16,12 @@ From them, per arm: draft / decode, and the cycle speedup the formula predicts a
 (verify + K x draft) (engine overhead left out, as in docs/gpu.md's cycle formula).
 
     python benchmarks/bench_draft_vocab.py [--layers 36] [--subset 32768] [--k 5] [--tau 2.91] [--out FILE]
+    python benchmarks/bench_draft_vocab.py --acceptance docs/data/draft_vocab/runs [--out FILE]
+
+--acceptance: what a smaller draft vocabulary costs in τ, from the paper and reasoning worlds' runs kept by
+    python -m openrlhf_growmtp.experiments.ablations --worlds paper,reasoning --arms growmtp --no-ceiling \
+        --keep docs/data/draft_vocab/runs [--draft-vocab-share 0.25 --tag vocab-quarter]
+(once plainly and once with the vocabulary, the same seeds).
 """
 
 from __future__ import annotations
@@ -77,6 +83,32 @@ def draft_step(head: MTPHead, lm_head, vocab_size: int, context: int, repeats: i
                 "sample_s": median_seconds(lambda: sample(logits), "cpu", repeats)[0]}
 
 
+def acceptance(keep: Path, tag: str = "vocab-quarter") -> dict:
+    """τ with and without a draft vocabulary, per world and seed, from the runs `make ablations` kept under `keep`
+    (its growmtp arm, invoked once plainly and once with `--draft-vocab-share ... --tag <tag>`): the mean τ of
+    each run's last 5 steps, and the mean coverage of the vocabulary's runs."""
+    from statistics import mean
+
+    from openrlhf_growmtp.experiments.report import final_window
+
+    out = {}
+    for plain in sorted(d for d in keep.iterdir() if d.is_dir() and not d.name.endswith(f"-{tag}")):
+        subset = keep / f"{plain.name}-{tag}"
+        for run in sorted(plain.glob("growmtp-s*.json")):
+            if not (subset / run.name).exists():
+                continue
+            paths = {"all": run, "subset": subset / run.name}
+            rows = {arm: json.loads(path.read_text())["rows"] for arm, path in paths.items()}
+            window = {arm: r[-final_window(len(r)):] for arm, r in rows.items()}
+            tau = {arm: mean(row["tau"] for row in w) for arm, w in window.items()}
+            out.setdefault(plain.name, {})[run.stem.split("-s")[-1]] = {
+                "tau_final_all_ids": tau["all"], "tau_final_subset": tau["subset"],
+                "tau_change": tau["subset"] / tau["all"] - 1.0,
+                "coverage_mean": mean(row["draft_vocab_coverage"] for row in rows["subset"]),
+                "flags": json.loads((subset / run.name).read_text())["flags"]}
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=36)
@@ -86,7 +118,15 @@ def main() -> None:
     parser.add_argument("--tau", type=float, default=2.91)
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--out")
+    parser.add_argument("--acceptance", type=Path, metavar="KEEP",
+                        help="instead: τ with and without the vocabulary, from the runs kept under KEEP (above)")
     args = parser.parse_args()
+    if args.acceptance:
+        result = acceptance(args.acceptance)
+        print(json.dumps(result, indent=2))
+        if args.out:
+            Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+        return
 
     began = time.perf_counter()
     torch.manual_seed(0)
