@@ -60,13 +60,14 @@ serve-check: $(STAMP)
 
 # the paper's ablations in two worlds (demo; paper: 8 layers, V=4096, K=5) under the paper's head schedule, 9 arms x 3
 # seeds; a re-run resumes; results and export under runs/ablations/ (docs/ablations.md). ARGS=--docs updates the
-# repository's record instead: the export into docs/, every result kept under docs/ablations_runs/
+# repository's record instead: the export into docs/data/ablations/ and docs/figures/, every result kept under
+# docs/data/ablations/runs/
 ablations: $(STAMP)
 	$(PY) -m openrlhf_growmtp.experiments.ablations $(ARGS)
 
 # the from-scratch study (docs/from_scratch.md): every run its settings still lack, one at a time, then its export,
-# under runs/from_scratch/ (kept/, export/); resumable. ARGS=--docs: the repository's record (docs/ablations_runs/,
-# docs/from_scratch.json)
+# under runs/from_scratch/ (kept/, export/); resumable. ARGS=--docs: the repository's record
+# (docs/data/ablations/runs/, docs/data/from_scratch/from_scratch.json)
 from-scratch: $(STAMP)
 	while cmd="$$($(PY) -m openrlhf_growmtp.experiments.from_scratch next $(ARGS))" && [ -n "$$cmd" ]; do $$cmd || exit 1; done
 	$(PY) -m openrlhf_growmtp.experiments.from_scratch export $(ARGS)

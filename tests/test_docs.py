@@ -1,7 +1,9 @@
 """The user's guide stays a guide, and its links resolve: README.md has at most 300 lines; every relative
 link in README.md, docs/*.md and examples/README.md names a file that exists and, with a `#anchor`, a heading of
 that file, and a README section cited in prose (README, "Section") is one of its headings; README.md and docs/*.md
-read as a manual, naming no issue number and no sitting (the project's history is CHANGELOG.md's).
+read as a manual, naming no issue number and no sitting (the project's history is CHANGELOG.md's). docs/ holds
+pages, with their data apart: every figure in docs/figures/ is shown by a page, and every kept file in docs/data/
+is named by one (its path, or a folder of runs above it, in a page's text).
 
 Links are markdown's `[text](target)` (images `![alt](target)` too) outside code blocks and code spans;
 http(s) and mailto targets are not checked. Anchors are GitHub's heading slugs. Standard library only.
@@ -85,6 +87,44 @@ def broken_links(document: Path) -> list[str]:
     return problems
 
 
+def images(text: str) -> list[str]:
+    """The image targets of a markdown text (`![alt](target)`), outside code blocks and code spans."""
+    return [match.group(1) for line in prose_lines(text) for match in LINK.finditer(CODE_SPAN.sub("", line))
+            if match.group(0).startswith("!")]
+
+
+def pages_text() -> str:
+    return "\n".join(page.read_text(encoding="utf-8") for page in DOCUMENTS)
+
+
+def test_docs_holds_pages_beside_its_data_and_figures():
+    stray = [p.name for p in (ROOT / "docs").iterdir() if p.suffix != ".md" and p.name not in ("data", "figures")]
+    assert not stray, f"docs/ holds pages (*.md): put kept data in docs/data/<topic>/, plots in docs/figures/: {stray}"
+
+
+def test_every_figure_is_shown_by_a_page():
+    shown = {(page.parent / target).resolve() for page in DOCUMENTS
+             for target in images(page.read_text(encoding="utf-8"))}
+    unshown = [p.name for p in sorted((ROOT / "docs" / "figures").iterdir()) if p.resolve() not in shown]
+    assert not unshown, f"no page shows {unshown}: show them or delete them"
+
+
+def named(relative: Path, text: str) -> bool:
+    """Whether a text names docs/data/<relative>, or a folder above it below its topic (data/<topic>/<runs>/), as a
+    whole path (`data/x/` in `data/x/y.json` names no folder)."""
+    parts = relative.parts
+    folders = [re.escape("data/" + "/".join(parts[:n]) + "/") + r"(?=[\])`\s]|$)" for n in range(2, len(parts))]
+    whole = re.escape("data/" + "/".join(parts)) + r"(?![\w./-])"
+    return any(re.search(pattern, text, re.MULTILINE) for pattern in [whole, *folders])
+
+
+def test_every_kept_data_file_is_named_by_a_page():
+    text, data = pages_text(), ROOT / "docs" / "data"
+    unnamed = [str(p.relative_to(data)) for p in sorted(data.rglob("*")) if p.is_file()
+               and not named(p.relative_to(data), text)]
+    assert not unnamed, f"no page names {unnamed[:10]} (or a folder above them)"
+
+
 def test_readme_is_at_most_300_lines():
     lines = (ROOT / "README.md").read_text(encoding="utf-8").splitlines()
     assert len(lines) <= README_MAX_LINES, f"README.md has {len(lines)} lines; move details into docs/"
@@ -139,3 +179,8 @@ def test_slugs_and_links_follow_github():
     assert slug("Results: τ, α and [the GPU](docs/gpu.md)") == "results-τ-α-and-the-gpu"
     text = "see [a](a.md#x) and ![b](b.png)\n`[c](not-a-link.md)`\n```\n[d](in-code.md)\n```\n[e](<f.md>)"
     assert links(text) == ["a.md#x", "b.png", "f.md"]
+    assert images(text) == ["b.png"]
+    assert named(Path("t/a.json"), "see [a.json](data/t/a.json).") and named(Path("t/r/x.json"), "`data/t/r/`")
+    assert not named(Path("t/x.json"), "all under [data/t/](data/t/)")  # a topic's folder names none of its files
+    assert not named(Path("t/a.json"), "data/t/a.json.bak and data/t/ab.json") and not named(Path("t/a.json"),
+                                                                                         "data/t/b.json")

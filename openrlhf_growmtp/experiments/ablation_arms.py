@@ -46,7 +46,7 @@ REFERENCE = "growmtp"
 
 
 def seed_summary(rows: list[dict], warmup_steps: int) -> dict:
-    """One arm, one seed: the fields of docs/ablations.json (τ and α only where the arm drafts)."""
+    """One arm, one seed: the fields of docs/data/ablations/ablations.json (τ and α only where the arm drafts)."""
     window = rows[-final_window(len(rows)):]
     later = rows[1:] or rows  # the first step holds the engines' one-off warm-up
     out = {"steps": len(rows), "reward_mean": mean(r["reward"] for r in rows),

@@ -9,7 +9,7 @@ Worlds (`experiments.recipes.WORLDS`): `demo` (the demo's world), `paper` (the p
 random head, and autoregressive; every arm under the paper's schedule (one head step per RL step). Each
 run writes its result (`<world>/<arm>-s<seed>/result.json`) when it finishes, and a re-run skips the runs
 that have one (`--fresh` starts over), so the whole can take several invocations. `--keep DIR` (with `--docs`:
-docs/ablations_runs) also copies each finished run's result, and each world's ceiling and text statistics, to
+docs/data/ablations/runs) also copies each finished run's result, and each world's ceiling and text statistics, to
 DIR/<world's cache name>/, and an invocation restores from there what its runs directory lacks: committed with the
 repository, the results carry over to a fresh checkout. A kept result made under other settings, arm flags or K
 is not restored (that run goes again). Each result carries its world's digest (`World.digest`, the weights'
@@ -25,8 +25,8 @@ recipe's head LR (the paper's 1e-4 for a pretrained head against 3e-4 for a rand
 results and exports are named apart (`-from-ce_k1`), so they never mix with the random start's.
 Outputs under runs/<name>/: per world and run the demo's files, `summary.json`, and per world `tau.png`,
 `alpha.png`, `reward.png`; the export, ablations.json and ablations_<world>_<plot>.png, goes to runs/<name>/export/
-(`--export DIR` elsewhere). `--docs` updates the repository's own record instead: the export into docs/ and every
-result kept under docs/ablations_runs/ (`--export docs --keep docs/ablations_runs`).
+(`--export DIR` elsewhere). `--docs` updates the repository's own record instead: ablations.json into
+docs/data/ablations/, the plots into docs/figures/, and every result kept under docs/data/ablations/runs/.
 """
 
 from __future__ import annotations
@@ -53,7 +53,9 @@ STARTS = ("random", "ce_k1")  # the head every drafting arm starts from (module 
 # ce_k1's offline training, chosen for time alone before it ever ran: one round of 256 prompts x 4 samples (about
 # 110k positions, each with the policy's top-k), 3 epochs of Adam at the ceiling's LR and batch; τ on 64 x 4
 CE_K1 = ("--rounds", "1", "--train-prompts", "256", "--eval-prompts", "64", "--epochs", "3")
-DOCS = Path("docs")  # where --docs exports, and keeps every result under DOCS / "ablations_runs"
+# --docs: the repository's record (the summary, the plots, every kept result)
+DOCS_DATA, DOCS_FIGURES = Path("docs/data/ablations"), Path("docs/figures")
+DOCS_KEEP = DOCS_DATA / "runs"
 
 
 def run_world(name: str, args, out: Path, seeds: tuple[int, ...], arms: list[str]) -> dict:
@@ -256,12 +258,14 @@ def _ceiling(world, out: Path, seed: int, recipe, per_seed, quick: bool, kept: P
             "online_over_ceiling": online / ceiling["ceiling_tau"]}
 
 
-def destinations(docs: bool, export: Path | None, keep: Path | None, out: Path) -> tuple[Path, Path | None]:
-    """Where an invocation exports and keeps: the run directory's export/ and no keep directory unless told;
-    docs/ and docs/ablations_runs/ only with `--docs`."""
+def destinations(docs: bool, export: Path | None, keep: Path | None,
+                 out: Path) -> tuple[Path, Path, Path | None]:
+    """Where an invocation writes its summary and its plots, and keeps its results: the run directory's export/
+    (both) and no keep directory unless told; the repository's docs/ only with `--docs`."""
     if docs:
-        return DOCS, DOCS / "ablations_runs"
-    return export or out / "export", keep
+        return DOCS_DATA, DOCS_FIGURES, DOCS_KEEP
+    export = export or out / "export"
+    return export, export, keep
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -292,8 +296,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--export", type=Path, help="write ablations.json and the plots here "
                                                     "(default: <runs-dir>/<name>/export)")
     parser.add_argument("--keep", type=Path, help="keep each finished result here too, and resume from what is kept")
-    parser.add_argument("--docs", action="store_true", help=f"update the repository's record: export into {DOCS}/ "
-                                                            f"and keep under {DOCS / 'ablations_runs'}/")
+    parser.add_argument("--docs", action="store_true", help=f"update the repository's record: the summary into "
+                                                            f"{DOCS_DATA}/, the plots into {DOCS_FIGURES}/, "
+                                                            f"kept results under {DOCS_KEEP}/")
     args = parser.parse_args(argv)
     if args.docs and (args.export or args.keep):
         parser.error("--docs sets the export and keep directories itself: drop --export and --keep, or --docs")
@@ -317,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
     seeds = tuple(int(s) for s in args.seeds.split(",")) if args.seeds else SEEDS["quick" if args.quick else "full"]
     out = Path(args.runs_dir) / (args.name or ("ablations-quick" if args.quick else "ablations")
                                  + _suffix(args.start, args.tag))
-    args.export, args.keep = destinations(args.docs, args.export, args.keep, out)
+    args.export, figures, args.keep = destinations(args.docs, args.export, args.keep, out)
     if args.fresh and out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -328,11 +333,12 @@ def main(argv: list[str] | None = None) -> int:
         doc["invocation_wall_s"] = time.perf_counter() - began
         ablation_arms.write_json(out / "summary.json", doc)
     args.export.mkdir(parents=True, exist_ok=True)
+    figures.mkdir(parents=True, exist_ok=True)
     prefix = "ablations" + _suffix(args.start, args.tag).replace("-", "_").replace(".", "_")
     ablation_arms.write_json(args.export / f"{prefix}.json", doc)
     for name, world in doc["worlds"].items():
         for plot in world["plots"]:
-            shutil.copyfile(plot, args.export / f"{prefix}_{name}_{Path(plot).name}")
+            shutil.copyfile(plot, figures / f"{prefix}_{name}_{Path(plot).name}")
     failed = {name: w["failed"] for name, w in doc["worlds"].items() if w["failed"]}
     print(f"\nwrote {out}/summary.json and {args.export}/{prefix}.json in {(time.perf_counter() - began) / 60:.1f} min")
     if failed:

@@ -1,14 +1,14 @@
 """The from-scratch study (docs/from_scratch.md): its settings, the runs still to make, and its export.
 
 Every setting is a set of runs of `make ablations`' driver (`experiments.ablations`), kept under
-runs/from_scratch/kept/ (with `--docs`: with the repository's other runs under docs/ablations_runs/) and
+runs/from_scratch/kept/ (with `--docs`: with the repository's other runs under docs/data/ablations/runs/) and
 resumable as they are. Settings, seeds and the decision rule are the ones
 docs/from_scratch.md fixed before any run; two settings add seeds only on a condition stated there, which
 `runs` evaluates on the kept results of the seed before.
 
     python -m openrlhf_growmtp.experiments.from_scratch next      # the driver command of the next run to make
     python -m openrlhf_growmtp.experiments.from_scratch export    # runs/from_scratch/export/from_scratch.json
-    python -m openrlhf_growmtp.experiments.from_scratch export --docs   # the repository's: docs/from_scratch.json
+    python -m openrlhf_growmtp.experiments.from_scratch export --docs   # docs/data/from_scratch/from_scratch.json
 
 `make from-scratch` makes every run in turn, then exports (`make from-scratch ARGS=--docs`: the repository's).
 """
@@ -24,12 +24,12 @@ from pathlib import Path
 from statistics import mean
 
 from openrlhf_growmtp.experiments import ablation_arms
-from openrlhf_growmtp.experiments.ablations import world_facts
+from openrlhf_growmtp.experiments.ablations import DOCS_KEEP, world_facts
 from openrlhf_growmtp.experiments.recipes import WORLDS
 
 KEEP = Path("runs/from_scratch/kept")
 OUT = Path("runs/from_scratch/export/from_scratch.json")
-DOCS_KEEP, DOCS_OUT = Path("docs/ablations_runs"), Path("docs/from_scratch.json")  # --docs: the repository's record
+DOCS_OUT = Path("docs/data/from_scratch/from_scratch.json")  # --docs: the repository's record (and ablations.DOCS_KEEP)
 # the estimate bench_alpha_estimate.py's rule chose for paper/unbiased-alpha (docs/from_scratch.md): mean |gap| at
 # the first draft position over the random and the K = 1 CE head at top-64, residual 0.053 against topk 0.071
 UNBIASED_ALPHA = "residual"

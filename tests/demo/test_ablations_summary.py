@@ -207,7 +207,7 @@ def test_every_kept_run_says_how_it_was_made():
     # estimate (none without a head) and the world's digest, one of the builds kept beside it with its facts
     from pathlib import Path
 
-    kept = sorted(Path(__file__).resolve().parents[2].glob("docs/ablations_runs/*/*-s[0-9]*.json"))
+    kept = sorted(Path(__file__).resolve().parents[2].glob("docs/data/ablations/runs/*/*-s[0-9]*.json"))
     assert len(kept) > 100
     for path in kept:
         made = json.loads(path.read_text())

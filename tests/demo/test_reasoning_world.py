@@ -93,7 +93,7 @@ def test_the_reasoning_spec_has_its_own_key_and_the_demos_is_unchanged():
     assert replace(SPEC, seed=1).key() != SPEC.key()
     assert replace(SPEC, connectives=SPEC.connectives[:-1] + ("lastly",)).key() != SPEC.key()
     # the kept ablation results are filed under the demo world's cache name: a new key would orphan them
-    assert (REPO / "docs" / "ablations_runs" / f"{demo.prefix}-{demo.key()}").is_dir()
+    assert (REPO / "docs/data/ablations/runs" / f"{demo.prefix}-{demo.key()}").is_dir()
     assert (SPEC.vocab_size, SPEC.num_layers, SPEC.hidden_size, SPEC.head_dim, SPEC.min_digits, SPEC.max_digits) == (
         4096, 8, 256, 32, 3, 6)
 

@@ -19,11 +19,14 @@ def files_under(root: Path) -> set[str]:
 
 def test_the_ablations_export_goes_to_the_run_directory_unless_docs_is_asked():
     out = Path("runs") / "ablations"
-    export, keep = ablations.destinations(False, None, None, out)
-    assert export == out / "export" and keep is None
+    export, figures, keep = ablations.destinations(False, None, None, out)
+    assert export == figures == out / "export" and keep is None
     assert not export.resolve().is_relative_to(Path("docs").resolve())
-    assert ablations.destinations(False, Path("elsewhere"), Path("kept"), out) == (Path("elsewhere"), Path("kept"))
-    assert ablations.destinations(True, None, None, out) == (Path("docs"), Path("docs") / "ablations_runs")
+    assert ablations.destinations(False, Path("elsewhere"), Path("kept"), out) == (
+        Path("elsewhere"), Path("elsewhere"), Path("kept"))
+    # --docs: the summary and the kept results with the repository's data, the plots with its figures
+    assert ablations.destinations(True, None, None, out) == (
+        Path("docs/data/ablations"), Path("docs/figures"), Path("docs/data/ablations/runs"))
 
 
 @pytest.mark.parametrize("extra", [["--export", "x"], ["--keep", "y"]])
@@ -55,9 +58,9 @@ def test_the_from_scratch_export_goes_to_the_run_directory_by_default(one_settin
 
 def test_the_from_scratch_docs_option_writes_the_repositorys_record(one_setting, capsys):
     assert from_scratch.main(["export", "--docs"]) == 0
-    assert files_under(one_setting) == {"docs/from_scratch.json"}
+    assert files_under(one_setting) == {"docs/data/from_scratch/from_scratch.json"}
     assert from_scratch.main(["next", "--docs"]) == 0
     command = capsys.readouterr().out.split()
-    assert command[command.index("--keep") + 1] == "docs/ablations_runs"
+    assert command[command.index("--keep") + 1] == "docs/data/ablations/runs"
     with pytest.raises(SystemExit):
         from_scratch.main(["export", "--docs", "--out", "elsewhere.json"])
