@@ -198,7 +198,7 @@ class GrowMTPPolicyActor(PolicyActor):
             torch.save(snapshot, path)
 
     def growmtp_set_draft_vocab(self, ids: list[int], tag: str) -> None:
-        """The draft vocabulary the engines draft the next rollout over: the head's q from now on."""
+        """The draft vocabulary the rollout this RL step trains on was drafted over: the head's q from now on."""
         head = head_of(self.actor.model.module)
         if head is not None:
             head.draft_vocab = actor_draft_vocab(ids, tag, head.config.vocab_size)
