@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from openrlhf_growmtp.core.draft_vocab import DRAFT_VOCAB_META
 from openrlhf_growmtp.core.records import DEFAULT_TOPK, SequenceRecord
 from openrlhf_growmtp.core.validation import validate_records
 
@@ -64,6 +65,7 @@ class _Pending:
     hidden: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (positions [n], rows [n, H])
     hidden_dropped: bool = False  # a payload's hidden rows were dropped (preemption): no hidden at all
     dropped: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (start [d], accepted [d])
+    draft_vocabs: set = field(default_factory=set)  # the draft vocabularies' tags of its payloads (None: every id)
 
 
 @dataclass
@@ -138,6 +140,7 @@ class RecordCollector:
         for i, internal_id in enumerate(payload["req_ids"]):
             pending = self._pending.setdefault(self._caller_id(internal_id, seen), _Pending())
             pending.cycles.append({name: parts[i] for name, parts in split.items()})
+            pending.draft_vocabs.add(payload.get("draft_vocab"))
         for internal_id, (starts, accepted) in payload.get("dropped", {}).items():
             self._pending.setdefault(self._caller_id(internal_id, seen), _Pending()).dropped.append((starts, accepted))
         for internal_id, (positions, rows) in payload["hidden"].items():
@@ -241,10 +244,14 @@ class RecordCollector:
         elif self.capture_hidden and not pending.hidden_dropped and len(cycles["start"]):
             raise RecordCollectionError(f"request {request_id!r}: exact mode, but the engine captured no hidden "
                                         "states for its cycles")
+        meta = {"request_id": request_id, DROPPED_META: num_dropped, CHECKED_META: checked}
+        if len(pending.draft_vocabs) > 1:
+            raise RecordCollectionError(f"request {request_id!r}: its cycles were drafted over different draft "
+                                        f"vocabularies {sorted(map(str, pending.draft_vocabs))}")
+        if tag := next(iter(pending.draft_vocabs), None):
+            meta[DRAFT_VOCAB_META] = tag
         return SequenceRecord(token_ids=token_ids, prompt_len=len(output.prompt_token_ids), hidden=hidden,
-                              temperature=finished.temperature,
-                              meta={"request_id": request_id, DROPPED_META: num_dropped, CHECKED_META: checked},
-                              **cycles)
+                              temperature=finished.temperature, meta=meta, **cycles)
 
 
 def _committed(output) -> tuple[int, ...]:

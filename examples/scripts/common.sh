@@ -170,6 +170,9 @@ sys.exit(m and 'GROWMTP_REHEARSAL=1: ' + m)"
     # chunks of 4096 cycles: a GPU's default (docs/gpu_results.md: the update's time and peak at 1024 and 4096);
     # a rehearsal's updates hold fewer cycles than either, so it runs one chunk
     cmd+=(--growmtp_head "$head" --growmtp_chunk_cycles 4096)
+    if [[ -n "${DRAFT_VOCAB:-}" ]]; then  # draft over the run's DRAFT_VOCAB most frequent token ids (docs/guide.md)
+      cmd+=(--growmtp_draft_vocab "$DRAFT_VOCAB")
+    fi
   elif [[ "${MATCHED_RUNNER:-0}" == 1 ]]; then
     cmd+=(--vllm.runner growmtp)  # the autoregressive arm on GrowMTP's runner and scheduling (a matched baseline)
   fi

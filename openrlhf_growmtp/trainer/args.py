@@ -4,8 +4,7 @@ Every flag is registered under both spellings (`--growmtp_k` and upstream's grou
 `--growmtp.k`) with the dotted destination, so OpenRLHF's `hierarchize` turns it into `args.growmtp.k`.
 `check_args` works on the flat namespace right after parsing: a bad combination stops the launch with
 one message naming every problem, before any actor, engine or checkpoint is touched.
-No openrlhf import here: the checks read only the flat namespace and the model's and head's config files
-(a hub id's from its cached snapshot, `hub.local_dir`).
+No openrlhf import here: the checks read only the flat namespace and the model's and head's config files.
 """
 
 from __future__ import annotations
@@ -21,6 +20,7 @@ from ..core.records import DEFAULT_TOPK
 from ..core.schedule import DEFAULT_HEAD_LR, DEFAULT_MIN_LR_RATIO, DEFAULT_WARMUP_STEPS
 from ..hub import ModelLocationError, local_dir
 from .engine_args import add_engine_args, check_engine_args
+from .draft_vocab_flag import add_draft_vocab_flag, check_draft_vocab
 
 SUPPORTED_STAGES = (2, 3)  # DeepSpeed ZeRO stages whose optimizer trainer/head_step/ knows
 
@@ -101,6 +101,7 @@ def add_growmtp_args(parser: argparse.ArgumentParser) -> None:
                        action="store_true", default=False,
                        help="after every sync, compare the engines' head parameters with the trainer's and log "
                             "growmtp/head_sync_max_diff (gathers the head each step; for debugging and tests)")
+    add_draft_vocab_flag(flag)
 
 
 def growmtp_options(flat: dict) -> dict:
@@ -123,6 +124,7 @@ def check_args(flat: dict) -> list[str]:
         # (max_len - max_new_tokens) tokens: none here (vLLM then refuses the empty prompt mid-run)
         errors.append(f"--rollout.max_new_tokens ({new_tokens}) must be below --data.max_len ({max_len}), the "
                       "prompt and response together: it leaves no room for the prompt")
+    errors += check_draft_vocab(flat)
     if k == 0:
         if g.get("depth", "fixed") != "fixed" or g.get("cycle_costs") is not None:
             errors.append("--growmtp_depth auto chooses a depth up to K: it needs --growmtp_k >= 1")
@@ -185,8 +187,7 @@ def _check_depth(g: dict, k: int, async_train: bool) -> list[str]:
 
 
 def _check_training_layout(flat: dict) -> list[str]:
-    errors = []
-    get = flat.get
+    errors, get = [], flat.get
     if get("ds.zero_stage") not in SUPPORTED_STAGES:
         errors.append(f"GrowMTP trains the head in its own param group of DeepSpeed's ZeRO-2 or ZeRO-3 optimizer: "
                       f"set --ds.zero_stage 2 or 3 (got {get('ds.zero_stage')})")
@@ -289,5 +290,4 @@ def resolve_head_lr(g: dict) -> float:
 
 def describe(args) -> str:
     """One line for the launch log."""
-    g = vars(args.growmtp)
-    return "GrowMTP: " + json.dumps({key: g[key] for key in sorted(g)}, default=str)
+    return "GrowMTP: " + json.dumps(dict(sorted(vars(args.growmtp).items())), default=str)

@@ -11,6 +11,7 @@ through Ray. The policy actor's checkpoints carry a head snapshot (weights, Adam
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 
 import deepspeed
@@ -21,9 +22,11 @@ from openrlhf.trainer.ray.ppo_actor import ActorPPOTrainer, PolicyModelActor
 from openrlhf.utils.distributed_util import torch_dist_barrier_and_cuda_sync
 
 from .. import cpu_support, device_memory, reproducibility
+from ..core.draft_vocab import check_drafted_over
 from ..core.lockstep import Lockstep
 from ..core.records import SequenceRecord
 from . import installer
+from .draft_vocab_sync import actor_draft_vocab
 from .head_step.deepspeed_patches import head_lr, head_optimizer_state
 from .head_step.head_rl_step import HeadRLStep, HeadRLStepConfig
 from .keys import ACCEPTED_KEY, CHECKED_KEY, DROPPED_KEY, RECORD_INDEX_KEY, RECORD_KEY
@@ -101,12 +104,17 @@ class GrowMTPActorTrainer(ActorTrainer):
     # the realised acceptance rate at the first draft position of the last RL step's rollouts (the engine's
     # counts, over every rank's records): the hybrid objective's λ follows it; 0 before the first rollout
     alpha_1: float = 0.0
+    head_sync_s: float = 0.0  # the last head sync's seconds (reported with the next RL step's metrics)
+    head_changed: bool = True  # the head stepped since the engines last received it (a resumed head counts)
 
     def ppo_train(self, kl_ctl: float):
+        began = time.perf_counter()
         records = self._take_records()
+        took_records_s = time.perf_counter() - began
         head = head_of(self.actor.model.module)
         if head is None:  # a frozen head drafts in the engines only
             return super().ppo_train(kl_ctl)
+        check_drafted_over(records, head.draft_vocab)
         cfg = HeadRLStepConfig.from_args(self.args, self.alpha_1, next(self.actor.model.parameters()).device,
                                          self.micro_train_batch_size)
         step = self.head_rl_step = HeadRLStep(self, head, self.strategy.head_optimizer, records, cfg)
@@ -116,11 +124,17 @@ class GrowMTPActorTrainer(ActorTrainer):
                 status = super().ppo_train(kl_ctl)
         finally:
             self.head_rl_step = None
-        status.update({f"growmtp/{key}": value for key, value in step.metrics().items()})
+        began = time.perf_counter()
+        metrics = step.metrics()
+        self.head_changed = self.head_changed or metrics["head_steps"] > 0  # every rank counts the same steps
+        status.update({f"growmtp/{key}": value for key, value in metrics.items()})
         hybrid = cfg.update.loss_config.hybrid_lambda
         if hybrid is not None:
             status["growmtp/hybrid_lambda"] = hybrid
         self.alpha_1 = realised_alpha_1(records, step.lockstep)
+        status.update({"growmtp/time/take_records_s": took_records_s,
+                       "growmtp/time/head_metrics_s": time.perf_counter() - began,
+                       "growmtp/time/head_sync_s": self.head_sync_s})  # the previous step's sync
         return status
 
     def training_step(self, experience, kl_ctl, step, loss_batch_info=None):
@@ -150,8 +164,10 @@ class GrowMTPActorTrainer(ActorTrainer):
         with without_head(hf_model):  # the policy's weights only, by upstream's path or through Ray
             super().broadcast_to_vllm()
         head = head_of(hf_model)
-        if head is not None:
+        if head is not None and self.head_changed:  # a head that did not step is the engines' already
+            began = time.perf_counter()
             self._send_to_engines("growmtp_load_head", gathered_head_state(head))
+            self.head_sync_s, self.head_changed = time.perf_counter() - began, False
 
 
 def realised_alpha_1(records: list[SequenceRecord], lockstep: Lockstep) -> float:
@@ -200,6 +216,12 @@ class GrowMTPPolicyActor(PolicyActor):
         if snapshot["rank"] == 0:
             path.parent.mkdir(parents=True, exist_ok=True)
             torch.save(snapshot, path)
+
+    def growmtp_set_draft_vocab(self, ids: list[int], tag: str) -> None:
+        """The draft vocabulary the rollout this RL step trains on was drafted over: the head's q from now on."""
+        head = head_of(self.actor.model.module)
+        if head is not None:
+            head.draft_vocab = actor_draft_vocab(ids, tag, head.config.vocab_size)
 
     def growmtp_head_snapshot(self) -> dict:
         """Gathered head weights (rank 0), this rank's head Adam moments, the head LR and the last realised α_1

@@ -21,6 +21,7 @@ import transformers
 from openrlhf.trainer.ppo_trainer import PPOTrainer
 
 from ..core.metrics import acceptance_summary
+from .draft_vocab_sync import DraftVocabRanking
 from .keys import ACCEPTED_KEY, CHECKED_KEY, DROPPED_KEY, RECORD_KEY
 from .samples_generator import GrowMTPSamplesGenerator, OrderedSamplesGenerator
 
@@ -45,9 +46,14 @@ class StepMetrics:
     def train_step(self, rollout_samples, global_step):
         rollout = self._rollout_metrics(rollout_samples)
         rollout.update(self._engine_memory())  # after the rollout, before the engines may sleep again
+        ranking = getattr(self, "draft_vocab_ranking", None)
+        if ranking is not None:
+            rollout.update(ranking.before_step(rollout_samples))
         began = time.perf_counter()
         status, next_step = super().train_step(rollout_samples, global_step)
         rollout["growmtp/train_step_s"] = time.perf_counter() - began
+        if ranking is not None:  # after the step's weight sync: the next rollout's vocabulary
+            ranking.after_step(rollout_samples)
         generator = getattr(self, "samples_generator", None)
         if generator is not None:  # synchronous: the rollout ran just before this step (async: alongside it)
             rollout["growmtp/rollout_s"] = generator.last_rollout_s
@@ -135,6 +141,8 @@ class GrowMTPStepMetrics(StepMetrics):
         if getattr(generator, "depth_controller", None) is not None:
             metrics.update(generator.depth_controller.metrics())
         metrics["growmtp/record_bytes_per_token"] = record_bytes / max(generated, 1.0)
+        if generator is not None:
+            metrics["growmtp/time/record_rollout_s"] = generator.record_s
         metrics["growmtp/dropped_cycles"] = float(sum(n for s in samples for n in s.info.get(DROPPED_KEY, [])))
         checked = [flag for s in samples for flag in s.info.get(CHECKED_KEY, [])]
         metrics["growmtp/records"] = float(len(checked))
@@ -179,6 +187,13 @@ class _GrowMTPController(GrowMTPStepMetrics, _OrderedController):
     """Upstream's controller with GrowMTP's samples generator and per-step GrowMTP metrics."""
 
     samples_generator_cls = GrowMTPSamplesGenerator
+
+    def __init__(self, pretrain, strategy, *args, **kwargs):
+        super().__init__(pretrain, strategy, *args, **kwargs)
+        self.draft_vocab_ranking = None
+        if getattr(strategy.args.growmtp, "draft_vocab", None):  # before the first rollout: the prompt set's ranking
+            self.draft_vocab_ranking = DraftVocabRanking(strategy.args, self.prompts_dataloader.dataset.prompts,
+                                                         self.tokenizer, self.vllm_engines, self.actor_model_group)
 
 
 OrderedPPOTrainer = ray.remote(_OrderedController)

@@ -23,6 +23,7 @@ import asyncio
 import functools
 import itertools
 import os
+import time
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
@@ -33,7 +34,7 @@ from openrlhf.trainer.ray.vllm_engine import RolloutRayActor
 from .. import reproducibility
 from ..cpu_support import VLLM_THREADS_BIND_ENV, omp_threads_bind
 from . import rollout_order
-from .keys import ACCEPTED_KEY, CHECKED_KEY, DROPPED_KEY, RECORD_KEY
+from .keys import ACCEPTED_KEY, CHECKED_KEY, DROPPED_KEY, RECORD_KEY, RECORD_SECONDS_KEY
 
 
 @dataclass(frozen=True)
@@ -167,6 +168,7 @@ class GrowMTPRolloutActor(RolloutActor):
         from vllm_patches.collector import CHECKED_META, DROPPED_META
 
         responses = await super().generate_responses(*args, **kwargs)
+        began = time.perf_counter()
         # Other prompts' generates run concurrently: the drain may hold their cycles too (kept until claimed).
         self.collector.add_drained((await self.llm.collective_rpc("growmtp_drain_records"))[0])
         for response in responses:
@@ -175,6 +177,8 @@ class GrowMTPRolloutActor(RolloutActor):
             response[ACCEPTED_KEY] = record.accepted.tolist()
             response[DROPPED_KEY] = record.meta[DROPPED_META]
             response[CHECKED_KEY] = int(record.meta[CHECKED_META])
+        for response in responses:
+            response[RECORD_SECONDS_KEY] = (time.perf_counter() - began) / len(responses)
         return responses
 
     async def growmtp_set_depth(self, depth: int) -> int:
@@ -204,6 +208,10 @@ class GrowMTPRolloutActor(RolloutActor):
             await self.llm.engine_core.call_utility_async("growmtp_set_depth", depth)
             await self.llm.collective_rpc("growmtp_configure_capture", args=(self._capture.as_dict(),))
         return list(plan.costs(steps).seconds)
+
+    async def growmtp_set_draft_vocab(self, ids: list[int] | None, tag: str | None) -> None:
+        """Draft over `ids` only from the next rollout on (None: every id); records carry `tag`."""
+        await self.llm.collective_rpc("growmtp_set_draft_vocab", args=(ids, tag))
 
     async def growmtp_load_head(self, blob: bytes) -> list[str]:
         return (await self.llm.collective_rpc("growmtp_load_head_weights", args=(blob,)))[0]

@@ -61,6 +61,8 @@ def test_valid_configuration_has_no_errors(policy_dir):
     assert errors_for(policy_dir, "--growmtp_k", "3", "--growmtp_depth", "auto") == []
     assert errors_for(policy_dir, "--growmtp_k", "3", "--growmtp_depth", "auto", "--growmtp_cycle_costs",
                       "1,1.1,1.2,1.3") == []
+    assert errors_for(policy_dir, "--growmtp_k", "3", "--growmtp_draft_vocab", "32") == []
+    assert errors_for(policy_dir, "--growmtp_k", "3", "--growmtp_draft_vocab", "128", "--growmtp_loss", "tv") == []
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -88,6 +90,14 @@ def test_valid_configuration_has_no_errors(policy_dir):
     (["--growmtp_k", "3", "--growmtp_depth", "auto", "--growmtp_cycle_costs", "1,2,x,4"], "must be 4 positive"),
     (["--growmtp_k", "3", "--growmtp_depth", "auto", "--growmtp_cycle_costs", "1,2,0,4"], "must be 4 positive"),
     (["--growmtp_k", "3", "--growmtp_cycle_costs", "1,2,3,4"], "--growmtp_cycle_costs needs --growmtp_depth auto"),
+    (["--growmtp_draft_vocab", "32"], "it needs --growmtp_k >= 1"),
+    (["--growmtp_k", "3", "--growmtp_draft_vocab", "0"], "between 1 and the vocabulary's 128"),
+    (["--growmtp_k", "3", "--growmtp_draft_vocab", "129"], "between 1 and the vocabulary's 128"),
+    (["--growmtp_k", "3", "--growmtp_draft_vocab", "32", "--growmtp_loss", "ce"], "use --growmtp_loss dca or tv"),
+    (["--growmtp_k", "3", "--growmtp_draft_vocab", "32", "--growmtp_loss", "hybrid"], "use --growmtp_loss dca or tv"),
+    (["--growmtp_k", "3", "--growmtp_draft_vocab", "32", "--train.async_enable"], "the synchronous controller"),
+    (["--growmtp_k", "3", "--growmtp_draft_vocab", "32", "--vllm.tensor_parallel_size", "2"],
+     "--vllm.tensor_parallel_size 1"),
 ])
 def test_bad_combinations_are_refused(policy_dir, argv, message):
     errors = errors_for(policy_dir, *argv)
