@@ -218,7 +218,8 @@ class Run:
             return
         self.log(f"({check}) starts")
         try:
-            found, self.payload[SECTIONS[check]] = getattr(self, CHECK_METHODS[check])()
+            method, section = CHECK_RUNS[check]
+            found, self.payload[section] = getattr(self, method)()
             self.rows.extend(found)
         except CutOff as err:
             self.payload["cut_off"] = {"reason": str(err), "during": check,
@@ -284,11 +285,11 @@ class Run:
         self.rows.extend(found)
 
 
-CHECK_METHODS = {"rollout_loop": "loop", "head_update_graph": "head_graph", "cycle_cost": "cycle",
-                 "trainer_step": "trainer", "a": "reconstruction", "b": "alpha", "d": "sampler", "c": "cost"}
-SECTIONS = {"rollout_loop": "rollout_loop", "head_update_graph": "head_update_graph", "cycle_cost": "cycle_cost",
-            "trainer_step": "trainer_step", "a": "reconstruction", "b": "alpha", "d": "rejection_sampler",
-            "c": "head_update_cost"}
+# each check: the Run method that runs it, and its section of the JSON
+CHECK_RUNS = {"rollout_loop": ("loop", "rollout_loop"), "head_update_graph": ("head_graph", "head_update_graph"),
+              "cycle_cost": ("cycle", "cycle_cost"), "trainer_step": ("trainer", "trainer_step"),
+              "a": ("reconstruction", "reconstruction"), "b": ("alpha", "alpha"), "d": ("sampler", "rejection_sampler"),
+              "c": ("cost", "head_update_cost")}
 
 
 def main(argv=None) -> int:
