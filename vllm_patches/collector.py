@@ -46,6 +46,8 @@ check_vllm_version()
 
 RECORD_FIELDS = ("start", "drafts", "topk_ids", "topk_logprobs", "accepted")  # CYCLE_FIELDS minus debug q
 DROPPED_META = "dropped_cycles"  # record.meta key: cycles vLLM verified that the record leaves out
+# record.meta key: True when the record's accepted counts were compared with vLLM's own per-request ones
+CHECKED_META = "checked_against_vllm"
 # vLLM appends "-" + 8 random characters to the caller's id unless this is set (vllm/envs.py).
 NO_SUFFIX_ENV = "VLLM_DISABLE_REQUEST_ID_RANDOMIZATION"
 
@@ -227,7 +229,7 @@ class RecordCollector:
             num_dropped = len(dropped_start)
             order = torch.cat([cycles["start"], dropped_start]).argsort(stable=True)
             accepted = torch.cat([accepted, torch.cat([d[1] for d in pending.dropped])])[order]
-        _check_against_vllm(request_id, output, accepted)
+        checked = _check_against_vllm(request_id, output, accepted)
         hidden = None
         if pending.hidden and not pending.hidden_dropped:
             hidden = _hidden_rows(pending.hidden, len(token_ids), cycles["start"], self.hidden_dtype)
@@ -236,7 +238,8 @@ class RecordCollector:
                                         "states for its cycles")
         return SequenceRecord(token_ids=token_ids, prompt_len=len(output.prompt_token_ids), hidden=hidden,
                               temperature=finished.temperature,
-                              meta={"request_id": request_id, DROPPED_META: num_dropped}, **cycles)
+                              meta={"request_id": request_id, DROPPED_META: num_dropped, CHECKED_META: checked},
+                              **cycles)
 
 
 def _committed(output) -> tuple[int, ...]:
@@ -244,11 +247,12 @@ def _committed(output) -> tuple[int, ...]:
     return tuple(output.prompt_token_ids) + tuple(output.outputs[0].token_ids)
 
 
-def _check_against_vllm(request_id: str, output, accepted: torch.Tensor) -> None:
-    """The captured accepted counts [R] must equal vLLM's own per-step ones, when vLLM reports them."""
+def _check_against_vllm(request_id: str, output, accepted: torch.Tensor) -> bool:
+    """The captured accepted counts [R] must equal vLLM's own per-step ones, when vLLM reports them (then
+    True: compared; False: vLLM reported none)."""
     metrics = output.outputs[0].spec_decode_metrics
     if metrics is None:
-        return
+        return False
     if metrics.per_step_accepted:  # "detailed": the ordered sequence
         expected, found = list(metrics.per_step_accepted), accepted.tolist()
     else:  # "summary", or no verify step at all: the histogram over 0..K
@@ -258,6 +262,7 @@ def _check_against_vllm(request_id: str, output, accepted: torch.Tensor) -> None
         raise RecordCollectionError(
             f"request {request_id!r}: captured cycles {found} differ from vLLM's own per-request counts "
             f"{expected} (accepted drafts per verify step): cycles are missing or belong to another request")
+    return True
 
 
 def _hidden_rows(chunks: list[tuple[torch.Tensor, torch.Tensor]], length: int, starts: torch.Tensor,

@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 from openrlhf.trainer.ray.vllm_worker_wrap import WorkerWrap
 
+from openrlhf_growmtp import device_memory
+
 from . import head_model, plugin
 from .capture import core as capture
 from .capture.v1 import hooks_active
@@ -98,6 +100,10 @@ class GrowMTPWorkerExtension(WorkerWrap):
             raise KeyError(f"live head parameters {missing} have no weight in the state they are compared with")
         worst = max((float((live[n].float() - expected[n].float()).abs().max()) for n in readable), default=0.0)
         return {"rank": self.rank, "max_diff": worst, "params": len(readable)}
+
+    def growmtp_memory(self) -> dict:
+        """This rank's device memory (`openrlhf_growmtp.device_memory.reading`): peak allocated, in use, total."""
+        return {"rank": self.rank, **device_memory.reading()}
 
 
 def _retie_lm_head(model) -> None:

