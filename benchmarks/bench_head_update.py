@@ -74,7 +74,7 @@ def spread(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "values": values}
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=2048, help="response length")
     parser.add_argument("--prompt", type=int, default=256)
@@ -85,67 +85,74 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    depths = sorted({int(d) for d in args.depths.split(",")})
-    if len(depths) < 2 or depths[0] < 1 or args.rounds < 1:
+    args.depth_list = sorted({int(d) for d in args.depths.split(",")})
+    if len(args.depth_list) < 2 or args.depth_list[0] < 1 or args.rounds < 1:
         parser.error(f"--depths needs two distinct depths >= 1 and --rounds >= 1; got {args.depths}, {args.rounds}")
-    dtype = torch.bfloat16
+    return args
 
-    record = records_at_tau(args.tokens, args.prompt, args.tau, K, TOPK, vocab_size=4096, hidden_size=2560)
-    ids = record.token_ids.to(args.device)
-    length = int(ids.shape[0])
-    policy = build_policy(max(depths), args.device, dtype)
-    config = policy.config
 
-    def policy_at(depth: int):
+class Sides:
+    """What is timed, on one response: the policy (one model of the deepest depth, run at each depth) and its own
+    no-grad forward, and the random head's update over the response's records (the head's gradients allocated
+    beforehand: they exist across a step, and are not the update's memory)."""
+
+    def __init__(self, args, dtype: torch.dtype = torch.bfloat16):
+        self.args, self.deepest = args, max(args.depth_list)
+        self.record = records_at_tau(args.tokens, args.prompt, args.tau, K, TOPK, vocab_size=4096, hidden_size=2560)
+        self.ids = self.record.token_ids.to(args.device)
+        self.policy = build_policy(self.deepest, args.device, dtype)
+        self.config = self.policy.config
+        head = MTPHead(make_head_config(self.config, get_family("qwen3")), self.policy.model.embed_tokens,
+                       self.policy.lm_head)
+        self.head = init_random_head_(head, 0).to(device=args.device, dtype=dtype)
+        for p in self.head.parameters():
+            p.grad = torch.zeros_like(p)
+        self.hiddens = [self.policy_at(self.deepest)().to(dtype)]  # also the policy's warm-up
+
+    def policy_at(self, depth: int):
         def step():
-            config.num_hidden_layers = depth
-            policy.zero_grad(set_to_none=True)
-            return policy_step(policy, ids[None])[0]
+            self.config.num_hidden_layers = depth
+            self.policy.zero_grad(set_to_none=True)
+            return policy_step(self.policy, self.ids[None])[0]
         return step
 
-    def forward_at(depth: int):
+    def forward_at(self, depth: int):
         def forward():
-            config.num_hidden_layers = depth
+            self.config.num_hidden_layers = depth
             with torch.no_grad():
-                return policy.model(input_ids=ids[None]).last_hidden_state
+                return self.policy.model(input_ids=self.ids[None]).last_hidden_state
         return forward
 
-    head = MTPHead(make_head_config(config, get_family("qwen3")), policy.model.embed_tokens, policy.lm_head)
-    head = init_random_head_(head, 0).to(device=args.device, dtype=dtype)
-    for p in head.parameters():  # the head's gradients exist across a step: not the update's memory
-        p.grad = torch.zeros_like(p)
-    hiddens = [policy_at(max(depths))().to(dtype)]  # also the policy's warm-up
-
-    def update():
-        for p in head.parameters():
+    def update(self):
+        for p in self.head.parameters():
             p.grad.zero_()
-        return head_update(head, [record], hiddens, args.chunk_cycles)
+        return head_update(self.head, [self.record], self.hiddens, self.args.chunk_cycles)
 
-    stats = update()  # warm-up
-    tasks = [("policy", d) for d in depths] + [("forward", d) for d in depths] + [("head", None)]
-    times = {("policy", d): [] for d in depths} | {("forward", d): [] for d in depths} | {("head", None): []}
-    for r in range(args.rounds):
-        shift = r % len(tasks)  # each round starts one task later
-        for kind, depth in tasks[shift:] + tasks[:shift]:
-            fn = update if kind == "head" else (policy_at if kind == "policy" else forward_at)(depth)
-            value, s = seconds(fn, args.device)
-            if kind == "head":
-                stats = value
-            times[(kind, depth)].append(s)
-    config.num_hidden_layers = max(depths)
-    per_round = [ratios_of(depths, [times[("policy", d)][r] for d in depths], [times[("forward", d)][r] for d in depths],
-                           times[("head", None)][r]) for r in range(args.rounds)]
-    median = {key: statistics.median(v) for key, v in times.items()}
-    pooled = ratios_of(depths, [median[("policy", d)] for d in depths], [median[("forward", d)] for d in depths],
-                       median[("head", None)])
-    _, _, head_mb = measure_peak(update, args.device)
-    _, policy_mb, _ = measure_peak(policy_at(max(depths)), args.device)
-    ratio_spread = spread([r["ratio"] for r in per_round])
-    own_spread = spread([r["ratio_with_own_forward"] for r in per_round])
-    tau = 1.0 + float(record.accepted.float().mean())
+    def rounds(self) -> tuple[dict, object]:
+        """Seconds per (kind, depth) per round, every round in an order rotated from the last; the last update's
+        stats."""
+        depths = self.args.depth_list
+        stats = self.update()  # warm-up
+        tasks = [("policy", d) for d in depths] + [("forward", d) for d in depths] + [("head", None)]
+        times = {task: [] for task in tasks}
+        for r in range(self.args.rounds):
+            shift = r % len(tasks)  # each round starts one task later
+            for kind, depth in tasks[shift:] + tasks[:shift]:
+                at = self.policy_at if kind == "policy" else self.forward_at
+                fn = self.update if kind == "head" else at(depth)
+                value, s = seconds(fn, self.args.device)
+                if kind == "head":
+                    stats = value
+                times[(kind, depth)].append(s)
+        self.config.num_hidden_layers = self.deepest
+        return times, stats
 
-    print(f"Qwen3-4B proportions (H=2560, V=151,936, bf16), device={args.device}; one sequence of {length} tokens "
-          f"({args.prompt} prompt), {record.num_cycles} cycles at K={K}, τ={tau:.2f}; {args.rounds} rounds")
+
+def report(args, sides: Sides, times: dict, stats, result: dict) -> None:
+    depths, median, pooled = args.depth_list, result["median"], result["pooled"]
+    print(f"Qwen3-4B proportions (H=2560, V=151,936, bf16), device={args.device}; one sequence of "
+          f"{result['tokens']} tokens ({args.prompt} prompt), {sides.record.num_cycles} cycles at K={K}, "
+          f"τ={result['tau']:.2f}; {args.rounds} rounds")
     for d in depths:
         print(f"  policy fwd+bwd, {d} layer(s): {median[('policy', d)]:8.2f} s (rounds "
               f"{min(times[('policy', d)]):.2f}-{max(times[('policy', d)]):.2f})   own forward "
@@ -155,24 +162,46 @@ def main() -> None:
           + ", ".join(f"{x:+.2f}" for x in fit["residuals"]) + f") -> {REAL_LAYERS} layers: "
           f"{pooled['policy_s_36_layers']:.1f} s")
     print(f"  head update             : {median[('head', None)]:8.2f} s (rounds {min(times[('head', None)]):.2f}-"
-          f"{max(times[('head', None)]):.2f})   peak {head_mb:7.0f} MB (policy at {max(depths)} layers "
-          f"{policy_mb:.0f} MB; finite: {stats.finite})")
+          f"{max(times[('head', None)]):.2f})   peak {result['head_mb']:7.0f} MB (policy at {max(depths)} layers "
+          f"{result['policy_mb']:.0f} MB; finite: {stats.finite})")
+    ratio, own = result["ratio_spread"], result["own_spread"]
     print(f"  ratio head update / policy training at 36 layers: {pooled['ratio']:.3f}   per round: median "
-          f"{ratio_spread['median']:.3f}, min {ratio_spread['min']:.3f}, max {ratio_spread['max']:.3f}")
+          f"{ratio['median']:.3f}, min {ratio['min']:.3f}, max {ratio['max']:.3f}")
     print(f"  with a no-grad policy forward of its own ({pooled['own_forward_s_36_layers']:.1f} s at {REAL_LAYERS} "
-          f"layers): {pooled['ratio_with_own_forward']:.3f}   per round: median {own_spread['median']:.3f}, "
-          f"min {own_spread['min']:.3f}, max {own_spread['max']:.3f}")
+          f"layers): {pooled['ratio_with_own_forward']:.3f}   per round: median {own['median']:.3f}, "
+          f"min {own['min']:.3f}, max {own['max']:.3f}")
+
+
+def main() -> None:
+    args = parse_args()
+    depths = args.depth_list
+    sides = Sides(args)
+    times, stats = sides.rounds()
+    per_round = [ratios_of(depths, [times[("policy", d)][r] for d in depths],
+                           [times[("forward", d)][r] for d in depths], times[("head", None)][r])
+                 for r in range(args.rounds)]
+    median = {key: statistics.median(v) for key, v in times.items()}
+    pooled = ratios_of(depths, [median[("policy", d)] for d in depths], [median[("forward", d)] for d in depths],
+                       median[("head", None)])
+    result = {"median": median, "pooled": pooled, "tokens": int(sides.ids.shape[0]),
+              "tau": 1.0 + float(sides.record.accepted.float().mean()),
+              "head_mb": measure_peak(sides.update, args.device)[2],
+              "policy_mb": measure_peak(sides.policy_at(max(depths)), args.device)[1],
+              "ratio_spread": spread([r["ratio"] for r in per_round]),
+              "own_spread": spread([r["ratio_with_own_forward"] for r in per_round])}
+    report(args, sides, times, stats, result)
     if args.json:
-        print(json.dumps({"device": args.device, "tokens": length, "cycles": record.num_cycles, "k": K, "tau": tau,
-                          "depths": depths, "rounds": args.rounds,
+        print(json.dumps({"device": args.device, "tokens": result["tokens"], "cycles": sides.record.num_cycles, "k": K,
+                          "tau": result["tau"], "depths": depths, "rounds": args.rounds,
                           "policy_s_by_layers": {d: times[("policy", d)] for d in depths},
                           "own_forward_s_by_layers": {d: times[("forward", d)] for d in depths},
                           "head_update_s_by_round": times[("head", None)], "policy_fit": pooled["policy_fit"],
                           "policy_s_36_layers": pooled["policy_s_36_layers"], "head_update_s": pooled["head_update_s"],
-                          "head_peak_mb": head_mb, "policy_peak_mb": policy_mb, "ratio": pooled["ratio"],
-                          "ratio_spread": ratio_spread, "own_forward_s_36_layers": pooled["own_forward_s_36_layers"],
+                          "head_peak_mb": result["head_mb"], "policy_peak_mb": result["policy_mb"],
+                          "ratio": pooled["ratio"], "ratio_spread": result["ratio_spread"],
+                          "own_forward_s_36_layers": pooled["own_forward_s_36_layers"],
                           "ratio_with_own_forward": pooled["ratio_with_own_forward"],
-                          "ratio_with_own_forward_spread": own_spread}))
+                          "ratio_with_own_forward_spread": result["own_spread"]}))
 
 
 if __name__ == "__main__":

@@ -174,7 +174,7 @@ def chunk_peaks(shape: Shape, chunks: list[int], k: int, topk: int, tau: float, 
     return out
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--families", default=",".join(SHAPES), help=f"comma-separated, of {sorted(SHAPES)}")
     parser.add_argument("--chunks", default="192,320,448",
@@ -186,15 +186,18 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=4, help="training ranks sharing the head's state under ZeRO")
     parser.add_argument("--json", action="store_true", help="end with one JSON line of every number")
     args = parser.parse_args()
-    names = args.families.split(",")
-    unknown = [n for n in names if n not in SHAPES]
-    chunks = sorted({int(c) for c in args.chunks.split(",")})
-    if unknown or len(chunks) < 2 or min(chunks) < 1:
-        parser.error(f"--families of {sorted(SHAPES)} (unknown: {unknown}); --chunks two sizes >= 1 (got {chunks})")
+    args.names = args.families.split(",")
+    unknown = [n for n in args.names if n not in SHAPES]
+    args.chunk_sizes = sorted({int(c) for c in args.chunks.split(",")})
+    if unknown or len(args.chunk_sizes) < 2 or min(args.chunk_sizes) < 1:
+        parser.error(f"--families of {sorted(SHAPES)} (unknown: {unknown}); --chunks two sizes >= 1 "
+                     f"(got {args.chunk_sizes})")
+    return args
+
+
+def record_tables(args, report: dict) -> None:
     depths = [int(d) for d in args.depths.split(",")]
     topks = [int(t) for t in args.topks.split(",")]
-    report: dict = {"ranks": args.ranks, "tokens": args.tokens, "prompt": args.prompt, "families": {}}
-
     print(f"records: one response of {args.prompt} + {args.tokens} tokens, bytes per generated token and MiB per "
           "response; packed (what the engine sends, transport-free: the default) and unpacked in the trainer (ids "
           "as int64): the same for every family")
@@ -207,16 +210,18 @@ def main() -> None:
               f"(header {r['header_bytes']} B)")
     report["records"] = rows
     print("exact mode (the engine's bf16 hidden states ride along), K=5 top-64 τ 3:")
-    for name in names:
+    for name in args.names:
         shape = SHAPES[name]
         r = record_bytes(shape.config.hidden_size, 5, 64, 3.0, args.tokens, args.prompt)
         print(f"  {shape.name} (hidden {shape.config.hidden_size}): {r['exact_bytes_per_token']:5.0f} B/token, "
               f"{r['exact_bytes'] / MiB:5.2f} MiB per response")
         report["families"][name] = {"exact_record": r}
 
+
+def head_table(args, report: dict) -> None:
     print(f"\nthe head: parameters, and per training rank of {args.ranks} (bf16 weights + bf16 grads + fp32 "
           "master, m, v)")
-    for name in names:
+    for name in args.names:
         shape = SHAPES[name]
         params = head_parameters(shape)
         entry = {"parameters": params}
@@ -229,11 +234,13 @@ def main() -> None:
               f"trained: {params * (WEIGHT_BYTES + GRAD_BYTES + ADAM_BYTES) / MiB:.0f} MiB on one rank, "
               f"{z2:.0f} MiB per rank under ZeRO-2, {z3:.0f} under ZeRO-3")
 
-    print(f"\nthe update's peak per chunk (bf16, K=5, top-64, τ 3, CPU plan), MiB above entry; fit a + b × cycles")
-    for name in names:
+
+def peak_table(args, report: dict) -> None:
+    print("\nthe update's peak per chunk (bf16, K=5, top-64, τ 3, CPU plan), MiB above entry; fit a + b × cycles")
+    for name in args.names:
         shape = SHAPES[name]
         t0 = time.perf_counter()
-        peaks = chunk_peaks(shape, chunks, k=5, topk=64, tau=3.0)
+        peaks = chunk_peaks(shape, args.chunk_sizes, k=5, topk=64, tau=3.0)
         fit = fit_line([p["chunk"] for p in peaks], [p["peak_mib"] for p in peaks])
         line = ", ".join(f"{p['chunk']}: {p['peak_mib']:.0f}" for p in peaks)
         print(f"  {shape.name}: {line}  ->  {fit.a:.0f} + {fit.b:.3f} × cycles (residuals "
@@ -241,6 +248,14 @@ def main() -> None:
               f"{fit.at(4096):.0f} MiB  [{time.perf_counter() - t0:.0f} s]")
         report["families"][name]["chunk_peaks"] = peaks
         report["families"][name]["chunk_fit"] = fit.as_dict()
+
+
+def main() -> None:
+    args = parse_args()
+    report: dict = {"ranks": args.ranks, "tokens": args.tokens, "prompt": args.prompt, "families": {}}
+    record_tables(args, report)
+    head_table(args, report)
+    peak_table(args, report)
     if args.json:
         print(json.dumps(report))
 

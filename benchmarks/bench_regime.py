@@ -6,7 +6,7 @@
   Their quotient is the ridge: a step doing fewer flops per byte it reads is bound by memory traffic.
 - Per target (a model directory, or shapes LxH of the toy family built here) and its one-layer head (random,
   seed 0: a step's cost does not depend on the weights): parameter bytes; torch-timed decode, verify of K + 1
-  positions and draft step (`gpu_cycle`'s functions, every linear through vLLM's CPU GEMM as the engine runs
+  positions and draft step (`cycle_timing`'s functions, every linear through vLLM's CPU GEMM as the engine runs
   it), per concurrency, at a context of --context cached positions. From them: draft / decode, verify /
   decode, the formula's break-even tau (K x draft + verify) / decode, and the decode's flops per byte and
   achieved bandwidth against the machine's.
@@ -32,7 +32,7 @@ import torch
 from bench_common import qwen3_4b_config
 from bench_cycle_formula import with_engine_gemms
 from bench_rollout import deep_policy, timed
-from gpu_cycle import draft_time, policy_times
+from cycle_timing import draft_time, policy_times
 
 from openrlhf_growmtp.core.checkpoint import load_head, materialize_random_head
 from openrlhf_growmtp.experiments.worlds.toy import load_policy

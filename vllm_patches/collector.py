@@ -186,11 +186,6 @@ class RecordCollector:
                 "add_output; multi-turn executors and responses edited after generation are not supported)")
         return self._claim([queue[0][1]])[0]
 
-    @property
-    def unclaimed_request_ids(self) -> set[str]:
-        """Requests with an added output or drained cycles that no pop has claimed yet."""
-        return set(self._finished) | set(self._pending)
-
     def _claim(self, request_ids: list[str]) -> list[SequenceRecord]:
         if len(set(request_ids)) != len(request_ids):
             raise RecordCollectionError(f"a request is claimed twice in one pop_all: {request_ids}")

@@ -50,8 +50,38 @@ class Calibration:
     prompts: list[list[int]]
     params: object  # vLLM SamplingParams
 
-    def costs(self, steps: list[tuple[int, int, float]]) -> CycleCosts:
+    async def measure(self, generate, set_depth, step_times) -> CycleCosts:
+        """The engine's seconds per step at every depth 0..K: a first generate warms the engine (its first steps
+        after start-up are slow) and its steps are dropped, then at each of `depths` a generate of `prompts` and
+        its clean steps. `generate()`, `set_depth(depth)` and `step_times()` are the engine's calls, awaited: the
+        async rollout actor's, or a synchronous engine's through `run_now` and `awaitable`."""
+        await generate()
+        await step_times()
+        steps = []
+        for depth in self.depths:
+            await set_depth(depth)
+            await generate()
+            steps += await step_times()
         return CycleCosts.from_steps([tuple(step) for step in steps], self.k)
+
+
+def awaitable(fn):
+    """A synchronous call as a coroutine function (one that completes at once), for `Calibration.measure`."""
+
+    async def call(*args):
+        return fn(*args)
+
+    return call
+
+
+def run_now(coroutine):
+    """The result of a coroutine whose every await completes at once (`awaitable` calls), with no event loop."""
+    try:
+        coroutine.send(None)
+    except StopIteration as done:
+        return done.value
+    coroutine.close()
+    raise RuntimeError("the coroutine waited on an event: run it in an event loop")
 
 
 def calibration(k: int, vocab_size: int, requests: int) -> Calibration:

@@ -33,7 +33,7 @@ from openrlhf_growmtp.core.records import DEFAULT_TOPK, SequenceRecord
 
 from . import check_vllm_version
 from .collector import DROPPED_META, RecordCollector
-from .depth_control import calibration
+from .depth_control import awaitable, calibration, run_now
 from .settings import CaptureConfig, SpecConfigError, check_sampling_params, spec_engine_kwargs
 from .transport import dump_blob
 
@@ -199,19 +199,13 @@ class SpecEngine:
         depth, capture = self.depth, self.capture
         if capture:
             self.set_capture(False)
-        try:  # a first generate warms the engine (its first steps after start-up are slow); its steps are dropped
-            self.generate(plan.prompts, plan.params)
-            self.step_times()
-            steps = []
-            for d in plan.depths:
-                self.set_depth(d)
-                self.generate(plan.prompts, plan.params)
-                steps += self.step_times()
+        try:
+            return run_now(plan.measure(awaitable(lambda: self.generate(plan.prompts, plan.params)),
+                                        awaitable(self.set_depth), awaitable(self.step_times)))
         finally:
             self.set_depth(depth)
             if capture:
                 self.set_capture(True)
-        return plan.costs(steps)
 
     def _core_call(self, method: str, *args):
         """An engine-core utility (`depth_control`): called directly in-process, else through vLLM's client."""
@@ -234,14 +228,6 @@ class SpecEngine:
         loaded = self.llm.collective_rpc("growmtp_load_head_weights", args=(dump_blob(state),))[0]
         self._head_state = state
         return loaded
-
-    def head_sync_diff(self, head: dict[str, torch.Tensor] | None = None) -> list[dict]:
-        """Per rank: max |live head - `head`| over the parameters it exposes (default: the last head loaded
-        with `load_head`); `worker_ext.growmtp_head_sync_diff`."""
-        head = self._head_state if head is None else head
-        if head is None:
-            raise ValueError("no head to compare with: pass a state dict, or load_head one first")
-        return self.llm.collective_rpc("growmtp_head_sync_diff", args=(dump_blob(_cpu_state(head)),))
 
     def load_target(self, state: dict[str, torch.Tensor]) -> int:
         """Load HF-named policy weights into the running engine (the drafter shares embed/lm_head)."""

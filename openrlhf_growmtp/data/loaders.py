@@ -376,9 +376,3 @@ def livecodebench_rows_and_stats(rows: Iterable[Mapping], platform: str | None =
         stats["kept"] += 1
         stats["call_based"] += int("fn_name" in json.loads(converted["label"]))
     return out, stats
-
-
-def livecodebench_rows(rows: Iterable[Mapping], platform: str | None = None, max_tests: int | None = None,
-                       allow_pickled_str: bool = False) -> list[dict]:
-    """LiveCodeBench rows without the counts; see `livecodebench_rows_and_stats`."""
-    return livecodebench_rows_and_stats(rows, platform, max_tests, allow_pickled_str)[0]

@@ -26,6 +26,12 @@ from pathlib import Path
 FIGURE = re.compile(r"(-?\d[\d,]*(?:\.\d+)?)(?:\*\*|[×x%]|\s)*<!-- fig: (\S+) (\S+)( pct)? -->")
 TABLE = re.compile(r"<!-- table: (\S+) -->\n(.*?)<!-- /table -->", re.DOTALL)
 MARK = re.compile(r"<!-- (fig|table): ")
+CODE = re.compile(r"^(```|~~~).*?^\1[^\n]*$|(`+)[^\n]*?\2", re.DOTALL | re.MULTILINE)  # fenced blocks, code spans
+
+
+def _outside_code(text: str) -> str:
+    """`text` with its code blocks and code spans blanked (a mark quoted as an example is no mark)."""
+    return CODE.sub(lambda m: re.sub(r"[^\n]", " ", m.group(0)), text)
 
 
 def lookup(document: dict | list, key: str):
@@ -48,7 +54,7 @@ def lookup(document: dict | list, key: str):
 
 def check(path: Path) -> list[str]:
     """Every figure or table of a markdown file that does not match its kept file, each with the reason."""
-    text = path.read_text(encoding="utf-8")
+    text = _outside_code(path.read_text(encoding="utf-8"))
     problems, cache = [], {}
     marks = len(MARK.findall(text))
     matched = 0

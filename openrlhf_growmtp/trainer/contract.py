@@ -1,8 +1,10 @@
 """The upstream contract: every upstream name the adapter's rebinds and subclasses rely on. Pinned to
 openrlhf 0.11.2 and deepspeed 0.19.6.
 
-- `CONTRACT`: modules, classes and callables (with the parameters relied on), checked at every install
-  (`installer`) and by the tests: `check_upstream_contract` names every piece that is missing;
+- `CONTRACT`: modules, classes and callables (with the parameters relied on), and `ATTRIBUTES`: the instance
+  attributes of DeepSpeed's optimizers and engine that the head's optimizer reads or rebinds (ones the class's
+  own source assigns, `self.<name> = ...`), checked at every install (`installer`) and by the tests:
+  `check_upstream_contract` names every piece that is missing;
 - `TRAINER_CONTRACT`: the attributes of upstream's live actor-side trainer that the head's RL step reads
   through `upstream_actor.UpstreamActorTrainer`, checked when an RL step starts (`check_trainer_contract`).
 """
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import re
 
 OPENRLHF_VERSION = "0.11.2"
 
@@ -64,6 +67,9 @@ CONTRACT = [
      ("dataloader_iter", "num_prompts", "dynamic_filtering")),
     ("openrlhf.trainer.ray.vllm_engine.RolloutRayActor.__ray_actor_class__", "get_num_unfinished_requests", ()),
     ("deepspeed.runtime.zero.stage3.DeepSpeedZeroOptimizer_Stage3", "_get_norm_groups", ()),
+    # the head's group held still: called with one group's (ZeRO-2) or sub-group's (ZeRO-3) index
+    ("deepspeed.runtime.zero.stage3.DeepSpeedZeroOptimizer_Stage3", "_optimizer_step", None),
+    ("deepspeed.runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer", "_optimizer_step", None),
     # decorated with DeepSpeed's nvtx wrapper (signature *args, **kwargs): existence only
     ("deepspeed.runtime.zero.stage3.DeepSpeedZeroOptimizer_Stage3", "unscale_and_clip_grads", None),
     ("deepspeed.runtime.zero.stage3.DeepSpeedZeroOptimizer_Stage3", "clear_backward_seen_flag", ()),
@@ -78,6 +84,16 @@ CONTRACT = [
     ("deepspeed.runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer", "clear_backward_seen_flag", ()),
     # allocates the gradient bucket at every micro-step (reproducibility.unfilled, on CPU)
     ("deepspeed.runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer", "setup_buckets", ()),
+]
+
+# (class, instance attributes) that trainer/head_step's deepspeed_patches.py and head_optimizer.py read or rebind
+ATTRIBUTES = [
+    ("deepspeed.runtime.engine.DeepSpeedEngine", ("optimizer", "global_steps", "_is_gradient_accumulation_boundary")),
+    ("deepspeed.runtime.zero.stage3.DeepSpeedZeroOptimizer_Stage3",
+     ("optimizer", "sub_group_to_group_id", "fp32_partitioned_groups_flat", "grad_partitions_flat_buffer")),
+    ("deepspeed.runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer",
+     ("optimizer", "partition_gradients", "cpu_offload", "bit16_groups", "params_in_partition", "averaged_gradients",
+      "single_partition_of_fp32_groups", "accumulated_grads_in_cpu")),
 ]
 
 
@@ -120,8 +136,23 @@ def check_upstream_contract() -> None:
             missing = [p for p in params if p not in found]
             if missing:
                 problems.append(f"{owner}.{name} lost parameter(s) {missing}")
+    problems += _missing_attributes()
     if problems:
         raise UpstreamContractError("OpenRLHF integration contract broken:\n  - " + "\n  - ".join(problems))
+
+
+def _missing_attributes() -> list[str]:
+    """The `ATTRIBUTES` that their class's source no longer assigns on `self`."""
+    problems = []
+    for owner, names in ATTRIBUTES:
+        try:
+            source = inspect.getsource(_resolve(owner))
+        except (ImportError, AttributeError, OSError, TypeError) as err:
+            problems.append(f"{owner} is missing ({type(err).__name__}: {err})")
+            continue
+        problems += [f"{owner} no longer sets self.{name}" for name in names
+                     if not re.search(rf"\bself\.{re.escape(name)}\s*(:[^=\n]*)?=(?!=)", source)]
+    return problems
 
 
 # Attribute paths on upstream's ActorPPOTrainer instance (trainer/head_step/upstream_actor.py reads each one).

@@ -1,8 +1,9 @@
-"""The upstream contract and every rebind of an upstream name. Pinned to openrlhf 0.11.2.
+"""Every rebind of an upstream name, each install checked against the upstream contract. Pinned to openrlhf 0.11.2.
 
 The rest of the adapter extends upstream by subclassing (one module per upstream role: `strategy`,
 `ppo_actor`, `rollout_actor`, `samples_generator`, `ppo_trainer`, `ppo_trainer_async`; DeepSpeed's
-optimizer in `head_optimizer`). What subclassing cannot reach is rebound here, visibly:
+optimizer, patched per instance, in `head_step/deepspeed_patches`). What subclassing cannot reach is rebound
+here, visibly:
 
 - module attributes, so upstream's own `train()` builds the classes it is handed (`install_driver`:
   the policy actor, the rollout actor, and for a GrowMTP run the strategy and the controller;

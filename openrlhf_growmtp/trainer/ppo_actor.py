@@ -31,7 +31,7 @@ from .head_step.deepspeed_patches import head_lr, head_optimizer_state
 from .head_step.head_rl_step import HeadRLStep, HeadRLStepConfig
 from .keys import ACCEPTED_KEY, CHECKED_KEY, DROPPED_KEY, RECORD_INDEX_KEY, RECORD_KEY
 from .loss import NegativeAdvantageWeightedLoss
-from .resume import SNAPSHOT_FILE  # noqa: F401 (its one definition: the startup check reads it too)
+from .resume import SNAPSHOT_FILE  # its one definition: the startup check reads it too
 from .strategy import gathered_head_state, head_of, without_head
 
 logger = logging.getLogger("growmtp")

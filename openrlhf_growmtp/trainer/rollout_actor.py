@@ -194,20 +194,20 @@ class GrowMTPRolloutActor(RolloutActor):
         from vllm_patches.settings import CaptureConfig
 
         plan = calibration(self._k, self.llm.model_config.get_vocab_size(), requests)
+        core = self.llm.engine_core.call_utility_async
         depth = self.collector.depth
         await self.llm.collective_rpc("growmtp_configure_capture", args=(CaptureConfig(enabled=False).as_dict(),))
-        try:  # a first generate warms the engine (its first steps after start-up are slow); its steps are dropped
+
+        async def generate():
             await asyncio.gather(*(RolloutActor.generate(self, ids, plan.params) for ids in plan.prompts))
-            await self.llm.engine_core.call_utility_async("growmtp_step_times")
-            steps = []
-            for d in plan.depths:
-                await self.llm.engine_core.call_utility_async("growmtp_set_depth", d)
-                await asyncio.gather(*(RolloutActor.generate(self, ids, plan.params) for ids in plan.prompts))
-                steps += await self.llm.engine_core.call_utility_async("growmtp_step_times")
+
+        try:
+            costs = await plan.measure(generate, lambda d: core("growmtp_set_depth", d),
+                                       lambda: core("growmtp_step_times"))
         finally:
-            await self.llm.engine_core.call_utility_async("growmtp_set_depth", depth)
+            await core("growmtp_set_depth", depth)
             await self.llm.collective_rpc("growmtp_configure_capture", args=(self._capture.as_dict(),))
-        return list(plan.costs(steps).seconds)
+        return list(costs.seconds)
 
     async def growmtp_set_draft_vocab(self, ids: list[int] | None, tag: str | None) -> None:
         """Draft over `ids` only from the next rollout on (None: every id); records carry `tag`."""

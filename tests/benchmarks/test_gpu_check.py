@@ -1,7 +1,7 @@
-"""`benchmarks/gpu_check.py --tiny` runs on CPU, every check passes and the JSON holds every field, so the
+"""`benchmarks/gpu_check/gpu_check.py --tiny` runs on CPU, every check passes and the JSON holds every field, so the
 check a GPU machine runs cannot rot between loans; its statistical sampler check has the power to fail;
 `--only` runs a subset and a run cut off (deadline, SIGTERM) leaves its JSON; the pieces of the two newer
-checks (the cached forward, the reference drafter's arithmetic, the cycle formula) hold on their own."""
+checks (the cached forward, the reference drafter's arithmetic and records, the cycle formula) hold on their own."""
 
 import json
 import os
@@ -15,12 +15,14 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
-sys.path.insert(0, str(ROOT / "benchmarks"))  # the benchmarks' modules, as the script itself sees them
+SCRIPT = ROOT / "benchmarks" / "gpu_check" / "gpu_check.py"
+sys.path[:0] = [str(ROOT / "benchmarks" / "gpu_check"), str(ROOT / "benchmarks")]  # as the scripts see them
 
 import bench_cycle_formula  # noqa: E402
+import cycle_timing  # noqa: E402
 import gpu_cycle  # noqa: E402
 import gpu_drafter  # noqa: E402
+import gpu_rollout_loop  # noqa: E402
 import gpu_sampler  # noqa: E402
 from bench_common import fit_line, qwen3_4b_config  # noqa: E402
 from gpu_world import TINY, tiny_config  # noqa: E402
@@ -82,9 +84,7 @@ def test_tiny_gpu_check_passes_on_cpu_and_writes_every_field(tmp_path):
 
 
 def _check_rollout_loop(loop):
-    import gpu_loop
-
-    plan = gpu_loop.LOOP_PLANS["tiny"]
+    plan = gpu_rollout_loop.LOOP_PLANS["tiny"]
     assert loop["depths"] == [TINY.trainer_layers, TINY.trainer_layers // 2] and loop["real_layers"] == 36
     assert sorted(loop["per_context"], key=int) == [str(c) for c in plan.contexts]
     for c, entry in loop["per_context"].items():
@@ -262,7 +262,15 @@ def _model(layers):
 
 
 def _caches(model, batch=3, capacity=32):
-    return gpu_cycle.policy_caches(model, batch, capacity)
+    return cycle_timing.policy_caches(model, batch, capacity)
+
+
+def _forward(model, ids, caches, causal=False):
+    """Logits of ids [B, T] after the caches' `length` positions, as `policy_times` and `prefill_time` run it."""
+    start, new = len(caches[0]), ids.shape[1]
+    positions = torch.arange(start, start + new).expand(ids.shape[0], new)
+    seen = cycle_timing.visible(positions[:1], start + new) if causal else None
+    return model.lm_head(cycle_timing.cached_forward(model, ids, positions, caches, seen))
 
 
 def test_cached_forward_is_the_models_forward():
@@ -271,12 +279,12 @@ def test_cached_forward_is_the_models_forward():
     with torch.no_grad():
         want = model(input_ids=ids).logits
         caches = _caches(model)
-        prefix = gpu_cycle.cached_forward(model, ids[:, :12], caches, causal=True)
-        decode = gpu_cycle.cached_forward(model, ids[:, 12:13], caches)
-        causal = gpu_cycle.cached_forward(model, ids[:, 13:19], caches, causal=True)
+        prefix = _forward(model, ids[:, :12], caches, causal=True)
+        decode = _forward(model, ids[:, 12:13], caches)
+        causal = _forward(model, ids[:, 13:19], caches, causal=True)
         for cache in caches:
             cache.reset(13)
-        unmasked = gpu_cycle.cached_forward(model, ids[:, 13:19], caches)
+        unmasked = _forward(model, ids[:, 13:19], caches)
     torch.testing.assert_close(torch.cat([prefix, decode, causal], 1), want[:, :19], rtol=1e-5, atol=1e-5)
     # the timed verify (no mask) lets its 6 new tokens see each other: values the check does not use
     assert (unmasked[:, 0] - causal[:, 0]).abs().max() > 1e-3
@@ -289,16 +297,16 @@ def test_unmasked_verify_does_the_causal_verifys_work():
     ids = torch.randint(0, model.config.vocab_size, (3, 19), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         caches = _caches(model)
-        gpu_cycle.cached_forward(model, ids[:, :13], caches, causal=True)
-        causal = gpu_cycle.cached_forward(model, ids[:, 13:], caches, causal=True)
+        _forward(model, ids[:, :13], caches, causal=True)
+        causal = _forward(model, ids[:, 13:], caches, causal=True)
         for cache in caches:
             cache.reset(13)
-        unmasked = gpu_cycle.cached_forward(model, ids[:, 13:], caches)
+        unmasked = _forward(model, ids[:, 13:], caches)
     torch.testing.assert_close(unmasked[:, -1], causal[:, -1], rtol=1e-5, atol=1e-5)
 
 
 def test_kv_buffer_writes_in_place_and_refuses_to_overflow():
-    buffer = gpu_cycle.KVBuffer(1, 1, 4, 2, "cpu", torch.float32)
+    buffer = cycle_timing.KVBuffer.empty(1, 1, 4, 2, "cpu", torch.float32)
     keys, _ = buffer.update(torch.ones(1, 1, 3, 2), torch.ones(1, 1, 3, 2))
     assert keys.shape[2] == 3 and keys.data_ptr() == buffer.keys.data_ptr()
     buffer.reset(1)
@@ -310,17 +318,18 @@ def test_kv_buffer_writes_in_place_and_refuses_to_overflow():
 
 def test_cycle_formula():
     # at the break-even tau drafting neither gains nor loses; at tau = 1 a cycle can only lose
-    p = gpu_cycle.cycle_prediction(decode=2.0, verify=3.0, draft=0.2, k=5, tau=2.91)
+    p = cycle_timing.cycle_prediction(decode=2.0, verify=3.0, draft=0.2, k=5, tau=2.91)
     assert p["cycle_s"] == pytest.approx(4.0) and p["break_even_tau"] == pytest.approx(2.0)
-    at_break_even = gpu_cycle.cycle_prediction(2.0, 3.0, 0.2, 5, p["break_even_tau"])
+    at_break_even = cycle_timing.cycle_prediction(2.0, 3.0, 0.2, 5, p["break_even_tau"])
     assert at_break_even["speedup"] == pytest.approx(1.0)
-    assert gpu_cycle.cycle_prediction(2.0, 3.0, 0.2, 5, 1.0)["speedup"] < 1
+    assert cycle_timing.cycle_prediction(2.0, 3.0, 0.2, 5, 1.0)["speedup"] < 1
     # linear costs in the context: the whole response is the fit at its mean context, once per step
-    rollout = gpu_cycle.rollout_prediction([0, 100], [1.0, 2.0], [2.0, 4.0], tau=4.0, prompt=0, response=100)
+    rollout = cycle_timing.rollout_prediction([0, 100], [1.0, 2.0], [2.0, 4.0], tau=4.0, prompt=0, response=100)
     assert rollout["ar_s"] == pytest.approx(150.0) and rollout["spec_s"] == pytest.approx(75.0)
     # end to end: only the rollout part speeds up, and the head update adds to the step
-    assert gpu_cycle.step_prediction(rollout_ar=60.0, rollout_speedup=2.0, train=40.0, head=0.0) == pytest.approx(100 / 70)
-    assert gpu_cycle.step_prediction(60.0, 2.0, 40.0, 10.0) == pytest.approx(100 / 80)
+    assert cycle_timing.step_prediction(rollout_ar=60.0, rollout_speedup=2.0, train=40.0,
+                                        head=0.0) == pytest.approx(100 / 70)
+    assert cycle_timing.step_prediction(60.0, 2.0, 40.0, 10.0) == pytest.approx(100 / 80)
 
 
 def test_engine_formula_is_the_cycle_formula_plus_what_it_measures():
@@ -329,7 +338,7 @@ def test_engine_formula_is_the_cycle_formula_plus_what_it_measures():
     engine = bench_cycle_formula.generate_wall
     ar = engine(prefill=0.0, first=0.0, step=2.0, steps=91, overhead=0.0)
     spec = engine(prefill=0.0, first=0.0, step=3.0, steps=1 + 30, overhead=0.0)
-    assert ar / spec == pytest.approx(gpu_cycle.cycle_prediction(2.0, 3.0, 0.0, 5, tau=3.0)["speedup"])
+    assert ar / spec == pytest.approx(cycle_timing.cycle_prediction(2.0, 3.0, 0.0, 5, tau=3.0)["speedup"])
     # the overhead is what a wall leaves over the timed parts, per step
     wall = engine(prefill=0.7, first=0.3, step=2.0, steps=31, overhead=0.25)
     assert bench_cycle_formula.step_overhead(wall, prefill=0.7, first=0.3, step=2.0, steps=31) == pytest.approx(0.25)
@@ -420,40 +429,42 @@ def test_trainer_step_gives_back_the_determinism_it_switched_on(monkeypatch):
 
 
 def _loop_world(batch=64, context=24, cycles=30, dtype=torch.float32):
-    import gpu_loop
     from gpu_world import build_head, build_policy
 
     config = TINY.trainer_config(2)
     policy = build_policy(config, torch.device("cpu"), dtype).eval()
     policy.gradient_checkpointing_disable()
-    capacity = gpu_loop._round_up(context + (cycles + 1) * (TINY.k + 1) + 1)
+    capacity = gpu_rollout_loop.round_up(context + (cycles + 1) * (TINY.k + 1) + 1)
     g = torch.Generator().manual_seed(5)
-    caches = [gpu_loop.StaticKV(batch, config.num_key_value_heads, capacity, config.head_dim, "cpu", dtype)
+    caches = [cycle_timing.KVBuffer.empty(batch, config.num_key_value_heads, capacity, config.head_dim, "cpu", dtype)
               for _ in range(3)]
     for cache in caches:
         cache.fill_random(context, g)
     return policy, build_head(policy, dtype), caches, capacity
 
 
-def test_loop_forward_over_a_static_cache_is_the_models_forward():
-    import gpu_loop
-
+def test_forward_writing_at_positions_into_a_static_cache_is_the_models_forward():
     policy, _, caches, capacity = _loop_world(batch=3, context=0)
     ids = torch.randint(0, policy.config.vocab_size, (3, 14), generator=torch.Generator().manual_seed(1))
-    views = [gpu_loop.KVView(c, capacity) for c in caches[:2]]
+    views = [c.view(capacity) for c in caches[:2]]
+
+    def forward(ids, positions):  # as the loop runs it: every slot given back, masked by position
+        for view in views:
+            view.positions = positions
+        return cycle_timing.cached_forward(policy, ids, positions, views, cycle_timing.visible(positions, capacity))
+
     with torch.no_grad():
         want = policy.model(input_ids=ids).last_hidden_state
         positions = torch.arange(14).expand(3, -1)
         # eight tokens at once, then one at a time, at shifted positions per sequence as in a lockstep batch
-        got = [gpu_loop.policy_forward(policy, 2, ids[:, :8], positions[:, :8], views)]
-        got += [gpu_loop.policy_forward(policy, 2, ids[:, t:t + 1], positions[:, t:t + 1], views) for t in range(8, 14)]
+        got = [forward(ids[:, :8], positions[:, :8])]
+        got += [forward(ids[:, t:t + 1], positions[:, t:t + 1]) for t in range(8, 14)]
     torch.testing.assert_close(torch.cat(got, 1), want, rtol=1e-5, atol=1e-5)
 
 
 def test_target_as_its_own_drafter_has_every_draft_accepted():
-    import gpu_loop
-
-    same = gpu_loop.target_drafts_are_all_accepted(TINY, gpu_loop.LOOP_PLANS["tiny"], _fp64_policy, torch.device("cpu"))
+    same = gpu_rollout_loop.target_drafts_are_all_accepted(TINY, gpu_rollout_loop.LOOP_PLANS["tiny"], _fp64_policy,
+                                                           torch.device("cpu"))
     assert same["cycles"] > 0 and same["all_accepted"] == same["cycles"] and same["tau"] == TINY.k + 1
 
 
@@ -475,23 +486,21 @@ def test_loop_first_acceptance_matches_sum_min_p_q():
     counts = loop.timed("cycle", 30)[1]
     alpha = counts["alpha_sum"] / counts["cycles"]
     assert 0.2 < alpha < 0.9 and counts["cycles"] == 64 * 30
-    assert abs(gpu_loop.acceptance_z(counts)) <= gpu_loop.Z_LIMIT
+    assert abs(gpu_loop.acceptance_z(counts)) <= gpu_sampler.Z_LIMIT
     # the same trials held to another expectation 0.05 away would fail: 5 sigma is ~0.05 at these trials
     sigma = counts["alpha_var"] ** 0.5 / counts["cycles"]
     assert 5 * sigma < 0.06
 
 
-def test_loop_rejection_step_passes_the_samplers_statistics_and_a_swapped_one_does_not():
-    import gpu_loop
-
+def test_batched_rejection_step_passes_the_samplers_statistics_and_a_swapped_one_does_not():
     p, q = _pair()
     trials = 2**15
     g = torch.Generator().manual_seed(3)
 
     def run(target, draft):
-        drafts = torch.stack([gpu_loop.sample(draft[j].expand(trials, -1), g) for j in range(draft.shape[0])], 1)
-        accepted, token = gpu_loop.rejection_step(target.expand(trials, -1, -1), draft.expand(trials, -1, -1), drafts,
-                                                  g)
+        drafts = torch.stack([gpu_sampler.sample(draft[j].expand(trials, -1), g) for j in range(draft.shape[0])], 1)
+        accepted, token = gpu_sampler.rejection_step(target.expand(trials, -1, -1), draft.expand(trials, -1, -1),
+                                                     drafts, g)
         emitted = torch.full((trials, draft.shape[0] + 1), -1, dtype=torch.long)
         keep = torch.arange(draft.shape[0])[None, :] < accepted[:, None]
         emitted[:, :-1] = torch.where(keep, drafts, emitted[:, :-1])
@@ -503,6 +512,32 @@ def test_loop_rejection_step_passes_the_samplers_statistics_and_a_swapped_one_do
     assert all(pos["p_value"] >= gpu_sampler.P_MIN for pos in stats["positions"] if pos["p_value"] is not None)
     swapped = run(torch.cat([q, p[3:]]), p[:3])  # drafts from p, accepted with min(1, q/p): emits q's law
     assert swapped["positions"][0]["p_value"] < gpu_sampler.P_MIN
+
+
+def test_the_drafters_records_hold_the_policys_own_log_probs_on_the_committed_path():
+    # the drafter's verify runs over its append-only cache with a mask per sequence; on the committed path (draft
+    # positions 1..accepted + 1) its top-k log-probs must be those of a plain forward over the committed tokens.
+    # fp32 on CPU: the two forwards differ by rounding in other reduction orders, ~1e-6 on log-probs of magnitude
+    # ~log V = 7.6; 1e-4 leaves room, and a wrong slot or position moves them by the logits' spread (~1)
+    from gpu_world import build_head, build_policy
+
+    policy = build_policy(TINY.trainer_config(2), torch.device("cpu"), torch.float32).eval()
+    policy.gradient_checkpointing_disable()
+    head = build_head(policy, torch.float32)
+    prompts = torch.randint(0, TINY.config.vocab_size, (4, 6), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        gpu_drafter.calibrate_head(policy, head, prompts, 2.5, TINY.k)
+        rollouts = gpu_drafter.draft_rollouts(policy, head, prompts, 24, TINY.k, 16, seed=2)
+        checked = 0
+        for rec in rollouts.records:
+            logp = torch.log_softmax(policy(input_ids=rec.token_ids[None]).logits[0].float(), dim=-1)
+            for r in range(rec.num_cycles):
+                s, a = int(rec.start[r]), int(rec.accepted[r])
+                for j in range(min(a + 1, TINY.k)):  # draft position j + 1 reads tokens[:s + j + 2]
+                    want = logp[s + j + 1].topk(16)
+                    torch.testing.assert_close(rec.topk_logprobs[r, j], want.values, rtol=0, atol=1e-4)
+                    checked += 1
+    assert checked > 50 and 1.5 < rollouts.tau < TINY.k + 1
 
 
 def test_fixed_shape_head_update_is_head_loss_backward():

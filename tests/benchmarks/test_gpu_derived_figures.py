@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path[:0] = [str(ROOT / "benchmarks" / "gpu_check"), str(ROOT / "benchmarks")]
 
-import gpu_derived_figures  # noqa: E402
+import derived_figures as gpu_derived_figures  # noqa: E402
 
 KEPT = ROOT / "docs" / "data" / "gpu" / "derived_2026-11-27.json"
 

@@ -21,6 +21,11 @@ from openrlhf_growmtp.rewards.code_reward import code_score
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def livecodebench_rows(rows, platform=None, max_tests=None, allow_pickled_str=False) -> list[dict]:
+    """LiveCodeBench rows without the counts (`loaders.livecodebench_rows_and_stats`)."""
+    return loaders.livecodebench_rows_and_stats(rows, platform, max_tests, allow_pickled_str)[0]
+
+
 # ------------------------------------------------------------------------------------------------ fixtures
 
 
@@ -202,7 +207,7 @@ def test_image_tags_never_reach_openrlhfs_vlm_path():
     statement = "Given <image>, print the value of <image> modulo 7."
     [taco], _ = loaders.taco_verified_rows([taco_row(statement, {"inputs": ["1\n"], "outputs": ["1\n"]})])
     [dapo] = loaders.dapo_math_rows([dapo_row("i", statement, "3")])
-    [lcb] = loaders.livecodebench_rows([{**lcb_row("q", "atcoder", [STDIN]), "question_content": statement}])
+    [lcb] = livecodebench_rows([{**lcb_row("q", "atcoder", [STDIN]), "question_content": statement}])
     for row in (taco, dapo, lcb):
         content = row["prompt"][0]["content"]
         assert "Given [image], print the value of [image] modulo 7." in content
@@ -251,13 +256,13 @@ def test_livecodebench_platform_filter_and_test_cap(lcb_rows: list[dict]):
     rows, stats = loaders.livecodebench_rows_and_stats(lcb_rows, platform="atcoder", max_tests=2)
     assert [r["id"] for r in rows] == ["abc400_a", "abc400_b"] and stats["other_platform"] == 4
     assert all(len(json.loads(r["label"])["inputs"]) == 2 for r in rows)
-    assert [r["id"] for r in loaders.livecodebench_rows(lcb_rows, platform="leetcode")] == ["3500"]
+    assert [r["id"] for r in livecodebench_rows(lcb_rows, platform="leetcode")] == ["3500"]
     with pytest.raises(ValueError, match="unknown LiveCodeBench platform"):
-        loaders.livecodebench_rows(lcb_rows, platform="topcoder")
+        livecodebench_rows(lcb_rows, platform="topcoder")
 
 
 def test_leetcode_problems_become_call_based_rows_the_code_reward_runs(lcb_rows: list[dict]):
-    [row] = loaders.livecodebench_rows(lcb_rows, platform="leetcode")
+    [row] = livecodebench_rows(lcb_rows, platform="leetcode")
     label = json.loads(row["label"])
     assert label == {"fn_name": "addAll", "inputs": ["[1, 2]\n10", "[]\n0", "[-5, 5, 7]\n-1"],
                      "outputs": ["13", "0", "6"]}
@@ -267,12 +272,12 @@ def test_leetcode_problems_become_call_based_rows_the_code_reward_runs(lcb_rows:
     wrong = right.replace("+ extra", "+ abs(extra)")  # fails only the last (private) test
     assert code_score(right, None, row["label"]) == 1.0
     assert code_score(wrong, None, row["label"]) == 0.0
-    [capped] = loaders.livecodebench_rows(lcb_rows[1:2], max_tests=2)
+    [capped] = livecodebench_rows(lcb_rows[1:2], max_tests=2)
     assert code_score(wrong, None, capped["label"]) == 1.0
 
 
 def test_pickled_private_tests_are_read_only_as_a_bare_string_when_allowed(lcb_rows: list[dict]):
-    rows = loaders.livecodebench_rows(lcb_rows[2:3], allow_pickled_str=True)
+    rows = livecodebench_rows(lcb_rows[2:3], allow_pickled_str=True)
     assert json.loads(rows[0]["label"])["inputs"] == ["1 2\n", "5 5\n", "0 0\n"]
 
     class Payload:

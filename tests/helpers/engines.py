@@ -28,6 +28,15 @@ def make_engine(world, **kwargs):
     return SpecEngine(world["policy_dir"], args.pop("head_dir", world["head_dir"]), args.pop("k", K), **args)
 
 
+def head_sync_diff(engine, head: dict[str, torch.Tensor]) -> list[dict]:
+    """Per rank of a SpecEngine: max |live head - `head`| over the parameters it exposes
+    (`worker_ext.growmtp_head_sync_diff`, which the trainer's --growmtp_check_sync calls through the rollout actor)."""
+    from vllm_patches.transport import dump_blob
+
+    state = {name: t.detach().to("cpu").contiguous() for name, t in head.items()}
+    return engine.llm.collective_rpc("growmtp_head_sync_diff", args=(dump_blob(state),))
+
+
 def close_engine(engine) -> None:
     engine.close()
     gc.collect()

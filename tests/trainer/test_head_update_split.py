@@ -112,3 +112,16 @@ def test_rows_per_sample_reads_padded_and_packed_forwards_alike():
         assert all(torch.equal(r, e) for r, e in zip(rows, expected))
     with pytest.raises(ValueError, match="8 packed tokens for 9 valid tokens"):
         rows_per_sample(padded[mask.bool()][None, :8], mask)
+
+
+def test_both_hidden_state_sources_answer_every_call_of_the_interface():
+    from openrlhf_growmtp.trainer.head_step.hidden_states import HiddenStateSource, OwnForward, TrainingForward
+
+    backbone = torch.nn.Linear(2, 2)
+    assert isinstance(OwnForward(backbone, [], 1, grad=False, lockstep=Lockstep()), HiddenStateSource)
+    assert isinstance(TrainingForward(backbone), HiddenStateSource)
+
+    class WithoutTheSeam(TrainingForward):  # a source that lost a call no longer passes for one
+        before_policy_backward = None
+
+    assert not isinstance(WithoutTheSeam(backbone), HiddenStateSource)

@@ -206,9 +206,14 @@ def test_upstream_contract_holds_and_breaks_loudly(monkeypatch):
 
     monkeypatch.delattr(ppo_actor.ActorPPOTrainer, "_init_vllm_sync_group")
     monkeypatch.setattr("importlib.metadata.version", lambda name: "0.12.0")
+    # an instance attribute the class's source does not set (one letter short of one it does)
+    engine = "deepspeed.runtime.engine.DeepSpeedEngine"
+    monkeypatch.setattr(contract, "ATTRIBUTES", [*contract.ATTRIBUTES, (engine, ("global_step",))])
     with pytest.raises(contract.UpstreamContractError) as err:
         contract.check_upstream_contract()
     assert "_init_vllm_sync_group is missing" in str(err.value) and "pinned to 0.11.2" in str(err.value)
+    assert f"{engine} no longer sets self.global_step\n" in str(err.value) + "\n"
+    assert "global_steps" not in str(err.value)
 
 
 @pytest.mark.parametrize("world", ["demo", "paper", "speed"])

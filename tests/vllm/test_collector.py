@@ -31,6 +31,11 @@ WIDTH, VOCAB = 4, 50  # unit tests: recorded top-k width and vocabulary
 PARAMS = SamplingParams(temperature=0.8)
 
 
+def unclaimed(collector: RecordCollector) -> set[str]:
+    """Requests with an added output or drained cycles that no pop has claimed yet."""
+    return set(collector._finished) | set(collector._pending)
+
+
 @pytest.fixture
 def capture_state():
     """This process's capture state, enabled for the test and restored after (an engine may share it)."""
@@ -119,7 +124,7 @@ def test_interleaved_cycles_of_two_requests_are_joined_by_request_id(capture_sta
     record_b, record_a = collector.pop_all(outputs)
     assert_record_is(record_a, a)
     assert_record_is(record_b, b)
-    assert not collector.unclaimed_request_ids  # the row without drafts left nothing behind
+    assert not unclaimed(collector)  # the row without drafts left nothing behind
 
 
 def test_a_record_says_whether_it_was_compared_with_vllms_own_counts(capture_state):
@@ -146,7 +151,7 @@ def test_cycles_drained_before_the_output_are_kept_until_claimed(capture_state):
     collector = RecordCollector(K, topk=WIDTH, vocab_size=VOCAB)
     verify([(a, 0), (other, 0)], seed=20)
     collector.add_drained(capture.drain())
-    assert collector.unclaimed_request_ids == {"r1", "r2"}
+    assert unclaimed(collector) == {"r1", "r2"}
     verify([(a, 1)], seed=21)
     output = a.output(a.accepted)
     collector.add_output(output, PARAMS)
@@ -155,7 +160,7 @@ def test_cycles_drained_before_the_output_are_kept_until_claimed(capture_state):
     verify([(a, 2)], seed=22)  # the engine state the refusal protected: a's last cycle not drained yet
     collector.add_drained(capture.drain())
     assert_record_is(collector.pop(output), a)
-    assert collector.unclaimed_request_ids == {"r2"}  # kept until its output is claimed
+    assert unclaimed(collector) == {"r2"}  # kept until its output is claimed
     with pytest.raises(RecordCollectionError, match="no finished output was added"):
         collector.pop(output)
 
@@ -428,7 +433,7 @@ def test_cycles_drained_while_requests_run_join_into_exact_records(world, engine
         collector.add_output(output, params)
     collector.add_drained(engine.llm.collective_rpc("growmtp_drain_records")[0])
     records = {output.request_id: collector.pop(output) for output in outputs}
-    assert sorted(records) == caller_ids and not collector.unclaimed_request_ids
+    assert sorted(records) == caller_ids and not unclaimed(collector)
     for output in outputs:
         record = records[output.request_id]
         assert record.num_cycles > early_cycles[output.request_id]  # cycles came from both payloads

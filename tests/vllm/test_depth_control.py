@@ -100,3 +100,47 @@ def test_a_depth_outside_the_engines_range_or_on_a_fixed_engine_is_refused(world
         assert fixed.depth == K
     finally:
         close_engine(fixed)
+
+
+def test_one_calibration_procedure_runs_on_a_sync_engine_and_an_async_one():
+    # SpecEngine (vLLM's LLM) calls the engine directly, the rollout actor (AsyncLLM) awaits it: both run
+    # Calibration.measure, so both warm up first, drop the warm-up's steps and time every depth of the plan
+    import asyncio
+
+    from vllm_patches.depth_control import awaitable, calibration, run_now
+
+    plan = calibration(3, 128, requests=2)
+
+    class Engine:  # the steps a generate at depth d leaves: 2 requests, d + 1 seconds a step
+        def __init__(self):
+            self.calls, self.depth, self.pending = [], None, []
+
+        def generate(self):
+            self.calls.append(("generate", self.depth))
+            self.pending += [(self.depth if self.depth is not None else 9, 2, 1.0 + (self.depth or 0))] * 3
+
+        def set_depth(self, depth):
+            self.calls.append(("depth", depth))
+            self.depth = depth
+
+        def step_times(self):
+            steps, self.pending = self.pending, []
+            return steps
+
+    def suspending(fn):  # a call that yields to the event loop first, as AsyncLLM's calls do
+        async def call(*args):
+            await asyncio.sleep(0)
+            return fn(*args)
+        return call
+
+    sync = Engine()
+    costs = run_now(plan.measure(awaitable(sync.generate), awaitable(sync.set_depth), awaitable(sync.step_times)))
+    asynchronous = Engine()
+    async_costs = asyncio.run(plan.measure(suspending(asynchronous.generate), suspending(asynchronous.set_depth),
+                                           suspending(asynchronous.step_times)))
+    assert sync.calls == asynchronous.calls == [("generate", None)] + [
+        call for d in plan.depths for call in (("depth", d), ("generate", d))]
+    # the warm-up's steps (marked depth 9) are dropped: the line through depths 0, 1 and 3 gives depth 2 exactly
+    assert costs.seconds == async_costs.seconds == (1.0, 2.0, 3.0, 4.0)
+    with pytest.raises(RuntimeError, match="event loop"):
+        run_now(plan.measure(suspending(sync.generate), awaitable(sync.set_depth), awaitable(sync.step_times)))

@@ -8,7 +8,7 @@ change q; the engine's q is compared with the trainer's reconstruction after a l
 import os
 
 import pytest
-from helpers.engines import close_engine, core_head, hf_logprobs_on_path, make_engine
+from helpers.engines import close_engine, core_head, head_sync_diff, hf_logprobs_on_path, make_engine
 from test_records_engine import engine_q_vs_reconstruction
 from vllm import SamplingParams, envs
 
@@ -72,14 +72,14 @@ def test_a_live_head_load_reaches_every_rank(world, tp_engine):
     assert engine_q_vs_reconstruction(tp_engine["head"], world["policy"], tp_engine["after"], exact=False).max() <= 1e-4
     tau_before, tau_after = (tp_engine[s].metrics.acceptance.tau for s in ("before", "after"))
     assert tau_after > tau_before + 0.5, (tau_before, tau_after)
-    ranks = tp_engine["engine"].head_sync_diff()
+    ranks = head_sync_diff(tp_engine["engine"], tp_engine["head"].state_dict())  # the head it loaded
     assert sorted(r["rank"] for r in ranks) == list(range(RANKS))
     assert all(r["params"] == 8 and r["max_diff"] == 0.0 for r in ranks), ranks  # fc and the norms (CPU)
-    stale = tp_engine["engine"].head_sync_diff(core_head(world).state_dict())  # the random head it started from
+    stale = head_sync_diff(tp_engine["engine"], core_head(world).state_dict())  # the random head it started from
     assert all(r["max_diff"] > 1e-3 for r in stale), stale
 
 
 def test_head_sync_diff_needs_every_parameter(world, tp_engine):
     partial = {n: t for n, t in tp_engine["head"].state_dict().items() if not n.startswith("fc.")}
     with pytest.raises(Exception, match="no weight in the state"):
-        tp_engine["engine"].head_sync_diff(partial)
+        head_sync_diff(tp_engine["engine"], partial)

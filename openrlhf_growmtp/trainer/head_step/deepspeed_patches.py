@@ -9,7 +9,8 @@ and one optimizer steps both. The patches, installed once and never touched agai
   shared optimizer the head's parameters and its Adam state stay exactly as they are.
 ZeRO-2 (`DeepSpeedZeroOptimizer`, `partition_gradients`) and ZeRO-3 (`DeepSpeedZeroOptimizer_Stage3`)
 differ in where gradients accumulate and how norms are grouped; each function handles both. The
-DeepSpeed internals used here are listed in `contract.CONTRACT` and checked at start-up.
+DeepSpeed internals used here and in `head_optimizer.py` are listed in `contract.CONTRACT` (methods) and
+`contract.ATTRIBUTES` (instance attributes), and checked at start-up.
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ from ...core.records import SequenceRecord
 from ..args import policy_steps_per_rl_step
 from .head_optimizer import HeadOptimizer
 from .head_update import HeadUpdateConfig, HeadUpdateTotals, head_alpha_on, update_head
-from .hidden_states import OwnForward, TrainingForward, training_forward_mismatch
+from .hidden_states import HiddenStateSource, OwnForward, TrainingForward, training_forward_mismatch
 from .schedules import FirstWindow, OwnRecords
 from .upstream_actor import UpstreamActorTrainer
 
@@ -79,7 +79,7 @@ class HeadRLStep:
         self.records, self.cfg = records, cfg
         self.lockstep = Lockstep(distributed=True, backward=optimizer.backward)
         self.schedule: FirstWindow | OwnRecords | None = None  # chosen in start()
-        self.hidden_states: OwnForward | TrainingForward | None = None  # chosen in start()
+        self.hidden_states: HiddenStateSource | None = None  # chosen in start()
         self.cycles, self.lr = 0, 0.0
         self.cycles_per_head_step: float | None = None  # once upstream laid the step's windows out
         self.totals, self.epoch, self.micro_batches, self.head_epochs = HeadUpdateTotals(), 0, 0, set()

@@ -7,12 +7,7 @@ RL step's head updates take them from (`head_rl_step.py` chooses one per RL step
 - `TrainingForward`: the policy's own training forward of a micro-batch, where that forward runs the
   rollout policy over exactly the records' tokens (`training_forward_mismatch` says where it does not).
 
-Both answer the same calls, in this order: `start()` when the RL step starts (the forward of its own runs
-there, in lockstep), `micro_batch(due, attention_mask, update)` around each policy micro-batch, whose due
-records `update` receives with their H_p as soon as they are ready (before the forward, or between the
-forward and the backward), `before_policy_backward()` at the strategy's seam, `release()` once no record is
-due any more, `of_records(indices)` for the lag probe (which only a forward of its own can answer), and
-`metrics()`.
+Both answer the calls of `HiddenStateSource`, in its order.
 
 No openrlhf or DeepSpeed import here.
 """
@@ -21,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Callable, Sequence
+from typing import Callable, ContextManager, Protocol, Sequence, runtime_checkable
 
 import torch
 from torch import nn
@@ -31,6 +26,30 @@ from ...core.records import SequenceRecord
 from ..keys import RECORD_INDEX_KEY
 
 Update = Callable[[list[int], list[torch.Tensor]], None]  # HeadRLStep.update: records due, their H_p
+
+
+@runtime_checkable
+class HiddenStateSource(Protocol):
+    """Where an RL step's head updates read H_p, called in this order within one RL step."""
+
+    def start(self) -> None:
+        """When the RL step starts (a forward of its own runs here, in lockstep with the other ranks)."""
+
+    def micro_batch(self, due: list[int] | None, attention_mask: torch.Tensor, update: Update) -> ContextManager:
+        """Around each policy micro-batch: `update` receives its due records with their H_p as soon as they are
+        ready (before the forward, or between the forward and the backward)."""
+
+    def before_policy_backward(self) -> None:
+        """At the strategy's seam, between the micro-batch's forward and its backward."""
+
+    def release(self) -> None:
+        """Once no record is due any more."""
+
+    def of_records(self, indices: Sequence[int]) -> list[torch.Tensor]:
+        """H_p of these records after the RL step (the lag probe; only a forward of its own can answer)."""
+
+    def metrics(self) -> dict[str, float]:
+        """What the source logs (`growmtp/head_hidden_from_forward`)."""
 
 
 def _device() -> torch.device:

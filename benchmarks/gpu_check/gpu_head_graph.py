@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 from bench_common import head_update, median_seconds, policy_hiddens, sync
 from gpu_cost import make_records
-from gpu_loop import MaskedGQA
+from cycle_timing import MaskedGQA
 from gpu_numerics import _compare_grads, noise_factor, unit_roundoff
 from gpu_numerics import make_records as numerics_records
 from gpu_report import Row, sci
@@ -330,69 +330,73 @@ def check_head_update_graph(plan, policy, head: MTPHead, log) -> tuple[list[Row]
     rows, numerics = check_numerics(plan, head)
     log(f"  (head_update_graph) numerics: gradients {rows[0].measured}, loss {rows[1].measured}")
     records = make_records(plan, sizes["responses"])
-    batch = plan.micro_batch
     for p in head.parameters():
         p.grad = None
 
     def policy_pass():
         policy.zero_grad(set_to_none=True)
-        return policy_hiddens(policy, records, batch, device)
+        return policy_hiddens(policy, records, plan.micro_batch, device)
 
     hiddens = policy_pass()
     policy_s = median_seconds(policy_pass, device, sizes["repeats"])[0]
     policy.zero_grad(set_to_none=True)
-    cycles = sum(r.num_cycles for r in records)
-    per_chunk, out_rows = {}, []
+    per_chunk = {}
     for chunk in sizes["chunks"]:
-        per_row = min(sizes["cycles_per_row"], chunk)
-        packed = Packed(records, hiddens, per_row, max(1, chunk // per_row), device)
-        t0 = time.perf_counter()
-        captured = CapturedUpdate(head, packed)
-        capture_s = time.perf_counter() - t0
-
-        def eager():
-            head.zero_grad(set_to_none=True)
-            head_update(head, records, hiddens, chunk)
-
-        def graph():
-            head.zero_grad(set_to_none=True)
-            captured.run(packed)
-
-        eager_s = median_seconds(eager, device, sizes["repeats"])[0]
-        eager_grads = _grads(head)
-        graph_s = median_seconds(graph, device, sizes["repeats"])[0]
-        graph_grads = _grads(head)
-        cosine = min(torch.nn.functional.cosine_similarity(graph_grads[n].flatten(), g.flatten(), dim=0).item()
-                     for n, g in eager_grads.items())
-        peak = None
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-            base = torch.cuda.memory_allocated(device)
-            graph()
-            peak = (torch.cuda.max_memory_allocated(device) - base) / 2**20
-        count = {"eager": kernels(eager, device), "graph": kernels(graph, device)}
-        head.zero_grad(set_to_none=True)
-        per_chunk[chunk] = {"cycles_per_row": per_row, "rows_per_chunk": packed.rows_per_chunk,
-                            "graph_cycles_per_chunk": per_row * packed.rows_per_chunk, "chunks": packed.num_chunks,
-                            "caps": list(packed.caps), "padded_share": 1 - cycles / (packed.num_chunks *
-                                                                                     packed.rows_per_chunk * per_row),
-                            "capture_s": capture_s, "eager_s": eager_s, "graph_s": graph_s,
-                            "eager_share": eager_s / policy_s, "graph_share": graph_s / policy_s,
-                            "min_grad_cosine_graph_vs_eager": cosine, "graph_peak_mb": peak,
-                            "kernels": count,
-                            "kernels_per_cycle": {k: (v["kernels"] / cycles if v else None) for k, v in count.items()}}
-        d = per_chunk[chunk]
+        d = per_chunk[chunk] = time_chunk(head, records, hiddens, chunk, sizes, device)
+        d.update(eager_share=d["eager_s"] / policy_s, graph_share=d["graph_s"] / policy_s)
         kpc = d["kernels_per_cycle"]
         kern = "" if kpc["eager"] is None else f"; kernels/cycle {kpc['eager']:.2f} -> {kpc['graph']:.2f}"
-        out_rows.append(Row("head_update_graph", f"share of policy fwd+bwd, chunk {chunk}: eager -> captured",
-                            f"{d['eager_share']:.3f} -> {d['graph_share']:.3f}",
-                            f"eager {EAGER_SHARE_H100} on the H100 at 4096 (check c){kern}; grads cos {cosine:.4f}",
-                            None, {"eager": d["eager_share"], "graph": d["graph_share"]}))
-        log(f"  (head_update_graph) chunk {chunk}: eager {eager_s:.3f} s, captured {graph_s:.3f} s, policy "
-            f"{policy_s:.3f} s")
-        del captured, packed
+        rows.append(Row("head_update_graph", f"share of policy fwd+bwd, chunk {chunk}: eager -> captured",
+                        f"{d['eager_share']:.3f} -> {d['graph_share']:.3f}",
+                        f"eager {EAGER_SHARE_H100} on the H100 at 4096 (check c){kern}; grads cos "
+                        f"{d['min_grad_cosine_graph_vs_eager']:.4f}", None,
+                        {"eager": d["eager_share"], "graph": d["graph_share"]}))
+        log(f"  (head_update_graph) chunk {chunk}: eager {d['eager_s']:.3f} s, captured {d['graph_s']:.3f} s, "
+            f"policy {policy_s:.3f} s")
     details = {"responses": len(records), "tokens": sum(int(r.token_ids.numel()) for r in records),
-               "cycles": cycles, "policy_s": policy_s, "per_chunk": {str(c): v for c, v in per_chunk.items()},
+               "cycles": sum(r.num_cycles for r in records), "policy_s": policy_s,
+               "per_chunk": {str(c): v for c, v in per_chunk.items()},
                "numerics": numerics, "eager_share_h100_check_c": EAGER_SHARE_H100,
                "path": "CUDA graph" if device.type == "cuda" else "fixed-shape function, eager (CPU)"}
-    return rows + out_rows, details
+    return rows, details
+
+
+def time_chunk(head: MTPHead, records, hiddens, chunk: int, sizes: dict, device) -> dict:
+    """The eager update and the captured one at `chunk` cycles a chunk: medians of `repeats`, the gradients'
+    agreement, the captured update's peak and (on CUDA) the kernels each runs."""
+    cycles = sum(r.num_cycles for r in records)
+    per_row = min(sizes["cycles_per_row"], chunk)
+    packed = Packed(records, hiddens, per_row, max(1, chunk // per_row), device)
+    t0 = time.perf_counter()
+    captured = CapturedUpdate(head, packed)
+    capture_s = time.perf_counter() - t0
+
+    def eager():
+        head.zero_grad(set_to_none=True)
+        head_update(head, records, hiddens, chunk)
+
+    def graph():
+        head.zero_grad(set_to_none=True)
+        captured.run(packed)
+
+    eager_s = median_seconds(eager, device, sizes["repeats"])[0]
+    eager_grads = _grads(head)
+    graph_s = median_seconds(graph, device, sizes["repeats"])[0]
+    graph_grads = _grads(head)
+    cosine = min(torch.nn.functional.cosine_similarity(graph_grads[n].flatten(), g.flatten(), dim=0).item()
+                 for n, g in eager_grads.items())
+    peak = None
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        graph()
+        peak = (torch.cuda.max_memory_allocated(device) - base) / 2**20
+    count = {"eager": kernels(eager, device), "graph": kernels(graph, device)}
+    head.zero_grad(set_to_none=True)
+    return {"cycles_per_row": per_row, "rows_per_chunk": packed.rows_per_chunk,
+            "graph_cycles_per_chunk": per_row * packed.rows_per_chunk, "chunks": packed.num_chunks,
+            "caps": list(packed.caps),
+            "padded_share": 1 - cycles / (packed.num_chunks * packed.rows_per_chunk * per_row),
+            "capture_s": capture_s, "eager_s": eager_s, "graph_s": graph_s,
+            "min_grad_cosine_graph_vs_eager": cosine, "graph_peak_mb": peak, "kernels": count,
+            "kernels_per_cycle": {k: (v["kernels"] / cycles if v else None) for k, v in count.items()}}

@@ -37,7 +37,7 @@ class _Absent:
 
     def __call__(self, *args, **kwargs):
         raise NotInstalled(f"{self._qualname} was called, and {self._qualname.split('.')[0]} is not installed "
-                           "here (benchmarks/gpu_standins.py stands in for its names only)")
+                           "here (benchmarks/gpu_check/gpu_standins.py stands in for its names only)")
 
     def __mro_entries__(self, bases):  # `class X(absent.Name)`: an empty base of its own
         return (type(self._qualname.rsplit(".", 1)[-1], (), {}),)

@@ -16,7 +16,7 @@
 # run, 3 passed what ran but the deadline skipped some checks, 124 cut off by the budget).
 set -uo pipefail
 started=$SECONDS
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 PYTHON=${PYTHON:-python3}
 OUT=${OUT:-runs/gpu}
 BUDGET=${GPU_BUDGET_S:-480}
@@ -27,9 +27,9 @@ if [[ -d .gpu-wheels && ! -f .gpu-site/.installed ]]; then
   rm -rf .gpu-site
   if "$PYTHON" -m pip --version >/dev/null 2>&1; then
     "$PYTHON" -m pip install -q --no-deps --no-index --find-links .gpu-wheels --target .gpu-site \
-      -r benchmarks/gpu-wheels.txt || { echo "gpu_run: installing .gpu-wheels/ failed" >&2; exit 2; }
+      -r benchmarks/gpu_check/wheels.txt || { echo "gpu_check/run.sh: installing .gpu-wheels/ failed" >&2; exit 2; }
   else  # no pip: a wheel of these is a zip to extract (pure, abi3, or this CPython's)
-    "$PYTHON" - <<'PY' || { echo "gpu_run: extracting .gpu-wheels/ failed" >&2; exit 2; }
+    "$PYTHON" - <<'PY' || { echo "gpu_check/run.sh: extracting .gpu-wheels/ failed" >&2; exit 2; }
 import pathlib, sys, zipfile
 tag = f"-cp{sys.version_info.major}{sys.version_info.minor}-"
 for wheel in sorted(pathlib.Path(".gpu-wheels").glob("*.whl")):
@@ -61,26 +61,26 @@ for arg in "$@"; do
   [[ "$arg" == --tiny ]] && tiny=1
 done
 if [[ $tiny == 1 ]]; then
-  "$PYTHON" benchmarks/gpu_check.py --json "$OUT/gpu_check_tiny.json" "$@" 2>&1 | tee "$OUT/gpu_check_tiny.log"
+  "$PYTHON" benchmarks/gpu_check/gpu_check.py --json "$OUT/gpu_check_tiny.json" "$@" 2>&1 | tee "$OUT/gpu_check_tiny.log"
   exit "${PIPESTATUS[0]}"
 fi
 if ! "$PYTHON" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
-  echo "gpu_run: the check at Qwen3-4B's shapes needs CUDA, and torch sees none here" \
+  echo "gpu_check/run.sh: the check at Qwen3-4B's shapes needs CUDA, and torch sees none here" \
        "(environment.txt says why); \`make gpu-check ARGS=--tiny\` runs the CPU version." >&2
   exit 2
 fi
 if [[ ${GPU_SMOKE:-0} == 1 ]]; then
-  "$PYTHON" benchmarks/gpu_check.py --tiny --device cuda --json "$OUT/gpu_check_tiny_cuda.json" 2>&1 \
+  "$PYTHON" benchmarks/gpu_check/gpu_check.py --tiny --device cuda --json "$OUT/gpu_check_tiny_cuda.json" 2>&1 \
     | tee "$OUT/gpu_check_tiny_cuda.log"
   echo "smoke: $((SECONDS - started)) s" >> "$OUT/timing.txt"
 fi
 left=$((BUDGET - (SECONDS - started)))
 if (( left < RESERVE )); then
-  echo "gpu_run: $left s of the $BUDGET s budget left, less than the $RESERVE s a check needs" >&2
+  echo "gpu_check/run.sh: $left s of the $BUDGET s budget left, less than the $RESERVE s a check needs" >&2
   exit 124
 fi
 timeout --signal=TERM --kill-after=15 "$((left - 5))" \
-  "$PYTHON" benchmarks/gpu_check.py --json "$OUT/gpu_check.json" --deadline-s "$((left - RESERVE))" "$@" 2>&1 \
+  "$PYTHON" benchmarks/gpu_check/gpu_check.py --json "$OUT/gpu_check.json" --deadline-s "$((left - RESERVE))" "$@" 2>&1 \
   | tee "$OUT/gpu_check.log"
 status=${PIPESTATUS[0]}
 echo "check: $((SECONDS - started)) s (exit $status)" >> "$OUT/timing.txt"

@@ -32,12 +32,14 @@ import sys
 import tempfile
 import time
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import gpu_standins
 import torch
-from gpu_drafter import draft_rollouts, first_accept_z
+from gpu_drafter import calibrate_head, draft_rollouts, first_accept_z
 from gpu_report import Row
+from gpu_sampler import Z_LIMIT  # the drafter's first acceptance, held as check (d) holds its own
 from gpu_world import build_head, flatten_policy_logits_
 
 # Bytes per parameter (the policy's and the head's) at the peak of the step, measured: on an H100 (2026-11-27)
@@ -50,7 +52,6 @@ PEAK_BYTES_PER_PARAM = 37
 # Environment variables upstream's --train.full_determinism_enable sets (transformers' enable_full_determinism)
 DETERMINISM_ENV = ("CUDA_LAUNCH_BLOCKING", "CUBLAS_WORKSPACE_CONFIG", "ASCEND_LAUNCH_BLOCKING", "HCCL_DETERMINISTIC",
                    "FLASH_ATTENTION_DETERMINISTIC")
-Z_LIMIT = 5.0  # the drafter's first-position acceptance against its expectation, as in check (d)
 
 
 def layers_that_fit(config, memory_bytes: int, share: float = 0.8) -> int:
@@ -167,6 +168,46 @@ def _gathered(module) -> dict[str, torch.Tensor]:
 def _run_steps(args, ours: bool, make_experience, steps: int, device: torch.device) -> dict:
     """Build strategy, actor and actor-side trainer as the policy actor does; `steps` RL steps, each on a
     fresh copy of the same experience; the gathered parameters after them and the last step's times."""
+    from openrlhf_growmtp.trainer import strategy as ours_strategy
+
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        at_start = torch.cuda.memory_allocated(device)
+    trainer, parts = _actor_trainer(args, ours)
+    seconds, status = [], {}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(steps):
+            trainer.replay_buffer.clear()
+            trainer.replay_buffer.append(make_experience(step))
+            _sync(device)
+            t0 = time.perf_counter()
+            status = trainer.ppo_train(0.0)
+            _sync(device)
+            seconds.append(time.perf_counter() - t0)
+    nondeterministic = sorted({str(w.message).split("\n")[0][:160] for w in caught
+                               if "deterministic" in str(w.message)})
+    hf_model = parts[0].model.module
+    head = ours_strategy.head_of(hf_model)
+    with ours_strategy.without_head(hf_model):
+        policy = _gathered(hf_model)
+    out = {"seconds": seconds, "status": {k: float(v) for k, v in status.items() if isinstance(v, (int, float))},
+           "policy": policy, "head": _gathered(head) if head is not None else None,
+           "nondeterministic_ops": nondeterministic,
+           "memory_mb": {"at_start": at_start / 2**20, "peak": torch.cuda.max_memory_allocated(device) / 2**20}
+           if device.type == "cuda" else None}
+    with contextlib.suppress(Exception):
+        parts[0].model.destroy()
+    del trainer, parts
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
+def _actor_trainer(args, ours: bool):
+    """Our strategy and `GrowMTPActorTrainer`, or upstream's strategy and `ActorPPOTrainer`, set up as the policy
+    actor sets them up; the trainer and (actor, optimizer, scheduler, strategy)."""
     from openrlhf.models import Actor
     from openrlhf.trainer.ray.ppo_actor import ActorPPOTrainer
     from openrlhf.utils import get_strategy as upstream_get_strategy
@@ -174,9 +215,6 @@ def _run_steps(args, ours: bool, make_experience, steps: int, device: torch.devi
     from openrlhf_growmtp.trainer import ppo_actor, strategy as ours_strategy
 
     strategy = ours_strategy.get_strategy(args) if ours else upstream_get_strategy(args)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-        at_start = torch.cuda.memory_allocated(device)
     # upstream's enable_full_determinism, strict as upstream sets it: an operator without a deterministic kernel
     # raises (the check's error names it), and attention's backward takes its deterministic kernels (with
     # warn_only, as the first device run had it, cuDNN's attention ran its non-deterministic backward)
@@ -200,35 +238,7 @@ def _run_steps(args, ours: bool, make_experience, steps: int, device: torch.devi
     trainer = (ppo_actor.GrowMTPActorTrainer if ours else ActorPPOTrainer)(
         strategy, actor, None, optimizer, scheduler, micro_train_batch_size=args.train.micro_batch_size,
         tokenizer=None, vllm_engines=None)
-    seconds, status = [], {}
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        for step in range(steps):
-            trainer.replay_buffer.clear()
-            trainer.replay_buffer.append(make_experience(step))
-            _sync(device)
-            t0 = time.perf_counter()
-            status = trainer.ppo_train(0.0)
-            _sync(device)
-            seconds.append(time.perf_counter() - t0)
-    nondeterministic = sorted({str(w.message).split("\n")[0][:160] for w in caught
-                               if "deterministic" in str(w.message)})
-    hf_model = actor.model.module
-    head = ours_strategy.head_of(hf_model)
-    with ours_strategy.without_head(hf_model):
-        policy = _gathered(hf_model)
-    out = {"seconds": seconds, "status": {k: float(v) for k, v in status.items() if isinstance(v, (int, float))},
-           "policy": policy, "head": _gathered(head) if head is not None else None,
-           "nondeterministic_ops": nondeterministic,
-           "memory_mb": {"at_start": at_start / 2**20, "peak": torch.cuda.max_memory_allocated(device) / 2**20}
-           if device.type == "cuda" else None}
-    with contextlib.suppress(Exception):
-        actor.model.destroy()
-    del trainer, actor, optimizer, scheduler, strategy
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    return out
+    return trainer, (actor, optimizer, scheduler, strategy)
 
 
 def _sync(device: torch.device) -> None:
@@ -247,14 +257,25 @@ def _build_policy(config, device, seed: int = 0):
     return flatten_policy_logits_(policy.to(torch.bfloat16).eval())
 
 
-def check_trainer_step(plan, config, device: torch.device, log) -> tuple[list[Row], dict]:
-    """`config`: the policy's (its depth chosen by the caller)."""
-    standins = _prepare_process(device)
+@dataclass
+class Drafted:
+    """The experience both runs train on: the reference drafter's sequences and records, and the rollout policy's
+    log-probs of their response tokens; the policy and the head as they were saved under the work directory."""
+
+    sequences: torch.Tensor
+    logp: torch.Tensor
+    rollouts: object  # gpu_drafter.Rollouts
+    calibration: dict
+    z: float
+    initial_head: dict[str, torch.Tensor]
+
+
+def _draft(plan, config, device: torch.device, work: Path, log) -> Drafted:
+    """A policy of `config` and a random head, the head's tau set to the plan's, their rollouts drafted and
+    validated, the old policy's log-probs; both models saved under `work` and released from the device."""
     from openrlhf_growmtp.core.checkpoint import export_head, load_head
     from openrlhf_growmtp.core.validation import validate_records
-    from gpu_drafter import calibrate_head
 
-    work = Path(tempfile.mkdtemp(prefix="gpu_trainer_"))
     policy = _build_policy(config, device)
     head = build_head(policy, torch.bfloat16)
     g = torch.Generator(device=device).manual_seed(1)
@@ -264,14 +285,12 @@ def check_trainer_step(plan, config, device: torch.device, log) -> tuple[list[Ro
     rollouts = draft_rollouts(policy, head, prompts, plan.trainer_response_tokens, plan.k, plan.topk)
     records = rollouts.records
     validate_records(records, depth=plan.k, vocab_size=config.vocab_size, topk=plan.topk)
-    z = first_accept_z(rollouts)
     log(f"  (trainer_step) drafted {len(records)} x {records[0].token_ids.numel()} tokens, {rollouts.cycles} "
         f"cycles at tau {rollouts.tau:.2f} in {rollouts.seconds:.1f} s")
     sequences = torch.stack([r.token_ids for r in records])
     with torch.no_grad():  # the rollout policy's log-probs of the sampled tokens (the old policy of the step)
         logits = policy(input_ids=sequences.to(device)).logits.float()
         logp = torch.log_softmax(logits[:, :-1], -1).gather(-1, sequences[:, 1:, None].to(device))[..., 0]
-    logp = logp[:, plan.trainer_prompt - 1:].cpu()
     policy.save_pretrained(work / "policy")
     export_head(head, work / "head")
     del policy, head, logits
@@ -279,10 +298,18 @@ def check_trainer_step(plan, config, device: torch.device, log) -> tuple[list[Ro
     if device.type == "cuda":
         torch.cuda.empty_cache()
     initial_head = {n: p.to(torch.bfloat16).float() for n, p in load_head(work / "head").state_dict().items()}
+    return Drafted(sequences, logp[:, plan.trainer_prompt - 1:].cpu(), rollouts, calibration, first_accept_z(rollouts),
+                   initial_head)
+
+
+def _both_runs(plan, work: Path, drafted: Drafted, device: torch.device, log) -> tuple[dict, dict, dict | None]:
+    """Upstream's steps without the head, ours with it, from the same saved policy and experience, under
+    upstream's full determinism (given back afterwards); upstream once more where the policies differ."""
+    records = drafted.rollouts.records
 
     def experience(with_records: bool):
-        return lambda step: _experience(sequences, logp, plan.trainer_prompt, records if with_records else None,
-                                        seed=10 + step)
+        return lambda step: _experience(drafted.sequences, drafted.logp, plan.trainer_prompt,
+                                        records if with_records else None, seed=10 + step)
 
     def upstream(run: str) -> dict:
         return _run_steps(_train_args(work / "policy", work / run, plan, None), False, experience(False),
@@ -294,64 +321,77 @@ def check_trainer_step(plan, config, device: torch.device, log) -> tuple[list[Ro
         with_head = _run_steps(_train_args(work / "policy", work / "ours", plan, work / "head"), True,
                                experience(True), plan.trainer_steps, device)
         log(f"  (trainer_step) ours, with the head: steps {', '.join(f'{s:.2f}' for s in with_head['seconds'])} s")
-        differing, worst = _differences(without["policy"], with_head["policy"])
         control = None
-        if differing:  # the head's doing, or the device's? upstream once more, from the same start
+        if _differences(without["policy"], with_head["policy"])[0]:  # the head's doing, or the device's?
             again = upstream("up_again")
             names, largest = _differences(without["policy"], again["policy"])
             control = {"differing": len(names), "max_abs_diff": largest}
             log(f"  (trainer_step) upstream against itself: {control['differing']} tensors differ")
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+    return without, with_head, control
 
-    trained = _count_trained(work / "policy", without["policy"])
+
+def check_trainer_step(plan, config, device: torch.device, log) -> tuple[list[Row], dict]:
+    """`config`: the policy's (its depth chosen by the caller)."""
+    standins = _prepare_process(device)
+    work = Path(tempfile.mkdtemp(prefix="gpu_trainer_"))
+    drafted = _draft(plan, config, device, work, log)
+    without, with_head, control = _both_runs(plan, work, drafted, device, log)
+    rollouts, status = drafted.rollouts, with_head["status"]
+    differing, worst = _differences(without["policy"], with_head["policy"])
     matrices = [n for n, p in with_head["head"].items() if p.ndim == 2]
-    moved = [n for n in matrices if not torch.equal(with_head["head"][n], initial_head[n])]
-    status = with_head["status"]
     step_without, step_with = without["seconds"][-1], with_head["seconds"][-1]
     head_s = status.get("growmtp/head_update_s", float("nan"))
-    tokens = int(sequences.numel())
     details = {
         "layers": config.num_hidden_layers, "hidden_size": config.hidden_size, "vocab_size": config.vocab_size,
         "responses": plan.trainer_responses, "prompt_tokens": plan.trainer_prompt,
-        "sequence_tokens": int(sequences.shape[1]), "tokens": tokens, "cycles": rollouts.cycles,
-        "tau": rollouts.tau, "micro_batch": plan.micro_batch, "steps": plan.trainer_steps,
-        "drafter": {"seconds": rollouts.seconds, "phases": rollouts.phases, "calibration": calibration,
-                    "first_accept_rate": rollouts.first_accept_rate, "first_alpha": rollouts.first_alpha, "z": z},
+        "sequence_tokens": int(drafted.sequences.shape[1]), "tokens": int(drafted.sequences.numel()),
+        "cycles": rollouts.cycles, "tau": rollouts.tau, "micro_batch": plan.micro_batch, "steps": plan.trainer_steps,
+        "drafter": {"seconds": rollouts.seconds, "phases": rollouts.phases, "calibration": drafted.calibration,
+                    "first_accept_rate": rollouts.first_accept_rate, "first_alpha": rollouts.first_alpha,
+                    "z": drafted.z},
         "seconds_without_head": without["seconds"], "seconds_with_head": with_head["seconds"],
         "step_s_without_head": step_without, "step_s_with_head": step_with, "head_update_s": head_s,
         "head_share_of_step": head_s / step_with, "step_ratio_with_over_without": step_with / step_without,
         "policy_tensors": len(without["policy"]), "policy_tensors_differing": differing,
-        "policy_max_abs_diff": worst, "policy_tensors_trained": trained,
-        "head_matrices": matrices, "head_matrices_moved": moved, "status_with_head": status,
-        "status_without_head": without["status"],
-        "upstream_against_itself": control,
+        "policy_max_abs_diff": worst, "policy_tensors_trained": _count_trained(work / "policy", without["policy"]),
+        "head_matrices": matrices,
+        "head_matrices_moved": [n for n in matrices if not torch.equal(with_head["head"][n], drafted.initial_head[n])],
+        "status_with_head": status, "status_without_head": without["status"], "upstream_against_itself": control,
         "memory_mb": {"without_head": without["memory_mb"], "with_head": with_head["memory_mb"]},
         "nondeterministic_ops": sorted(set(without["nondeterministic_ops"] + with_head["nondeterministic_ops"])),
         "optimizer": "torch AdamW through DeepSpeed (torch_adam)", "deterministic_algorithms": "strict",
         "standins": standins,
     }
-    n = len(without["policy"])
-    rows = [
-        Row("trainer_step", f"reference drafter: first-draft acceptance vs sum min(p, q), {rollouts.cycles} cycles",
-            f"z {z:.2f} ({rollouts.first_accept_rate:.3f} vs {rollouts.first_alpha:.3f}); tau {rollouts.tau:.2f}",
-            f"|z| <= {Z_LIMIT:g}", abs(z) <= Z_LIMIT, {"z": z, "tau": rollouts.tau}),
-        Row("trainer_step", f"policy after {plan.trainer_steps} ZeRO-3 bf16 steps, {config.num_hidden_layers} "
+    return _rows(plan, details), details
+
+
+def _rows(plan, d: dict) -> list[Row]:
+    n, differing, control = d["policy_tensors"], d["policy_tensors_differing"], d["upstream_against_itself"]
+    z, tau, cycles = d["drafter"]["z"], d["tau"], d["cycles"]
+    head_s, step_with, step_without = d["head_update_s"], d["step_s_with_head"], d["step_s_without_head"]
+    moved, matrices = d["head_matrices_moved"], d["head_matrices"]
+    return [
+        Row("trainer_step", f"reference drafter: first-draft acceptance vs sum min(p, q), {cycles} cycles",
+            f"z {z:.2f} ({d['drafter']['first_accept_rate']:.3f} vs {d['drafter']['first_alpha']:.3f}); tau {tau:.2f}",
+            f"|z| <= {Z_LIMIT:g}", abs(z) <= Z_LIMIT, {"z": z, "tau": tau}),
+        Row("trainer_step", f"policy after {plan.trainer_steps} ZeRO-3 bf16 steps, {d['layers']} "
             f"layers: ours with the head vs upstream without", f"{n - len(differing)} of {n} tensors identical"
-            + (f", max|d| {worst:.1e}" if differing else "")
+            + (f", max|d| {d['policy_max_abs_diff']:.1e}" if differing else "")
             + (f"; upstream vs itself: {n - control['differing']} identical, max|d| {control['max_abs_diff']:.1e}"
-               if control else ""), f"bit-identical; {trained} of {n} trained",
-            not differing and trained > 0 and status.get("growmtp/head_finite") == 1.0,
-            {"differing": len(differing), "max_abs_diff": worst}),
+               if control else ""), f"bit-identical; {d['policy_tensors_trained']} of {n} trained",
+            not differing and d["policy_tensors_trained"] > 0
+            and d["status_with_head"].get("growmtp/head_finite") == 1.0,
+            {"differing": len(differing), "max_abs_diff": d["policy_max_abs_diff"]}),
         Row("trainer_step", "head's weight matrices moved", f"{len(moved)} of {len(matrices)}", "all",
             bool(matrices) and len(moved) == len(matrices), {"moved": len(moved)}),
-        Row("trainer_step", f"head update / whole step with it, {tokens} tokens, {rollouts.cycles} cycles",
+        Row("trainer_step", f"head update / whole step with it, {d['tokens']} tokens, {cycles} cycles",
             f"{head_s / step_with:.3f}", f"{head_s:.2f} s / {step_with:.2f} s (last of {plan.trainer_steps} steps)",
             None, {"ratio": head_s / step_with}),
         Row("trainer_step", "step with the head / step without (upstream)", f"{step_with / step_without:.3f}",
             f"{step_with:.2f} s / {step_without:.2f} s", None, {"ratio": step_with / step_without}),
     ]
-    return rows, details
 
 
 def _differences(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> tuple[list[str], float]:

@@ -73,63 +73,79 @@ class Meter:
             self.peak_mb = (torch.cuda.max_memory_allocated(self.device) - self.base) / 2**20
 
 
-def check_cost(plan: Plan, policy, head: MTPHead, log) -> tuple[list[Row], dict]:
-    device = policy.device
-    for module in (policy, head):  # gradients live across a step: allocated before anything is measured
-        for p in module.parameters():
-            if p.requires_grad and p.grad is None:
-                p.grad = torch.zeros_like(p)
-    batch = plan.micro_batch
+class Sides:
+    """The three passes that (c) times, over one list of records: the policy's forward + backward (it hands over
+    the hidden states), the policy's own no-grad forward, and the head update."""
 
-    def policy_pass(records):
-        policy.zero_grad(set_to_none=False)
-        return policy_hiddens(policy, records, batch, device)
+    def __init__(self, plan: Plan, policy, head: MTPHead):
+        self.plan, self.policy, self.head, self.device = plan, policy, head, policy.device
+        for module in (policy, head):  # gradients live across a step: allocated before anything is measured
+            for p in module.parameters():
+                if p.requires_grad and p.grad is None:
+                    p.grad = torch.zeros_like(p)
 
-    def own_forward(records):
+    def policy_pass(self, records):
+        self.policy.zero_grad(set_to_none=False)
+        return policy_hiddens(self.policy, records, self.plan.micro_batch, self.device)
+
+    def own_forward(self, records):
+        batch = self.plan.micro_batch
         with torch.no_grad():
             for lo in range(0, len(records), batch):
-                policy.model(input_ids=torch.stack([r.token_ids for r in records[lo:lo + batch]]).to(device))
+                self.policy.model(input_ids=torch.stack([r.token_ids for r in records[lo:lo + batch]]).to(self.device))
 
-    def head_pass(records, hiddens):
-        head.zero_grad(set_to_none=False)
-        stats = head_update(head, records, hiddens, plan.chunk_cycles)
+    def head_pass(self, records, hiddens):
+        self.head.zero_grad(set_to_none=False)
+        stats = head_update(self.head, records, hiddens, self.plan.chunk_cycles)
         if not stats.finite:
             raise RuntimeError("the head update's loss is not finite")
         return stats
 
-    # Warm-up on one micro-batch: first-call costs out of the timing, and a per-response cost estimate.
-    records = make_records(plan, batch)
-    hiddens = policy_pass(records)
-    own_forward(records)
-    head_pass(records, hiddens)
-    with Meter(device) as policy_once:
-        hiddens = policy_pass(records)
-    with Meter(device) as forward_once:
-        own_forward(records)
-    with Meter(device) as head_once:
-        head_pass(records, hiddens)
-    per_response = (policy_once.seconds + forward_once.seconds + head_once.seconds) / batch
-    fit = int(plan.budget_s / (plan.repeats * per_response)) // batch * batch
-    responses = max(batch, min(plan.responses, fit))
-    log(f"  (c) warm-up: {per_response:.2f} s per response per repeat; timing {responses} responses "
-        f"({plan.responses} asked, {plan.repeats} repeats, budget {plan.budget_s:.0f} s)")
-    records = records + make_records(plan, responses - batch, first_seed=batch)
-    del hiddens
+    def responses_within_budget(self, log) -> list[SequenceRecord]:
+        """Warm-up on one micro-batch (first-call costs out of the timing), then the records of as many responses
+        as the budget holds at the warm-up's cost per response (at most the plan's)."""
+        plan, batch = self.plan, self.plan.micro_batch
+        records = make_records(plan, batch)
+        hiddens = self.policy_pass(records)
+        self.own_forward(records)
+        self.head_pass(records, hiddens)
+        with Meter(self.device) as policy_once:
+            hiddens = self.policy_pass(records)
+        with Meter(self.device) as forward_once:
+            self.own_forward(records)
+        with Meter(self.device) as head_once:
+            self.head_pass(records, hiddens)
+        per_response = (policy_once.seconds + forward_once.seconds + head_once.seconds) / batch
+        fit = int(plan.budget_s / (plan.repeats * per_response)) // batch * batch
+        responses = max(batch, min(plan.responses, fit))
+        log(f"  (c) warm-up: {per_response:.2f} s per response per repeat; timing {responses} responses "
+            f"({plan.responses} asked, {plan.repeats} repeats, budget {plan.budget_s:.0f} s)")
+        return records + make_records(plan, responses - batch, first_seed=batch)
 
-    times = {"policy": [], "own_forward": [], "head": []}
-    peaks = {"policy": [], "own_forward": [], "head": []}
-    stats = None
-    for _ in range(plan.repeats):
-        with Meter(device) as policy_meter:
-            hiddens = policy_pass(records)
-        with Meter(device) as forward_meter:
-            own_forward(records)
-        with Meter(device) as head_meter:
-            stats = head_pass(records, hiddens)
-        del hiddens
-        for key, meter in (("policy", policy_meter), ("own_forward", forward_meter), ("head", head_meter)):
-            times[key].append(meter.seconds)
-            peaks[key].append(meter.peak_mb)
+    def timed(self, records) -> tuple[dict, dict, object]:
+        """Seconds and peaks of each side, the repeats alternating the three; the last head update's stats."""
+        times = {"policy": [], "own_forward": [], "head": []}
+        peaks = {"policy": [], "own_forward": [], "head": []}
+        stats = None
+        for _ in range(self.plan.repeats):
+            with Meter(self.device) as policy_meter:
+                hiddens = self.policy_pass(records)
+            with Meter(self.device) as forward_meter:
+                self.own_forward(records)
+            with Meter(self.device) as head_meter:
+                stats = self.head_pass(records, hiddens)
+            del hiddens
+            for key, meter in (("policy", policy_meter), ("own_forward", forward_meter), ("head", head_meter)):
+                times[key].append(meter.seconds)
+                peaks[key].append(meter.peak_mb)
+        return times, peaks, stats
+
+
+def check_cost(plan: Plan, policy, head: MTPHead, log) -> tuple[list[Row], dict]:
+    sides = Sides(plan, policy, head)
+    records = sides.responses_within_budget(log)
+    times, peaks, stats = sides.timed(records)
+    responses = len(records)
     median = {k: statistics.median(v) for k, v in times.items()}
     peak = {k: (max(v) if v[0] is not None else None) for k, v in peaks.items()}
     tokens = sum(int(r.token_ids.numel()) for r in records)
@@ -142,7 +158,7 @@ def check_cost(plan: Plan, policy, head: MTPHead, log) -> tuple[list[Row], dict]
         "responses": responses, "responses_asked": plan.responses, "scaled_by_budget": responses < plan.responses,
         "paper_responses_per_step": 512, "prompt_tokens": plan.prompt_tokens, "response_tokens": plan.response_tokens,
         "tokens": tokens, "cycles": cycles, "tau": 1.0 + sum(float(r.accepted.float().sum()) for r in records) / cycles,
-        "k": plan.k, "chunk_cycles": plan.chunk_cycles, "micro_batch": batch, "gradient_checkpointing": True,
+        "k": plan.k, "chunk_cycles": plan.chunk_cycles, "micro_batch": plan.micro_batch, "gradient_checkpointing": True,
         "repeats": plan.repeats, "budget_s": plan.budget_s, "seconds": times, "median_s": median,
         "peak_mb": peak, "hidden_states_mb": hidden_mb,
         "hidden_states_mb_at_512_responses": hidden_mb * 512 / responses,
@@ -150,15 +166,20 @@ def check_cost(plan: Plan, policy, head: MTPHead, log) -> tuple[list[Row], dict]
         "head_loss": stats.loss, "head_alpha_mean": stats.alpha_mean,
         "policy_tokens_per_s": tokens / median["policy"], "head_cycles_per_s": cycles / median["head"],
     }
+    return _rows(plan, details), details
+
+
+def _rows(plan: Plan, d: dict) -> list[Row]:
+    median, peak, responses = d["median_s"], d["peak_mb"], d["responses"]
     scale = f"{responses} of 512 responses" + (" (cut by the time budget)" if responses < plan.responses else "")
-    mem = "CUDA only" if memory_ratio is None else f"{peak['head']:.0f} / {peak['policy']:.0f} MB"
-    rows = [
-        Row("c", f"time: head update / policy fwd+bwd, {scale}", f"{ratio:.3f}",
+    mem = "CUDA only" if d["memory_ratio"] is None else f"{peak['head']:.0f} / {peak['policy']:.0f} MB"
+    return [
+        Row("c", f"time: head update / policy fwd+bwd, {scale}", f"{d['time_ratio']:.3f}",
             f"{median['head']:.2f} s / {median['policy']:.2f} s (medians of {plan.repeats})", None,
-            {"ratio": ratio}),
-        Row("c", "time: (head update + own no-grad forward) / policy fwd+bwd", f"{ratio_forward:.3f}",
-            f"own forward {median['own_forward']:.2f} s", None, {"ratio": ratio_forward}),
-        Row("c", "peak memory: head update / policy fwd+bwd", "-" if memory_ratio is None else f"{memory_ratio:.3f}",
-            mem, None, {"ratio": memory_ratio}),
+            {"ratio": d["time_ratio"]}),
+        Row("c", "time: (head update + own no-grad forward) / policy fwd+bwd",
+            f"{d['time_ratio_with_own_forward']:.3f}", f"own forward {median['own_forward']:.2f} s", None,
+            {"ratio": d["time_ratio_with_own_forward"]}),
+        Row("c", "peak memory: head update / policy fwd+bwd",
+            "-" if d["memory_ratio"] is None else f"{d['memory_ratio']:.3f}", mem, None, {"ratio": d["memory_ratio"]}),
     ]
-    return rows, details

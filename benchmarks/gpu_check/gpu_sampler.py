@@ -1,11 +1,15 @@
-"""Check (d) of the GPU check: a rejection sampler's acceptance against E_{x~q}[min(1, p(x)/q(x))].
+"""The GPU check's rejection sampler, and check (d): its acceptance against E_{x~q}[min(1, p(x)/q(x))].
 
-The sampler (`rejection_sample`) is this check's own, in torch, since vLLM's is not on the GPU machine. Terms
-as in `core/records.py`: a chain drafts d_1..d_K, d_j ~ q_j; d_j is *accepted* with probability
-min(1, p_j(d_j) / q_j(d_j)) while every earlier draft was; at the first rejection j the *recovered* token is
-drawn from norm(max(p_j - q_j, 0)); when all K pass, the *bonus* token is drawn from p_{K+1}. Here p_j and
-q_j are fixed rows (no context), so position j accepts with probability alpha_j = sum min(p_j, q_j) and
-the accepted count A has P(A >= l) = prod_{i<=l} alpha_i.
+The sampler is the check's own, in torch, since vLLM's is not on the GPU machine; the rollout loop
+(`gpu_loop.py`) and the reference drafter (`gpu_drafter.py`) draw with it too. Terms as in `core/records.py`: a
+chain drafts d_1..d_K, d_j ~ q_j; d_j is *accepted* with probability min(1, p_j(d_j) / q_j(d_j)) while every
+earlier draft was (`accepted_count`); at the first rejection j the *recovered* token is drawn from
+norm(max(p_j - q_j, 0)) (`residual`); when all K pass, the *bonus* token is drawn from p_{K+1}. `rejection_step`
+does it for a batch of sequences, each with its own rows; tokens are sampled by the exponential race
+(`sample`: argmax w / E, E ~ Exp(1)), exact for unnormalised weights and free of host synchronisation, where
+torch.multinomial is not. Check (d) holds the rule to its law on fixed rows (no context, `rejection_sample`:
+2^20 chains of one (p, q) pair, its recovered tokens drawn per position), where position j accepts with
+probability alpha_j = sum min(p_j, q_j) and the accepted count A has P(A >= l) = prod_{i<=l} alpha_i.
 
 What is checked, on `trials` independent chains per (p, q) pair:
 - the first position's acceptance rate against alpha_1, within Z_LIMIT standard errors sqrt(a(1-a)/n);
@@ -30,9 +34,45 @@ MIN_EXPECTED = 5.0
 BIN_IDS = 32
 
 
+def sample(weights: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One index per row of weights [..., V] (>= 0, unnormalised) with P(i) = w_i / sum w: the exponential
+    race argmax w / E. E is floored at the smallest normal float, as a draw of exactly 0 would pick its id
+    whatever its weight."""
+    race = torch.empty_like(weights).exponential_(generator=generator).clamp_(min=torch.finfo(weights.dtype).tiny)
+    return (weights / race).argmax(-1)
+
+
+def accepted_count(p_draft: torch.Tensor, q_draft: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Drafts accepted before the first rejection, [...] in 0..K, from p_j(d_j), q_j(d_j) and uniforms u, each
+    [..., K]: d_j passes where u < p / q, with probability min(1, p / q)."""
+    return (u * q_draft < p_draft).long().cumprod(dim=-1).sum(dim=-1)
+
+
+def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """max(p - q, 0): the unnormalised law of the token recovered at a rejection."""
+    return (p - q).clamp(min=0.0)
+
+
+def rejection_step(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor, generator: torch.Generator | None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """p [B, K+1, V] the target's rows, q [B, K, V] the drafter's, drafts [B, K] sampled from q.
+
+    Returns (accepted [B] in 0..K, emitted [B]: the recovered token at the first rejection, or the bonus)."""
+    k = q.shape[1]
+    p_draft = p[:, :k].gather(2, drafts[..., None])[..., 0]
+    q_draft = q.gather(2, drafts[..., None])[..., 0]
+    u = torch.rand(p_draft.shape, generator=generator, device=p.device, dtype=p.dtype)
+    accepted = accepted_count(p_draft, q_draft, u)
+    stop = accepted.clamp(max=k - 1)[:, None, None].expand(-1, 1, p.shape[-1])
+    recovered = residual(p.gather(1, stop), q.gather(1, stop))[:, 0]
+    return accepted, sample(torch.where((accepted == k)[:, None], p[:, k], recovered), generator)
+
+
 def rejection_sample(p: torch.Tensor, q: torch.Tensor, trials: int, generator: torch.Generator
                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    """p [K+1, V] target rows (the last for the bonus), q [K, V] draft rows, both normalised.
+    """`trials` chains of one (p, q) pair: p [K+1, V] target rows (the last for the bonus), q [K, V] draft rows,
+    both normalised. The chains share their rows, so the recovered tokens of each position are drawn together
+    (rejection_step's per-chain rows would be [trials, V] at the vocabulary's size).
 
     Returns (accepted [trials] in 0..K, emitted [trials, K+1]: the token each chain emits at each
     position, -1 past its recovered or bonus token)."""
@@ -41,9 +81,7 @@ def rejection_sample(p: torch.Tensor, q: torch.Tensor, trials: int, generator: t
     drafts = torch.stack([torch.multinomial(q[j], trials, replacement=True, generator=generator)
                           for j in range(depth)], dim=1)  # [trials, K]
     u = torch.rand(trials, depth, generator=generator, device=q.device, dtype=q.dtype)
-    ratio = p[:depth].gather(1, drafts.T).T / q.gather(1, drafts.T).T  # p_j(d_j) / q_j(d_j), [trials, K]
-    passed = u < ratio  # probability min(1, ratio)
-    accepted = passed.long().cumprod(dim=1).sum(dim=1)  # drafts before the first rejection
+    accepted = accepted_count(p[:depth].gather(1, drafts.T).T, q.gather(1, drafts.T).T, u)
     emitted = torch.full((trials, depth + 1), -1, dtype=torch.long, device=q.device)
     keep = torch.arange(depth, device=q.device)[None, :] < accepted[:, None]
     emitted[:, :depth] = torch.where(keep, drafts, emitted[:, :depth])
@@ -52,7 +90,7 @@ def rejection_sample(p: torch.Tensor, q: torch.Tensor, trials: int, generator: t
         count = int(stopped.sum())
         if count == 0:
             continue
-        source = (p[j] - q[j]).clamp(min=0.0) if j < depth else p[j]
+        source = residual(p[j], q[j]) if j < depth else p[j]
         emitted[stopped, j] = torch.multinomial(source / source.sum(), count, replacement=True, generator=generator)
     return accepted, emitted
 

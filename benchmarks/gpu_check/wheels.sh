@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
-# `make gpu-wheels`: the wheels of benchmarks/gpu-wheels.txt for x86_64 Linux into .gpu-wheels/, where the
+# `make gpu-wheels`: the wheels of benchmarks/gpu_check/wheels.txt for x86_64 Linux into .gpu-wheels/, where the
 # registry is reachable (here), to carry with the working tree to a GPU machine without one (docs/gpu.md).
 # Untagged lines: one wheel (pure or abi3); "# per-python": one per CPython 3.10-3.14 that has one (the
 # machine's Python was 3.12; a version without a wheel is reported and skipped); "# built": a wheel built
 # here from the source release with this Python (PYTHON), without its native ops.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 PYTHON=${PYTHON:-python3}
-LIST=benchmarks/gpu-wheels.txt
+LIST=benchmarks/gpu_check/wheels.txt
 TMP=.gpu-wheels.tmp
 PLATFORMS=(--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64
            --platform manylinux1_x86_64)
