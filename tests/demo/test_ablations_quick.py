@@ -4,7 +4,8 @@
 with a lag to measure (a step after the head's one warm-up step, and the step after it). Elsewhere: the
 autoregressive arm's path is the demo's (tests/demo/test_demo_quick.py), the frozen arm's step and export
 tests/trainer/test_regression.py, every arm's command the startup checks (tests/trainer/test_startup.py), and
-a summary over several arms tests/demo/test_ablations_summary.py."""
+a summary over several arms tests/demo/test_ablations_summary.py. A study's machinery, not the product's path:
+`make test-slow` runs it, which keeps `make test` inside its 15 minutes."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import pytest
 from safetensors.torch import load_file
 
 ARMS = ("growmtp",)
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")

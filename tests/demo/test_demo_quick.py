@@ -13,7 +13,7 @@ import pytest
 
 SUMMARY_KEYS = {"k", "steps", "tau_first", "tau_final", "alpha_final", "reward_final_growmtp", "reward_final_ar",
                 "rollout_time_ratio", "step_time_ratio", "rollout_speedup_last10", "step_speedup_last10",
-                "crossover_step", "net_wall_ratio"}
+                "crossover_step", "net_wall_ratio", "paired_final", "paired"}
 PLOTS = ["tau.png", "alpha.png", "time.png", "reward.png", "overview.png"]
 
 
@@ -52,10 +52,32 @@ def test_outputs_exist_and_parse(quick_run):
     for arm in ("ar", "growmtp"):
         command = (out / arm / "command.txt").read_text()
         assert command.count(f"--growmtp_k {0 if arm == 'ar' else 3}") == 1
-        assert command.count("--growmtp_max_num_seqs 2") == 1  # both arms decode alike
+        assert command.count("--vllm.max_num_seqs 2") == 1  # both arms decode alike
         assert (out / arm / "final" / "model.safetensors").exists()
     assert (out / "growmtp" / "final" / "growmtp_head" / "config.json").exists()
-    assert "GrowMTP K=3" in stdout and "rollout time" in stdout and "speedup over autoregressive" in stdout
+    assert "GrowMTP K=3" in stdout and "paired rollout speedup after step 3" in stdout
+    assert stdout.index("paired rollout speedup") < stdout.index("whole run (one run per arm, unpaired)")
+
+
+def test_the_paired_figure_follows_from_its_own_timed_generates(quick_run):
+    """The summary leads with the paired measurement of the final checkpoint: both arms on the same prompts,
+    alternated, its speedup the median over pairs of per-token time ratios recomputed here from every
+    generate's time, its τ the speculative engine's own counts."""
+    out, _ = quick_run
+    summary = json.loads((out / "summary.json").read_text())
+    measured = json.loads((out / "growmtp" / "paired" / "step3.json").read_text())
+    rows = measured["rows"]
+    assert [r["arm"] for r in rows] == ["ar", "spec", "spec", "ar"] and measured["requests"] == 16
+    per_token = {(r["pair"], r["arm"]): r["wall_s"] / r["tokens"] for r in rows}
+    speedups = sorted(per_token[(p, "ar")] / per_token[(p, "spec")] for p in (0, 1))
+    assert summary["paired_final"]["estimate"] == pytest.approx(sum(speedups) / 2)
+    assert summary["paired_final"]["low"] <= summary["paired_final"]["estimate"] <= summary["paired_final"]["high"]
+    spec = [r for r in rows if r["arm"] == "spec"]
+    accepted, cycles = sum(r["accepted"] for r in spec), sum(r["cycles"] for r in spec)
+    assert summary["paired_tau_final"] == pytest.approx(1 + accepted / cycles)
+    assert 1.0 <= summary["paired_tau_final"] <= 4.0 and measured["depth"] == 3
+    assert measured["engine_kwargs"]["max_num_seqs"] == 2  # the run's engines' concurrency
+    assert measured["provenance"]["commit"] and measured["provenance"]["machine"]["cores"] >= 1
 
 
 def test_tau_grows_from_the_random_head(quick_run):

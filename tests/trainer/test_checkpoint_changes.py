@@ -43,7 +43,7 @@ def run(tmp: Path, ckpt: str, steps: int, *extra: str, k: int = 3,
            "group_norm", "--algo.kl.init_coef", "0", "--reward.remote_url", str(tmp / "reward.py"),
            "--actor.adam.lr", "1e-5", "--ckpt.path", str(tmp / ckpt), "--ckpt.save_steps", "1",
            "--ckpt.output_dir", str(tmp / f"{ckpt}_final"), "--growmtp_k", str(k), "--growmtp_topk", "8",
-           "--growmtp_head_lr", "3e-3", "--growmtp_warmup_steps", "1", *extra]
+           "--growmtp_head_lr", "3e-3", "--growmtp_head_warmup_steps", "1", *extra]
     env = {**os.environ, "GROWMTP_RAY_TMP": str(tmp / "ray")}
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
 

@@ -192,7 +192,7 @@ def test_depth_auto_chooses_each_rollouts_depth_from_the_last_ones_acceptance(wo
     from openrlhf_growmtp.core.depth import CycleCosts, DepthRule
 
     tmp, _ = world
-    launch(tmp, 8, "--growmtp_depth", "auto", "--growmtp_max_num_seqs", "4", "--ckpt.save_steps", "-1",
+    launch(tmp, 8, "--growmtp_depth", "auto", "--vllm.max_num_seqs", "4", "--ckpt.save_steps", "-1",
            ckpt="ckpt_auto", final="final_auto", lag=False)
     steps = rows(tmp, "ckpt_auto")
     assert [r["step"] for r in steps] == [1, 2, 3, 4]

@@ -1,0 +1,123 @@
+"""Figures quoted in the README and docs, tied to the kept files they come from.
+
+Two marks, both invisible in rendered markdown:
+
+- after a number, `<!-- fig: PATH KEY -->`: the number is the JSON file PATH's value at KEY (dots between keys
+  and list indices, e.g. `paired.0.speedup.low`; a key may hold dots itself), rounded to as many decimals as the text shows; ` pct` after
+  KEY reads a share as a percentage. PATH is relative to the markdown file.
+- `<!-- table: PATH -->` ... `<!-- /table -->` around a block: the block is the file PATH's text (a table a
+  study wrote, e.g. `table.md`).
+
+`check(markdown_path)` lists every mark that no longer matches its file; `refresh(markdown_path)` rewrites the
+table blocks from their files (a quoted number is never rewritten: its sentence may need to change with it).
+
+    python -m openrlhf_growmtp.measure.figures README.md docs/*.md            # check
+    python -m openrlhf_growmtp.measure.figures --refresh docs/demo.md         # tables from their files
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+FIGURE = re.compile(r"(-?\d[\d,]*(?:\.\d+)?)(?:\*\*|[×x%]|\s)*<!-- fig: (\S+) (\S+)( pct)? -->")
+TABLE = re.compile(r"<!-- table: (\S+) -->\n(.*?)<!-- /table -->", re.DOTALL)
+MARK = re.compile(r"<!-- (fig|table): ")
+CODE = re.compile(r"^(```|~~~).*?^\1[^\n]*$|(`+)[^\n]*?\2", re.DOTALL | re.MULTILINE)  # fenced blocks, code spans
+
+
+def _outside_code(text: str) -> str:
+    """`text` with its code blocks and code spans blanked (a mark quoted as an example is no mark)."""
+    return CODE.sub(lambda m: re.sub(r"[^\n]", " ", m.group(0)), text)
+
+
+def lookup(document: dict | list, key: str):
+    """`document`'s value at a dotted key: integers index lists; a dict's own keys may hold dots (e.g. a τ of
+    "2.91"), the longest that matches is taken."""
+    value, parts, i = document, key.split("."), 0
+    while i < len(parts):
+        if isinstance(value, list):
+            value, i = value[int(parts[i])], i + 1
+            continue
+        for j in range(len(parts), i, -1):
+            name = ".".join(parts[i:j])
+            if isinstance(value, dict) and name in value:
+                value, i = value[name], j
+                break
+        else:
+            raise KeyError(f"no {parts[i]!r} in {key!r}")
+    return value
+
+
+def check(path: Path) -> list[str]:
+    """Every figure or table of a markdown file that does not match its kept file, each with the reason."""
+    text = _outside_code(path.read_text(encoding="utf-8"))
+    problems, cache = [], {}
+    marks = len(MARK.findall(text))
+    matched = 0
+    for match in FIGURE.finditer(text):
+        matched += 1
+        shown, source, key, pct = match.groups()
+        where = f"{path.name}: {shown} <- {source} {key}"
+        file = (path.parent / source).resolve()
+        try:
+            if file not in cache:
+                cache[file] = json.loads(file.read_text())
+            value = lookup(cache[file], key)
+        except (OSError, ValueError, KeyError, IndexError) as err:
+            problems.append(f"{where}: {err}")
+            continue
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            problems.append(f"{where}: the kept value {value!r} is not a number")
+            continue
+        value = 100 * value if pct else value
+        digits = len(shown.split(".")[1]) if "." in shown else 0
+        if round(value, digits) != float(shown.replace(",", "")):
+            problems.append(f"{where}: the kept value is {value!r}, which shows as {value:.{digits}f}")
+    for match in TABLE.finditer(text):
+        matched += 1
+        file = (path.parent / match.group(1)).resolve()
+        if not file.exists():
+            problems.append(f"{path.name}: table {match.group(1)}: no such file")
+        elif file.read_text(encoding="utf-8").strip() != match.group(2).strip():
+            problems.append(f"{path.name}: table {match.group(1)} differs from its file (--refresh)")
+    if matched != marks:
+        problems.append(f"{path.name}: {marks - matched} mark(s) not after a number or not closed by <!-- /table -->")
+    return problems
+
+
+def refresh(path: Path) -> int:
+    """Rewrite `path`'s table blocks from their files; returns how many changed."""
+    text = path.read_text(encoding="utf-8")
+    changed = 0
+
+    def replace(match: re.Match) -> str:
+        nonlocal changed
+        table = (path.parent / match.group(1)).read_text(encoding="utf-8").strip()
+        changed += table != match.group(2).strip()
+        return f"<!-- table: {match.group(1)} -->\n{table}\n<!-- /table -->"
+
+    path.write_text(TABLE.sub(replace, text), encoding="utf-8")
+    return changed
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m openrlhf_growmtp.measure.figures", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("files", nargs="+", type=Path)
+    parser.add_argument("--refresh", action="store_true", help="rewrite the table blocks from their files first")
+    args = parser.parse_args(argv)
+    problems = []
+    for path in args.files:
+        if args.refresh and refresh(path):
+            print(f"{path}: tables refreshed")
+        problems += check(path)
+    print("\n".join(problems) if problems else "every figure matches its kept file")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

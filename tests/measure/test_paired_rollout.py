@@ -1,0 +1,111 @@
+"""The paired design without an engine: the order alternates, the warm-up is not timed, per-token seconds and
+the speedup follow from the rows, and alternation cancels a machine that slows down steadily."""
+
+from __future__ import annotations
+
+import pytest
+
+from openrlhf_growmtp.cli.paired_rollout import parse_regimes, read_prompts, tokenize_prompts
+from openrlhf_growmtp.measure.paired_rollout import PairedDesign, run_pairs, summarize
+
+
+class FakeMachine:
+    """A clock and two arms: each generate costs `cost[arm]` seconds per token times a slowdown that grows by
+    `drift` per generate (the machine getting slower), over `tokens[arm]` tokens."""
+
+    def __init__(self, cost: dict, tokens: dict, drift: float = 0.0):
+        self.now, self.calls, self.cost, self.tokens, self.drift = 0.0, [], cost, tokens, drift
+
+    def clock(self) -> float:
+        return self.now
+
+    def arm(self, name: str):
+        def generate() -> dict:
+            n = self.tokens[name][len([c for c in self.calls if c == name]) % len(self.tokens[name])]
+            self.now += n * self.cost[name] * (1 + self.drift * len(self.calls))
+            self.calls.append(name)
+            out = {"tokens": n}
+            if name == "spec":
+                out.update(cycles=n // 2, accepted=n - n // 2)
+            return out
+        return generate
+
+
+def test_arms_alternate_abba_after_one_untimed_warm_up_each():
+    machine = FakeMachine({"ar": 1.0, "spec": 1.0}, {"ar": [10], "spec": [10]})
+    rows = run_pairs({"ar": machine.arm("ar"), "spec": machine.arm("spec")}, PairedDesign(pairs=4), machine.clock)
+    assert machine.calls == ["ar", "spec"] + ["ar", "spec", "spec", "ar", "ar", "spec", "spec", "ar"]
+    assert [(r["pair"], r["position"], r["arm"]) for r in rows] == [
+        (0, 0, "ar"), (0, 1, "spec"), (1, 0, "spec"), (1, 1, "ar"),
+        (2, 0, "ar"), (2, 1, "spec"), (3, 0, "spec"), (3, 1, "ar")]
+
+
+def test_the_speedup_is_per_generated_token_whatever_the_lengths():
+    # the speculative arm generates other lengths than the autoregressive one; per token it is 1.5x as fast
+    machine = FakeMachine({"ar": 0.003, "spec": 0.002}, {"ar": [400, 450, 500], "spec": [380, 520, 470, 430]})
+    rows = run_pairs({"ar": machine.arm("ar"), "spec": machine.arm("spec")}, PairedDesign(pairs=6), machine.clock)
+    result = summarize(rows)
+    assert result["pairs"] == 6 and result["speedup_per_pair"] == pytest.approx([1.5] * 6)
+    assert result["speedup"]["estimate"] == pytest.approx(1.5)
+    assert result["ar_s_per_token"]["estimate"] == pytest.approx(0.003)
+    spec_rows = [r for r in rows if r["arm"] == "spec"]
+    cycles, accepted = sum(r["cycles"] for r in spec_rows), sum(r["accepted"] for r in spec_rows)
+    assert result["tau"] == pytest.approx(1 + accepted / cycles) and result["cycles"] == cycles
+
+
+def test_alternation_cancels_a_steady_slowdown_that_a_fixed_order_would_not():
+    # the machine slows by 5% per generate: with the arms always in the same order the second one looks 5%
+    # slower in every pair; alternating, the median over pairs stays within 2% of the true 1.5
+    cost, tokens = {"ar": 0.003, "spec": 0.002}, {"ar": [400], "spec": [400]}
+    machine = FakeMachine(cost, tokens, drift=0.05)
+    alternated = summarize(run_pairs({"ar": machine.arm("ar"), "spec": machine.arm("spec")},
+                                     PairedDesign(pairs=6), machine.clock))
+    assert alternated["speedup"]["estimate"] == pytest.approx(1.5, rel=0.02)
+    assert alternated["speedup"]["low"] < 1.5 < alternated["speedup"]["high"]
+
+    class FixedOrder(PairedDesign):
+        @staticmethod
+        def order(pair):
+            return ("ar", "spec")
+
+    machine = FakeMachine(cost, tokens, drift=0.05)
+    fixed = summarize(run_pairs({"ar": machine.arm("ar"), "spec": machine.arm("spec")}, FixedOrder(pairs=6),
+                                machine.clock))
+    assert fixed["speedup"]["estimate"] < 1.5 * 0.97
+
+
+def test_a_generate_without_tokens_and_a_bad_design_are_refused():
+    with pytest.raises(RuntimeError, match="spec arm generated no tokens"):
+        run_pairs({"ar": lambda: {"tokens": 5}, "spec": lambda: {"tokens": 0}}, PairedDesign(pairs=2))
+    with pytest.raises(ValueError, match="no generate for arm"):
+        run_pairs({"ar": lambda: {"tokens": 5}}, PairedDesign(pairs=2))
+    for bad, message in (({"pairs": 1}, "at least 2 pairs"), ({"max_tokens": 0}, "max_tokens"),
+                         ({"temperature": 0.0}, "temperature")):
+        with pytest.raises(ValueError, match=message):
+            PairedDesign(**bad)
+
+
+def test_the_clis_prompts_and_regimes_are_checked_before_any_engine(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(f'{{"input": "q{i}", "label": "a"}}\n' for i in range(5)))
+    assert read_prompts(path, "input", 2) == ["q0", "q1"]
+    assert read_prompts(path, "input", 2, from_end=True) == ["q3", "q4"]
+    with pytest.raises(ValueError, match="5 rows, cannot take 6"):
+        read_prompts(path, "input", 6)
+    with pytest.raises(ValueError, match="no 'prompt' field"):
+        read_prompts(path, "prompt", 1)
+    assert parse_regimes("2,4,8:1,2") == {"ar": [2, 4, 8], "spec": [1, 2]}
+    for bad in ("2,4", "2:0", ":1"):
+        with pytest.raises(ValueError):
+            parse_regimes(bad)
+
+
+def test_prompts_are_tokenized_as_the_rollout_does_and_repeated_per_sample():
+    class Words:
+        def __call__(self, text, add_special_tokens=True):
+            assert add_special_tokens is False  # OpenRLHF's rollout adds none
+            return {"input_ids": [len(word) for word in text.split()]}
+
+    assert tokenize_prompts(Words(), ["a bb", "ccc"], samples=2) == [[1, 2], [1, 2], [3], [3]]
+    with pytest.raises(ValueError, match="no tokens"):
+        tokenize_prompts(Words(), [""], samples=1)
