@@ -50,6 +50,7 @@ def test_valid_configuration_has_no_errors(policy_dir):
     assert errors_for(policy_dir, "--growmtp_k", "3", "--growmtp_depth", "auto") == []
     assert errors_for(policy_dir, "--growmtp_k", "3", "--growmtp_depth", "auto", "--growmtp_cycle_costs",
                       "1,1.1,1.2,1.3") == []
+    assert errors_for(policy_dir, "--growmtp_k", "3", "--growmtp_depth", "auto", "--growmtp_no_committed_loss") == []
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -76,6 +77,7 @@ def test_valid_configuration_has_no_errors(policy_dir):
     (["--growmtp_k", "3", "--growmtp_depth", "auto", "--growmtp_cycle_costs", "1,2,x,4"], "must be 4 positive"),
     (["--growmtp_k", "3", "--growmtp_depth", "auto", "--growmtp_cycle_costs", "1,2,0,4"], "must be 4 positive"),
     (["--growmtp_k", "3", "--growmtp_cycle_costs", "1,2,3,4"], "--growmtp_cycle_costs needs --growmtp_depth auto"),
+    (["--growmtp_k", "3", "--growmtp_no_committed_loss"], "--growmtp_no_committed_loss needs --growmtp_depth auto"),
 ])
 def test_bad_combinations_are_refused(policy_dir, argv, message):
     errors = errors_for(policy_dir, *argv)
