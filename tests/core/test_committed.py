@@ -1,12 +1,10 @@
 """Committed chains (core/committed.py): a cycle drafted at depth d < K trains positions d+1..K along the
 committed sequence, against the policy's own distribution there; a fixed K is left exactly as it was."""
 
-import functools
-
 import pytest
 import torch
 
-from helpers.ranks import TwoRanks
+from helpers.ranks import TwoRanks, module_calls
 from helpers.tiny import VOCAB, chain_by_chain_logits, make_head, make_records
 from openrlhf_growmtp.core import HeadKVCache, HeadLossConfig, Lockstep
 from openrlhf_growmtp.core.committed import chain_lengths_from, committed_chains
@@ -119,22 +117,6 @@ def test_committed_gradients_reach_only_the_head():
     assert changed  # the chains did train the head
 
 
-def _module_calls(head, records, lockstep, **cfg):
-    calls = {}
-    modules = dict(head.named_modules(), lm_head=head.lm_head)
-
-    def count(module, args, out, name):
-        calls[name] = calls.get(name, 0) + 1
-
-    handles = [m.register_forward_hook(functools.partial(count, name=name)) for name, m in modules.items()]
-    try:
-        update(head, records, lockstep=lockstep, **cfg)
-    finally:
-        for h in handles:
-            h.remove()
-    return calls
-
-
 def test_a_rank_without_chains_keeps_step_and_its_gradients():
     # one rank has committed chains, the other none (its cycles end too close to their record's last start):
     # both make the same module calls, and the second's gradients equal its records' updated alone
@@ -144,8 +126,12 @@ def test_a_rank_without_chains_keeps_step_and_its_gradients():
     alone = make_head("qwen3")
     update(alone, idle, **mode)
     heads = [make_head("qwen3"), make_head("qwen3")]
-    first, second = TwoRanks.run(lambda lockstep, recs: _module_calls(heads[recs is idle], recs, lockstep, **mode),
-                                 busy, idle)
+
+    def calls(lockstep, recs):
+        head = heads[recs is idle]
+        return module_calls(head, lambda: update(head, recs, lockstep=lockstep, **mode))
+
+    first, second = TwoRanks.run(calls, busy, idle)
     assert first == second
     for (name, want), (_, got) in zip(alone.named_parameters(), heads[1].named_parameters()):
         assert (got.grad - want.grad).abs().max().item() <= 1e-6 * max(1.0, want.grad.abs().max().item()), name
