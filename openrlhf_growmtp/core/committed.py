@@ -1,12 +1,15 @@
 """Committed chains: how draft positions that a rollout did not draft still learn (`--growmtp_depth auto`).
 
 A rollout drafted at depth d < K records draft positions 1..d of each cycle; positions d+1..K were never
-drafted, so the draft paths hold nothing for them. They learn along the sequence the policy committed:
+drafted, so the draft paths hold nothing for them. They learn along the sequence the policy committed, in the
+cycles that accepted all d drafts, the ones a deeper draft would have reached:
 
-- the *committed chain* of cycle r (start s) is the head's chain fed the committed tokens instead of
-  drafts: draft position k feeds x_{s+k} (k >= 2) at position s+k-1 and predicts the token at s+1+k. It is
-  the draft path a deeper draft has whenever every earlier draft was accepted (an accepted draft is the
-  committed token), reconstructed like any draft path (`reconstruction.py`);
+- the *committed chain* of such a cycle r (start s) is the head's chain fed the committed tokens: draft
+  position k feeds x_{s+k} (k >= 2) at position s+k-1 and predicts the token at s+1+k. Up to position d it is
+  the recorded draft path (its accepted drafts are the committed tokens); past d it is the path a deeper draft
+  has where every earlier draft is accepted, reconstructed like any draft path (`reconstruction.py`). A
+  cycle that rejected one of its d drafts never reached position d+1 and trains nothing past d, as VGM
+  stops a drafted chain at its first rejection: position k learns in the contexts drafting reaches it in;
 - its target at position k is the policy's distribution there, p(. | x_{<=s+k}) = softmax(lm_head(H_{s+k}) / T):
   the hidden states the head already reads, through the policy's own lm_head (the distribution the
   verifier samples from; no [T, V] logits kept from the policy's forward), stored as a recorded target is
@@ -44,8 +47,9 @@ def chain_lengths_from(rec: SequenceRecord, max_depth: int) -> torch.Tensor:
 
 def committed_chains(head, records: Sequence[SequenceRecord], hiddens: Sequence[torch.Tensor] | None, depth: int,
                      max_depth: int, lockstep: Lockstep) -> tuple[list[SequenceRecord], list[torch.Tensor]]:
-    """The committed chains of cycles drafted at `depth` (< `max_depth` = K) that reach past it, as records of
-    depth K with their H_p (detached), one per record that has any; ranks make the same lm_head calls.
+    """The committed chains of the cycles drafted at `depth` (< `max_depth` = K) that accepted every draft and
+    reach past it, as records of depth K with their H_p (detached), one per record that has any; ranks make
+    the same lm_head calls.
 
     hiddens: H_p [T, H] per record (None: each record's own). The targets are computed here, in as many
     lm_head calls as the busiest rank needs (`topk_logq.score_groups`), none where no rank has a chain.
@@ -56,7 +60,7 @@ def committed_chains(head, records: Sequence[SequenceRecord], hiddens: Sequence[
     chosen, rows, row_temperature = [], [], []
     for i, rec in enumerate(records):
         lengths = chain_lengths_from(rec, max_depth)
-        keep = (lengths > depth).nonzero().flatten()
+        keep = ((lengths > depth) & (rec.accepted == depth)).nonzero().flatten()  # reached position depth+1
         if not keep.numel():
             continue
         hidden = hidden_of(records, hiddens, i).detach()

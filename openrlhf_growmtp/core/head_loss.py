@@ -15,8 +15,8 @@ the README's glossary (README.md, "Glossary"); the symbols here:
   the committed response instead of the draft paths (teacher forcing, `teacher_forcing.py`);
 - the batch loss is the mean over cycles; its gradient reaches the head's parameters only (recorded p
   and j are constants; the backbone's hidden states enter detached unless they carry a graph);
-- with `max_depth` K set, cycles drafted at a depth d < K also train positions d+1..K along the committed
-  sequence (`committed.py`): each cycle's committed chain adds its loss to the cycle's.
+- with `max_depth` K set, cycles drafted at a depth d < K that accepted all d drafts also train positions
+  d+1..K along the committed sequence (`committed.py`): the committed chain adds its loss to the cycle's.
 
 `head_loss_backward` is the algorithm box: for each chunk, reconstruct the draft paths, score log q at the
 recorded top-k into alpha and each cycle's objective (`score`), and backpropagate; `measure_head_loss` runs

@@ -6,8 +6,9 @@ Three arms of the speed world's full recipe (the demo's), one after the other, w
 (`--growmtp_k K`), `auto` (`--growmtp_depth auto`, the committed chains on) and `auto_nocl` (the same with
 `--growmtp_no_committed_loss`). Afterwards each arm's final head drafts at depth K with its own final policy on
 held-out prompts (lines past every prompt a run may read), so that every position's acceptance is measured,
-drafted or not during the run. Writes runs/<name>/summary.json (and `--out`): per arm the wall, the depth,
-τ and α_k of every step, `committed_alpha_k` where logged, and the held-out α_1..α_K and τ at depth K.
+drafted or not during the run. Writes runs/<name>/seed<N>/summary.json (and `--out`): per arm the commit it ran
+at, the wall, the depth, τ and α_k of every step, `committed_alpha_k` where logged, and the held-out α_1..α_K
+and τ at depth K. Arms already in that summary and not run again are kept.
 """
 
 from __future__ import annotations
@@ -88,9 +89,10 @@ def main(argv: list[str] | None = None) -> int:
     preset = preset if args.steps is None else replace(preset, steps=args.steps)
     out = Path(args.runs_dir) / args.name / f"seed{args.seed}"
     world = demo.build(Path(args.runs_dir) / ".cache")
+    kept = json.loads((out / "summary.json").read_text())["arms"] if (out / "summary.json").exists() else {}
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
     summary = {"kind": "sanity check on one seed, not the evaluation", "seed": args.seed, "steps": preset.steps,
-               "k": preset.k, "world": world.info, "arms": {},
-               "commit": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip(),
+               "k": preset.k, "world": world.info, "arms": kept,
                "command": " ".join(["python -m openrlhf_growmtp.experiments.committed_check", *(argv or sys.argv[1:])]),
                "machine": f"{platform.node()} {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",
                "date": time.strftime("%Y-%m-%d")}
@@ -104,7 +106,8 @@ def main(argv: list[str] | None = None) -> int:
         evaluation = held_out(arm_dir / "final", world.prompts, skip=preset.steps * preset.prompts_per_step,
                               count=args.eval_prompts, samples=preset.samples_per_prompt, k=preset.k,
                               topk=preset.topk, max_tokens=preset.max_new_tokens, seed=args.seed)
-        summary["arms"][arm] = {"wall_s": wall, "flags": ARMS[arm], "held_out_at_k": evaluation, "steps": rows}
+        summary["arms"][arm] = {"commit": commit, "command": summary["command"], "date": summary["date"],
+                                "wall_s": wall, "flags": ARMS[arm], "held_out_at_k": evaluation, "steps": rows}
         print(f"{arm}: wall {wall:.0f} s, held-out at depth {preset.k}: tau {evaluation['tau']:.3f}, alpha "
               f"[{' '.join(f'{a:.3f}' for a in evaluation['alpha'])}]", flush=True)
     text = json.dumps(summary, indent=1) + "\n"

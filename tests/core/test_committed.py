@@ -23,9 +23,9 @@ def _grads(head):
 
 
 def _committed_reference(head, records, depth: int, objective: str) -> torch.Tensor:
-    """Chain by chain, with the head's recurrent API and full-vocabulary distributions: for every cycle, the
-    chain from its start fed the committed tokens, scored at positions depth+1..L against
-    softmax(lm_head(H_{s+k}) / T); summed over chains, divided by the drafted cycles."""
+    """Chain by chain, with the head's recurrent API and full-vocabulary distributions: for every cycle that
+    accepted all its drafts, the chain from its start fed the committed tokens, scored at positions depth+1..L
+    against softmax(lm_head(H_{s+k}) / T); summed over chains, divided by the drafted cycles."""
     total, cycles = torch.zeros(()), 0
     for rec in records:
         s_last, temperature = int(rec.start[-1]), rec.temperature
@@ -33,7 +33,7 @@ def _committed_reference(head, records, depth: int, objective: str) -> torch.Ten
             cycles += 1
             s = int(rec.start[r])
             length = min(K, s_last - s)
-            if length <= depth:
+            if length <= depth or int(rec.accepted[r]) < depth:  # not reached past the drafted depth
                 continue
             cache = HeadKVCache()
             prefix = head.prefill(rec.hidden[None, :s + 1], rec.token_ids[None, 1:s + 2], 0, cache)
@@ -79,13 +79,15 @@ def test_committed_chains_equal_chain_by_chain_teacher_forcing(objective, depth)
 
 
 def test_chains_run_to_the_last_start_and_past_the_drafted_depth_only():
-    records = make_records(k=1, topk=8)  # starts 4 6 7 9 11 | 2 3 | 8 10 12 14
+    records = make_records(k=1, topk=8)  # starts 4 6 7 9 11 | 2 3 | 8 10 12 14; accepted 1 0 1 1 0 | 0 0 | 1 1 1 1
     assert [chain_lengths_from(rec, K).tolist() for rec in records] == [[4, 4, 4, 2, 0], [1, 0], [4, 4, 2, 0]]
     chains, hiddens = committed_chains(make_head("qwen3"), records, None, 1, K, Lockstep())
-    assert [c.start.tolist() for c in chains] == [[4, 6, 7, 9], [8, 10, 12]]  # the second record has none
+    # a chain where the cycle accepted its draft and a target lies past it; the second record has none
+    assert [c.start.tolist() for c in chains] == [[4, 7, 9], [8, 10, 12]]
     first = chains[0]
-    assert first.depth == K and first.accepted.tolist() == [3, 3, 3, 1]  # L - 1
+    assert first.depth == K and first.accepted.tolist() == [3, 3, 1]  # L - 1
     assert torch.equal(first.drafts[0], records[0].token_ids[6:10])  # x_{s+2..s+K+1}, s = 4
+    assert torch.equal(first.drafts[0, :1], records[0].drafts[0])  # up to the depth: the accepted draft
     assert torch.equal(hiddens[0], records[0].hidden)
 
 
