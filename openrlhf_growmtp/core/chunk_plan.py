@@ -48,12 +48,13 @@ class ChunkPlan:
     Iterating gives this rank's chunks, then its padding chunks; `num_cycles` and `num_chunks` are this
     rank's own. No chunk at all where no rank has a record; otherwise at least one on every rank (padding
     where no rank has a cycle): an update is then always one head backward at least, which the trainer
-    relies on.
+    relies on. Each cycle's loss weighs 1 / this rank's cycles, or 1 / `per_cycle` where given (committed
+    chains weigh per drafted cycle).
     """
 
     def __init__(self, head, records: Sequence[SequenceRecord], hiddens: Sequence[torch.Tensor] | None, cfg,
-                 lockstep: Lockstep):
-        self.head, self.cfg, self.lockstep = head, cfg, lockstep
+                 lockstep: Lockstep, per_cycle: int | None = None):
+        self.head, self.cfg, self.lockstep, self.per_cycle = head, cfg, lockstep, per_cycle
         _agree_records_fit(head, records, hiddens, lockstep)
         layout = self._layout(records)  # no model work yet
         depth, width = (records[0].depth, int(records[0].topk_ids.shape[2])) if records else (0, 0)
@@ -93,7 +94,7 @@ class ChunkPlan:
     def __iter__(self) -> Iterator[PlannedChunk]:
         for i, work in enumerate(self.work):
             if i < len(self.paths):
-                yield PlannedChunk(self.paths, i, work, 1.0 / self.paths.total)
+                yield PlannedChunk(self.paths, i, work, 1.0 / (self.per_cycle or self.paths.total))
             else:
                 yield PlannedChunk(self.padding, 0, work, 0.0)
 

@@ -20,7 +20,8 @@ The rule, stated:
    when nothing deeper was measured). Depth 0 (no drafts, so no records and nothing to learn from) is open
    only to a head that no longer trains (`min_depth=0`): a frozen or served head whose drafts cannot pay.
 4. Before any rollout (nothing realised) the first depth is `min_depth` or 1, whichever is larger.
-The costs are the engine's own step seconds per depth (`CycleCosts`), measured on the hardware it runs on.
+The costs are the engines' own step seconds per depth (`CycleCosts`), measured on the hardware they run on:
+at start-up, then from the rollouts' own steps (`step_costs.py`).
 """
 
 from __future__ import annotations
@@ -47,11 +48,16 @@ class CycleCosts:
     @classmethod
     def from_points(cls, points: dict[int, float], max_depth: int) -> CycleCosts:
         """Every depth 0..max_depth from measured ones: a measured depth keeps its seconds; the others lie on
-        the least-squares line through the measured points (verify and drafting both grow by one position
-        per depth). Needs two measured depths at least."""
-        if len(points) < 2:
-            raise ValueError(f"cycle costs need two measured depths at least, got {sorted(points)}")
-        xs, ys = list(points), [points[d] for d in points]
+        the least-squares line through the measured drafting depths, d >= 1 (verify and drafting both grow by
+        one position per depth). Depth 0 drafts nothing and is not on that line: its reading never tilts it.
+        Needs two measured drafting depths where any depth is not measured."""
+        drafting = {d: s for d, s in points.items() if d >= 1}
+        if len(points) == max_depth + 1:
+            return cls(tuple(points[d] for d in range(max_depth + 1)))
+        if len(drafting) < 2:
+            raise ValueError(f"cycle costs need two measured drafting depths (d >= 1) to fill the others, got "
+                             f"{sorted(points)}")
+        xs, ys = list(drafting), [drafting[d] for d in drafting]
         mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
         slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
         return cls(tuple(points[d] if d in points else my + slope * (d - mx) for d in range(max_depth + 1)))

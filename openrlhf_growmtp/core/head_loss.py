@@ -14,23 +14,27 @@ the README's glossary (README.md, "Glossary"); the symbols here:
 - a cycle's DCA objective: -log Σ_{l≤L_r} Π_{i≤l} α_{r,i}; the ablations swap in TV, CE or KL, or train on
   the committed response instead of the draft paths (teacher forcing, `teacher_forcing.py`);
 - the batch loss is the mean over cycles; its gradient reaches the head's parameters only (recorded p
-  and j are constants; the backbone's hidden states enter detached unless they carry a graph).
+  and j are constants; the backbone's hidden states enter detached unless they carry a graph);
+- with `max_depth` K set, cycles drafted at a depth d < K that accepted all d drafts also train positions
+  d+1..K along the committed sequence (`committed.py`): the committed chain adds its loss to the cycle's.
 
 `head_loss_backward` is the algorithm box: for each chunk, reconstruct the draft paths, score log q at the
 recorded top-k into alpha and each cycle's objective (`score`), and backpropagate; `measure_head_loss` runs
-the same chunks without the backward. What data-parallel
+the same chunks without the backward; the committed chains run after the draft paths, as a second
+plan of chunks scored from position d on. What data-parallel
 ranks agree on (every chunk's work, padding chunks, records that fit) is the plan's (`chunk_plan.py`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Sequence
 
 import torch
 
 from .chunk_plan import ChunkPlan
 from .chunks import Chunk
+from .committed import committed_chains
 from .lockstep import ONE_RANK, Lockstep
 from .objectives import chain_lengths, head_loss_per_cycle_at
 from .records import SequenceRecord
@@ -46,6 +50,9 @@ class HeadLossConfig:
     teacher_forcing: bool = False
     alpha_estimate: str = "residual"  # objectives.ALPHA_ESTIMATES
     hybrid_lambda: float | None = None  # the hybrid objective's weight of CE (objectives.hybrid_lambda)
+    # K: cycles drafted at a depth below it also train the positions past that depth on their committed chains
+    # (`committed.py`); None: only the drafted positions train (a fixed K drafts every position anyway)
+    max_depth: int | None = None
 
 
 @dataclass
@@ -62,6 +69,9 @@ class HeadLossStats:
     alpha_count: list[float] = field(default_factory=list)
     accepted_count: list[float] = field(default_factory=list)
     finite: bool = True
+    # the committed chains' share (`committed.py`), where they ran: their loss summed over chains over the
+    # drafted cycles, their count, and their α at the positions each objective read
+    committed: HeadLossStats | None = None
 
     @property
     def alpha_mean(self) -> list[float]:
@@ -117,34 +127,51 @@ def measure_head_loss(head, records: Sequence[SequenceRecord], hiddens: Sequence
 
 def _over_chunks(head, records: Sequence[SequenceRecord], hiddens: Sequence[torch.Tensor] | None,
                  cfg: HeadLossConfig, lockstep: Lockstep, train: bool) -> HeadLossStats:
-    """The algorithm box: for each chunk, reconstruct, score, and (`train`) backpropagate."""
+    """The draft paths' chunks, then (where cycles were drafted shallower than `cfg.max_depth`) the committed
+    chains' (`committed.py`), weighed per drafted cycle. Every rank takes the same branch: the depth is agreed."""
     plan = ChunkPlan(head, records, hiddens, cfg, lockstep)  # this rank's chunks, then padding
+    stats = _run(plan, head, cfg, train)
+    depth = plan.depth
+    if stats.finite and cfg.max_depth is not None and not cfg.teacher_forcing and 0 < depth < cfg.max_depth:
+        chains, chain_hiddens = committed_chains(head, records, hiddens, depth, cfg.max_depth, lockstep)
+        chain_cfg = replace(cfg, vgm=True)  # a chain's length is where its targets end (committed.py)
+        chain_plan = ChunkPlan(head, chains, chain_hiddens, chain_cfg, lockstep, per_cycle=plan.num_cycles)
+        stats.committed = _run(chain_plan, head, chain_cfg, train, first_position=depth)
+        stats.finite = stats.committed.finite
+    return stats
+
+
+def _run(plan: ChunkPlan, head, cfg: HeadLossConfig, train: bool, first_position: int = 0) -> HeadLossStats:
+    """The algorithm box: for each chunk, reconstruct, score, and (`train`) backpropagate."""
     stats = HeadLossStats(num_cycles=plan.num_cycles, num_chunks=plan.num_chunks,
                           alpha_sum=[0.0] * plan.depth, alpha_count=[0.0] * plan.depth,
                           accepted_count=[0.0] * plan.depth)
     with plan.recomputing(train):
         for planned in plan:
             chunk = planned.reconstruct()  # the draft paths, as drafted
-            scored = score(head, chunk, cfg, planned.work.score_groups, train)  # log q -> α -> objective
+            scored = score(head, chunk, cfg, planned.work.score_groups, train, first_position)  # log q -> α -> loss
             if not plan.every_finite(scored.loss):  # never backpropagate a non-finite loss
                 stats.loss, stats.finite = float("nan"), False
                 break
             if train:
-                planned.backward(chunk, scored.grad_normed, lockstep.backward)
+                planned.backward(chunk, scored.grad_normed, plan.lockstep.backward)
             stats.add(scored, planned.weight)
     return stats
 
 
-def score(head, chunk: Chunk, cfg: HeadLossConfig, groups: int, train: bool = True) -> Scored:
+def score(head, chunk: Chunk, cfg: HeadLossConfig, groups: int, train: bool = True, first_position: int = 0) -> Scored:
     """α and the loss of every cycle of `chunk`, and (with `train`) the gradient of weight x their sum at the
     chunk's states. The slots are scored in `groups` groups of whole cycles (`topk_logq`); a group without
     cycles scores one padding slot with weight 0 (ranks make the same lm_head calls). Positions past a
     chain's length hold a padding slot's log q or the target's own log p there: finite, and read by nothing.
+    `first_position` (0-based): the objective reads positions from there on, as a chain of its own (committed
+    chains); the slots before it are not scored.
     """
     states, num_cycles, depth = chunk.states, chunk.num_cycles, int(chunk.topk_ids.shape[1])
-    device = states.normed.device
-    order = torch.argsort(states.cycle * depth + states.position)  # the slots of a cycle side by side
-    bounds = group_bounds(states.cycle, num_cycles, groups)  # group g: cycles [b_g, b_g+1)
+    device, first = states.normed.device, first_position
+    read = torch.nonzero(states.position >= first).flatten()  # the slots the objective reads: all where first = 0
+    order = read[torch.argsort(states.cycle[read] * depth + states.position[read])]  # a cycle's slots side by side
+    bounds = group_bounds(states.cycle[read], num_cycles, groups)  # group g: cycles [b_g, b_g+1)
     row_bounds = torch.searchsorted(states.cycle[order], torch.tensor(bounds, device=device)).tolist()
     grad_normed = torch.zeros_like(states.normed) if train else None
     alpha = torch.zeros(num_cycles, depth, device=device)
@@ -153,17 +180,17 @@ def score(head, chunk: Chunk, cfg: HeadLossConfig, groups: int, train: bool = Tr
         lo, hi = bounds[g], bounds[g + 1]
         rows = order[row_bounds[g]:row_bounds[g + 1]]
         pad = rows.numel() == 0
-        rows = order[:1] if pad else rows
+        rows = (order[:1] if order.numel() else torch.zeros(1, dtype=torch.long, device=device)) if pad else rows
         cycle, position = states.cycle[rows], states.position[rows]
         scores = TopKLogQ(head, states.normed[rows], chunk.topk_ids[cycle, position], states.temperature[cycle])
         with torch.enable_grad():
             if pad:
                 loss = scores.logq.sum() * 0.0
             else:
-                target = chunk.topk_logprobs[lo:hi].float()
-                accepted = chunk.accepted[lo:hi] if chunk.vgm else None
-                per_cycle, alpha[lo:hi] = head_loss_per_cycle_at(
-                    target.index_put((cycle - lo, position), scores.logq), target, accepted, cfg.objective,
+                target = chunk.topk_logprobs[lo:hi, first:].float()
+                accepted = chunk.accepted[lo:hi] - first if chunk.vgm else None  # the chain from `first` on
+                per_cycle, alpha[lo:hi, first:] = head_loss_per_cycle_at(
+                    target.index_put((cycle - lo, position - first), scores.logq), target, accepted, cfg.objective,
                     alpha_residual=cfg.alpha_estimate == "residual", hybrid_lambda=cfg.hybrid_lambda)
                 loss = per_cycle.sum()
             if train:
@@ -172,5 +199,7 @@ def score(head, chunk: Chunk, cfg: HeadLossConfig, groups: int, train: bool = Tr
                 grad_normed.index_add_(0, rows, scores.input_grad(grad_logq))
         loss_sum = loss_sum + loss.detach()
     positions = torch.arange(depth, device=device)[None, :]
-    reached = positions < chain_lengths(chunk.accepted, num_cycles, depth, device=device)[:, None]
-    return Scored(loss_sum, grad_normed, alpha, reached, positions < chunk.accepted.long()[:, None])
+    lengths = chain_lengths(chunk.accepted, num_cycles, depth, device=device)
+    reached = (positions < lengths[:, None]) & (positions >= first)
+    passed = (positions < chunk.accepted.long()[:, None]) & (positions >= first)
+    return Scored(loss_sum, grad_normed, alpha, reached, passed)

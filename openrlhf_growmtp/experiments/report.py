@@ -48,8 +48,9 @@ def read_arm(tensorboard_dir: str | Path, arm: str, k: int) -> list[dict]:
     available = set(events.Tags()["scalars"])
     series = {field: {e.step: e.value for e in events.Scalars(tag)} for field, tag in TAGS.items() if tag in available}
     # per-position series: the engine's alpha_k, and where logged the trainer's head_alpha_k and lag_alpha_k
-    positional = {name: [{e.step: e.value for e in events.Scalars(f"train/growmtp/{name}_{i}")}
-                         for i in range(1, k + 1)]
+    # a position no step drafted (an auto run that stayed shallower) has no tag at all
+    positional = {name: [{e.step: e.value for e in events.Scalars(tag)} if (tag := f"train/growmtp/{name}_{i}")
+                         in available else {} for i in range(1, k + 1)]
                   for name in POSITIONAL if k and f"train/growmtp/{name}_1" in available}
     rows = []
     for step in sorted(series["reward"]):

@@ -19,8 +19,9 @@ from ..core.reconstruction import CHUNK_CYCLES
 from ..core.records import DEFAULT_TOPK
 from ..core.schedule import DEFAULT_HEAD_LR, DEFAULT_MIN_LR_RATIO, DEFAULT_WARMUP_STEPS
 from ..hub import ModelLocationError, local_dir
-from .engine_args import add_engine_args, check_engine_args
+from .depth_args import add_depth_args, check_depth
 from .draft_vocab_flag import add_draft_vocab_flag, check_draft_vocab
+from .engine_args import add_engine_args, check_engine_args
 
 SUPPORTED_STAGES = (2, 3)  # DeepSpeed ZeRO stages whose optimizer trainer/head_step/ knows
 
@@ -30,7 +31,6 @@ HEAD_SOURCES = ("random", "native")
 # The deepest drafting the records, VGM and reconstruction are tested at; a head directory may declare
 # a smaller `max_draft_depth` in its config.json.
 MAX_DRAFT_DEPTH = 16
-DEPTH_MODES = ("fixed", "auto")
 
 
 def add_growmtp_args(parser: argparse.ArgumentParser) -> None:
@@ -47,13 +47,7 @@ def add_growmtp_args(parser: argparse.ArgumentParser) -> None:
         group.add_argument(*names, dest=f"growmtp.{name}", **kwargs)
 
     flag("k", type=int, default=0, help="drafting depth K per cycle; 0 turns GrowMTP off (plain upstream run)")
-    flag("depth", type=str, default="fixed", choices=DEPTH_MODES,
-         help="fixed: every cycle drafts K tokens; auto: before each rollout the depth (0..K, K the most) with the "
-              "highest predicted tokens per second, from the last rollout's acceptance and this engine's own step "
-              "times per depth (measured once at the start; core/depth.py states the rule). Default: %(default)s")
-    flag("cycle_costs", type=str, default=None,
-         help="with --growmtp_depth auto: seconds of one engine step at each depth 0..K, comma-separated, instead "
-              "of measuring them (the depth choices are then the same run after run)")
+    add_depth_args(group, flag)
     flag("head", type=str, default="random",
          help="the draft head: 'random' (materialised once, seed 0), 'native' (the model's own MTP layer) "
               "or a head directory written by growmtp-make-head / a previous run")
@@ -158,31 +152,10 @@ def check_args(flat: dict) -> list[str]:
     if g.get("log_lag") and (g["mode"] == "frozen" or g.get("teacher_forcing")):
         errors.append("--growmtp_log_lag measures a training head on its draft paths: it needs a head that trains "
                       "on them (not --growmtp_mode frozen or --growmtp_teacher_forcing)")
-    errors += _check_depth(g, k, get("train.async_enable"))
+    errors += check_depth(g, k, get("train.async_enable"))
     if g["mode"] != "frozen":
         errors += _check_training_layout(flat)
     errors += _check_head(flat, g, k)
-    return errors
-
-
-def cycle_costs(text: str | None) -> list[float] | None:
-    """--growmtp_cycle_costs as seconds per depth 0..K (None where not given)."""
-    return None if text is None else [float(part) for part in text.split(",")]
-
-
-def _check_depth(g: dict, k: int, async_train: bool) -> list[str]:
-    if g.get("depth", "fixed") != "auto":  # argparse keeps it to DEPTH_MODES
-        return [] if g.get("cycle_costs") is None else ["--growmtp_cycle_costs needs --growmtp_depth auto"]
-    errors = [] if not async_train else [
-        "--growmtp_depth auto chooses each rollout's depth from the last one's acceptance: it needs the synchronous "
-        "controller (not --train.async_enable)"]
-    try:
-        costs = cycle_costs(g.get("cycle_costs"))
-    except ValueError:
-        costs = []
-    if costs is not None and (len(costs) != k + 1 or not all(c > 0 for c in costs)):
-        errors.append(f"--growmtp_cycle_costs must be {k + 1} positive seconds (depths 0..{k}), comma-separated; "
-                      f"got {g.get('cycle_costs')!r}")
     return errors
 
 

@@ -187,6 +187,11 @@ class GrowMTPRolloutActor(RolloutActor):
         self.collector.depth = await self.llm.engine_core.call_utility_async("growmtp_set_depth", int(depth))
         return self.collector.depth
 
+    async def growmtp_step_times(self) -> list[tuple[int, int, float]]:
+        """This engine's clean steps since the last read, (depth, running requests, seconds)
+        (`vllm_patches.depth_control`)."""
+        return await self.llm.engine_core.call_utility_async("growmtp_step_times")
+
     async def growmtp_cycle_costs(self, requests: int) -> list[float]:
         """This engine's seconds per step at every depth 0..K, timed on its own generates with capture off
         (`depth_control.calibration`); leaves the depth as it was."""

@@ -84,15 +84,18 @@ def test_a_deeper_depth_that_does_worse_is_left_and_probed_again_within_memory()
 
 
 def test_costs_from_points_and_steps():
-    line = CycleCosts.from_points({0: 1.0, 2: 1.5}, 4)
-    assert line.seconds == pytest.approx((1.0, 1.25, 1.5, 1.75, 2.0))
+    # depth 0 (slower than depth 1 here, as vLLM's depth-0 path measured) keeps its reading and does not tilt
+    # the line through the drafting depths: a fit through all three would put depth 2 at 1.36, depth 4 at 1.43
+    line = CycleCosts.from_points({0: 1.4, 1: 1.15, 3: 1.45}, 4)
+    assert line.seconds == pytest.approx((1.4, 1.15, 1.3, 1.45, 1.6))
+    assert CycleCosts.from_points({0: 1.4, 1: 1.15}, 1).seconds == (1.4, 1.15)  # nothing to fill
     # steps (depth, requests, seconds): the median at each depth's largest batch; smaller batches ignored
     steps = [(0, 2, 1.0), (0, 2, 1.2), (0, 2, 0.9), (0, 1, 0.1), (1, 2, 1.3), (1, 2, 1.1), (3, 2, 1.6)]
     costs = CycleCosts.from_steps(steps, 3)
     assert costs.seconds[0] == 1.0 and costs.seconds[1] == pytest.approx(1.2) and costs.seconds[3] == 1.6
     assert costs.seconds[1] < costs.seconds[2] < costs.seconds[3]
-    with pytest.raises(ValueError, match="two measured depths"):
-        CycleCosts.from_points({1: 1.0}, 3)
+    with pytest.raises(ValueError, match="two measured drafting depths"):
+        CycleCosts.from_points({0: 0.9, 1: 1.0}, 3)
     with pytest.raises(ValueError, match="finite and positive"):
         CycleCosts((1.0, float("nan")))
 

@@ -1,11 +1,9 @@
 """Batched draft-path reconstruction equals chain-by-chain drafting: values, gradients, chunking, mask."""
 
-import functools
-
 import pytest
 import torch
 
-from helpers.ranks import TwoRanks
+from helpers.ranks import TwoRanks, module_calls
 from helpers.tiny import FAMILY_NAMES, chain_by_chain_logits, make_head, make_records, synthetic_record
 from openrlhf_growmtp.core import HeadLossConfig, Lockstep, reconstruct_draft_logits, validate_record
 from openrlhf_growmtp.core.head_loss import head_loss_backward
@@ -264,18 +262,7 @@ def test_teacher_forced_loss_and_gradients_equal_the_full_vocabulary_path(object
 
 def _module_calls(head, records, lockstep=None, **cfg):
     """Forward calls per module (the backward's recomputations included) during one head update."""
-    calls = {}
-    modules = dict(head.named_modules(), lm_head=head.lm_head)
-    def count(module, args, out, name):
-        calls[name] = calls.get(name, 0) + 1
-
-    handles = [m.register_forward_hook(functools.partial(count, name=name)) for name, m in modules.items()]
-    try:
-        update(head, records, lockstep=lockstep, **cfg)
-    finally:
-        for h in handles:
-            h.remove()
-    return calls
+    return module_calls(head, lambda: update(head, records, lockstep=lockstep, **cfg))
 
 
 def test_every_rank_makes_the_same_module_calls_whatever_its_records(monkeypatch):

@@ -44,3 +44,23 @@ class TwoRanks:
 
     def total(self, values) -> list[float]:
         return self._exchange(values, operator.add)
+
+
+def module_calls(head, run) -> dict[str, int]:
+    """Forward calls per module of `head` and its lm_head (the backward's recomputations included) while `run()`
+    runs: under ZeRO-3 each is a collective, so ranks must make the same."""
+    calls: dict[str, int] = {}
+
+    def count(name: str):
+        def hook(module, args, out):
+            calls[name] = calls.get(name, 0) + 1
+        return hook
+
+    modules = dict(head.named_modules(), lm_head=head.lm_head)
+    handles = [m.register_forward_hook(count(name)) for name, m in modules.items()]
+    try:
+        run()
+    finally:
+        for h in handles:
+            h.remove()
+    return calls

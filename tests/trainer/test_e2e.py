@@ -186,9 +186,11 @@ def test_async_training(world):
 @pytest.mark.slow  # about a minute on 2 cores: `make test-slow`
 def test_depth_auto_chooses_each_rollouts_depth_from_the_last_ones_acceptance(world):
     """`--growmtp_depth auto`: the engine measures its own step seconds per depth before the first rollout,
-    the first rollout drafts at depth 1, and every later depth is what `core.depth.DepthRule` makes of the
-    logged acceptance and costs (replayed here from the metrics file); records of every depth are trained on,
-    and the engine's per-position acceptance is logged up to the depth drafted only."""
+    the first rollout drafts at depth 1, later costs are medians of the rollouts' own steps, and every later
+    depth is what `core.depth.DepthRule` makes of the logged acceptance and of the costs logged with it
+    (replayed here from the metrics file); records of every depth are trained on, a rollout drafted below K
+    trains the deeper positions on its committed chains, and the engine's per-position acceptance is logged
+    up to the depth drafted only."""
     from openrlhf_growmtp.core.depth import CycleCosts, DepthRule
 
     tmp, _ = world
@@ -196,18 +198,22 @@ def test_depth_auto_chooses_each_rollouts_depth_from_the_last_ones_acceptance(wo
            ckpt="ckpt_auto", final="final_auto", lag=False)
     steps = rows(tmp, "ckpt_auto")
     assert [r["step"] for r in steps] == [1, 2, 3, 4]
-    costs = CycleCosts(tuple(steps[0][f"growmtp/cycle_s_{d}"] for d in range(4)))
-    assert all(r[f"growmtp/cycle_s_{d}"] == costs.seconds[d] for r in steps for d in range(4))  # measured once
     rule = DepthRule(3)
     for r in steps:
         depth = int(r["growmtp/depth"])
-        assert depth == rule.choose(costs).depth
+        assert depth == rule.choose(CycleCosts(tuple(r[f"growmtp/cycle_s_{d}"] for d in range(4)))).depth
         rule.observe([r[f"growmtp/alpha_{k}"] for k in range(1, depth + 1)])
         assert f"growmtp/alpha_{depth + 1}" not in r and r["growmtp/drafted_share"] > 0.5
         assert r["growmtp/cycles"] > 20 and r["growmtp/head_cycles"] == r["growmtp/cycles"]
         assert r["growmtp/head_finite"] == 1.0 and 1.0 <= r["growmtp/tau"] <= depth + 1
         assert r["growmtp/head_sync_max_diff"] == 0.0
+        # positions depth+1..K trained on the committed chains (none at K)
+        assert [f"growmtp/committed_alpha_{k}" in r for k in range(1, 4)] == [k > depth for k in range(1, 4)]
+        assert (r["growmtp/head_committed_chains"] > 10) if depth < 3 else "growmtp/head_committed_chains" not in r
     assert int(steps[0]["growmtp/depth"]) == 1
+    # the first choice read the start-up measurement alone; the second depth 1's median over the first rollout
+    assert steps[0]["growmtp/cycle_steps_1"] == 0 and steps[1]["growmtp/cycle_steps_1"] >= 8
+    assert steps[1]["growmtp/cycle_s_1"] != steps[0]["growmtp/cycle_s_1"]
 
 
 @pytest.mark.slow  # about a minute on 2 cores: `make test-slow`

@@ -20,18 +20,23 @@ def _grads(head) -> dict[str, torch.Tensor]:
     return grads
 
 
-def _call(head, records, cycles_per_step=None) -> HeadUpdateTotals:
-    return update_head(head, records, [rec.hidden for rec in records], CFG, Lockstep(),
+# drafted at depth 1 of K = 4: committed chains train positions 2..4 (core/committed.py)
+COMMITTED = HeadUpdateConfig(HeadLossConfig(chunk_cycles=3, max_depth=4))
+
+
+def _call(head, records, cycles_per_step=None, cfg=CFG) -> HeadUpdateTotals:
+    return update_head(head, records, [rec.hidden for rec in records], cfg, Lockstep(),
                        cycles_per_step=cycles_per_step)
 
 
-def test_micro_batch_calls_add_up_to_one_call_over_every_record():
-    head, records = make_head("qwen3"), make_records(k=4)
-    whole = _call(head, records)
+@pytest.mark.parametrize("depth, cfg", [(4, CFG), (1, COMMITTED)])
+def test_micro_batch_calls_add_up_to_one_call_over_every_record(depth, cfg):
+    head, records = make_head("qwen3"), make_records(k=depth)
+    whole = _call(head, records, cfg=cfg)
     reference = _grads(head)
     totals = HeadUpdateTotals()
     for part in ([records[0]], records[1:]):  # one optimizer step over two micro-batches
-        totals.add(_call(head, part, cycles_per_step=whole.cycles))
+        totals.add(_call(head, part, cycles_per_step=whole.cycles, cfg=cfg))
     split = _grads(head)
     assert split.keys() == reference.keys() and len(reference) > 0
     # fp32 sums of the same per-cycle terms in another order: a few ulps of the largest gradient entry
@@ -39,6 +44,8 @@ def test_micro_batch_calls_add_up_to_one_call_over_every_record():
         assert torch.allclose(split[name], reference[name], rtol=1e-5, atol=1e-7), name
     got, want = totals.metrics(), whole.metrics()
     assert got.keys() == want.keys()
+    committed = {f"committed_alpha_{k}" for k in (2, 3, 4)} | {"head_committed_loss", "head_committed_chains"}
+    assert committed <= want.keys() if depth == 1 else not any("committed" in key for key in want)
     for key in want:
         if key != "head_update_s":
             # a gap is a difference of two α in [0, 1], each agreeing to 1e-6 relative: 1e-6 absolute

@@ -63,6 +63,7 @@ def test_valid_configuration_has_no_errors(policy_dir):
                       "1,1.1,1.2,1.3") == []
     assert errors_for(policy_dir, "--growmtp_k", "3", "--growmtp_draft_vocab", "32") == []
     assert errors_for(policy_dir, "--growmtp_k", "3", "--growmtp_draft_vocab", "128", "--growmtp_loss", "tv") == []
+    assert errors_for(policy_dir, "--growmtp_k", "3", "--growmtp_depth", "auto", "--growmtp_no_committed_loss") == []
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -98,6 +99,7 @@ def test_valid_configuration_has_no_errors(policy_dir):
     (["--growmtp_k", "3", "--growmtp_draft_vocab", "32", "--train.async_enable"], "the synchronous controller"),
     (["--growmtp_k", "3", "--growmtp_draft_vocab", "32", "--vllm.tensor_parallel_size", "2"],
      "--vllm.tensor_parallel_size 1"),
+    (["--growmtp_k", "3", "--growmtp_no_committed_loss"], "--growmtp_no_committed_loss needs --growmtp_depth auto"),
 ])
 def test_bad_combinations_are_refused(policy_dir, argv, message):
     errors = errors_for(policy_dir, *argv)

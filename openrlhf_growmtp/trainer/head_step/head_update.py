@@ -55,6 +55,12 @@ class HeadUpdateTotals:
     accepted_count: list[float] = field(default_factory=list)
     finite: bool = True
     seconds: float = 0.0
+    # the committed chains of cycles drafted below K (`core.committed`), where they ran: how many, their loss
+    # summed over them, and per draft position their α sums and counts (positions past the drafted depth)
+    committed_chains: float = 0.0
+    committed_loss_sum: float = 0.0
+    committed_alpha_sum: list[float] = field(default_factory=list)
+    committed_alpha_count: list[float] = field(default_factory=list)
 
     def add(self, other: HeadUpdateTotals, first_visit: bool = True) -> None:
         self.finite = self.finite and other.finite
@@ -66,11 +72,12 @@ class HeadUpdateTotals:
             for name in ("alpha_sum", "alpha_count", "accepted_count"):
                 mine, theirs = getattr(self, name) or [0.0] * other.k, getattr(other, name) or [0.0] * other.k
                 setattr(self, name, [a + b for a, b in zip(mine, theirs)])
+        for name in ("committed_alpha_sum", "committed_alpha_count"):
+            mine, theirs = getattr(self, name), getattr(other, name)
+            setattr(self, name, [a + b for a, b in zip(mine, theirs)] if mine and theirs else mine or theirs)
         self.teacher_forcing = self.teacher_forcing or other.teacher_forcing
-        self.cycles += other.cycles
-        self.loss_sum += other.loss_sum
-        self.mass_sum += other.mass_sum
-        self.mass_count += other.mass_count
+        for name in ("cycles", "loss_sum", "mass_sum", "mass_count", "committed_chains", "committed_loss_sum"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
 
     def metrics(self) -> dict[str, float]:
         cycles = max(self.cycles, 1.0)
@@ -88,6 +95,13 @@ class HeadUpdateTotals:
                 engine = alpha_means(self.accepted_count, self.alpha_count)
                 metrics.update({f"alpha_gap_{k}": metrics[f"head_alpha_{k}"] - accepted
                                 for k, accepted in enumerate(engine, start=1)})
+        if self.committed_alpha_sum:
+            # per drafted cycle, as head_loss; α at the positions the chains trained (past the drafted depth)
+            metrics["head_committed_loss"] = self.committed_loss_sum / cycles if self.finite else float("nan")
+            metrics["head_committed_chains"] = self.committed_chains
+            means = alpha_means(self.committed_alpha_sum, self.committed_alpha_count)
+            metrics.update({f"committed_alpha_{k}": mean for k, (mean, count) in
+                            enumerate(zip(means, self.committed_alpha_count), start=1) if count})
         return metrics
 
 
@@ -113,6 +127,13 @@ def update_head(head: MTPHead, records: Sequence[SequenceRecord], hiddens: Seque
         totals.k, totals.loss_sum = k, sums[0] if stats.finite else float("nan")
         totals.alpha_sum, totals.alpha_count, totals.accepted_count = (sums[1 + i * k:1 + (i + 1) * k]
                                                                        for i in range(3))
+    committed = stats.committed  # on every rank or none (the depth it depends on is agreed)
+    if committed is not None and committed.alpha_sum:
+        k = len(committed.alpha_sum)
+        sums = lockstep.total([committed.loss * local_cycles if stats.finite else 0.0, committed.num_cycles,
+                               *committed.alpha_sum, *committed.alpha_count])
+        totals.committed_loss_sum, totals.committed_chains = sums[0] if stats.finite else float("nan"), sums[1]
+        totals.committed_alpha_sum, totals.committed_alpha_count = sums[2:2 + k], sums[2 + k:]
     totals.seconds = time.perf_counter() - began
     return totals
 
@@ -141,7 +162,8 @@ def head_alpha_on(head: MTPHead, records: Sequence[SequenceRecord], hiddens: Seq
     if cfg.loss_config.teacher_forcing:
         raise ValueError("the lag probe reads the draft paths; teacher forcing has none")
     dtype = next(head.parameters()).dtype
-    stats: HeadLossStats = measure_head_loss(head, records, [h.detach().to(dtype) for h in hiddens], cfg.loss_config,
+    drafted_only = replace(cfg.loss_config, max_depth=None)  # the probe reads the draft paths' α alone
+    stats: HeadLossStats = measure_head_loss(head, records, [h.detach().to(dtype) for h in hiddens], drafted_only,
                                              lockstep)
     if not stats.alpha_sum:
         return {}

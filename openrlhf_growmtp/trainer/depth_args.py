@@ -1,0 +1,49 @@
+"""The drafting-depth flags (`--growmtp_depth` and what goes with it) and their startup checks; `args.py`
+registers them with the other `--growmtp_*` flags and runs the checks with its own."""
+
+from __future__ import annotations
+
+DEPTH_MODES = ("fixed", "auto")
+
+
+def add_depth_args(group, flag) -> None:
+    """Register the depth flags on `group` (`flag(name, **kwargs)` registers both spellings of a valued flag)."""
+    flag("depth", type=str, default="fixed", choices=DEPTH_MODES,
+         help="fixed: every cycle drafts K tokens; auto: before each rollout the depth (0..K, K the most) with the "
+              "highest predicted tokens per second, from the last rollout's acceptance and the engines' step times "
+              "per depth (measured at the start, then the medians of recent rollouts' own steps; core/depth.py "
+              "states the rule). Default: %(default)s")
+    flag("cycle_costs", type=str, default=None,
+         help="with --growmtp_depth auto: seconds of one engine step at each depth 0..K, comma-separated, instead "
+              "of measuring them (the depth choices are then the same run after run)")
+    group.add_argument("--growmtp_committed_loss", "--growmtp.committed_loss", dest="growmtp.committed_loss",
+                       action="store_true", default=True,
+                       help="with --growmtp_depth auto: a rollout drafted at depth d < K also trains the head's "
+                            "positions d+1..K along the committed sequence (default on; core/committed.py)")
+    group.add_argument("--growmtp_no_committed_loss", "--growmtp.no_committed_loss", dest="growmtp.committed_loss",
+                       action="store_false", help="positions past a rollout's depth learn only when drafted (ablation)")
+
+
+def cycle_costs(text: str | None) -> list[float] | None:
+    """--growmtp_cycle_costs as seconds per depth 0..K (None where not given)."""
+    return None if text is None else [float(part) for part in text.split(",")]
+
+
+def check_depth(g: dict, k: int, async_train: bool) -> list[str]:
+    """The depth flags' problems, for a run with K = k >= 1 (g: the growmtp options)."""
+    if g.get("depth", "fixed") != "auto":  # argparse keeps it to DEPTH_MODES
+        errors = [] if g.get("cycle_costs") is None else ["--growmtp_cycle_costs needs --growmtp_depth auto"]
+        if not g.get("committed_loss", True):
+            errors.append("--growmtp_no_committed_loss needs --growmtp_depth auto (a fixed K drafts every position)")
+        return errors
+    errors = [] if not async_train else [
+        "--growmtp_depth auto chooses each rollout's depth from the last one's acceptance: it needs the synchronous "
+        "controller (not --train.async_enable)"]
+    try:
+        costs = cycle_costs(g.get("cycle_costs"))
+    except ValueError:
+        costs = []
+    if costs is not None and (len(costs) != k + 1 or not all(c > 0 for c in costs)):
+        errors.append(f"--growmtp_cycle_costs must be {k + 1} positive seconds (depths 0..{k}), comma-separated; "
+                      f"got {g.get('cycle_costs')!r}")
+    return errors
