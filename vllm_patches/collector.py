@@ -22,8 +22,9 @@ Its own terms (capture/core.py defines the payload, core/records.py the record, 
 
 A request's cycles are complete once a payload drained *after* its output finished has been added (vLLM
 returns an output only after the worker step that captured its last cycle), so a claim without such a
-drain is refused. When vLLM reports per-request spec-decode metrics (`settings.spec_engine_kwargs`
-turns them on), the record's accepted counts must also equal vLLM's own, step by step.
+drain is refused. The record's accepted counts must equal vLLM's own per-request counts, step by step
+(`settings.spec_engine_kwargs` turns them on; an output without them is refused unless `vllm_counts=False`).
+Unclaimed cycles and outputs (aborted requests, callers that failed) go at `discard_unclaimed`.
 """
 
 from __future__ import annotations
@@ -78,16 +79,17 @@ class RecordCollector:
     cycle; `depth` may change between drains); topk: the capture's top-k width (CaptureConfig.topk);
     vocab_size: when given, every token id and the recorded width min(topk, vocab_size) are checked;
     hidden_dtype: dtype of exact-mode hidden rows;
-    capture_hidden: exact mode, a record with cycles must carry the engine's hidden states.
+    capture_hidden: exact mode, a record with cycles must carry the engine's hidden states;
+    vllm_counts: every output must carry vLLM's per-request spec-decode counts, which its record must equal.
     """
 
     def __init__(self, depth: int, *, topk: int = DEFAULT_TOPK, vocab_size: int | None = None,
-                 hidden_dtype: torch.dtype = torch.bfloat16, capture_hidden: bool = False):
+                 hidden_dtype: torch.dtype = torch.bfloat16, capture_hidden: bool = False, vllm_counts: bool = True):
         if depth < 0:
             raise ValueError(f"depth (drafts per cycle) must be >= 0, got {depth}")
         self.depth, self.vocab_size = int(depth), vocab_size
         self.topk = min(int(topk), vocab_size) if vocab_size else int(topk)
-        self.hidden_dtype, self.capture_hidden = hidden_dtype, capture_hidden
+        self.hidden_dtype, self.capture_hidden, self.vllm_counts = hidden_dtype, capture_hidden, vllm_counts
         self._strip_suffix = os.environ.get(NO_SUFFIX_ENV, "0") in ("", "0")
         self._finished: dict[str, _Finished] = {}
         # committed tokens -> (order, request id) of the outputs with those tokens, in order
@@ -186,6 +188,13 @@ class RecordCollector:
         """Requests with an added output or drained cycles that no pop has claimed yet."""
         return set(self._finished) | set(self._pending)
 
+    def discard_unclaimed(self) -> int:
+        """Forget every output and drained cycle no claim took; call it only where none of the caller's requests
+        is in flight (a running request's cycles may arrive before its output). Returns how many requests."""
+        orphans = len(self.unclaimed_request_ids)
+        self._finished, self._by_tokens, self._pending = {}, {}, {}
+        return orphans
+
     def _claim(self, request_ids: list[str]) -> list[SequenceRecord]:
         if len(set(request_ids)) != len(request_ids):
             raise RecordCollectionError(f"a request is claimed twice in one pop_all: {request_ids}")
@@ -232,7 +241,7 @@ class RecordCollector:
             num_dropped = len(dropped_start)
             order = torch.cat([cycles["start"], dropped_start]).argsort(stable=True)
             accepted = torch.cat([accepted, torch.cat([d[1] for d in pending.dropped])])[order]
-        _check_against_vllm(request_id, output, accepted)
+        _check_against_vllm(request_id, output, accepted, self.vllm_counts)
         hidden = None
         if pending.hidden and not pending.hidden_dropped:
             hidden = _hidden_rows(pending.hidden, len(token_ids), cycles["start"], self.hidden_dtype)
@@ -249,10 +258,15 @@ def _committed(output) -> tuple[int, ...]:
     return tuple(output.prompt_token_ids) + tuple(output.outputs[0].token_ids)
 
 
-def _check_against_vllm(request_id: str, output, accepted: torch.Tensor) -> None:
-    """The captured accepted counts [R] must equal vLLM's own per-step ones, when vLLM reports them."""
+def _check_against_vllm(request_id: str, output, accepted: torch.Tensor, required: bool) -> None:
+    """The captured accepted counts [R] must equal vLLM's own per-step ones (`required`: vLLM must report them)."""
     metrics = output.outputs[0].spec_decode_metrics
     if metrics is None:
+        if required:
+            raise RecordCollectionError(
+                f"request {request_id!r}: vLLM returned no per-request spec-decode counts with its output, so its "
+                "cycles cannot be checked against them; build the engine with per_request_spec_decode_metrics="
+                "'detailed' (settings.spec_engine_kwargs does)")
         return
     if metrics.per_step_accepted:  # "detailed": the ordered sequence
         expected, found = list(metrics.per_step_accepted), accepted.tolist()

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import itertools
+import logging
 import os
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -33,6 +34,8 @@ from .. import reproducibility
 from ..cpu_support import VLLM_THREADS_BIND_ENV, omp_threads_bind
 from . import rollout_order
 from .keys import ACCEPTED_KEY, DROPPED_KEY, RECORD_KEY
+
+logger = logging.getLogger("growmtp")
 
 
 @dataclass(frozen=True)
@@ -147,13 +150,18 @@ class GrowMTPRolloutActor(RolloutActor):
                                          vocab_size=self.llm.model_config.get_vocab_size())
         self._requests = itertools.count()
         self._capture = capture
+        self._in_flight = 0  # generate calls running: while any is, unclaimed cycles may be theirs
 
     async def generate(self, prompt_token_ids, sampling_params, multi_modal_data=None):
         # a response claims its record by its tokens: equal samples claim theirs in the order they were made
         # (which the dispatch fixes), not the order they finish
         order = next(self._requests)
-        output = await super().generate(prompt_token_ids, sampling_params, multi_modal_data)
-        self.collector.add_output(output, sampling_params, order=order)
+        self._in_flight += 1
+        try:
+            output = await super().generate(prompt_token_ids, sampling_params, multi_modal_data)
+            self.collector.add_output(output, sampling_params, order=order)
+        finally:
+            self._in_flight -= 1
         return output
 
     async def generate_responses(self, *args, **kwargs):
@@ -167,6 +175,10 @@ class GrowMTPRolloutActor(RolloutActor):
             response[RECORD_KEY] = record.pack()
             response[ACCEPTED_KEY] = record.accepted.tolist()
             response[DROPPED_KEY] = record.meta[DROPPED_META]
+        if self._in_flight == 0 and (orphans := self.collector.discard_unclaimed()):
+            logger.warning("GrowMTP: %d request(s) of this engine finished or stopped without a response claiming "
+                           "their record (a sample that failed, an aborted request); their cycles are dropped",
+                           orphans)
         return responses
 
     async def growmtp_set_depth(self, depth: int) -> int:
@@ -197,8 +209,9 @@ class GrowMTPRolloutActor(RolloutActor):
             await self.llm.collective_rpc("growmtp_configure_capture", args=(self._capture.as_dict(),))
         return list(plan.costs(steps).seconds)
 
-    async def growmtp_load_head(self, blob: bytes) -> list[str]:
-        return (await self.llm.collective_rpc("growmtp_load_head_weights", args=(blob,)))[0]
+    async def growmtp_load_head(self, blob: bytes) -> list[list[str]]:
+        """The head weights in `blob` into every rank of this engine; the names each rank loaded."""
+        return await self.llm.collective_rpc("growmtp_load_head_weights", args=(blob,))
 
     async def growmtp_head_sync_diff(self, blob: bytes) -> list[dict]:
         """Every rank's distance from the head weights in `blob` (worker_ext.growmtp_head_sync_diff)."""

@@ -56,13 +56,15 @@ class Request:
             tokens += drafts[:a] + [(drafts[a] + 1) % VOCAB if a < K else 0]  # + recovered / bonus token
         self.response = tokens[prompt_len:]
 
-    def output(self, per_step_accepted: list[int] | None = None) -> RequestOutput:
-        """The finished RequestOutput vLLM returns, optionally with its per-request spec-decode metrics."""
-        metrics = None
-        if per_step_accepted is not None:
-            metrics = RequestSpecDecodeMetrics.new(K)
-            for a in per_step_accepted:
-                metrics.observe(num_draft_tokens=K, num_accepted=a, detailed=True)
+    def output(self, per_step_accepted: list[int] | None = None, metrics: bool = True) -> RequestOutput:
+        """The finished RequestOutput vLLM returns, with its per-request spec-decode metrics (of its own cycles
+        unless `per_step_accepted` says otherwise), or, with `metrics=False`, without any."""
+        counts = None
+        if metrics:
+            counts = RequestSpecDecodeMetrics.new(K)
+            for a in self.accepted if per_step_accepted is None else per_step_accepted:
+                counts.observe(num_draft_tokens=K, num_accepted=a, detailed=True)
+        metrics = counts
         completion = CompletionOutput(index=0, text="", token_ids=self.response, cumulative_logprob=None,
                                       logprobs=None, finish_reason="length", spec_decode_metrics=metrics)
         return RequestOutput(self.caller_id, None, self.prompt, None, [completion], finished=True)
@@ -233,6 +235,45 @@ def test_cycles_that_differ_from_vllms_per_request_counts_are_refused(capture_st
     collector.add_drained(capture.drain())
     with pytest.raises(RecordCollectionError, match=r"captured cycles \[1, 0\] differ from vLLM's own .* \[1, 0, 2\]"):
         collector.pop(output)
+
+
+def test_an_output_without_vllms_per_request_counts_is_refused_unless_told(capture_state):
+    """The comparison with vLLM's counters is never skipped silently: an engine built without them (or a vLLM
+    that stops reporting them) gives a refusal naming the setting."""
+    a = Request("r", prompt_len=4, accepted=[1, 2], seed=10)
+    verify([(a, 0)], seed=55)
+    verify([(a, 1)], seed=56)
+    drained = capture.drain()
+    for vllm_counts in (True, False):
+        collector = RecordCollector(K, topk=WIDTH, vocab_size=VOCAB, vllm_counts=vllm_counts)
+        output = a.output(metrics=False)
+        collector.add_output(output, PARAMS)
+        collector.add_drained(drained)
+        if vllm_counts:
+            with pytest.raises(RecordCollectionError, match="no per-request spec-decode counts.*'detailed'"):
+                collector.pop(output)
+        else:
+            assert_record_is(collector.pop(output), a)
+
+
+def test_outputs_and_cycles_nobody_claims_are_discarded_where_nothing_is_in_flight(capture_state):
+    """A request aborted before its output (cycles only) and one whose caller failed before claiming it (an
+    output and cycles) would stay in the collector for the rest of the run."""
+    aborted = Request("aborted", prompt_len=4, accepted=[1, 0], seed=11)
+    failed = Request("failed", prompt_len=5, accepted=[2], seed=12)
+    claimed = Request("claimed", prompt_len=6, accepted=[0, 3], seed=13)
+    verify([(aborted, 0), (failed, 0), (claimed, 0)], seed=57)
+    verify([(aborted, 1), (claimed, 1)], seed=58)
+    collector = RecordCollector(K, topk=WIDTH, vocab_size=VOCAB)
+    for req in (failed, claimed):
+        collector.add_output(req.output(), PARAMS)
+    collector.add_drained(capture.drain())
+    assert_record_is(collector.pop(claimed.output()), claimed)
+    assert collector.unclaimed_request_ids == {"aborted", "failed"}
+    assert collector.discard_unclaimed() == 2
+    assert not collector.unclaimed_request_ids and collector.discard_unclaimed() == 0
+    with pytest.raises(RecordCollectionError, match="no finished output has these"):
+        collector.pop_by_tokens(failed.prompt + failed.response)
 
 
 def test_a_cycle_recorded_after_the_requests_end_is_refused(capture_state):
