@@ -30,6 +30,7 @@ HEAD_SOURCES = ("random", "native")
 # a smaller `max_draft_depth` in its config.json.
 MAX_DRAFT_DEPTH = 16
 DEPTH_MODES = ("fixed", "auto")
+INF = float("inf")  # a number flag must be below it: NaN and infinity compare False
 
 
 def add_growmtp_args(parser: argparse.ArgumentParser) -> None:
@@ -122,8 +123,8 @@ def check_args(flat: dict) -> list[str]:
     errors = []
     if g.get("max_num_seqs") is not None and g["max_num_seqs"] < 1:
         errors.append(f"--growmtp_max_num_seqs must be >= 1, got {g['max_num_seqs']}")
-    if not g.get("neg_adv_weight", 1.0) > 0:
-        errors.append(f"--growmtp_neg_adv_weight must be > 0, got {g.get('neg_adv_weight')}")
+    if not 0 < g.get("neg_adv_weight", 1.0) < INF:
+        errors.append(f"--growmtp_neg_adv_weight must be a finite number > 0, got {g.get('neg_adv_weight')}")
     max_len, new_tokens = flat.get("data.max_len"), flat.get("rollout.max_new_tokens")
     if max_len is not None and new_tokens is not None and new_tokens >= max_len:
         # upstream's agent counts --data.max_len as prompt + response and keeps the prompt's last
@@ -142,13 +143,13 @@ def check_args(flat: dict) -> list[str]:
         errors.append("--growmtp_topk and --growmtp_chunk_cycles must be >= 1, --growmtp_warmup_steps >= 0 and "
                       f"--growmtp_min_lr_ratio in [0, 1]; got {g['topk']}, {g['chunk_cycles']}, "
                       f"{g['warmup_steps']}, {g['min_lr_ratio']}")
-    if g.get("head_lr") is not None and g["head_lr"] <= 0:
-        errors.append(f"--growmtp_head_lr must be > 0, got {g['head_lr']}")
+    if g.get("head_lr") is not None and not 0 < g["head_lr"] < INF:  # NaN too: it would reach every engine
+        errors.append(f"--growmtp_head_lr must be a finite number > 0, got {g['head_lr']}")
     # Drafting is sampled from q and verified by rejection sampling; the records describe that process only.
     temperature = get("rollout.temperature", 1.0)
-    if temperature is None or temperature <= 0:
-        errors.append(f"GrowMTP drafts by sampling: --rollout.temperature must be > 0 (got {temperature}); "
-                      "greedy drafting is not supported")
+    if temperature is None or not 0 < temperature < INF:
+        errors.append(f"GrowMTP drafts by sampling: --rollout.temperature must be a finite number > 0 (got "
+                      f"{temperature}); greedy drafting is not supported")
     if get("rollout.top_p", 1.0) != 1.0 or get("rollout.top_k", -1) not in (-1, 0, None):
         errors.append("GrowMTP records need the full target distribution: use --rollout.top_p 1.0 and no "
                       f"--rollout.top_k (got top_p={get('rollout.top_p')}, top_k={get('rollout.top_k')})")
@@ -185,15 +186,14 @@ def _check_depth(g: dict, k: int, async_train: bool) -> list[str]:
         costs = cycle_costs(g.get("cycle_costs"))
     except ValueError:
         costs = []
-    if costs is not None and (len(costs) != k + 1 or not all(c > 0 for c in costs)):
+    if costs is not None and (len(costs) != k + 1 or not all(0 < c < INF for c in costs)):
         errors.append(f"--growmtp_cycle_costs must be {k + 1} positive seconds (depths 0..{k}), comma-separated; "
                       f"got {g.get('cycle_costs')!r}")
     return errors
 
 
 def _check_training_layout(flat: dict) -> list[str]:
-    errors = []
-    get = flat.get
+    errors, get = [], flat.get
     if get("ds.zero_stage") not in SUPPORTED_STAGES:
         errors.append(f"GrowMTP trains the head in its own param group of DeepSpeed's ZeRO-2 or ZeRO-3 optimizer: "
                       f"set --ds.zero_stage 2 or 3 (got {get('ds.zero_stage')})")

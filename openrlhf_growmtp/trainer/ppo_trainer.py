@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from pathlib import Path
 
@@ -26,6 +27,7 @@ from .samples_generator import GrowMTPSamplesGenerator, OrderedSamplesGenerator
 logger = logging.getLogger("growmtp")
 
 METRICS_FILE = "growmtp_metrics.jsonl"
+SUPERSEDED_FILE = "growmtp_metrics.superseded.jsonl"  # rows of steps a resumed run logs again
 # Below this share of the policy's mass in the recorded top-k the update's α may differ from the true one by
 # more than the differences between objectives (docs/from_scratch.md).
 TRUSTED_TOPK_MASS = 0.99
@@ -39,6 +41,17 @@ class GrowMTPStepMetrics:
     def _init_step_metrics(self, args) -> None:
         self.metrics_path = Path(args.ckpt.path) / METRICS_FILE
         self._warned_topk_mass = False
+
+    def init_checkpoint_states(self):
+        """Upstream's; the metrics rows of steps after the one the run starts from move aside first (a run cut
+        short between logging a step and saving its checkpoint logged it; the resumed run logs it again)."""
+        states = super().init_checkpoint_states()
+        step = int(states.get("global_step", 0))
+        moved = set_aside_rows_after(self.metrics_path, step)
+        if moved:
+            logger.warning("GrowMTP: %d row(s) of %s are of steps after step %d, where this run starts; moved to %s",
+                           moved, self.metrics_path, step, SUPERSEDED_FILE)
+        return states
 
     def train_step(self, rollout_samples, global_step):
         rollout = self._rollout_metrics(rollout_samples)
@@ -110,6 +123,26 @@ class GrowMTPStepMetrics:
         self.metrics_path.parent.mkdir(parents=True, exist_ok=True)
         with self.metrics_path.open("a") as f:
             f.write(json.dumps(row, default=float) + "\n")
+
+
+def set_aside_rows_after(path: Path, step: int) -> int:
+    """Move the rows of `path` (a metrics file) of steps after `step`, and any row cut short, to SUPERSEDED_FILE
+    beside it (appended: nothing lost); `path` is rewritten atomically. Returns how many rows moved."""
+    if not path.is_file():
+        return 0
+    kept, later = [], []
+    for line in path.read_text().splitlines(keepends=True):
+        try:
+            (later if json.loads(line)["step"] > step else kept).append(line)
+        except (ValueError, KeyError, TypeError):  # a row cut short by the crash the run resumes from
+            later.append(line if line.endswith("\n") else line + "\n")
+    if later:
+        with (path.parent / SUPERSEDED_FILE).open("a") as f:
+            f.writelines(later)
+        partial = path.with_name(path.name + ".partial")
+        partial.write_text("".join(kept))
+        os.replace(partial, path)
+    return len(later)
 
 
 class _OrderedController(PPOTrainer.__ray_actor_class__):
