@@ -19,6 +19,7 @@ run's `RolloutOptions` to those kwargs.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import itertools
 import logging
@@ -150,31 +151,39 @@ class GrowMTPRolloutActor(RolloutActor):
                                          vocab_size=self.llm.model_config.get_vocab_size())
         self._requests = itertools.count()
         self._capture = capture
-        self._in_flight = 0  # generate calls running: while any is, unclaimed cycles may be theirs
+        # generate and generate_responses calls running: while any is, unclaimed outputs and cycles may be theirs
+        self._in_flight = 0
+
+    @contextlib.contextmanager
+    def _running(self):
+        self._in_flight += 1
+        try:
+            yield
+        finally:
+            self._in_flight -= 1
 
     async def generate(self, prompt_token_ids, sampling_params, multi_modal_data=None):
         # a response claims its record by its tokens: equal samples claim theirs in the order they were made
         # (which the dispatch fixes), not the order they finish
         order = next(self._requests)
-        self._in_flight += 1
-        try:
+        with self._running():
             output = await super().generate(prompt_token_ids, sampling_params, multi_modal_data)
             self.collector.add_output(output, sampling_params, order=order)
-        finally:
-            self._in_flight -= 1
         return output
 
     async def generate_responses(self, *args, **kwargs):
         from vllm_patches.collector import DROPPED_META
 
-        responses = await super().generate_responses(*args, **kwargs)
-        # Other prompts' generates run concurrently: the drain may hold their cycles too (kept until claimed).
-        self.collector.add_drained((await self.llm.collective_rpc("growmtp_drain_records"))[0])
-        for response in responses:
-            record = self.collector.pop_by_tokens(response["observation_tokens"])
-            response[RECORD_KEY] = record.pack()
-            response[ACCEPTED_KEY] = record.accepted.tolist()
-            response[DROPPED_KEY] = record.meta[DROPPED_META]
+        with self._running():
+            responses = await super().generate_responses(*args, **kwargs)
+            # Other prompts' generates run concurrently: the drain may hold their cycles and outputs too (kept
+            # until claimed).
+            self.collector.add_drained((await self.llm.collective_rpc("growmtp_drain_records"))[0])
+            for response in responses:
+                record = self.collector.pop_by_tokens(response["observation_tokens"])
+                response[RECORD_KEY] = record.pack()
+                response[ACCEPTED_KEY] = record.accepted.tolist()
+                response[DROPPED_KEY] = record.meta[DROPPED_META]
         if self._in_flight == 0 and (orphans := self.collector.discard_unclaimed()):
             logger.warning("GrowMTP: %d request(s) of this engine finished or stopped without a response claiming "
                            "their record (a sample that failed, an aborted request); their cycles are dropped",
