@@ -33,7 +33,7 @@ test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow tests
 
 # the fault suite (pytest.ini's `faults`): real runs that meet a fault part-way (an engine killed, a head sync
-# failing, non-finite gradients, a save cut short) and hostile reward programs (~10 min; docs/invariants.md)
+# failing, non-finite gradients, a save cut short) and hostile reward programs (~7 min; docs/invariants.md)
 test-faults: $(STAMP)
 	$(PY) -m pytest -v -s -m faults --durations=0 tests
 

@@ -431,6 +431,8 @@ def test_judge_refuses_work_outside_the_sandbox(decide, event, args):
 @pytest.mark.parametrize("name, filename, refusal", [
     ("json", "/usr/lib/python3/json/__init__.py", None), ("solution_helper", "helper.py", None),
     ("ctypes", None, "cannot be imported"), ("_posixsubprocess", None, "cannot be imported"),
+    ("sqlite3", None, "cannot be imported"), ("dbm._gdbm", None, "cannot be imported"),
+    ("readline", None, "cannot be imported"),
     ("evil", "evil.so", "only .py modules"),
 ])
 def test_judge_refuses_some_imports_softly(decide, name, filename, refusal):
