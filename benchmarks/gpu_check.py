@@ -28,7 +28,7 @@ SIGTERM or the deadline stopped it), so a run cut off by a time limit still leav
     python benchmarks/gpu_check.py --tiny [--device cuda]   # the same at tiny shapes, on a CPU by default
 
 Exit status: 0 every check passed, 1 a check failed, 2 it cannot run here (no CUDA without --tiny, bad
-arguments).
+arguments), 3 every check that ran passed but the deadline skipped some, 124 cut off by a signal.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ from gpu_cycle import check_cycle_cost, end_to_end
 from gpu_head_graph import check_head_update_graph
 from gpu_loop import check_rollout_loop
 from gpu_numerics import check_alpha, check_reconstruction
-from gpu_report import Row, all_passed, rows_json, table, write_json
+from gpu_report import Row, all_passed, exit_status, rows_json, table, write_json
 from gpu_sampler import check_sampler
 from gpu_world import REAL, TINY, build_head, build_policy, flatten_policy_logits_
 
@@ -197,7 +197,7 @@ def main(argv=None) -> int:
         elapsed = time.perf_counter() - started
         if args.deadline_s is not None and elapsed > args.deadline_s:
             rows.append(Row(check, f"not run: {elapsed:.0f} s had passed, past --deadline-s {args.deadline_s:g}",
-                            "-", "-", False))
+                            "-", "-", False, skipped=True))
             payload["cut_off"] = payload["cut_off"] or {"reason": "deadline", "before": check, "seconds": elapsed}
             save()
             log(f"({check}) skipped: past the deadline")
@@ -303,9 +303,11 @@ def main(argv=None) -> int:
     save()
     print()
     print(table(rows))
-    verdict = "every check passed" if all_passed(rows) else "SOME CHECK FAILED"
+    status = exit_status(rows)
+    verdict = {0: "every check passed", 1: "SOME CHECK FAILED",
+               3: "every check that ran passed; the deadline skipped some (raise GPU_BUDGET_S to run them)"}[status]
     print(f"\n{verdict}; {time.perf_counter() - started:.0f} s; JSON: {args.json}")
-    return 0 if all_passed(rows) else 1
+    return status
 
 
 if __name__ == "__main__":

@@ -19,10 +19,11 @@ class Row:
     bound: str  # the bound it is held to, or the reference it is read against, as printed
     passed: bool | None
     values: dict = field(default_factory=dict)  # the numbers behind `measured` and `bound`
+    skipped: bool = False  # not run: past the deadline (passed is then False: the run is not complete)
 
     @property
     def result(self) -> str:
-        return {True: "pass", False: "FAIL", None: "measured"}[self.passed]
+        return "skipped" if self.skipped else {True: "pass", False: "FAIL", None: "measured"}[self.passed]
 
 
 def table(rows: list[Row]) -> str:
@@ -36,6 +37,13 @@ def table(rows: list[Row]) -> str:
 
 def all_passed(rows: list[Row]) -> bool:
     return all(r.passed is not False for r in rows)
+
+
+def exit_status(rows: list[Row]) -> int:
+    """0 every check passed; 1 a check that ran failed; 3 none failed, but the deadline skipped some."""
+    if any(r.passed is False and not r.skipped for r in rows):
+        return 1
+    return 3 if any(r.skipped for r in rows) else 0
 
 
 def write_json(path: Path, payload: dict) -> None:

@@ -13,7 +13,7 @@
 #      with --tiny: runs only that, with the arguments given.
 # Everything lands in $OUT (the device tool's folder that comes back), else runs/gpu/: the JSONs, a log per
 # run, environment.txt and timing.txt. Exit status: the last run's (0 passed, 1 a check failed, 2 could not
-# run, 124 cut off by the budget).
+# run, 3 passed what ran but the deadline skipped some checks, 124 cut off by the budget).
 set -uo pipefail
 started=$SECONDS
 cd "$(dirname "$0")/.."

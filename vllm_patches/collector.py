@@ -12,9 +12,9 @@ Its own terms (capture/core.py defines the payload, core/records.py the record, 
 - *caller's request id*: `RequestOutput.request_id`. Workers key cycles by vLLM's internal id, the
   caller's id plus "-<8 random chars>"; the collector strips that suffix (unless vLLM was told not to
   add it, `VLLM_DISABLE_REQUEST_ID_RANDOMIZATION=1`).
-- *pending cycles*: drained cycle rows (and exact-mode hidden rows) of a request not claimed yet. They
-  are kept across drains until claimed: an async rollout drains after a whole batch, so a request's
-  cycles may arrive in several payloads, some before its output.
+- *pending cycles*: drained cycle rows (and exact-mode hidden rows) of a request not claimed yet. They are kept
+  across drains until claimed (an async rollout drains after a whole batch, so a request's cycles may arrive in
+  several payloads, some before its output), or until the caller discards what nobody claimed.
 - *dropped cycles* (capture/core.py defines them): verified, but not K samples of q; left out of the record,
   counted in `record.meta["dropped_cycles"]`, and still compared with vLLM's counters in step order.
 - *claim*: `pop` / `pop_by_tokens`. The record is built and validated once, here, and the request's
@@ -22,9 +22,8 @@ Its own terms (capture/core.py defines the payload, core/records.py the record, 
 
 A request's cycles are complete once a payload drained *after* its output finished has been added (vLLM
 returns an output only after the worker step that captured its last cycle), so a claim without such a
-drain is refused. The record's accepted counts must equal vLLM's own per-request counts, step by step
-(`settings.spec_engine_kwargs` turns them on; an output without them is refused unless `vllm_counts=False`).
-Unclaimed cycles and outputs (aborted requests, callers that failed) go at `discard_unclaimed`.
+drain is refused. When vLLM reports per-request spec-decode metrics (`settings.spec_engine_kwargs`
+turns them on), the record's accepted counts must also equal vLLM's own, step by step.
 """
 
 from __future__ import annotations
@@ -35,6 +34,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from openrlhf_growmtp.core.draft_vocab import DRAFT_VOCAB_META
 from openrlhf_growmtp.core.records import DEFAULT_TOPK, SequenceRecord
 from openrlhf_growmtp.core.validation import validate_records
 
@@ -47,6 +47,8 @@ check_vllm_version()
 
 RECORD_FIELDS = ("start", "drafts", "topk_ids", "topk_logprobs", "accepted")  # CYCLE_FIELDS minus debug q
 DROPPED_META = "dropped_cycles"  # record.meta key: cycles vLLM verified that the record leaves out
+# record.meta key: True when the record's accepted counts were compared with vLLM's own per-request ones
+CHECKED_META = "checked_against_vllm"
 # vLLM appends "-" + 8 random characters to the caller's id unless this is set (vllm/envs.py).
 NO_SUFFIX_ENV = "VLLM_DISABLE_REQUEST_ID_RANDOMIZATION"
 
@@ -63,6 +65,7 @@ class _Pending:
     hidden: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (positions [n], rows [n, H])
     hidden_dropped: bool = False  # a payload's hidden rows were dropped (preemption): no hidden at all
     dropped: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (start [d], accepted [d])
+    draft_vocabs: set = field(default_factory=set)  # the draft vocabularies' tags of its payloads (None: every id)
 
 
 @dataclass
@@ -79,24 +82,22 @@ class RecordCollector:
     cycle; `depth` may change between drains); topk: the capture's top-k width (CaptureConfig.topk);
     vocab_size: when given, every token id and the recorded width min(topk, vocab_size) are checked;
     hidden_dtype: dtype of exact-mode hidden rows;
-    capture_hidden: exact mode, a record with cycles must carry the engine's hidden states;
-    vllm_counts: every output must carry vLLM's per-request spec-decode counts, which its record must equal.
+    capture_hidden: exact mode, a record with cycles must carry the engine's hidden states.
     """
 
     def __init__(self, depth: int, *, topk: int = DEFAULT_TOPK, vocab_size: int | None = None,
-                 hidden_dtype: torch.dtype = torch.bfloat16, capture_hidden: bool = False, vllm_counts: bool = True):
+                 hidden_dtype: torch.dtype = torch.bfloat16, capture_hidden: bool = False):
         if depth < 0:
             raise ValueError(f"depth (drafts per cycle) must be >= 0, got {depth}")
         self.depth, self.vocab_size = int(depth), vocab_size
         self.topk = min(int(topk), vocab_size) if vocab_size else int(topk)
-        self.hidden_dtype, self.capture_hidden, self.vllm_counts = hidden_dtype, capture_hidden, vllm_counts
+        self.hidden_dtype, self.capture_hidden = hidden_dtype, capture_hidden
         self._strip_suffix = os.environ.get(NO_SUFFIX_ENV, "0") in ("", "0")
         self._finished: dict[str, _Finished] = {}
         # committed tokens -> (order, request id) of the outputs with those tokens, in order
         self._by_tokens: dict[tuple[int, ...], list[tuple[int, str]]] = {}
-        self._num_added = 0
         self._pending: dict[str, _Pending] = {}
-        self._num_drains = 0
+        self._num_added = self._num_drains = 0
 
     # ---- input ----------------------------------------------------------------------------------------
     def add_output(self, output, sampling_params, order: int | None = None) -> None:
@@ -138,6 +139,7 @@ class RecordCollector:
         for i, internal_id in enumerate(payload["req_ids"]):
             pending = self._pending.setdefault(self._caller_id(internal_id, seen), _Pending())
             pending.cycles.append({name: parts[i] for name, parts in split.items()})
+            pending.draft_vocabs.add(payload.get("draft_vocab"))
         for internal_id, (starts, accepted) in payload.get("dropped", {}).items():
             self._pending.setdefault(self._caller_id(internal_id, seen), _Pending()).dropped.append((starts, accepted))
         for internal_id, (positions, rows) in payload["hidden"].items():
@@ -189,10 +191,8 @@ class RecordCollector:
         return set(self._finished) | set(self._pending)
 
     def discard_unclaimed(self) -> int:
-        """Forget every output and drained cycle no claim took; call it only where none of the caller's requests
-        is in flight (a running request's cycles may arrive before its output). Returns how many requests."""
-        orphans = len(self.unclaimed_request_ids)
-        self._finished, self._by_tokens, self._pending = {}, {}, {}
+        """Forget the outputs and cycles no claim took, where none of the caller's requests runs; how many."""
+        orphans, self._finished, self._by_tokens, self._pending = len(self.unclaimed_request_ids), {}, {}, {}
         return orphans
 
     def _claim(self, request_ids: list[str]) -> list[SequenceRecord]:
@@ -241,16 +241,21 @@ class RecordCollector:
             num_dropped = len(dropped_start)
             order = torch.cat([cycles["start"], dropped_start]).argsort(stable=True)
             accepted = torch.cat([accepted, torch.cat([d[1] for d in pending.dropped])])[order]
-        _check_against_vllm(request_id, output, accepted, self.vllm_counts)
+        checked = _check_against_vllm(request_id, output, accepted)
         hidden = None
         if pending.hidden and not pending.hidden_dropped:
             hidden = _hidden_rows(pending.hidden, len(token_ids), cycles["start"], self.hidden_dtype)
         elif self.capture_hidden and not pending.hidden_dropped and len(cycles["start"]):
             raise RecordCollectionError(f"request {request_id!r}: exact mode, but the engine captured no hidden "
                                         "states for its cycles")
+        meta = {"request_id": request_id, DROPPED_META: num_dropped, CHECKED_META: checked}
+        if len(pending.draft_vocabs) > 1:
+            raise RecordCollectionError(f"request {request_id!r}: its cycles were drafted over different draft "
+                                        f"vocabularies {sorted(map(str, pending.draft_vocabs))}")
+        if tag := next(iter(pending.draft_vocabs), None):
+            meta[DRAFT_VOCAB_META] = tag
         return SequenceRecord(token_ids=token_ids, prompt_len=len(output.prompt_token_ids), hidden=hidden,
-                              temperature=finished.temperature,
-                              meta={"request_id": request_id, DROPPED_META: num_dropped}, **cycles)
+                              temperature=finished.temperature, meta=meta, **cycles)
 
 
 def _committed(output) -> tuple[int, ...]:
@@ -258,16 +263,12 @@ def _committed(output) -> tuple[int, ...]:
     return tuple(output.prompt_token_ids) + tuple(output.outputs[0].token_ids)
 
 
-def _check_against_vllm(request_id: str, output, accepted: torch.Tensor, required: bool) -> None:
-    """The captured accepted counts [R] must equal vLLM's own per-step ones (`required`: vLLM must report them)."""
+def _check_against_vllm(request_id: str, output, accepted: torch.Tensor) -> bool:
+    """The captured accepted counts [R] must equal vLLM's own per-step ones, when vLLM reports them (then
+    True: compared; False: vLLM reported none)."""
     metrics = output.outputs[0].spec_decode_metrics
     if metrics is None:
-        if required:
-            raise RecordCollectionError(
-                f"request {request_id!r}: vLLM returned no per-request spec-decode counts with its output, so its "
-                "cycles cannot be checked against them; build the engine with per_request_spec_decode_metrics="
-                "'detailed' (settings.spec_engine_kwargs does)")
-        return
+        return False
     if metrics.per_step_accepted:  # "detailed": the ordered sequence
         expected, found = list(metrics.per_step_accepted), accepted.tolist()
     else:  # "summary", or no verify step at all: the histogram over 0..K
@@ -277,6 +278,7 @@ def _check_against_vllm(request_id: str, output, accepted: torch.Tensor, require
         raise RecordCollectionError(
             f"request {request_id!r}: captured cycles {found} differ from vLLM's own per-request counts "
             f"{expected} (accepted drafts per verify step): cycles are missing or belong to another request")
+    return True
 
 
 def _hidden_rows(chunks: list[tuple[torch.Tensor, torch.Tensor]], length: int, starts: torch.Tensor,

@@ -11,8 +11,9 @@ that runs one (the plugin), and reached with `EngineCoreClient.call_utility` (or
   requests are in flight (a record keeps one depth) and on an engine built with a fixed depth;
 - `growmtp_step_times()`: the engine's steps since the last call, as (depth, running requests, seconds),
   for the steps whose every request verified `depth` drafts and drafts `depth` more (prefill steps and a
-  depth change's first step left out). A step's seconds are `EngineCore.step`'s: schedule, the forward,
-  sampling, drafting and the scheduler's update, on the engine's own clock.
+  depth change's first step left out; an engine of a fixed depth keeps none). A step's seconds are
+  `EngineCore.step`'s: schedule, the forward, sampling, drafting and the scheduler's update, on the engine's
+  own clock.
 """
 
 from __future__ import annotations
@@ -91,6 +92,8 @@ def _schedule_hook(original):
 def _step_hook(original):
     @functools.wraps(original)
     def step(self):
+        if getattr(self.scheduler, "dynamic_sd_lookup", None) is None:  # a fixed depth: nothing asks for its steps
+            return original(self)
         began = time.perf_counter()
         result = original(self)
         seconds = time.perf_counter() - began

@@ -5,6 +5,7 @@
     result.records[i]      # SequenceRecord of prompt i (validated), or None without capture
     result.metrics         # tau, alpha_k, cycles, record bytes per generated token, tokens/s
     engine.load_head(state_dict_or_dir); engine.load_target(hf_state_dict)
+    engine.set_draft_vocab(DraftVocab(ids, vocab_size))  # q zero outside ids; None: every id
     engine.set_capture(False)  # e.g. evaluation rollouts: no records, no capture work; True switches it back
     engine = SpecEngine(..., k=3, dynamic_depth=True)   # K = 3 at most; then between generates:
     engine.set_depth(1); engine.cycle_costs()  # records and metrics at depth 1; the engine's step seconds per depth
@@ -26,6 +27,7 @@ from safetensors.torch import load_file
 
 from openrlhf_growmtp.core.checkpoint import HEAD_WEIGHTS, read_head_config
 from openrlhf_growmtp.core.depth import CycleCosts
+from openrlhf_growmtp.core.draft_vocab import DraftVocab
 from openrlhf_growmtp.core.metrics import AcceptanceSummary, acceptance_summary
 from openrlhf_growmtp.core.records import DEFAULT_TOPK, SequenceRecord
 
@@ -223,6 +225,12 @@ class SpecEngine:
         return self.llm.llm_engine.engine_core.call_utility(method, *args)
 
     # ---- weights ------------------------------------------------------------------------------------
+    def set_draft_vocab(self, vocab: DraftVocab | None) -> None:
+        """Draft over `vocab`'s ids only from the next generate on (None: every id); its records carry its tag
+        (`core.draft_vocab`). Set it again after `load_target`: it gathers the lm_head's rows when set."""
+        ids, tag = (None, None) if vocab is None else (vocab.ids.tolist(), vocab.tag)
+        self.llm.collective_rpc("growmtp_set_draft_vocab", args=(ids, tag))
+
     def load_head(self, head: str | Path | dict[str, torch.Tensor]) -> list[str]:
         """Load head weights (a head directory or a core-head state dict) into the running engine."""
         state = load_file(str(Path(head) / HEAD_WEIGHTS)) if isinstance(head, (str, Path)) else head

@@ -24,7 +24,7 @@ from torch import nn
 from openrlhf_growmtp.core.families import FEED_PRE_NORM, HeadFamily, get_family
 from openrlhf_growmtp.core.head import HEAD_CONFIG_FIELD
 
-from . import check_vllm_version
+from . import check_vllm_version, draft_sampling
 
 check_vllm_version()
 
@@ -142,6 +142,9 @@ class GrowMTPHeadModel(nn.Module):
         self.model = _HeadModules(vllm_config=vllm_config, prefix=prefix)
         self.lm_head = None  # the target's, set by vLLM's proposer
         self.logits_processor = LogitsProcessor(self.config.vocab_size)
+        self._draft_ids: torch.Tensor | None = None  # [N] the draft vocabulary (None: every id)
+        self._draft_rows: torch.Tensor | None = None  # [N, H] its lm_head rows, gathered once
+        self.draft_vocab_tag: str | None = None  # what the records of its drafts say (core.draft_vocab)
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)
@@ -151,7 +154,33 @@ class GrowMTPHeadModel(nn.Module):
         return self.model(input_ids, positions, hidden_states, inputs_embeds)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
-        return self.logits_processor(self.lm_head, hidden_states)
+        if self._draft_ids is None:
+            return self.logits_processor(self.lm_head, hidden_states)
+        # [N, V]: the draft vocabulary's rows of the lm_head only, -inf elsewhere, so vLLM's draft sampler and
+        # rejection sampler see q zero outside it (openrlhf_growmtp/core/draft_vocab.py); marked so that the
+        # draft sampler samples over the vocabulary's ids alone (draft_sampling.py)
+        logits = hidden_states.new_full((hidden_states.shape[0], self.config.vocab_size), float("-inf"))
+        logits.index_copy_(1, self._draft_ids, torch.nn.functional.linear(hidden_states, self._draft_rows))
+        return draft_sampling.mark(logits, self._draft_ids)
+
+    def set_draft_vocab(self, ids: torch.Tensor | None, tag: str | None = None) -> None:
+        """Draft over `ids` only (None: every id); `tag` names them in the records (capture reads it here).
+        Gathers their lm_head rows once: set it again after the target's weights change (the worker extension
+        does after its own loads; the trainer sets the draft vocabulary after every weight sync)."""
+        if ids is None:
+            self._draft_ids = self._draft_rows = self.draft_vocab_tag = None
+            return
+        if self.lm_head.tp_size > 1:
+            raise ValueError("a draft vocabulary needs the whole lm_head on one rank (tensor_parallel_size 1)")
+        weight = self.lm_head.weight
+        self._draft_ids = ids.to(device=weight.device, dtype=torch.long)
+        self._draft_rows = weight[self._draft_ids].contiguous()  # [N, H]
+        self.draft_vocab_tag = tag
+
+    def refresh_draft_vocab(self) -> None:
+        """Gather the draft vocabulary's lm_head rows again (after the target's weights changed)."""
+        if self._draft_ids is not None:
+            self.set_draft_vocab(self._draft_ids, self.draft_vocab_tag)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load core-head names (`fc.weight`, `layers.0.self_attn.q_proj.weight`, ...); returns vLLM names."""

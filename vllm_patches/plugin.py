@@ -14,6 +14,7 @@ def register() -> None:
 
     from .capture.v1 import install_hooks
     from .depth_control import install_depth_control
+    from .draft_sampling import install_draft_sampling
     from .fixes.draft_config import install_draft_config_hook
     from .fixes.expand_kernel import install_expand_kernel
     from .head_model import register_head_model
@@ -28,6 +29,7 @@ def register() -> None:
         install_gdn_core()  # before a Qwen3.5 model is built (its first GDN layer registers the op)
     install_hooks()
     install_depth_control()
+    install_draft_sampling()  # inside the seeded drafts' wrapper
     from openrlhf_growmtp.reproducibility import ingredient
 
     if ingredient("seeded_drafts"):

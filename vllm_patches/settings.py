@@ -4,6 +4,8 @@
   (for `LLM` or `AsyncEngineArgs`): sampled drafting from the head, standard rejection sampling, our worker
   extension, the V1 model runner the capture hooks need and, with capture, synchronous scheduling and
   vLLM's per-request spec-decode metrics (the collector checks every record against them).
+- `v1_sync_engine_kwargs`: the V1 runner and synchronous scheduling alone, which a K = 0 engine matched to a
+  GrowMTP engine also gets (`--vllm.runner growmtp`).
 - `CaptureConfig`: what each worker is told about record capture. It crosses `collective_rpc` as a plain
   dict (`as_dict`) and is rebuilt and checked on the worker (`from_dict`).
 - `with_draft_headroom`: max_model_len with room for K drafts at the end of the longest request.
@@ -154,10 +156,6 @@ def spec_engine_kwargs(head_dir: str | Path | None, depth: int, capture: Capture
     if capture.capture_hidden and llm_kwargs.setdefault("enable_prefix_caching", False):
         raise SpecConfigError("capture_hidden (exact mode) needs enable_prefix_caching=False: prefix-cache hits "
                               "skip computing the hidden states it records")
-    if capture.enabled and llm_kwargs.setdefault("async_scheduling", ASYNC_SCHEDULING) is not ASYNC_SCHEDULING:
-        raise SpecConfigError("async_scheduling=True: with record capture vLLM must schedule synchronously; "
-                              "async scheduling verifies a finished request once more and records a cycle "
-                              "after its end")
     if capture.enabled and llm_kwargs.setdefault("per_request_spec_decode_metrics",
                                                  PER_REQUEST_METRICS) != PER_REQUEST_METRICS:
         metrics = llm_kwargs["per_request_spec_decode_metrics"]
@@ -166,11 +164,29 @@ def spec_engine_kwargs(head_dir: str | Path | None, depth: int, capture: Capture
     check_target(llm_kwargs)
     config = speculative_config(head_dir, depth, dynamic_depth)
     check_speculative_config(config)
+    llm_kwargs = v1_sync_engine_kwargs(llm_kwargs) if capture.enabled else force_v1_runner(llm_kwargs)
+    return {**llm_kwargs, "speculative_config": config, "worker_extension_cls": WORKER_EXTENSION}
+
+
+def v1_sync_engine_kwargs(llm_kwargs: dict) -> dict:
+    """`llm_kwargs` for an engine on the V1 model runner with synchronous scheduling, what record capture
+    needs; forces the V1 runner in this process. Every GrowMTP engine runs so, and a K = 0 baseline matched to
+    GrowMTP's engine (`--vllm.runner growmtp`). Refuses async scheduling or a V2 runner asked for."""
+    if llm_kwargs.get("async_scheduling", ASYNC_SCHEDULING) is not ASYNC_SCHEDULING:
+        raise SpecConfigError("async_scheduling=True: with record capture vLLM must schedule synchronously; "
+                              "async scheduling verifies a finished request once more and records a cycle "
+                              "after its end")
+    return {**force_v1_runner(llm_kwargs), "async_scheduling": ASYNC_SCHEDULING}
+
+
+def force_v1_runner(llm_kwargs: dict) -> dict:
+    """`llm_kwargs` unchanged; the V1 model runner set in this process's environment (its workers inherit it),
+    refused where the environment asks for the V2 runner."""
     if os.environ.get(RUNNER_ENV, RUNNER_ENV_VALUE) != RUNNER_ENV_VALUE:
         raise SpecConfigError(f"{RUNNER_ENV}={os.environ[RUNNER_ENV]!r}: GrowMTP's capture hooks wrap vLLM's V1 "
                               f"model runner; unset it or set {RUNNER_ENV}={RUNNER_ENV_VALUE}")
     os.environ[RUNNER_ENV] = RUNNER_ENV_VALUE
-    return {**llm_kwargs, "speculative_config": config, "worker_extension_cls": WORKER_EXTENSION}
+    return llm_kwargs
 
 
 def check_target(llm_kwargs: dict) -> None:

@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 from openrlhf.trainer.ray.vllm_worker_wrap import WorkerWrap
 
+from openrlhf_growmtp import device_memory
+
 from . import head_model, plugin
 from .capture import core as capture
 from .capture.v1 import hooks_active
@@ -75,7 +77,18 @@ class GrowMTPWorkerExtension(WorkerWrap):
         weights = load_blob(blob)
         self.model_runner.reload_weights(weights_iterator=iter(weights.items()))
         _retie_lm_head(self.model_runner.get_model())
+        draft = self.model_runner.get_draft_model()
+        if isinstance(draft, head_model.GrowMTPHeadModel):  # its draft vocabulary's rows are the old target's
+            draft.refresh_draft_vocab()
         return len(weights)
+
+    def growmtp_set_draft_vocab(self, ids: list[int] | None, tag: str | None) -> None:
+        """Draft over `ids` only from the next step on (None: every id); the records of its cycles carry `tag`
+        (`openrlhf_growmtp.core.draft_vocab`). Set between generates, after the target's weights are in."""
+        draft = self.model_runner.get_draft_model()
+        if not isinstance(draft, head_model.GrowMTPHeadModel):
+            raise ValueError(f"a draft vocabulary needs a GrowMTP head drafting, not {type(draft).__name__}")
+        draft.set_draft_vocab(None if ids is None else torch.tensor(ids), tag)
 
     def growmtp_head_sync_diff(self, blob: bytes) -> dict:
         """How far this rank's live head is from `blob`'s core-head weights (the trainer's).
@@ -104,6 +117,10 @@ class GrowMTPWorkerExtension(WorkerWrap):
             raise KeyError(f"live head parameters {missing} have no weight in the state they are compared with")
         worst = max((float((live[n].float() - expected[n].float()).abs().max()) for n in readable), default=0.0)
         return {"rank": self.rank, "max_diff": worst, "params": len(readable)}
+
+    def growmtp_memory(self) -> dict:
+        """This rank's device memory (`openrlhf_growmtp.device_memory.reading`): peak allocated, in use, total."""
+        return {"rank": self.rank, **device_memory.reading()}
 
 
 def _retie_lm_head(model) -> None:

@@ -7,21 +7,37 @@
 #   MATH_DATA, CODE_DATA                     prepared prompt files (default: data/<name>.<model>.jsonl, made once
 #                                            per model: prompts over PROMPT_TOKENS of its tokenizer are dropped)
 #   K, HEAD                                  override the preset's depth / head ("random", "native", a dir)
-#   ACTOR_GPUS, VLLM_ENGINES, VLLM_TP        layout of one 8-GPU node (default 4 training GPUs + 4 engines)
+#   ACTOR_NODES, ACTOR_GPUS                  nodes for the policy (and its colocated reference) and GPUs on each
+#                                            (default 1 x 4)
+#   VLLM_ENGINES, VLLM_TP                    vLLM engines in all, on any node with free GPUs, and GPUs per engine
+#                                            (default 4 x 1); the default layout fills one 8-GPU node
 #   MAX_NUM_SEQS                             requests each vLLM engine decodes at once (default: vLLM's); set
 #                                            it alike for a run and its baseline_ar.sh
-#   RUN_ROOT                                 checkpoints, logs and exports (default runs/<run name>)
+#   OUTPUT_ROOT                              where every run writes (default ./runs); on a cluster a directory
+#                                            of the shared filesystem that every node mounts at the same path
+#   RUN_ROOT                                 one run's checkpoints, logs and exports (default OUTPUT_ROOT/<run>)
+#   DATA_ROOT                                the prepared prompt files (default ./data; shared on a cluster)
 #   PYTHON                                   interpreter (default python)
 #   GROWMTP_DRY_RUN=1                        build the command, run every startup check, exit 0 before Ray
 #   GROWMTP_REHEARSAL=1                      run the script's own command for 3 RL steps on this machine's CPU
 #                                            (below); GROWMTP_REHEARSAL_DIR holds its world and runs
+#   GROWMTP_SMOKE=1                          a few RL steps at short lengths, then a verdict (below)
 set -euo pipefail
 
 PYTHON=${PYTHON:-python}
+ACTOR_NODES=${ACTOR_NODES:-1}
 ACTOR_GPUS=${ACTOR_GPUS:-4}
 VLLM_ENGINES=${VLLM_ENGINES:-4}
 VLLM_TP=${VLLM_TP:-1}
 PROMPT_TOKENS=1024  # prompts over 1024 tokens are dropped by prepare_data; --data.max_len is prompt + response
+# Absolute paths: the launcher writes its checkpoints and the initial head under them, and every node's actors
+# read them (a relative path would name another directory in a `ray job submit` working directory)
+if [[ -n "${RAY_ADDRESS:-}" && -z "${OUTPUT_ROOT:-}" ]]; then
+  echo "note: RAY_ADDRESS is set but OUTPUT_ROOT is not: outputs go under $PWD/runs, which is this job's working" \
+       "directory; set OUTPUT_ROOT (and DATA_ROOT) to the shared filesystem (docs/guide.md, Running on a cluster)" >&2
+fi
+OUTPUT_ROOT=$(realpath -m "${OUTPUT_ROOT:-runs}")
+DATA_ROOT=$(realpath -m "${DATA_ROOT:-data}")
 
 # GROWMTP_REHEARSAL=1: the script's exact command on a tiny local stand-in of its model (the family's real
 # config fields, vocabulary size, special tokens and tokenizer length; `cli/rehearse.py`) and 6 raw rows of
@@ -29,10 +45,28 @@ PROMPT_TOKENS=1024  # prompts over 1024 tokens are dropped by prepare_data; --da
 # rank, one engine, 2 prompts x 4 samples per step (3 steps), 64-token responses. Every other flag is the
 # script's. Prints tau, alpha_k, reward and times per step; exits non-zero on any failure.
 REHEARSAL=${GROWMTP_REHEARSAL:-0}
-REHEARSAL_DIR=${GROWMTP_REHEARSAL_DIR:-runs/rehearsal}
+REHEARSAL_DIR=$(realpath -m "${GROWMTP_REHEARSAL_DIR:-runs/rehearsal}")
 REHEARSAL_SIZES=(--rollout.batch_size 2 --rollout.n_samples_per_prompt 4 --train.batch_size 8)
+
+# GROWMTP_SMOKE=1: before a long run, a few RL steps of the script's own command at short lengths, with the
+# engines' head compared with the trainer's after every sync (--growmtp_check_sync), then a verdict
+# (`python -m openrlhf_growmtp.cli.smoke`): records equal vLLM's own counters, the heads equal, tau and the head
+# loss finite, memory per device, seconds per phase. Before it starts it lists the paths no GPU has run yet and
+# the fallback for each. Where torch sees CUDA it runs on this node's GPUs at the script's layout and model:
+# SMOKE_STEPS RL steps (default 3) of 8 prompts x 4 samples, SMOKE_TOKENS-token responses (default 512). Where
+# it does not (or with GROWMTP_REHEARSAL=1) it runs the rehearsal below on the CPU instead (vLLM's CPU build).
+SMOKE=${GROWMTP_SMOKE:-0}
+SMOKE_STEPS=${SMOKE_STEPS:-3}
+SMOKE_TOKENS=${SMOKE_TOKENS:-512}
+SMOKE_PROMPTS=8
+if [[ "$SMOKE" == 1 && "$REHEARSAL" != 1 && "${GROWMTP_DRY_RUN:-0}" != 1 ]] &&
+   ! "$PYTHON" -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then
+  echo "GROWMTP_SMOKE=1: torch sees no CUDA here; the smoke runs on this CPU, as a rehearsal (docs/rehearsal.md)"
+  REHEARSAL=1 SMOKE_STEPS=3
+fi
 if [[ "$REHEARSAL" == 1 ]]; then
-  ACTOR_GPUS=1 VLLM_ENGINES=1 VLLM_TP=1
+  export GROWMTP_REHEARSAL=1  # the launcher's CPU decision, whichever switch asked for it
+  ACTOR_NODES=1 ACTOR_GPUS=1 VLLM_ENGINES=1 VLLM_TP=1
 fi
 
 # The paper's policy optimisation: GRPO (group-normalised advantages), negative-advantage weight 0.5,
@@ -52,8 +86,8 @@ GRPO=(
 )
 
 CLUSTER=(
-  --actor.num_nodes 1 --actor.num_gpus_per_node "$ACTOR_GPUS"
-  --ref.num_nodes 1 --ref.num_gpus_per_node "$ACTOR_GPUS" --train.colocate_actor_ref
+  --actor.num_nodes "$ACTOR_NODES" --actor.num_gpus_per_node "$ACTOR_GPUS"
+  --ref.num_nodes "$ACTOR_NODES" --ref.num_gpus_per_node "$ACTOR_GPUS" --train.colocate_actor_ref
   --vllm.num_engines "$VLLM_ENGINES" --vllm.tensor_parallel_size "$VLLM_TP" --vllm.gpu_memory_utilization 0.8
   --ds.zero_stage 3 --ds.param_dtype bf16 --actor.gradient_checkpointing_enable
   --train.micro_batch_size 4 --rollout.micro_batch_size 8
@@ -75,9 +109,9 @@ data() {
   local name source
   case "$1" in
     math) name=dapo-math;     source=${MATH_SOURCE:-BytedTsinghua-SIA/DAPO-Math-17k}
-          PROMPT_DATA=${MATH_DATA:-data/dapo-math-17k.$2.jsonl}; REWARD=openrlhf_growmtp/rewards/math_reward.py ;;
+          PROMPT_DATA=${MATH_DATA:-$DATA_ROOT/dapo-math-17k.$2.jsonl}; REWARD=openrlhf_growmtp/rewards/math_reward.py ;;
     code) name=taco-verified; source=${CODE_SOURCE:-likaixin/TACO-verified}
-          PROMPT_DATA=${CODE_DATA:-data/taco-verified.$2.jsonl}; REWARD=openrlhf_growmtp/rewards/code_reward.py ;;
+          PROMPT_DATA=${CODE_DATA:-$DATA_ROOT/taco-verified.$2.jsonl}; REWARD=openrlhf_growmtp/rewards/code_reward.py ;;
     *) echo "unknown domain '$1' (math, code)" >&2; return 2 ;;
   esac
   REWARD=$("$PYTHON" -c "import openrlhf_growmtp, pathlib; print(pathlib.Path(openrlhf_growmtp.__file__).parent.parent / '$REWARD')")
@@ -102,7 +136,12 @@ run_growmtp() {
   preset "$model"
   local k=${K:-$PRESET_K} head=${HEAD:-$PRESET_HEAD}
   local run=${RUN_NAME:-${model}_${domain}_k${k}}
-  local root=${RUN_ROOT:-runs/$run}
+  if [[ "$SMOKE" == 1 ]]; then
+    run=${run}_smoke  # never a real run's directory: the smoke starts from an empty one
+    MAX_NEW=$SMOKE_TOKENS
+  fi
+  local root
+  root=$(realpath -m "${RUN_ROOT:-$OUTPUT_ROOT/$run}")
   if [[ "$REHEARSAL" == 1 ]]; then
     # a CPU run on any machine (GROWMTP_REHEARSAL=1 in the launcher's environment decides it, CUDA or not);
     # its engines need vLLM's CPU build
@@ -125,20 +164,43 @@ sys.exit(m and 'GROWMTP_REHEARSAL=1: ' + m)"
     --logger.tensorboard_dir "$root/tensorboard"
     --growmtp_k "$k")
   if [[ -n "${MAX_NUM_SEQS:-}" ]]; then
-    cmd+=(--growmtp_max_num_seqs "$MAX_NUM_SEQS")
+    cmd+=(--vllm.max_num_seqs "$MAX_NUM_SEQS")
   fi
   if [[ "$k" != 0 ]]; then
-    # chunks of 4096 cycles: on an H100 the head update took half the time of the default 1024's, for 1.5 GB
-    # more peak memory (docs/gpu.md); a rehearsal's updates hold fewer cycles than either, so it runs one chunk
+    # chunks of 4096 cycles: a GPU's default (docs/gpu_results.md: the update's time and peak at 1024 and 4096);
+    # a rehearsal's updates hold fewer cycles than either, so it runs one chunk
     cmd+=(--growmtp_head "$head" --growmtp_chunk_cycles 4096)
+    if [[ -n "${DRAFT_VOCAB:-}" ]]; then  # draft over the run's DRAFT_VOCAB most frequent token ids (docs/guide.md)
+      cmd+=(--growmtp_draft_vocab "$DRAFT_VOCAB")
+    fi
+  elif [[ "${MATCHED_RUNNER:-0}" == 1 ]]; then
+    cmd+=(--vllm.runner growmtp)  # the autoregressive arm on GrowMTP's runner and scheduling (a matched baseline)
   fi
   if [[ "$REHEARSAL" == 1 ]]; then
     cmd+=("${REHEARSAL_SIZES[@]}")
+  elif [[ "$SMOKE" == 1 ]]; then
+    cmd+=(--rollout.batch_size "$SMOKE_PROMPTS" --rollout.n_samples_per_prompt 4
+          --train.batch_size $((SMOKE_PROMPTS * 4)) --data.max_samples $((SMOKE_PROMPTS * SMOKE_STEPS)))
+  fi
+  if [[ "$SMOKE" == 1 ]]; then
+    cmd+=(--growmtp_check_sync)
+    [[ "${GROWMTP_DRY_RUN:-0}" == 1 ]] || rm -rf "$root"  # <run>_smoke: the verdict reads this run's steps only
   fi
   cmd+=("$@")
+  if [[ "$SMOKE" == 1 ]]; then
+    local where=()
+    [[ "$REHEARSAL" == 1 ]] && where=(--cpu)
+    "$PYTHON" -m openrlhf_growmtp.cli.smoke paths "${where[@]}" -- "${cmd[@]}"
+  fi
   echo "+ ${cmd[*]}"
   "${cmd[@]}"
-  if [[ "$REHEARSAL" == 1 ]]; then
+  if [[ "$SMOKE" == 1 && "${GROWMTP_DRY_RUN:-0}" != 1 ]]; then
+    local verdict=("$PYTHON" -m openrlhf_growmtp.cli.smoke verdict "$root/ckpt" --steps "$SMOKE_STEPS" --k "$k")
+    if frozen "${cmd[@]}"; then
+      verdict+=(--frozen)
+    fi
+    "${verdict[@]}"
+  elif [[ "$REHEARSAL" == 1 ]]; then
     local report=("$PYTHON" -m openrlhf_growmtp.experiments.rehearse report "$root/tensorboard" --steps 3 --k "$k")
     if frozen "${cmd[@]}"; then
       report+=(--frozen)

@@ -4,9 +4,10 @@ Every upstream `openrlhf.cli.train_ppo_ray` flag works unchanged; the `--growmtp
 dotted aliases `--growmtp.*`) are added to upstream's own parser. Upstream's module then runs as
 `__main__`: its checks, its `train()`. What differs is decided right after parsing, before Ray starts:
 
-- `--growmtp_k 0` (default): nothing is rebound; the run is upstream's. Without CUDA the CPU layer also
-  sends weights to the engines through Ray, `--growmtp_neg_adv_weight w != 1` rebinds the policy
-  actor to apply it, and `--growmtp_max_num_seqs` the rollout actor to pass it to vLLM;
+- `--growmtp_k 0` (default): upstream's training, with our policy actor, rollout actor and controller so
+  that the run logs what a GrowMTP run logs of its steps (times, memory; `growmtp_metrics.jsonl`). They
+  apply `--growmtp_neg_adv_weight` where it is not 1, pass `--vllm.max_num_seqs` to vLLM, give the engines
+  GrowMTP's runner under `--vllm.runner growmtp`, and without CUDA send weights to the engines through Ray;
 - `--growmtp_k K`: the startup checks run, the initial head directory is resolved (materialised once
   for `random`, extracted for `native`), and `installer.install_driver` makes upstream's `train()`
   build GrowMTP's strategy, policy actor, controller and speculative rollout actors (the classes are
@@ -72,7 +73,7 @@ def logical_gpus(flat: dict) -> int:
 
 def growmtp_classes(flat: dict):
     """What upstream's `train()` builds in a GrowMTP run (K > 0)."""
-    from openrlhf_growmtp.trainer.args import engine_kwargs
+    from openrlhf_growmtp.trainer.engine_args import engine_kwargs
     from openrlhf_growmtp.trainer.installer import RunClasses
     from openrlhf_growmtp.trainer.ppo_actor import GrowMTPPolicyActor
     from openrlhf_growmtp.trainer.ppo_trainer import GrowMTPPPOTrainer
@@ -88,29 +89,25 @@ def growmtp_classes(flat: dict):
                       async_controller=GrowMTPPPOTrainerAsync)
 
 
-def plain_classes(cpu: bool, engine: dict):
-    """A plain run (K = 0) that needs more than upstream: the actor-side trainer applies the
-    negative-advantage weight, the engines take `engine` (`args.engine_kwargs`), and without CUDA the
-    engines take weights through Ray (upstream's weight sync is NCCL/CUDA only) and the controller can make
-    rollouts reproducible with them."""
-    from openrlhf.trainer.ray import vllm_engine
-
+def plain_classes(cpu: bool, flat: dict):
+    """A plain run (K = 0): the actor-side trainer applies the negative-advantage weight and reports its
+    memory; the engines take `engine_args`' settings and report theirs; the controller logs the step's times
+    and can make rollouts reproducible; without CUDA the engines take weights through Ray (upstream's weight
+    sync is NCCL/CUDA only). `--train.async_enable` keeps upstream's async controller."""
+    from openrlhf_growmtp.trainer.engine_args import engine_kwargs, runner
     from openrlhf_growmtp.trainer.installer import RunClasses
     from openrlhf_growmtp.trainer.ppo_actor import PolicyActor
     from openrlhf_growmtp.trainer.ppo_trainer import OrderedPPOTrainer
-    from openrlhf_growmtp.trainer.rollout_actor import WithOptions, cpu_rollout_actor
+    from openrlhf_growmtp.trainer.rollout_actor import plain_rollout_actor
 
-    if not cpu:
-        rollout = WithOptions(vllm_engine.RolloutRayActor, engine) if engine else vllm_engine.RolloutRayActor
-        return RunClasses(policy_actor=PolicyActor, rollout_actor=rollout)
-    return RunClasses(policy_actor=PolicyActor, rollout_actor=cpu_rollout_actor(engine),
-                      controller=OrderedPPOTrainer)
+    rollout = plain_rollout_actor(cpu, runner(flat), engine_kwargs(flat))
+    return RunClasses(policy_actor=PolicyActor, rollout_actor=rollout, controller=OrderedPPOTrainer)
 
 
 def prepare(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> None:
     """Checks, head resolution, rebinds and (CPU) Ray start; runs right after upstream parses its flags."""
     from openrlhf_growmtp.trainer import installer
-    from openrlhf_growmtp.trainer.args import check_args, engine_kwargs
+    from openrlhf_growmtp.trainer.args import check_args
     from openrlhf_growmtp.trainer.resume import resume_problem
 
     flat = vars(ns)
@@ -138,8 +135,8 @@ def prepare(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> None:
         except HeadCheckpointError as err:
             parser.error(f"invalid GrowMTP configuration:\n  - {err}")
         installer.install_driver(growmtp_classes(flat), launcher=sys.modules["__main__"])
-    elif cpu or flat["growmtp.neg_adv_weight"] != 1.0 or engine_kwargs(flat):
-        installer.install_driver(plain_classes(cpu, engine_kwargs(flat)), launcher=sys.modules["__main__"])
+    else:
+        installer.install_driver(plain_classes(cpu, flat), launcher=sys.modules["__main__"])
     if cpu:
         import ray
 
@@ -154,8 +151,10 @@ def dry_run_report(args) -> None:
     g = args.growmtp
     what = (f"GrowMTP K={g.k}, head {g.head}, mode {g.mode}, loss {g.loss}{'' if g.vgm else ' (no VGM)'}"
             if g.k else "autoregressive (GrowMTP off)")
+    engines = "GrowMTP's (V1, synchronous)" if g.k or args.vllm.runner == "growmtp" else "vLLM's defaults"
     print(f"{DRY_RUN_ENV}=1: the configuration passed every startup check; not starting Ray.\n"
-          f"  model {args.actor.model_name_or_path}; {what}; negative-advantage weight {g.neg_adv_weight}; "
+          f"  model {args.actor.model_name_or_path}; {what}; engine runner {engines}; "
+          f"negative-advantage weight {g.neg_adv_weight}; "
           f"rollout {args.rollout.batch_size} prompts x {args.rollout.n_samples_per_prompt} samples, "
           f"max {args.rollout.max_new_tokens} new tokens")
 

@@ -25,6 +25,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from .draft_attention import ATTENTION_NAME
+from .draft_vocab import DraftVocab, masked_logits
 from .families import CONCAT_EH, FEED_PRE_NORM, HeadFamily, get_family
 from .rms_norm import family_norm, replace_norms
 
@@ -129,6 +130,8 @@ class MTPHead(nn.Module):
         self.add_module(fam.final_norm_name, family_norm(fam, hidden, eps))
         self.rotary_emb = FP32RoPE(fam.rotary_class(config))
         self.bind(embed_tokens, lm_head)
+        # drafting over these ids only (q zero elsewhere; core/draft_vocab.py), None: every id; not a weight
+        self.draft_vocab: DraftVocab | None = None
 
     # ---- the backbone's modules -------------------------------------------------------------
     def bind(self, embed_tokens: nn.Module | None, lm_head: nn.Module | None) -> None:
@@ -148,11 +151,12 @@ class MTPHead(nn.Module):
             return self._shared("embed_tokens")(input_ids)
 
     def logits(self, normed: torch.Tensor, train_lm_head: bool = False) -> torch.Tensor:
-        """lm_head(norm(o)); unless `train_lm_head`, no gradient reaches the backbone's lm_head."""
+        """lm_head(norm(o)), -inf outside the draft vocabulary; unless `train_lm_head`, no gradient reaches
+        the backbone's lm_head."""
         lm_head = self._shared("lm_head")
         context = contextlib.nullcontext() if train_lm_head else _frozen(lm_head)
         with context:
-            return lm_head(normed)
+            return masked_logits(lm_head(normed), self.draft_vocab)
 
     # ---- the head's computation -------------------------------------------------------------
     def fuse(self, hidden: torch.Tensor, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
@@ -293,5 +297,4 @@ def native_fc_to_ours(weight: torch.Tensor, family: HeadFamily) -> torch.Tensor:
     return torch.cat([second, first], dim=1).contiguous()
 
 
-# Swapping the two halves is its own inverse.
-ours_fc_to_native = native_fc_to_ours
+ours_fc_to_native = native_fc_to_ours  # swapping the two halves is its own inverse

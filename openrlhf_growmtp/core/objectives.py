@@ -36,6 +36,18 @@ HYBRID_ETA = 3.0  # lambda = exp(-HYBRID_ETA * alpha_1)
 # A target residual below this is fp32/bf16 rounding of a top-k that holds all the mass: the bin is
 # dropped, since which side of min() wins there is noise (the error stays <= the target residual).
 MIN_RESIDUAL_MASS = 1e-6
+# log α of a cycle position the estimate puts at exactly 0, which only a draft vocabulary makes (q is 0 at every
+# recorded id, and no target residual above MIN_RESIDUAL_MASS): the smallest normal fp32, with no gradient (there
+# is none to give), so that the chain's loss stays finite.
+LOG_ALPHA_FLOOR = math.log(torch.finfo(torch.float32).tiny)
+
+
+def _logsumexp(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """torch.logsumexp, except that a slice of only -inf (log q outside a draft vocabulary) gives -inf with a
+    zero gradient: torch's gradient there is exp(-inf - -inf), NaN. Elsewhere the same values and gradients."""
+    empty = torch.isneginf(x).all(dim, keepdim=True)
+    value = torch.logsumexp(torch.where(empty, torch.zeros_like(x), x), dim)
+    return torch.where(empty.squeeze(dim), torch.full_like(value, float("-inf")), value)
 
 
 def _log1mexp(x: torch.Tensor) -> torch.Tensor:
@@ -59,7 +71,7 @@ def _residual_logprob(logprobs: torch.Tensor, min_mass: float = 0.0) -> torch.Te
     rounding, so the residual (and its gradient, which divides by it) would be rounding noise; there the
     residual reads min_mass and gets no gradient (its share of any alpha is below min_mass).
     """
-    top = torch.logsumexp(logprobs, dim=-1).clamp(max=math.log1p(-min_mass))
+    top = _logsumexp(logprobs, dim=-1).clamp(max=math.log1p(-min_mass))
     return _log1mexp(top)
 
 
@@ -91,13 +103,14 @@ def log_acceptance_rates_at(logq: torch.Tensor, topk_logprobs: torch.Tensor, res
     top-k overlap alone (a lower bound)."""
     logp = topk_logprobs.float()
     log_min = torch.minimum(logp, logq)  # [..., k]
-    if not residual:
-        return torch.logsumexp(log_min, dim=-1)
-    residual_p = _residual_logprob(logp)
-    residual = torch.where(residual_p > math.log(MIN_RESIDUAL_MASS),
-                           torch.minimum(residual_p, _residual_logprob(logq, MIN_RESIDUAL_MASS)),
-                           torch.full_like(residual_p, float("-inf")))
-    return torch.logsumexp(torch.cat([log_min, residual.unsqueeze(-1)], dim=-1), dim=-1)
+    if residual:
+        residual_p = _residual_logprob(logp)
+        residual = torch.where(residual_p > math.log(MIN_RESIDUAL_MASS),
+                               torch.minimum(residual_p, _residual_logprob(logq, MIN_RESIDUAL_MASS)),
+                               torch.full_like(residual_p, float("-inf")))
+        log_min = torch.cat([log_min, residual.unsqueeze(-1)], dim=-1)
+    log_alpha = _logsumexp(log_min, dim=-1)
+    return torch.where(torch.isneginf(log_alpha), torch.full_like(log_alpha, LOG_ALPHA_FLOOR), log_alpha)
 
 
 def acceptance_rates(draft_logits: torch.Tensor, topk_ids: torch.Tensor, topk_logprobs: torch.Tensor) -> torch.Tensor:

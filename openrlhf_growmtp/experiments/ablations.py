@@ -70,6 +70,8 @@ def run_world(name: str, args, out: Path, seeds: tuple[int, ...], arms: list[str
     extra = ("--growmtp_alpha_estimate", args.alpha_estimate) if args.alpha_estimate else ()
     digest = world.digest()
     config = json.loads((world.policy / "config.json").read_text())
+    if args.draft_vocab_share:  # that share of this world's vocabulary
+        extra += ("--growmtp_draft_vocab", str(max(1, int(args.draft_vocab_share * config["vocab_size"]))))
     facts = {"vocab_size": config["vocab_size"], "policy_layers": config["num_hidden_layers"]}
     if kept:
         note_build(kept / "builds.json", digest, facts)
@@ -282,9 +284,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--head-lr", help="the drafting arms' peak head LR (overrides the recipe's and the start's)")
     parser.add_argument("--alpha-estimate", choices=ALPHA_ESTIMATES,
                         help="--growmtp_alpha_estimate for every drafting arm (default: the CLI's)")
+    parser.add_argument("--draft-vocab-share", type=float,
+                        help="--growmtp_draft_vocab for every drafting arm: this share of the world's vocabulary")
     parser.add_argument("--tag", help="names this setting's runs, kept results and exports apart (e.g. lr-5e-4); "
-                                      "required with --head-lr, --alpha-estimate or --steps, so that runs of "
-                                      "different settings never mix")
+                                      "required with --head-lr, --alpha-estimate, --draft-vocab-share or --steps, "
+                                      "so that runs of different settings never mix")
     parser.add_argument("--fresh", action="store_true", help="start over: forget the results of earlier invocations")
     parser.add_argument("--name", help="outputs go to <runs-dir>/<name>/ (default: ablations or ablations-quick)")
     parser.add_argument("--runs-dir", default="runs")
@@ -307,8 +311,12 @@ def main(argv: list[str] | None = None) -> int:
                      f"arms: {', '.join(ablation_arms.ARMS)}")
     if args.steps is not None and args.steps < 2:
         parser.error("--steps must be at least 2")
-    if (args.head_lr or args.alpha_estimate or args.steps) and not args.tag and not args.quick:
-        parser.error("--head-lr, --alpha-estimate and --steps change a setting: name it with --tag")
+    changed = args.head_lr or args.alpha_estimate or args.draft_vocab_share or args.steps
+    if changed and not args.tag and not args.quick:
+        parser.error("--head-lr, --alpha-estimate, --draft-vocab-share and --steps change a setting: name it with "
+                     "--tag")
+    if args.draft_vocab_share is not None and not 0 < args.draft_vocab_share <= 1:
+        parser.error(f"--draft-vocab-share must be in (0, 1], got {args.draft_vocab_share}")
     if args.tag and not re.fullmatch(r"[A-Za-z0-9_.-]+", args.tag):
         parser.error(f"--tag {args.tag!r}: letters, digits, '.', '_' and '-' only (it names directories)")
     seeds = tuple(int(s) for s in args.seeds.split(",")) if args.seeds else SEEDS["quick" if args.quick else "full"]

@@ -31,6 +31,7 @@ TAGS = {  # row field -> TensorBoard tag written by upstream's TensorboardLogger
     "head_loss": "train/growmtp/head_loss",
     "head_update_s": "train/growmtp/head_update_s",
     "head_topk_mass": "train/growmtp/head_topk_mass",
+    "draft_vocab_coverage": "train/growmtp/draft_vocab_coverage",  # --growmtp_draft_vocab only
 }
 POSITIONAL = ("alpha", "head_alpha", "lag_alpha")  # train/growmtp/<name>_<k>, k = 1..K
 

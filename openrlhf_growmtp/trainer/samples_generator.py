@@ -17,7 +17,7 @@ from openrlhf.trainer.ppo_utils.samples_generator import SamplesGenerator
 
 from .. import reproducibility
 from .depth_controller import DepthController
-from .keys import ACCEPTED_KEY, DROPPED_KEY, RECORD_KEY
+from .keys import ACCEPTED_KEY, CHECKED_KEY, DROPPED_KEY, RECORD_KEY, RECORD_SECONDS_KEY
 from .rollout_order import ORDER_KEY, NumberedEngines
 
 
@@ -89,9 +89,15 @@ class GrowMTPSamplesGenerator(OrderedSamplesGenerator):
         """The depth the last rollout drafted at."""
         return self.depth_controller.depth if self.depth_controller is not None else int(self.args.growmtp.k)
 
+    def generate_samples(self, **generate_kwargs):
+        self.record_s = 0.0  # the rollout actors' seconds on this rollout's records (drain, collect, pack)
+        return super().generate_samples(**generate_kwargs)
+
     def _process_response_into_experience(self, response, **generate_kwargs):
+        self.record_s += response.pop(RECORD_SECONDS_KEY, 0.0)
         experience = super()._process_response_into_experience(response, **generate_kwargs)
         experience.info[RECORD_KEY] = [response[RECORD_KEY]]
         experience.info[ACCEPTED_KEY] = [response[ACCEPTED_KEY]]
         experience.info[DROPPED_KEY] = [response[DROPPED_KEY]]
+        experience.info[CHECKED_KEY] = [response[CHECKED_KEY]]
         return experience

@@ -142,17 +142,17 @@ class GrowMTPStrategy(DeepspeedStrategy):
 def head_lr_multiplier(args, policy_steps: int) -> HeadLR:
     """The head's LR schedule over the run (`policy_steps`: upstream's scheduler steps, the policy's optimizer
     steps): per RL step under `--growmtp_head_update rl_step`; per policy step otherwise, where
-    --growmtp_warmup_steps (in RL steps) spans that many policy steps per RL step."""
+    --growmtp_head_warmup_steps (in RL steps) spans that many policy steps per RL step."""
     g, a = args.growmtp, args
     peak = resolve_head_lr(vars(g))
     per_rl_step = max(1, policy_steps_per_rl_step(a.rollout.batch_size, a.rollout.n_samples_per_prompt,
                                                   a.train.batch_size, a.train.max_epochs))
     if g.head_update == "rl_step":
-        schedule = HeadLRSchedule(total_steps=max(1, int(policy_steps) // per_rl_step), warmup_steps=g.warmup_steps,
-                                  min_lr_ratio=g.min_lr_ratio)
+        schedule = HeadLRSchedule(total_steps=max(1, int(policy_steps) // per_rl_step),
+                                  warmup_steps=g.head_warmup_steps, min_lr_ratio=g.head_min_lr_ratio)
         return HeadLR(schedule, per_rl_step=True, peak_lr=peak)
-    schedule = HeadLRSchedule(total_steps=max(1, int(policy_steps)), warmup_steps=g.warmup_steps * per_rl_step,
-                              min_lr_ratio=g.min_lr_ratio)
+    schedule = HeadLRSchedule(total_steps=max(1, int(policy_steps)), warmup_steps=g.head_warmup_steps * per_rl_step,
+                              min_lr_ratio=g.head_min_lr_ratio)
     return HeadLR(schedule, per_rl_step=False, peak_lr=peak)
 
 

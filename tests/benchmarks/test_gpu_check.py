@@ -167,10 +167,19 @@ def test_only_refuses_an_unknown_check():
     assert proc.returncode == 2 and "--only takes checks among" in proc.stderr
 
 
+def test_the_exit_status_tells_a_failed_check_from_one_the_deadline_skipped():
+    from gpu_report import Row, exit_status
+
+    passed, measured = Row("a", "x", "", "", True), Row("c", "cost", "", "", None)
+    skipped = Row("d", "not run", "-", "-", False, skipped=True)
+    failed = Row("b", "y", "", "", False)
+    assert [exit_status(rows) for rows in ([passed, measured], [passed, skipped], [failed, skipped])] == [0, 3, 1]
+
+
 def test_a_run_past_its_deadline_records_what_it_skipped(tmp_path):
     out = tmp_path / "late.json"
     proc = _run("--tiny", "--only", "c,cycle_cost", "--deadline-s", "0", "--json", str(out))
-    assert proc.returncode == 1
+    assert proc.returncode == 3  # nothing failed, but not everything ran: neither 0 nor a failure's 1
     result = json.loads(out.read_text())
     assert not result["complete"] and result["cut_off"]["reason"] == "deadline"
     assert [r["name"].split(":")[0] for r in result["rows"]] == ["not run", "not run"]

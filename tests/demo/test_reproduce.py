@@ -1,11 +1,12 @@
-"""`make reproduce`'s comparison: every logged number but wall-clock time, step by step."""
+"""`make reproduce`'s comparison: every logged number but wall-clock time and memory, step by step."""
 
-from openrlhf_growmtp.experiments.reproduce import compare_scalars, is_wall_clock
+from openrlhf_growmtp.experiments.reproduce import compare_scalars, is_machine_reading
 
 
-def test_wall_clock_tags_are_left_out_and_everything_else_is_compared():
-    assert is_wall_clock("train/timing/generation") and is_wall_clock("train/growmtp/head_update_s")
-    assert not is_wall_clock("train/growmtp/tau") and not is_wall_clock("train/reward")
+def test_wall_clock_and_memory_tags_are_left_out_and_everything_else_is_compared():
+    assert is_machine_reading("train/timing/generation") and is_machine_reading("train/growmtp/head_update_s")
+    assert is_machine_reading("train/growmtp/mem_trainer_peak_gib")
+    assert not is_machine_reading("train/growmtp/tau") and not is_machine_reading("train/reward")
     first = {"train/growmtp/tau": {1: 1.5, 2: 1.75, 3: 2.0}, "train/reward": {1: 0.5, 2: 0.5, 3: 0.25},
              "train/timing/step_total": {1: 3.0, 2: 3.1, 3: 2.9}}
     same = {tag: dict(values) for tag, values in first.items()}

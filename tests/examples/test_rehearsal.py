@@ -165,3 +165,31 @@ def test_tau_statistics_design_effect_is_one_for_independent_cycles_and_grows_wi
     # draw, so the design effect is 30 (times 40 / 39 from the R - 1, to the variance's own n - 1 correction)
     looped = [torch.full((30,), 3 * (i % 2)) for i in range(40)]
     assert tau_statistics(looped)["design_effect"] == pytest.approx(30 * 40 / 39, rel=1e-3)
+
+
+@pytest.mark.slow  # about 2 min: `make test-slow`
+def test_the_smoke_switch_runs_the_matched_autoregressive_baseline_on_cpu_with_a_verdict(tmp_path):
+    """GROWMTP_SMOKE=1 without CUDA is the rehearsal's CPU run with the smoke's verdict; the autoregressive arm
+    on GrowMTP's runner logs the step metrics a GrowMTP run logs (the GrowMTP arm: by hand, docs/guide.md)."""
+    ray_tmp = tempfile.mkdtemp(prefix="ray", dir="/tmp")
+    env = {**os.environ, "PYTHON": sys.executable, "GROWMTP_SMOKE": "1", "MATCHED_RUNNER": "1",
+           "GROWMTP_REHEARSAL_DIR": str(tmp_path), "GROWMTP_RAY_TMP": ray_tmp}
+    env.pop("GROWMTP_REHEARSAL", None)
+    if torch.cuda.is_available():  # the switch would run on the GPUs: ask for the CPU explicitly
+        env["GROWMTP_REHEARSAL"] = "1"
+    try:
+        result = subprocess.run(["bash", str(EXAMPLES / "scripts" / "baseline_ar.sh"), "qwen3_4b", "math"],
+                                capture_output=True, text=True, env=env, cwd=tmp_path, timeout=900)
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out[-6000:]
+    assert torch.cuda.is_available() or "the smoke runs on this CPU, as a rehearsal" in result.stdout
+    assert "[taken] vLLM's V1 model runner, forced" in result.stdout  # --vllm.runner growmtp at K = 0
+    assert "SMOKE PASSED" in result.stdout and "[FAIL]" not in result.stdout
+    rows = [json.loads(line) for line in (tmp_path / "runs" / "qwen3_4b_math_k0_matched_smoke" / "ckpt"
+                                          / "growmtp_metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [1, 2, 3]
+    for row in rows:  # the rollout and step metrics the GrowMTP arm logs, measured
+        assert row["growmtp/rollout_s"] > 0 and row["growmtp/step_s"] > row["growmtp/rollout_s"]
+        assert row["growmtp/mem_trainer_peak_gib"] > 0 and row["growmtp/mem_engine_peak_gib"] > 0

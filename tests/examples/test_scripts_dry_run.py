@@ -33,13 +33,18 @@ CASES = {
                                                          "--rollout.max_new_tokens 16384"]),
     "qwen3_5_code": ("qwen3_5_4b_base_code.sh", [], {}, ["--growmtp_k 3", "--growmtp_head native"]),
     "mimo_math": ("mimo_7b_sft_math.sh", [], {}, ["--growmtp_k 5", "--growmtp_head native"]),
-    "mimo_code": ("mimo_7b_sft_code.sh", [], {}, ["--growmtp_k 5"]),
+    # the smoke's command: short, few steps, the heads compared after every sync, its own run directory
+    "mimo_code": ("mimo_7b_sft_code.sh", [], {"GROWMTP_SMOKE": "1"},
+                  ["--growmtp_k 5", "--growmtp_check_sync", "--rollout.batch_size 8 --rollout.n_samples_per_prompt 4",
+                   "--data.max_samples 24", "--rollout.max_new_tokens 512", "/mimo_7b_sft_code_k5_smoke/ckpt"]),
     "mimo_math_k3": ("mimo_7b_sft_math.sh", [], {"K": "3"}, ["--growmtp_k 3"]),
     "mimo_math_k7": ("mimo_7b_sft_math.sh", [], {"K": "7", "MAX_NUM_SEQS": "64"},
-                     ["--growmtp_k 7", "--growmtp_max_num_seqs 64"]),
+                     ["--growmtp_k 7", "--vllm.max_num_seqs 64"]),
     "ar_qwen3_4b_math": ("baseline_ar.sh", ["qwen3_4b", "math"], {"MAX_NUM_SEQS": "64"},
-                         ["--growmtp_k 0", "--growmtp_max_num_seqs 64"]),
-    "ar_mimo_code": ("baseline_ar.sh", ["mimo_7b_sft", "code"], {}, ["--growmtp_k 0"]),
+                         ["--growmtp_k 0", "--vllm.max_num_seqs 64"]),
+    # the matched baseline: GrowMTP's runner and scheduling for the autoregressive arm
+    "ar_mimo_code": ("baseline_ar.sh", ["mimo_7b_sft", "code"], {"MATCHED_RUNNER": "1"},
+                     ["--growmtp_k 0", "--vllm.runner growmtp", "/mimo_7b_sft_code_k0_matched/ckpt"]),
     "frozen_k1_math": ("baseline_frozen_k1.sh", ["math"], {}, ["--growmtp_k 1", "--growmtp_mode frozen"]),
     **{f"ablation_{arm}": ("ablation.sh", [arm], {}, []) for arm in ABLATIONS},
 }
@@ -129,6 +134,12 @@ def check_dry_run(out: dict, cwd: Path, name: str) -> None:
     assert "Started a local Ray instance" not in result.stdout + result.stderr
     assert not list(cwd.iterdir())  # no data prepared, no run directory, no head materialised
     assert f"--actor.model_name_or_path {default_model_ids()[model_variable(name)]} " in command  # its default id
+    assert f"--ckpt.path {cwd}/runs/" in command  # an absolute output root, the working directory's by default
+    smoke = CASES[name][2].get("GROWMTP_SMOKE") == "1"
+    assert ("Paths of this run that have never run on a GPU" in result.stdout) == smoke
+    if smoke:  # each untried path with the fallback for it, before the run
+        assert "[taken] the policy's NCCL weight sync" in result.stdout and "--vllm.sync_backend ray" in result.stdout
+        assert "[not taken] tensor-parallel engines over Ray" in result.stdout
 
 
 def model_variable(case: str) -> str:

@@ -53,7 +53,8 @@ def launch(tmp: Path, ckpt: str, steps: int, *extra: str, fault: str | None = No
            "group_norm", "--algo.kl.init_coef", "0", "--reward.remote_url", str(tmp / "reward.py"),
            "--actor.adam.lr", "1e-5", "--ckpt.path", str(tmp / ckpt), "--ckpt.save_steps", "1",
            "--ckpt.output_dir", str(tmp / f"{ckpt}_final"), "--growmtp_k", "3", "--growmtp_topk", "8",
-           "--growmtp_head_lr", str(head_lr), "--growmtp_warmup_steps", str(WARMUP), "--growmtp_check_sync", *extra]
+           "--growmtp_head_lr", str(head_lr), "--growmtp_head_warmup_steps", str(WARMUP), "--growmtp_check_sync",
+           *extra]
     run_env = {**os.environ, "GROWMTP_RAY_TMP": str(tmp / "ray"), **(env or {})}
     if fault is not None:
         (tmp / f"{ckpt}_fault").mkdir(exist_ok=True)

@@ -208,3 +208,21 @@ def test_depth_auto_chooses_each_rollouts_depth_from_the_last_ones_acceptance(wo
         assert r["growmtp/head_finite"] == 1.0 and 1.0 <= r["growmtp/tau"] <= depth + 1
         assert r["growmtp/head_sync_max_diff"] == 0.0
     assert int(steps[0]["growmtp/depth"]) == 1
+
+
+@pytest.mark.slow  # about a minute on 2 cores: `make test-slow`
+def test_a_draft_vocabulary_is_ranked_from_the_run_drafted_over_and_trained_on(world):
+    """`--growmtp_draft_vocab 32`: the engines draft over the 32 ids most frequent in the run's committed tokens
+    (re-ranked after every step), each record says which vocabulary drafted it and the head trains on every
+    record with that q (the actor refuses a record of another); the coverage is logged."""
+    tmp, _ = world
+    launch(tmp, 6, "--growmtp_draft_vocab", "32", "--ckpt.save_steps", "-1", ckpt="ckpt_vocab", final="final_vocab",
+           lag=False)
+    steps = rows(tmp, "ckpt_vocab")
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    for r in steps:
+        assert r["growmtp/draft_vocab_size"] == 32 and 0.0 < r["growmtp/draft_vocab_coverage"] < 1.0
+        assert r["growmtp/cycles"] > 20 and r["growmtp/head_cycles"] == r["growmtp/cycles"]
+        assert r["growmtp/head_finite"] == 1.0 and 1.0 <= r["growmtp/tau"] <= 4.0
+        assert r["growmtp/head_sync_max_diff"] == 0.0
+    assert trained_head_moved(tmp, "ckpt_vocab", "final_vocab")

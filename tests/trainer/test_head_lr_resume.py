@@ -64,8 +64,8 @@ def test_a_resumed_run_follows_its_own_head_schedule_and_keeps_the_completed_rl_
     assert optimizer.param_groups[HEAD]["lr"] == pytest.approx(1e-4 * (0.5 + 0.25 * (1 + math.cos(math.pi * 2 / 37))),
                                                                rel=1e-12)
     assert scheduler.base_lrs[HEAD] == optimizer.param_groups[HEAD]["initial_lr"] == 1e-4
-    assert changed == ["--growmtp_head_lr: 0.0003 -> 0.0001", "--growmtp_warmup_steps: 10 -> 2",
-                       "--growmtp_min_lr_ratio: 0.1 -> 0.5",
+    assert changed == ["--growmtp_head_lr: 0.0003 -> 0.0001", "--growmtp_head_warmup_steps: 10 -> 2",
+                       "--growmtp_head_min_lr_ratio: 0.1 -> 0.5",
                        "total steps (--train.num_episodes and the batch sizes): 20 -> 40"]
     assert torch.load(io.BytesIO(saved(scheduler)), weights_only=True)["lr_lambdas"][HEAD]["settings"] == \
         multiplier.described()  # the next checkpoint records the schedule the run now follows

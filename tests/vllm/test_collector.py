@@ -22,7 +22,7 @@ from openrlhf_growmtp.core.validation import validate_record
 from openrlhf_growmtp.experiments.worlds.toy import policy_hidden_states, random_prompts
 from vllm_patches.capture import core as capture
 from vllm_patches.capture.v1 import PLACEHOLDER_TOKEN_ID, record_verification
-from vllm_patches.collector import RecordCollectionError, RecordCollector
+from vllm_patches.collector import CHECKED_META, RecordCollectionError, RecordCollector
 from vllm_patches.settings import CaptureConfig, SpecConfigError
 from vllm_patches.transport import load_blob
 from vllm_patches.worker_ext import GrowMTPWorkerExtension
@@ -56,15 +56,13 @@ class Request:
             tokens += drafts[:a] + [(drafts[a] + 1) % VOCAB if a < K else 0]  # + recovered / bonus token
         self.response = tokens[prompt_len:]
 
-    def output(self, per_step_accepted: list[int] | None = None, metrics: bool = True) -> RequestOutput:
-        """The finished RequestOutput vLLM returns, with its per-request spec-decode metrics (of its own cycles
-        unless `per_step_accepted` says otherwise), or, with `metrics=False`, without any."""
-        counts = None
-        if metrics:
-            counts = RequestSpecDecodeMetrics.new(K)
-            for a in self.accepted if per_step_accepted is None else per_step_accepted:
-                counts.observe(num_draft_tokens=K, num_accepted=a, detailed=True)
-        metrics = counts
+    def output(self, per_step_accepted: list[int] | None = None) -> RequestOutput:
+        """The finished RequestOutput vLLM returns, optionally with its per-request spec-decode metrics."""
+        metrics = None
+        if per_step_accepted is not None:
+            metrics = RequestSpecDecodeMetrics.new(K)
+            for a in per_step_accepted:
+                metrics.observe(num_draft_tokens=K, num_accepted=a, detailed=True)
         completion = CompletionOutput(index=0, text="", token_ids=self.response, cumulative_logprob=None,
                                       logprobs=None, finish_reason="length", spec_decode_metrics=metrics)
         return RequestOutput(self.caller_id, None, self.prompt, None, [completion], finished=True)
@@ -122,6 +120,22 @@ def test_interleaved_cycles_of_two_requests_are_joined_by_request_id(capture_sta
     assert_record_is(record_a, a)
     assert_record_is(record_b, b)
     assert not collector.unclaimed_request_ids  # the row without drafts left nothing behind
+
+
+def test_a_record_says_whether_it_was_compared_with_vllms_own_counts(capture_state):
+    # what growmtp/records_checked counts: a record is compared only where vLLM reported per-request counts
+    a = Request("7", prompt_len=5, accepted=[2, 0], seed=1)
+    b = Request("9", prompt_len=6, accepted=[1, 3], seed=2)
+    verify([(a, 0), (b, 0)], seed=10)
+    verify([(a, 1), (b, 1)], seed=11)
+    collector = RecordCollector(K, topk=WIDTH, vocab_size=VOCAB)
+    outputs = [a.output(a.accepted), b.output(None)]  # b: vLLM reported no spec-decode metrics
+    for output in outputs:
+        collector.add_output(output, PARAMS)
+    collector.add_drained(capture.drain())
+    record_a, record_b = collector.pop_all(outputs)
+    assert record_a.meta[CHECKED_META] is True and record_b.meta[CHECKED_META] is False
+    assert SequenceRecord.unpack(record_a.pack()).meta[CHECKED_META] is True  # it travels with the record
 
 
 def test_cycles_drained_before_the_output_are_kept_until_claimed(capture_state):
@@ -235,25 +249,6 @@ def test_cycles_that_differ_from_vllms_per_request_counts_are_refused(capture_st
     collector.add_drained(capture.drain())
     with pytest.raises(RecordCollectionError, match=r"captured cycles \[1, 0\] differ from vLLM's own .* \[1, 0, 2\]"):
         collector.pop(output)
-
-
-def test_an_output_without_vllms_per_request_counts_is_refused_unless_told(capture_state):
-    """The comparison with vLLM's counters is never skipped silently: an engine built without them (or a vLLM
-    that stops reporting them) gives a refusal naming the setting."""
-    a = Request("r", prompt_len=4, accepted=[1, 2], seed=10)
-    verify([(a, 0)], seed=55)
-    verify([(a, 1)], seed=56)
-    drained = capture.drain()
-    for vllm_counts in (True, False):
-        collector = RecordCollector(K, topk=WIDTH, vocab_size=VOCAB, vllm_counts=vllm_counts)
-        output = a.output(metrics=False)
-        collector.add_output(output, PARAMS)
-        collector.add_drained(drained)
-        if vllm_counts:
-            with pytest.raises(RecordCollectionError, match="no per-request spec-decode counts.*'detailed'"):
-                collector.pop(output)
-        else:
-            assert_record_is(collector.pop(output), a)
 
 
 def test_outputs_and_cycles_nobody_claims_are_discarded_where_nothing_is_in_flight(capture_state):

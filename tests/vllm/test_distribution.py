@@ -17,6 +17,7 @@ import pytest
 import torch
 from vllm import SamplingParams
 
+from openrlhf_growmtp.core.draft_vocab import DraftVocab
 from openrlhf_growmtp.experiments.worlds.toy import random_prompts
 
 N = 2000
@@ -59,14 +60,31 @@ def simulated_test(probs: torch.Tensor, alternative: torch.Tensor, observed: np.
     return float(p_value), float(power)
 
 
-@pytest.mark.parametrize("seeded", [False, True], ids=["global RNG", "a seed per request"])
-def test_spec_decode_output_distribution_equals_the_target(world, engine, seeded):
+def quarter_vocab(vocab_size: int) -> DraftVocab:
+    """A random quarter of the vocabulary: the target's mass outside it is large (checked where it is used)."""
+    ids = torch.randperm(vocab_size, generator=torch.Generator().manual_seed(7))[: vocab_size // 4]
+    return DraftVocab(ids.sort().values, vocab_size)
+
+
+@pytest.mark.parametrize("seeded,subset", [(False, False), (True, False), (True, True)],
+                         ids=["global RNG", "a seed per request", "a draft vocabulary"])
+def test_spec_decode_output_distribution_equals_the_target(world, engine, seeded, subset):
     policy = world["policy"]
     prompt = [5, 17, 99, 42, 8, 63, 21]
     params = SamplingParams(temperature=1.0, max_tokens=2, ignore_eos=True)
     if seeded:
         params = [SamplingParams(temperature=1.0, max_tokens=2, ignore_eos=True, seed=10_000 + i) for i in range(N)]
-    outputs = engine.generate([prompt] * N, params)
+    vocab = quarter_vocab(policy.config.vocab_size) if subset else None
+    if subset:  # the drafts' q is zero where the target's token 2 has most of its mass
+        joint = exact_joint(policy, prompt, (1.0,))[1.0].reshape(policy.config.vocab_size, -1)
+        assert float(joint[:, vocab.outside()].sum()) > 0.5
+    engine.set_draft_vocab(vocab)
+    try:
+        outputs = engine.generate([prompt] * N, params)
+    finally:
+        engine.set_draft_vocab(None)
+    if subset:
+        assert all(bool((~vocab.outside())[r.drafts.long()].all()) for r in outputs.records)
     tokens = np.array([list(o.outputs[0].token_ids) for o in outputs.outputs])
     assert all(r.num_cycles == 1 for r in outputs.records), "token 2 must come from verification"
     joint = exact_joint(policy, prompt, (1.0, WRONG_TEMPERATURE))

@@ -8,6 +8,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from openrlhf_growmtp.core.checkpoint import (export_head, init_random_head_, load_head, load_native_head,
                                               to_native_state_dict)
+from openrlhf_growmtp.core.draft_vocab import DRAFT_VOCAB_META, DraftVocab
 from openrlhf_growmtp.core.families import get_family
 from openrlhf_growmtp.core.head import MTPHead, make_head_config
 from openrlhf_growmtp.experiments.worlds.toy import POLICY, make_tokenizer, random_prompts
@@ -59,5 +60,13 @@ def test_mimo_native_head_drafts_on_the_engine_and_matches_reconstruction(tmp_pa
         reloaded = load_head(tmp_path / "head", policy.model.embed_tokens, policy.lm_head)
         per_depth = engine_q_vs_reconstruction(reloaded, policy, result, exact=False)
         assert per_depth.max() <= 1e-4, per_depth
+        # the native head drafts over a draft vocabulary as a random head does: the same q on both sides
+        vocab = DraftVocab(torch.arange(0, 128, 4), 128)
+        engine.set_draft_vocab(vocab)
+        result = engine.generate(random_prompts(4, 128, seed=3),
+                                 SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True))
+        assert {rec.meta[DRAFT_VOCAB_META] for rec in result.records} == {vocab.tag}
+        reloaded.draft_vocab = vocab
+        assert engine_q_vs_reconstruction(reloaded, policy, result, exact=False).max() <= 1e-4
     finally:
         close_engine(engine)

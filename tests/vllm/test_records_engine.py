@@ -5,6 +5,7 @@ import torch
 from helpers.engines import K, core_head, hf_logprobs_on_path
 from vllm import SamplingParams
 
+from openrlhf_growmtp.core.draft_vocab import DRAFT_VOCAB_META, TokenCounts
 from openrlhf_growmtp.core.reconstruction import reconstruct_draft_logits
 from openrlhf_growmtp.experiments.worlds.toy import policy_hidden_states, random_prompts
 
@@ -123,3 +124,39 @@ def test_first_position_acceptance_matches_expected_min_p_q(rollout):
     standard_error = (expected * (1 - expected)).sum().sqrt() / expected.numel()
     assert expected.numel() >= 150
     assert abs(observed.mean() - expected.mean()) <= 4 * standard_error, (observed.mean(), expected.mean())
+
+
+@pytest.fixture(scope="module")
+def subset_rollout(engine):
+    """The rollout's prompts again, drafted over a quarter of the vocabulary ranked from the prompts' tokens."""
+    prompts = random_prompts(10, 128, min_len=3, max_len=60, seed=3)
+    counts = TokenCounts(128)
+    counts.add(torch.tensor([t for p in prompts for t in p]))
+    vocab = counts.top(32)
+    engine.set_draft_vocab(vocab)
+    try:
+        result = engine.generate(prompts, SamplingParams(temperature=1.0, max_tokens=40, ignore_eos=True))
+    finally:
+        engine.set_draft_vocab(None)
+    return prompts, vocab, result
+
+
+def test_records_over_a_draft_vocabulary_rebuild_responses_match_vllm_counters_and_name_it(subset_rollout):
+    prompts, vocab, result = subset_rollout
+    assert_records_rebuild_responses(prompts, result)
+    assert {r.meta[DRAFT_VOCAB_META] for r in result.records} == {vocab.tag}
+    inside = ~vocab.outside()
+    assert all(bool(inside[r.drafts.long()].all()) for r in result.records)  # q is zero outside: never drafted
+    committed = torch.cat([r.token_ids[r.prompt_len:] for r in result.records])
+    assert not bool(inside[committed].all())  # the responses still reach every token (recovered ones)
+
+
+def test_engine_q_over_a_draft_vocabulary_equals_reconstruction_and_is_zero_outside(world, subset_rollout):
+    _, vocab, result = subset_rollout
+    q_engine = torch.cat([p for p in result.draft_probs if p is not None])
+    assert torch.equal(q_engine[..., vocab.outside()], torch.zeros_like(q_engine[..., vocab.outside()]))
+    head = core_head(world)
+    head.draft_vocab = vocab
+    assert engine_q_vs_reconstruction(head, world["policy"], result, exact=True).max().item() <= 1e-4
+    head.draft_vocab = None  # not vacuous: the whole vocabulary's q is far from the engine's
+    assert engine_q_vs_reconstruction(head, world["policy"], result, exact=True).max().item() > 0.05

@@ -32,6 +32,7 @@ top-k, record) are the README's glossary; the words of capture:
       q              [C, K, V] float32 (capture_q only)
       hidden         {internal id: (positions [n] int64, rows [n, H] float32)} (capture_hidden only)
       dropped        {internal id: (start [d] int64, accepted [d] int64)}
+      draft_vocab    str | None, the tag of the draft vocabulary the cycles were drafted over (with cycles)
   A request's rows keep their step order.
 """
 
@@ -52,7 +53,8 @@ NUMPY_SELECT_DTYPES = (torch.float32, torch.float64)  # what top_k_rows hands to
 
 @dataclass
 class VerifyStep:
-    """One verification step, as the runner decided it; host tensors that alias no runner buffer.
+    """One verification step, as the runner decided it. Its tensors alias no runner buffer and stay on the
+    runner's device until `drain` moves every step's to the host at once: no host copy, so no sync, per step.
 
     N = rows (the batch's requests); D = sum(num_drafts), the step's verified draft positions, row after row.
     """
@@ -67,6 +69,7 @@ class VerifyStep:
     has_q: bool  # the drafts were sampled from q; False: the runner drafted without q (every cycle dropped)
     q: torch.Tensor | None  # [D, V] float32, the q rows the rejection sampler received (capture_q only)
     depth: int  # drafts per cycle this step's drafts were drafted at (K, or less where set while running)
+    draft_vocab: str | None = None  # the tag of the draft vocabulary the head drafted over (None: every id)
 
 
 @dataclass
@@ -101,6 +104,11 @@ def host_copy(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> torch.T
     return tensor.detach().to("cpu", dtype=dtype, copy=True)
 
 
+def device_copy(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A copy on the tensor's own device that never aliases the runner's buffers (no host sync)."""
+    return tensor.detach().to(dtype=dtype, copy=True)
+
+
 def read_verification(target_logits: torch.Tensor, draft_probs: torch.Tensor | None) -> dict:
     """What a step's rejection sampler saw, as the records keep it: the `VerifyStep` fields topk_ids,
     topk_logprobs, has_q and q. target_logits [D, V]: the logits the sampler turns into p (logits
@@ -108,10 +116,10 @@ def read_verification(target_logits: torch.Tensor, draft_probs: torch.Tensor | N
     config = STATE.config
     logprobs = torch.log_softmax(target_logits.float(), dim=-1)  # [D, V]
     values, ids = top_k_rows(logprobs, min(config.topk, logprobs.shape[-1]))  # [D, k]
-    return {"topk_ids": host_copy(ids, torch.int32),
-            "topk_logprobs": host_copy(values, getattr(torch, config.logprob_dtype)),
+    return {"topk_ids": device_copy(ids, torch.int32),
+            "topk_logprobs": device_copy(values, getattr(torch, config.logprob_dtype)),
             "has_q": draft_probs is not None,
-            "q": host_copy(draft_probs, torch.float32) if config.capture_q and draft_probs is not None else None}
+            "q": device_copy(draft_probs, torch.float32) if config.capture_q and draft_probs is not None else None}
 
 
 def top_k_rows(rows: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -161,6 +169,11 @@ def drain(as_blob: bool = True) -> bytes | dict:
     if STATE.steps:
         req_ids, counts, rows, dropped = cycle_rows(STATE.steps)
         payload.update(req_ids=req_ids, counts=counts, **rows)
+        tags = {step.draft_vocab for step in STATE.steps}
+        if len(tags) > 1:
+            payload["errors"].append(f"draft vocabularies {sorted(map(str, tags))} in one drain: it changes only "
+                                     "between generates")
+        payload["draft_vocab"] = next(iter(tags))
     payload["hidden"] = {req_id: (torch.cat([p for p, _ in chunks]), torch.cat([h for _, h in chunks]))
                          for req_id, chunks in STATE.hidden.items()}
     payload["dropped"] = {req_id: tuple(torch.tensor(column, dtype=torch.int64) for column in zip(*cycles))
@@ -182,7 +195,7 @@ def cycle_rows(steps: list[VerifyStep]) -> tuple[list[str], torch.Tensor, dict[s
     has_q = torch.tensor([step.has_q for step in steps]).repeat_interleave(
         torch.tensor([len(step.num_drafts) for step in steps]))
     start = torch.cat([step.start for step in steps])
-    accepted = torch.cat([step.accepted for step in steps])
+    accepted = torch.cat([step.accepted for step in steps]).cpu()  # every step's, to the host at once
     keep = (num_drafts == depth) & has_q
     dropped: dict[str, list[tuple[int, int]]] = {}
     for i in ((num_drafts > 0) & ~keep).nonzero().flatten().tolist():
@@ -197,9 +210,16 @@ def cycle_rows(steps: list[VerifyStep]) -> tuple[list[str], torch.Tensor, dict[s
     flat = (torch.cumsum(num_drafts, 0) - num_drafts)[kept][:, None] + torch.arange(depth)  # [C, K]
     rows = {"start": start[kept], "accepted": accepted[kept]}
     for name in ("drafts", "topk_ids", "topk_logprobs"):
-        rows[name] = torch.cat([getattr(step, name) for step in steps])[flat]
+        rows[name] = _rows_on_host([getattr(step, name) for step in steps], flat)
     if any(step.q is not None for step in steps):  # capture_q: a step without q has only dropped rows
-        width = next(step.q for step in steps if step.q is not None).shape[-1]
-        rows["q"] = torch.cat([step.q if step.q is not None else torch.zeros(sum(step.num_drafts), width)
-                               for step in steps])[flat]
+        some = next(step.q for step in steps if step.q is not None)
+        rows["q"] = _rows_on_host([step.q if step.q is not None else some.new_zeros(sum(step.num_drafts),
+                                                                                   some.shape[-1])
+                                   for step in steps], flat)
     return req_ids, torch.bincount(owner, minlength=len(req_ids)), rows, dropped
+
+
+def _rows_on_host(per_step: list[torch.Tensor], flat: torch.Tensor) -> torch.Tensor:
+    """The steps' draft positions side by side, the rows `flat` picks ([C, K] host indices), on the host."""
+    joined = torch.cat(per_step)
+    return joined[flat.to(joined.device)].cpu()

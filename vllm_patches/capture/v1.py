@@ -60,16 +60,18 @@ def accepted_counts(sampled: torch.Tensor) -> torch.Tensor:
 
 
 def record_verification(req_ids: list[str], computed: list[int], metadata, sampled: torch.Tensor,
-                        verified: dict, depth: int) -> None:
+                        verified: dict, depth: int, draft_vocab: str | None = None) -> None:
     """One V1 verification step as a `core.VerifyStep`. req_ids, computed: per batch row (the input batch's
     ids and computed token counts); metadata: vLLM's SpecDecodeMetadata (num_draft_tokens per row,
-    draft_token_ids [D]); sampled: the sampler's [batch, max_spec_len + 1] output on the host; verified:
-    what `core.read_verification` made of the step's rejection_sample call; depth: K."""
+    draft_token_ids [D]); sampled: the sampler's [batch, max_spec_len + 1] output (on its device); verified:
+    what `core.read_verification` made of the step's rejection_sample call; depth: K; draft_vocab: the tag of
+    the head's draft vocabulary (None: every id)."""
     rows = len(metadata.num_draft_tokens)  # the batch rows
     core.record_step(core.VerifyStep(
         req_ids=list(req_ids[:rows]), start=torch.tensor(computed[:rows], dtype=torch.int64) - 1,
         num_drafts=list(metadata.num_draft_tokens), accepted=accepted_counts(sampled[:rows]),
-        drafts=core.host_copy(metadata.draft_token_ids, torch.int32), depth=depth, **verified))
+        drafts=core.device_copy(metadata.draft_token_ids, torch.int32), depth=depth, draft_vocab=draft_vocab,
+        **verified))
 
 
 # ---- hooks ----------------------------------------------------------------------------------------
@@ -104,8 +106,9 @@ def _sample_hook(original):
         depth = _Pending.drafted_depth
         if depth is None:
             depth = self.speculative_config.num_speculative_tokens
-        record_verification(req_ids, computed, spec_decode_metadata, core.host_copy(output.sampled_token_ids),
-                            verified, depth=depth)
+        # accepted counts read on the sampler's device: no host copy in the step
+        record_verification(req_ids, computed, spec_decode_metadata, output.sampled_token_ids, verified, depth=depth,
+                            draft_vocab=getattr(self.get_draft_model(), "draft_vocab_tag", None))
         return output
 
     setattr(_sample, _HOOK_MARK, True)

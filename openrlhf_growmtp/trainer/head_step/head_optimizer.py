@@ -43,8 +43,8 @@ class HeadLR:
 
     def described(self) -> dict:
         """This schedule as plain data, named by the flags that set it."""
-        return {"--growmtp_head_lr": self.peak_lr, "--growmtp_warmup_steps": self.schedule.warmup_steps,
-                "--growmtp_min_lr_ratio": self.schedule.min_lr_ratio,
+        return {"--growmtp_head_lr": self.peak_lr, "--growmtp_head_warmup_steps": self.schedule.warmup_steps,
+                "--growmtp_head_min_lr_ratio": self.schedule.min_lr_ratio,
                 "--growmtp_head_update": "rl_step" if self.per_rl_step else "policy_step",
                 "total steps (--train.num_episodes and the batch sizes)": self.schedule.total_steps}
 

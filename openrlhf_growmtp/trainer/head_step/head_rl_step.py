@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -82,11 +83,13 @@ class HeadRLStep:
         self.cycles, self.lr = 0, 0.0
         self.cycles_per_head_step: float | None = None  # once upstream laid the step's windows out
         self.totals, self.epoch, self.micro_batches, self.head_epochs = HeadUpdateTotals(), 0, 0, set()
+        # the head's own seconds in this RL step outside its updates: start, and around the policy's micro-batches
+        self.overhead_s = 0.0
 
     def start(self) -> None:
         """Before the policy's first micro-batch: the RL step's LR, its schedule and its hidden states' source,
         agreed with the other ranks (and, for a forward of its own, that forward)."""
-        cfg = self.cfg
+        cfg, began = self.cfg, time.perf_counter()
         self.lr = self.optimizer.start_rl_step()
         own_records = cfg.policy_steps > 1 and cfg.per_policy_step and not cfg.update.joint
         from_forward = not own_records and self._from_training_forward()
@@ -102,6 +105,7 @@ class HeadRLStep:
                                             self.lockstep, keep=cfg.log_lag)
         self.hidden_states.start()
         self.cycles = self.lockstep.total([sum(rec.num_cycles for rec in self.records)])[0]
+        self.overhead_s += time.perf_counter() - began
 
     def _from_training_forward(self) -> bool:
         """Whether every rank reads H_p from the policy's own training forward this step (module docstring);
@@ -128,24 +132,32 @@ class HeadRLStep:
     def micro_batch(self, indices: list[int], attention_mask: torch.Tensor, step: int):
         """Around upstream's training step of one micro-batch (`step`: its index in the epoch): the records
         due there update as soon as their hidden states are ready."""
+        began, updated_before = time.perf_counter(), self.totals.seconds
         if step == 0 and self.micro_batches:
             self.epoch += 1
         self.micro_batches += 1
         due = self.schedule.due(indices, self.epoch, step)  # None: no head update here
         with self.hidden_states.micro_batch(due, attention_mask, self.update):
-            yield
+            body_began, updated_at_body = time.perf_counter(), self.totals.seconds
+            yield  # upstream's training step (before_policy_backward counts its own part)
+            body_s, updated_in_body = time.perf_counter() - body_began, self.totals.seconds - updated_at_body
         if self.schedule.done(self.epoch, step):
             self.hidden_states.release()
+        updates_outside_body = self.totals.seconds - updated_before - updated_in_body
+        self.overhead_s += time.perf_counter() - began - body_s - updates_outside_body
 
     def before_policy_backward(self) -> None:
         """Between the micro-batch's policy forward and its backward (where H_p from that forward update)."""
+        began, updating = time.perf_counter(), self.totals.seconds
         self.hidden_states.before_policy_backward()
+        self.overhead_s += time.perf_counter() - began - (self.totals.seconds - updating)
 
     def metrics(self) -> dict[str, float]:
         """The RL step's head metrics (after the policy's micro-batches); counts this RL step done."""
         head_steps = self.optimizer.end_rl_step()
         metrics = self.totals.metrics()
         metrics.update(head_steps=float(head_steps), head_epochs=float(len(self.head_epochs)), head_lr=self.lr)
+        metrics["time/head_overhead_s"] = self.overhead_s
         metrics.update(self.hidden_states.metrics())
         if not self.totals.finite:
             logger.warning("GrowMTP: the head loss was not finite in an optimizer step of this RL step; that "
