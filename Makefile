@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 export PIP_CONSTRAINT := $(CURDIR)/constraints.txt
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: test test-slow venv bench demo demo-quick reproduce speed-study serve serve-check ablations ablations-quick from-scratch rehearse \
+.PHONY: test test-slow test-faults venv bench demo demo-quick reproduce speed-study serve serve-check ablations ablations-quick from-scratch rehearse \
 	gpu-check gpu-wheels \
 	clean
 
@@ -26,11 +26,16 @@ $(STAMP): setup.py constraints.txt
 
 # CI allows 15 minutes on 2 cores, install included: the 15 slowest tests are printed to watch that budget
 test: $(STAMP)
-	$(PY) -m pytest -q -m "not slow" --durations=15 tests
+	$(PY) -m pytest -q -m "not slow and not faults" --durations=15 tests
 
 # the tests marked slow (pytest.ini): end-to-end runs of a minute or more (README, make test-slow)
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow tests
+
+# the fault suite (pytest.ini's `faults`): real runs that meet a fault part-way (an engine killed, a head sync
+# failing, non-finite gradients, a save cut short) and hostile reward programs (~7 min; docs/invariants.md)
+test-faults: $(STAMP)
+	$(PY) -m pytest -v -s -m faults --durations=0 tests
 
 # the embedded default: AR vs GrowMTP GRPO on CPU, plots and summary under runs/demo/ (docs/demo.md)
 demo: $(STAMP)

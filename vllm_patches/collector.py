@@ -12,9 +12,9 @@ Its own terms (capture/core.py defines the payload, core/records.py the record, 
 - *caller's request id*: `RequestOutput.request_id`. Workers key cycles by vLLM's internal id, the
   caller's id plus "-<8 random chars>"; the collector strips that suffix (unless vLLM was told not to
   add it, `VLLM_DISABLE_REQUEST_ID_RANDOMIZATION=1`).
-- *pending cycles*: drained cycle rows (and exact-mode hidden rows) of a request not claimed yet. They
-  are kept across drains until claimed: an async rollout drains after a whole batch, so a request's
-  cycles may arrive in several payloads, some before its output.
+- *pending cycles*: drained cycle rows (and exact-mode hidden rows) of a request not claimed yet. They are kept
+  across drains until claimed (an async rollout drains after a whole batch, so a request's cycles may arrive in
+  several payloads, some before its output), or until the caller discards what nobody claimed.
 - *dropped cycles* (capture/core.py defines them): verified, but not K samples of q; left out of the record,
   counted in `record.meta["dropped_cycles"]`, and still compared with vLLM's counters in step order.
 - *claim*: `pop` / `pop_by_tokens`. The record is built and validated once, here, and the request's
@@ -96,9 +96,8 @@ class RecordCollector:
         self._finished: dict[str, _Finished] = {}
         # committed tokens -> (order, request id) of the outputs with those tokens, in order
         self._by_tokens: dict[tuple[int, ...], list[tuple[int, str]]] = {}
-        self._num_added = 0
         self._pending: dict[str, _Pending] = {}
-        self._num_drains = 0
+        self._num_added = self._num_drains = 0
 
     # ---- input ----------------------------------------------------------------------------------------
     def add_output(self, output, sampling_params, order: int | None = None) -> None:
@@ -185,6 +184,16 @@ class RecordCollector:
                 f"no finished output has these {len(token_ids)} committed tokens (outputs must be added with "
                 "add_output; multi-turn executors and responses edited after generation are not supported)")
         return self._claim([queue[0][1]])[0]
+
+    @property
+    def unclaimed_request_ids(self) -> set[str]:
+        """Requests with an added output or drained cycles that no pop has claimed yet."""
+        return set(self._finished) | set(self._pending)
+
+    def discard_unclaimed(self) -> int:
+        """Forget the outputs and cycles no claim took, where none of the caller's requests runs; how many."""
+        orphans, self._finished, self._by_tokens, self._pending = len(self.unclaimed_request_ids), {}, {}, {}
+        return orphans
 
     def _claim(self, request_ids: list[str]) -> list[SequenceRecord]:
         if len(set(request_ids)) != len(request_ids):

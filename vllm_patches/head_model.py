@@ -212,6 +212,22 @@ def vllm_parameter(name: str) -> tuple[str, str | int | None] | None:
     return target, None
 
 
+def load_problems(model: nn.Module, names) -> list[str]:
+    """What loading weights under these core-head names into `model` (a GrowMTPHeadModel) would get wrong: a
+    name with no parameter of the head, and every head parameter (each part of a fused one) none would fill,
+    which would keep its old value without a word. Empty when the names fill the whole head exactly."""
+    params = {name for name, _ in model.named_parameters() if not is_shared(name)}
+    targets = {name: vllm_parameter(name) for name in names if not is_shared(name)}
+    problems = [f"{name!r} has no parameter in the head"
+                for name, (target, _) in targets.items() if target not in params]
+    filled = set(targets.values())
+    for param in sorted(params):
+        parts = [shard for _, fused, shard in _FUSED if fused in param] or [None]
+        problems += [f"no weight for {param}" + ("" if shard is None else f" (part {shard})")
+                     for shard in parts if (param, shard) not in filled]
+    return problems
+
+
 def is_shared(name: str) -> bool:
     """Whether a head parameter name (core or vLLM) is the target's embedding or lm_head."""
     return any(part in name for part in _SHARED)

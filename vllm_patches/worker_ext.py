@@ -48,7 +48,9 @@ class GrowMTPWorkerExtension(WorkerWrap):
         return capture.drain(as_blob)
 
     def growmtp_load_head_weights(self, blob: bytes) -> list[str]:
-        """Load core-head-named weights into the live draft head (vLLM's layerwise reload protocol).
+        """Load core-head-named weights into the live draft head (vLLM's layerwise reload protocol); returns the
+        names loaded. Weights that would not fill the whole head exactly are refused before any is loaded
+        (`head_model.load_problems`): a head part left out would keep drafting with its old value.
 
         The CPU backend repacks weights after loading (the original parameters are left empty), so a
         plain `load_weights` would not reach the kernels; the reload protocol re-runs that processing.
@@ -60,10 +62,14 @@ class GrowMTPWorkerExtension(WorkerWrap):
 
         weights = load_blob(blob)
         model = self.model_runner.get_draft_model()
+        if problems := head_model.load_problems(model, weights):
+            more = f" (and {len(problems) - 8} more)" if len(problems) > 8 else ""
+            raise KeyError(f"GrowMTP head weights refused by rank {self.rank}, the live head unchanged: "
+                           + "; ".join(problems[:8]) + more)
         initialize_layerwise_reload(model)
-        loaded = model.load_weights(iter(weights.items()))
+        model.load_weights(iter(weights.items()))
         finalize_layerwise_reload(model, self.vllm_config.speculative_config.draft_model_config)
-        return sorted(loaded)
+        return sorted(name for name in weights if not head_model.is_shared(name))
 
     def growmtp_load_target_weights(self, blob: bytes) -> int:
         """Load HF-named policy weights into the live target model (vLLM's layerwise reload, which re-runs the

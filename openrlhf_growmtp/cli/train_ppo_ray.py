@@ -36,19 +36,24 @@ DRY_RUN_ENV = "GROWMTP_DRY_RUN"  # =1: parse and check everything, then exit 0 w
 
 
 def resolve_head_dir(flat: dict) -> str:
-    """The head directory every engine and trainer starts from (written once for random / native)."""
-    from openrlhf_growmtp.core.checkpoint import export_head, load_native_head, materialize_random_head
+    """The head directory every engine and trainer starts from (written once for random / native). Raises
+    HeadCheckpointError for a head with a non-finite weight, which every engine would draft with."""
+    from openrlhf_growmtp.core.checkpoint import (HeadCheckpointError, export_head, load_native_head,
+                                                  materialize_random_head, nonfinite_tensors)
     from openrlhf_growmtp.hub import local_dir
 
     source = flat["growmtp.head"]
     if source not in ("random", "native"):
-        return str(local_dir(source, weights=True).resolve())  # a directory, or a hub id's cached snapshot
-    model = local_dir(flat["actor.model_name_or_path"], weights=source == "native")
-    out = Path(flat["ckpt.path"]).resolve() / INITIAL_HEAD_DIR / source
-    if source == "random":
-        materialize_random_head(model, out, seed=0)
+        out = local_dir(source, weights=True).resolve()  # a directory, or a hub id's cached snapshot
     else:
-        export_head(load_native_head(model), out)
+        model = local_dir(flat["actor.model_name_or_path"], weights=source == "native")
+        out = Path(flat["ckpt.path"]).resolve() / INITIAL_HEAD_DIR / source
+        if source == "random":
+            materialize_random_head(model, out, seed=0)
+        else:
+            export_head(load_native_head(model), out)
+    if bad := nonfinite_tensors(out):
+        raise HeadCheckpointError(f"--growmtp_head {source}: {out} holds non-finite values in {bad}")
     return str(out)
 
 
@@ -123,7 +128,12 @@ def prepare(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> None:
     # TP > 1 engine has num_gpus=0) must not conclude on its own that the run is on CPU.
     os.environ[cpu_support.CPU_DECISION_ENV] = "1" if cpu else "0"
     if flat["growmtp.k"] > 0:
-        setattr(ns, "growmtp.head_dir", resolve_head_dir(flat))
+        from openrlhf_growmtp.core.checkpoint import HeadCheckpointError
+
+        try:
+            setattr(ns, "growmtp.head_dir", resolve_head_dir(flat))
+        except HeadCheckpointError as err:
+            parser.error(f"invalid GrowMTP configuration:\n  - {err}")
         installer.install_driver(growmtp_classes(flat), launcher=sys.modules["__main__"])
     else:
         installer.install_driver(plain_classes(cpu, flat), launcher=sys.modules["__main__"])

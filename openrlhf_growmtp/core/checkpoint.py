@@ -8,7 +8,9 @@ names and fc order of the family's full-model checkpoint instead.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -111,21 +113,42 @@ def materialize_random_head(backbone: str | Path | PretrainedConfig, out_dir: st
 def export_head(head: MTPHead, out_dir: str | Path, native: bool = False) -> Path:
     """Write the head as a standalone directory (config.json + model.safetensors).
 
-    native=True writes the family's full-checkpoint names (with its prefix) and fc order instead.
+    native=True writes the family's full-checkpoint names (with its prefix) and fc order instead. Each file
+    is written beside its name and then renamed onto it: an export cut short leaves every file whole, the
+    previous one or the new one (an engine or a reader of the directory never sees half a file).
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     state = {name: t.detach().cpu().contiguous() for name, t in head.state_dict().items()}
     if native:
         state = to_native_state_dict(state, head.family)
-    save_file(state, str(out / HEAD_WEIGHTS), metadata={"format": "pt", HEAD_CONFIG_FIELD: head.family.name,
-                                                        "layout": "native" if native else "growmtp"})
+    with _replacing(out / HEAD_WEIGHTS) as partial:
+        save_file(state, str(partial), metadata={"format": "pt", HEAD_CONFIG_FIELD: head.family.name,
+                                                 "layout": "native" if native else "growmtp"})
     config = head.config.to_dict()
     config.pop("_attn_implementation", None)
     config["torch_dtype"] = str(next(head.parameters()).dtype).removeprefix("torch.")
-    (out / HEAD_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    with _replacing(out / HEAD_CONFIG) as partial:
+        partial.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     return out
 
+
+@contextlib.contextmanager
+def _replacing(path: Path):
+    """A path to write instead of `path`, renamed onto it once written (removed if the writing fails)."""
+    partial = path.with_name(path.name + ".partial")
+    try:
+        yield partial
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)
+
+
+
+def nonfinite_tensors(head_dir: str | Path) -> list[str]:
+    """The names of a head directory's tensors that hold an infinite or NaN value (read one at a time)."""
+    with safe_open(str(Path(head_dir) / HEAD_WEIGHTS), framework="pt") as f:
+        return [name for name in f.keys() if not bool(torch.isfinite(f.get_tensor(name)).all())]
 
 
 def read_head_config(head_dir: str | Path) -> PretrainedConfig:

@@ -31,6 +31,7 @@ HEAD_SOURCES = ("random", "native")
 # The deepest drafting the records, VGM and reconstruction are tested at; a head directory may declare
 # a smaller `max_draft_depth` in its config.json.
 MAX_DRAFT_DEPTH = 16
+INF = float("inf")  # a number flag must be below it: NaN and infinity compare False
 
 
 def add_growmtp_args(parser: argparse.ArgumentParser) -> None:
@@ -110,8 +111,8 @@ def check_args(flat: dict) -> list[str]:
     if k < 0:
         return [f"--growmtp_k must be >= 0 (0 = off), got {k}"]
     errors = check_engine_args(flat)
-    if not g.get("neg_adv_weight", 1.0) > 0:
-        errors.append(f"--growmtp_neg_adv_weight must be > 0, got {g.get('neg_adv_weight')}")
+    if not 0 < g.get("neg_adv_weight", 1.0) < INF:
+        errors.append(f"--growmtp_neg_adv_weight must be a finite number > 0, got {g.get('neg_adv_weight')}")
     max_len, new_tokens = flat.get("data.max_len"), flat.get("rollout.max_new_tokens")
     if max_len is not None and new_tokens is not None and new_tokens >= max_len:
         # upstream's agent counts --data.max_len as prompt + response and keeps the prompt's last
@@ -131,13 +132,13 @@ def check_args(flat: dict) -> list[str]:
         errors.append("--growmtp_topk and --growmtp_chunk_cycles must be >= 1, --growmtp_head_warmup_steps >= 0 "
                       f"and --growmtp_head_min_lr_ratio in [0, 1]; got {g['topk']}, {g['chunk_cycles']}, "
                       f"{g['head_warmup_steps']}, {g['head_min_lr_ratio']}")
-    if g.get("head_lr") is not None and g["head_lr"] <= 0:
-        errors.append(f"--growmtp_head_lr must be > 0, got {g['head_lr']}")
+    if g.get("head_lr") is not None and not 0 < g["head_lr"] < INF:  # NaN too: it would reach every engine
+        errors.append(f"--growmtp_head_lr must be a finite number > 0, got {g['head_lr']}")
     # Drafting is sampled from q and verified by rejection sampling; the records describe that process only.
     temperature = get("rollout.temperature", 1.0)
-    if temperature is None or temperature <= 0:
-        errors.append(f"GrowMTP drafts by sampling: --rollout.temperature must be > 0 (got {temperature}); "
-                      "greedy drafting is not supported")
+    if temperature is None or not 0 < temperature < INF:
+        errors.append(f"GrowMTP drafts by sampling: --rollout.temperature must be a finite number > 0 (got "
+                      f"{temperature}); greedy drafting is not supported")
     if get("rollout.top_p", 1.0) != 1.0 or get("rollout.top_k", -1) not in (-1, 0, None):
         errors.append("GrowMTP records need the full target distribution: use --rollout.top_p 1.0 and no "
                       f"--rollout.top_k (got top_p={get('rollout.top_p')}, top_k={get('rollout.top_k')})")

@@ -31,6 +31,12 @@ CONTRACT = [
     ("openrlhf.utils.deepspeed.deepspeed.DeepspeedStrategy", "_ds_init_train_model", ("model", "cfg")),
     ("openrlhf.utils.deepspeed.deepspeed.DeepspeedStrategy", "save_model", ("model", "tokenizer", "output_dir")),
     ("openrlhf.utils.deepspeed.deepspeed.DeepspeedStrategy", "backward", ("loss", "model")),
+    # a head run names its checkpoint in `latest` itself, once the head snapshot is beside it
+    ("openrlhf.utils.deepspeed.deepspeed.DeepspeedStrategy", "save_ckpt", ("model", "save_dir", "tag", "save_latest")),
+    ("openrlhf.trainer.ray.ppo_actor.PolicyModelActor.__ray_actor_class__", "save_checkpoint",
+     ("tag", "client_states")),
+    # the controllers set aside the metrics rows of steps a resumed run logs again
+    ("openrlhf.trainer.ppo_trainer.BasePPOTrainer", "init_checkpoint_states", ()),
     # the strategy attaches the head to the Actor it is handed to train, before DeepSpeed wraps it
     ("openrlhf.models", "Actor", None),
     ("openrlhf.trainer.ray.ppo_actor", "NaiveReplayBuffer", None),

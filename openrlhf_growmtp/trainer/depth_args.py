@@ -3,6 +3,8 @@ registers them with the other `--growmtp_*` flags and runs the checks with its o
 
 from __future__ import annotations
 
+import math
+
 DEPTH_MODES = ("fixed", "auto")
 
 
@@ -43,7 +45,7 @@ def check_depth(g: dict, k: int, async_train: bool) -> list[str]:
         costs = cycle_costs(g.get("cycle_costs"))
     except ValueError:
         costs = []
-    if costs is not None and (len(costs) != k + 1 or not all(c > 0 for c in costs)):
+    if costs is not None and (len(costs) != k + 1 or not all(0 < c < math.inf for c in costs)):
         errors.append(f"--growmtp_cycle_costs must be {k + 1} positive seconds (depths 0..{k}), comma-separated; "
                       f"got {g.get('cycle_costs')!r}")
     return errors

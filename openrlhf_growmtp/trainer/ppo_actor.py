@@ -11,11 +11,11 @@ through Ray. The policy actor's checkpoints carry a head snapshot (weights, Adam
 from __future__ import annotations
 
 import logging
+import os
 import time
 from pathlib import Path
 
 import deepspeed
-import ray
 import torch
 import torch.distributed as dist
 from openrlhf.trainer.ray.ppo_actor import ActorPPOTrainer, PolicyModelActor
@@ -27,11 +27,12 @@ from ..core.lockstep import Lockstep
 from ..core.records import SequenceRecord
 from . import installer
 from .draft_vocab_sync import actor_draft_vocab
+from .engine_sync import loaded_all, nonfinite_head, send_to_engines
 from .head_step.deepspeed_patches import head_lr, head_optimizer_state
 from .head_step.head_rl_step import HeadRLStep, HeadRLStepConfig
 from .keys import ACCEPTED_KEY, CHECKED_KEY, DROPPED_KEY, RECORD_INDEX_KEY, RECORD_KEY
 from .loss import NegativeAdvantageWeightedLoss
-from .resume import SNAPSHOT_FILE  # its one definition: the startup check reads it too
+from .resume import ACTOR_DIR, SNAPSHOT_FILE, publish_latest
 from .strategy import gathered_head_state, head_of, without_head
 
 logger = logging.getLogger("growmtp")
@@ -80,15 +81,9 @@ class ActorTrainer(ActorPPOTrainer):
         params = dict(self.actor.model.module.named_parameters())
         with deepspeed.zero.GatheredParameters(list(params.values())):
             state = {name: p.detach().cpu().clone() for name, p in params.items()} if dist.get_rank() == 0 else None
-        self._send_to_engines("growmtp_load_target", state)
-
-    def _send_to_engines(self, method: str, state: dict[str, torch.Tensor] | None) -> None:
-        """Rank 0 sends `state` to every engine's `method` (`rollout_actor.RolloutActor`); all ranks meet after."""
-        if state is not None:
-            from vllm_patches.transport import dump_blob
-
-            blob = ray.put(dump_blob(state))
-            ray.get([getattr(engine, method).remote(blob) for engine in self.vllm_engines])
+        expected = None if state is None else len(state)
+        send_to_engines(self.vllm_engines, "growmtp_load_target", state,
+                        lambda loaded: None if loaded == expected else f"loaded {loaded} of {expected} tensors")
         torch_dist_barrier_and_cuda_sync()
 
 
@@ -166,7 +161,10 @@ class GrowMTPActorTrainer(ActorTrainer):
         head = head_of(hf_model)
         if head is not None and self.head_changed:  # a head that did not step is the engines' already
             began = time.perf_counter()
-            self._send_to_engines("growmtp_load_head", gathered_head_state(head))
+            state = gathered_head_state(head)  # rank 0's; None elsewhere
+            send_to_engines(self.vllm_engines, "growmtp_load_head", state, loaded_all(state or {}),
+                            refuse=nonfinite_head)
+            torch_dist_barrier_and_cuda_sync()
             self.head_sync_s, self.head_changed = time.perf_counter() - began, False
 
 
@@ -202,20 +200,32 @@ class GrowMTPPolicyActor(PolicyActor):
         super().init_model_from_pretrained(strategy, pretrain, max_steps, vllm_engines)
         if self.checkpoint_states and head_of(self.actor.model.module) is not None:
             self.trainer.alpha_1 = float(self.checkpoint_states.get(ALPHA_1_STATE, 0.0))
+            changed = strategy.head_optimizer.resumed()  # the head's LR schedule is this run's flags'
+            if changed and dist.get_rank() == 0:
+                logger.warning("GrowMTP: resumed with this run's head LR schedule, not the checkpoint's (the "
+                               "completed RL steps carry over): %s", "; ".join(changed))
             # an audit trail of what resume restored, next to what the checkpoint saved (SNAPSHOT_FILE)
-            self._write_snapshot(Path(strategy.args.ckpt.path) / "_actor" / f"resumed_{SNAPSHOT_FILE}")
+            self._write_snapshot(Path(strategy.args.ckpt.path) / ACTOR_DIR / f"resumed_{SNAPSHOT_FILE}")
 
     def save_checkpoint(self, tag, client_states=None, metric_value=None, metric_key=None):
+        """Upstream's checkpoint, then the head snapshot beside it, then `latest` naming it (the strategy holds
+        DeepSpeed's back): a save cut short anywhere leaves `latest` at the last complete checkpoint."""
         client_states = {**(client_states or {}), ALPHA_1_STATE: self.trainer.alpha_1}
         super().save_checkpoint(tag, client_states, metric_value, metric_key)
         if head_of(self.actor.model.module) is not None and not self.disable_ds_ckpt:
-            self._write_snapshot(Path(self.strategy.args.ckpt.path) / "_actor" / tag / SNAPSHOT_FILE)
+            actor_dir = Path(self.strategy.args.ckpt.path) / ACTOR_DIR
+            self._write_snapshot(actor_dir / tag / SNAPSHOT_FILE)
+            if dist.get_rank() == 0:
+                publish_latest(actor_dir, tag)
+            torch_dist_barrier_and_cuda_sync()
 
     def _write_snapshot(self, path: Path) -> None:
         snapshot = self.growmtp_head_snapshot()
         if snapshot["rank"] == 0:
             path.parent.mkdir(parents=True, exist_ok=True)
-            torch.save(snapshot, path)
+            partial = path.with_name(path.name + ".partial")  # never a half-written snapshot under its name
+            torch.save(snapshot, partial)
+            os.replace(partial, path)
 
     def growmtp_set_draft_vocab(self, ids: list[int], tag: str) -> None:
         """The draft vocabulary the rollout this RL step trains on was drafted over: the head's q from now on."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from pathlib import Path
 
@@ -28,6 +29,7 @@ from .samples_generator import GrowMTPSamplesGenerator, OrderedSamplesGenerator
 logger = logging.getLogger("growmtp")
 
 METRICS_FILE = "growmtp_metrics.jsonl"
+SUPERSEDED_FILE = "growmtp_metrics.superseded.jsonl"  # rows of steps a resumed run logs again
 # Below this share of the policy's mass in the recorded top-k the update's α may differ from the true one by
 # more than the differences between objectives (docs/from_scratch.md).
 TRUSTED_TOPK_MASS = 0.99
@@ -42,6 +44,17 @@ class StepMetrics:
     def _init_step_metrics(self, args) -> None:
         self.metrics_path = Path(args.ckpt.path) / METRICS_FILE
         self._warned_topk_mass = False
+
+    def init_checkpoint_states(self):
+        """Upstream's; the metrics rows of steps after the one the run starts from move aside first (a run cut
+        short between logging a step and saving its checkpoint logged it; the resumed run logs it again)."""
+        states = super().init_checkpoint_states()
+        step = int(states.get("global_step", 0))
+        moved = set_aside_rows_after(self.metrics_path, step)
+        if moved:
+            logger.warning("GrowMTP: %d row(s) of %s are of steps after step %d, where this run starts; moved to %s",
+                           moved, self.metrics_path, step, SUPERSEDED_FILE)
+        return states
 
     def train_step(self, rollout_samples, global_step):
         rollout = self._rollout_metrics(rollout_samples)
@@ -147,6 +160,10 @@ class GrowMTPStepMetrics(StepMetrics):
         checked = [flag for s in samples for flag in s.info.get(CHECKED_KEY, [])]
         metrics["growmtp/records"] = float(len(checked))
         metrics["growmtp/records_checked"] = float(sum(bool(flag) for flag in checked))
+        if metrics["growmtp/records_checked"] < len(checked):  # settings.spec_engine_kwargs asks vLLM for them
+            logger.warning("GrowMTP: %d of %d records of this step were not compared with vLLM's per-request counts "
+                           "(vLLM returned none with their outputs)", len(checked) - metrics["growmtp/records_checked"],
+                           len(checked))
         return metrics
 
     def _report(self, step: int, status: dict) -> None:
@@ -160,6 +177,26 @@ class GrowMTPStepMetrics(StepMetrics):
             " ".join(f"{a:.2f}" for a in alpha), row.get("growmtp/cycles", 0), row.get("growmtp/head_loss", 0.0),
             row.get("growmtp/head_lr", 0.0), row.get("growmtp/rollout_s", 0.0), row.get("growmtp/head_update_s", 0.0),
             row.get("growmtp/step_s", 0.0), row.get("growmtp/record_bytes_per_token", 0.0))
+
+
+def set_aside_rows_after(path: Path, step: int) -> int:
+    """Move the rows of `path` (a metrics file) of steps after `step`, and any row cut short, to SUPERSEDED_FILE
+    beside it (appended: nothing lost); `path` is rewritten atomically. Returns how many rows moved."""
+    if not path.is_file():
+        return 0
+    kept, later = [], []
+    for line in path.read_text().splitlines(keepends=True):
+        try:
+            (later if json.loads(line)["step"] > step else kept).append(line)
+        except (ValueError, KeyError, TypeError):  # a row cut short by the crash the run resumes from
+            later.append(line if line.endswith("\n") else line + "\n")
+    if later:
+        with (path.parent / SUPERSEDED_FILE).open("a") as f:
+            f.writelines(later)
+        partial = path.with_name(path.name + ".partial")
+        partial.write_text("".join(kept))
+        os.replace(partial, path)
+    return len(later)
 
 
 class _OrderedController(StepMetrics, PPOTrainer.__ray_actor_class__):

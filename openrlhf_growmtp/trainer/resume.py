@@ -8,11 +8,14 @@ nor a run with a training head one that has none. Either way DeepSpeed would fai
 engines have started, with a list of unexpected keys; this check says so before anything starts.
 
 A checkpoint has a head when its tag holds SNAPSHOT_FILE, which a run with a training head writes beside every
-checkpoint it saves (`ppo_actor.GrowMTPPolicyActor`). No openrlhf or DeepSpeed import here.
+checkpoint it saves (`ppo_actor.GrowMTPPolicyActor`). Such a run names the tag in `latest` itself, once the
+snapshot is there too (`publish_latest`), so a save cut short leaves `latest` naming the last complete
+checkpoint, never a tag without its snapshot. No openrlhf or DeepSpeed import here.
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 SNAPSHOT_FILE = "growmtp_head_snapshot.pt"  # head weights, rank-0 head Adam moments and head LR
@@ -25,8 +28,31 @@ def checkpoint_to_load(ckpt_path: str | Path) -> Path | None:
     latest = Path(ckpt_path) / ACTOR_DIR / LATEST
     if not latest.is_file():
         return None
-    tag_dir = latest.parent / latest.read_text().strip()
-    return tag_dir if tag_dir.is_dir() else None
+    tag = latest.read_text().strip()
+    tag_dir = latest.parent / tag
+    return tag_dir if tag and tag_dir.is_dir() else None
+
+
+def publish_latest(actor_dir: str | Path, tag: str) -> None:
+    """Name `tag` in `latest`, atomically: a reader sees the old tag or the new one, never an empty file."""
+    latest = Path(actor_dir) / LATEST
+    partial = latest.with_name(LATEST + ".partial")
+    partial.write_text(tag)
+    os.replace(partial, latest)
+
+
+def _unreadable_latest(ckpt_path: str | Path) -> str | None:
+    """Why `latest` names no checkpoint, where it exists (DeepSpeed would then start the run afresh)."""
+    actor_dir = Path(ckpt_path) / ACTOR_DIR
+    latest = actor_dir / LATEST
+    if not latest.is_file() or checkpoint_to_load(ckpt_path) is not None:
+        return None
+    tag = latest.read_text().strip()
+    saved = sorted((d.name for d in actor_dir.iterdir() if d.is_dir()), key=lambda n: (actor_dir / n).stat().st_mtime)
+    what = f"names {tag!r}, which is not there" if tag else "is empty (a save cut short while writing it)"
+    return (f"--ckpt.load_enable: {latest} {what}, so the run would start afresh instead of resuming. Write the tag "
+            f"of the checkpoint to resume into it (the checkpoints there, oldest first: {saved or 'none'}), or drop "
+            "--ckpt.load_enable to start afresh")
 
 
 def resume_problem(flat: dict) -> str | None:
@@ -34,6 +60,8 @@ def resume_problem(flat: dict) -> str | None:
     `flat` is vars(the parsed namespace)."""
     if not flat.get("ckpt.load_enable") or not flat.get("ckpt.path"):
         return None
+    if unreadable := _unreadable_latest(flat["ckpt.path"]):
+        return unreadable
     checkpoint = checkpoint_to_load(flat["ckpt.path"])
     if checkpoint is None:
         return None
@@ -47,7 +75,7 @@ def resume_problem(flat: dict) -> str | None:
                 "which a run without one (--growmtp_k 0 or --growmtp_mode frozen) cannot load. Resume with "
                 f"--growmtp_k >= 1 (any depth), or, to go on without the head, {fresh_run}")
     if training_head and not saved_with_head:
-        return (f"--ckpt.load_enable: {checkpoint} was saved without a training GrowMTP head (--growmtp_k 0 or "
-                "--growmtp_mode frozen), and a run that trains one cannot load it. Resume it as it was saved, "
-                f"or, to start growing a head from this policy, {fresh_run}")
+        return (f"--ckpt.load_enable: {checkpoint} has no {SNAPSHOT_FILE}: it was saved without a training GrowMTP "
+                "head (--growmtp_k 0 or --growmtp_mode frozen), and a run that trains one cannot load it. Resume it "
+                f"as it was saved, or, to start growing a head from this policy, {fresh_run}")
     return None

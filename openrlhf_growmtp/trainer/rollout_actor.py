@@ -20,8 +20,10 @@ run's `RolloutOptions` to those kwargs.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import itertools
+import logging
 import os
 import time
 from dataclasses import dataclass
@@ -35,6 +37,8 @@ from .. import reproducibility
 from ..cpu_support import VLLM_THREADS_BIND_ENV, omp_threads_bind
 from . import rollout_order
 from .keys import ACCEPTED_KEY, CHECKED_KEY, DROPPED_KEY, RECORD_KEY, RECORD_SECONDS_KEY
+
+logger = logging.getLogger("growmtp")
 
 
 @dataclass(frozen=True)
@@ -155,30 +159,47 @@ class GrowMTPRolloutActor(RolloutActor):
                                          vocab_size=self.llm.model_config.get_vocab_size())
         self._requests = itertools.count()
         self._capture = capture
+        # generate and generate_responses calls running: while any is, unclaimed outputs and cycles may be theirs
+        self._in_flight = 0
+
+    @contextlib.contextmanager
+    def _running(self):
+        self._in_flight += 1
+        try:
+            yield
+        finally:
+            self._in_flight -= 1
 
     async def generate(self, prompt_token_ids, sampling_params, multi_modal_data=None):
         # a response claims its record by its tokens: equal samples claim theirs in the order they were made
         # (which the dispatch fixes), not the order they finish
         order = next(self._requests)
-        output = await super().generate(prompt_token_ids, sampling_params, multi_modal_data)
-        self.collector.add_output(output, sampling_params, order=order)
+        with self._running():
+            output = await super().generate(prompt_token_ids, sampling_params, multi_modal_data)
+            self.collector.add_output(output, sampling_params, order=order)
         return output
 
     async def generate_responses(self, *args, **kwargs):
         from vllm_patches.collector import CHECKED_META, DROPPED_META
 
-        responses = await super().generate_responses(*args, **kwargs)
-        began = time.perf_counter()
-        # Other prompts' generates run concurrently: the drain may hold their cycles too (kept until claimed).
-        self.collector.add_drained((await self.llm.collective_rpc("growmtp_drain_records"))[0])
-        for response in responses:
-            record = self.collector.pop_by_tokens(response["observation_tokens"])
-            response[RECORD_KEY] = record.pack()
-            response[ACCEPTED_KEY] = record.accepted.tolist()
-            response[DROPPED_KEY] = record.meta[DROPPED_META]
-            response[CHECKED_KEY] = int(record.meta[CHECKED_META])
-        for response in responses:
-            response[RECORD_SECONDS_KEY] = (time.perf_counter() - began) / len(responses)
+        with self._running():
+            responses = await super().generate_responses(*args, **kwargs)
+            began = time.perf_counter()
+            # Other prompts' generates run concurrently: the drain may hold their cycles and outputs too (kept
+            # until claimed).
+            self.collector.add_drained((await self.llm.collective_rpc("growmtp_drain_records"))[0])
+            for response in responses:
+                record = self.collector.pop_by_tokens(response["observation_tokens"])
+                response[RECORD_KEY] = record.pack()
+                response[ACCEPTED_KEY] = record.accepted.tolist()
+                response[DROPPED_KEY] = record.meta[DROPPED_META]
+                response[CHECKED_KEY] = int(record.meta[CHECKED_META])
+            for response in responses:
+                response[RECORD_SECONDS_KEY] = (time.perf_counter() - began) / len(responses)
+        if self._in_flight == 0 and (orphans := self.collector.discard_unclaimed()):
+            logger.warning("GrowMTP: %d request(s) of this engine finished or stopped without a response claiming "
+                           "their record (a sample that failed, an aborted request); their cycles are dropped",
+                           orphans)
         return responses
 
     async def growmtp_set_depth(self, depth: int) -> int:
@@ -218,8 +239,9 @@ class GrowMTPRolloutActor(RolloutActor):
         """Draft over `ids` only from the next rollout on (None: every id); records carry `tag`."""
         await self.llm.collective_rpc("growmtp_set_draft_vocab", args=(ids, tag))
 
-    async def growmtp_load_head(self, blob: bytes) -> list[str]:
-        return (await self.llm.collective_rpc("growmtp_load_head_weights", args=(blob,)))[0]
+    async def growmtp_load_head(self, blob: bytes) -> list[list[str]]:
+        """The head weights in `blob` into every rank of this engine; the names each rank loaded."""
+        return await self.llm.collective_rpc("growmtp_load_head_weights", args=(blob,))
 
     async def growmtp_head_sync_diff(self, blob: bytes) -> list[dict]:
         """Every rank's distance from the head weights in `blob` (worker_ext.growmtp_head_sync_diff)."""

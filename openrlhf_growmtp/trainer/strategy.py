@@ -115,6 +115,12 @@ class GrowMTPStrategy(DeepspeedStrategy):
                        "lr": resolve_head_lr(vars(self.args.growmtp)), "name": HEAD_GROUP})
         return raw_model, groups
 
+    def save_ckpt(self, model, save_dir, tag=None, *args, save_latest=True, **kwargs):
+        """Upstream's DeepSpeed checkpoint; with a head, `latest` is left to the policy actor, which names the tag
+        only once the head snapshot is beside it (`resume.publish_latest`)."""
+        held = head_of(model.module) is not None
+        return super().save_ckpt(model, save_dir, tag, *args, save_latest=save_latest and not held, **kwargs)
+
     def save_model(self, model, tokenizer, output_dir, **kwargs) -> None:
         """Upstream's HF export without the head, plus the head as a standalone directory the engine loads."""
         hf_model = self._unwrap_model(model)
@@ -138,15 +144,16 @@ def head_lr_multiplier(args, policy_steps: int) -> HeadLR:
     steps): per RL step under `--growmtp_head_update rl_step`; per policy step otherwise, where
     --growmtp_head_warmup_steps (in RL steps) spans that many policy steps per RL step."""
     g, a = args.growmtp, args
+    peak = resolve_head_lr(vars(g))
     per_rl_step = max(1, policy_steps_per_rl_step(a.rollout.batch_size, a.rollout.n_samples_per_prompt,
                                                   a.train.batch_size, a.train.max_epochs))
     if g.head_update == "rl_step":
         schedule = HeadLRSchedule(total_steps=max(1, int(policy_steps) // per_rl_step),
                                   warmup_steps=g.head_warmup_steps, min_lr_ratio=g.head_min_lr_ratio)
-        return HeadLR(schedule, per_rl_step=True)
+        return HeadLR(schedule, per_rl_step=True, peak_lr=peak)
     schedule = HeadLRSchedule(total_steps=max(1, int(policy_steps)), warmup_steps=g.head_warmup_steps * per_rl_step,
                               min_lr_ratio=g.head_min_lr_ratio)
-    return HeadLR(schedule, per_rl_step=False)
+    return HeadLR(schedule, per_rl_step=False, peak_lr=peak)
 
 
 def _export_frozen_head(head_dir: str, out_dir: Path, k: int) -> None:

@@ -169,3 +169,30 @@ def test_make_head_cli_writes_a_loadable_head_and_reports_bad_input(tmp_path, ca
     assert make_head_main(["--backbone", str(model_dir), "--out", str(tmp_path / "n"), "--native"]) == 2
     assert "ships an MTP head" in capsys.readouterr().err
     assert make_head_main(["--backbone", str(tmp_path / "nowhere"), "--out", str(tmp_path / "x")]) == 2
+
+
+def test_an_export_cut_short_leaves_every_file_whole_and_a_nonfinite_head_is_named(tmp_path, monkeypatch):
+    """The in-run export rewrites a head directory an engine or a reader may load from: each file is written
+    beside its name and renamed onto it, so a write that fails half-way leaves the previous file, and no
+    partial one. `nonfinite_tensors` names a head's NaN or infinite tensors (the launcher refuses such a head)."""
+    from openrlhf_growmtp.core import checkpoint
+
+    out = export_head(make_head("qwen3", seed=1), tmp_path / "head")
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert checkpoint.nonfinite_tensors(out) == []
+
+    def cut_short(state, filename, metadata=None):
+        with open(filename, "wb") as f:
+            f.write(b"half a file")
+        raise OSError("no space left on device")
+
+    monkeypatch.setattr(checkpoint, "save_file", cut_short)
+    with pytest.raises(OSError, match="no space left"):
+        export_head(make_head("qwen3", seed=2), out)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    monkeypatch.undo()
+    poisoned = make_head("qwen3", seed=2)
+    with torch.no_grad():
+        poisoned.fc.weight[0, 0] = float("nan")
+        poisoned.norm.weight[1] = float("inf")
+    assert sorted(checkpoint.nonfinite_tensors(export_head(poisoned, out))) == ["fc.weight", "norm.weight"]

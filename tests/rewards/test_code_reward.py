@@ -246,6 +246,64 @@ def test_namespaces_and_capabilities_hold_without_the_hook():
     assert result.stdout.split() == ["unreachable", "1", "0000000000000000"]
 
 
+# ----------------------------------------------------------------------------- reading the answers
+
+@pytest.mark.parametrize("steal", [
+    "print(open(DATASET).read())",
+    "import pathlib\nprint(pathlib.Path(DATASET).read_text())",
+    "import io\nprint(io.open_code(DATASET).read())",
+    "fd = os.open(DATASET, os.O_RDONLY)\nprint(os.read(fd, 1 << 16))",
+    "fd = os.open(os.path.dirname(DATASET), os.O_RDONLY)\nprint(os.read(os.open('prompts.jsonl', 0, dir_fd=fd), 99))",
+    "import linecache\nprint(''.join(linecache.getlines(DATASET)))",
+    "import importlib.machinery as m\nprint(m.SourceFileLoader('x', DATASET).get_data(DATASET))",
+    "import numpy\nprint(numpy.fromfile(DATASET, dtype='uint8').tobytes())",
+    "print(open('/proc/self/root' + DATASET).read())",
+    "print(open('../' * 20 + DATASET.lstrip('/')).read())",
+    "print(os.listdir(os.path.dirname(DATASET)))",
+])
+def test_a_program_cannot_read_the_prompt_dataset_whose_labels_hold_the_answers(tmp_path, steal):
+    secret = uuid.uuid4().hex
+    dataset = tmp_path / "prompts.jsonl"
+    dataset.write_text(json.dumps({"input": "print the answer", "label": secret}) + "\n")
+    result = run_program(f"import os\nDATASET = {str(dataset)!r}\n{steal}", "", FAST)
+    assert result.status == "blocked", (result.status, result.stderr[-300:])
+    assert secret not in result.stdout and "prompts.jsonl" not in result.stdout
+
+
+@pytest.mark.parametrize("steal", [
+    "for pid in os.listdir('/proc'):\n    print(open(f'/proc/{pid}/cmdline').read())",
+    "print(open(f'/proc/{TRAINER}/cmdline').read())",
+    "print(open(f'/proc/{TRAINER}/environ').read())",
+    "print(open('/proc/1/environ').read())",
+    "import glob\nprint(glob.glob('/proc/*/cmdline'))",
+])
+def test_a_program_cannot_read_the_process_table_or_other_environments(steal):
+    """Other processes' command lines name the dataset and the run's paths; their environments hold keys."""
+    result = run_program(f"import os\nTRAINER = {os.getpid()}\n{steal}", "", FAST)
+    assert result.status == "blocked", (result.status, result.stderr[-300:])
+    assert "pytest" not in result.stdout and result.stdout.strip() == ""
+
+
+def test_a_program_sees_a_minimal_environment_not_the_trainers(monkeypatch):
+    secret = uuid.uuid4().hex
+    monkeypatch.setenv("WANDB_API_KEY", secret)
+    result = run_program("import os\nprint(sorted(os.environ.items()))", "", FAST)
+    assert result.status == "ok", result.stderr
+    assert secret not in result.stdout and "WANDB_API_KEY" not in result.stdout
+
+
+def test_honest_programs_still_read_what_they_need():
+    """Standard-library and site-packages imports (numpy), a missing module's ImportError, time zones, stdin,
+    and an uncaught error's traceback, which quotes the sandbox's own file (a runtime error, not blocked)."""
+    program = ("import sys, json, heapq, decimal, fractions, statistics, zoneinfo\nimport numpy as np\n"
+               "try:\n    import no_such_module\nexcept ImportError:\n    pass\n"
+               "zoneinfo.ZoneInfo('UTC')\nprint(int(np.array(json.loads(sys.stdin.read())).sum()))")
+    result = run_program(program, "[1, 2, 3]", FAST)
+    assert result.status == "ok" and result.stdout.strip() == "6", result.stderr
+    crashed = run_program("import json\njson.loads('not json')", "", FAST)
+    assert crashed.status == "runtime_error" and "JSONDecodeError" in crashed.stderr
+
+
 def test_shell_and_subprocess_are_blocked(tmp_path):
     marker = tmp_path / f"touched-{uuid.uuid4().hex}"
     shell = run_program(f"import os\nos.system('touch {marker}')\nprint('ran')", "", HOOK_ONLY)
@@ -304,7 +362,7 @@ def test_hook_reads_no_globals():
                                                                                   "LOAD_DEREF", "LOAD_CLASSDEREF")}
         assert not loads, (function.__name__, loads)
         functions += [d for d in function.__defaults__ or () if callable(d) and hasattr(d, "__code__")]
-    assert len(seen) == 8
+    assert len(seen) == 10
 
 
 # ----------------------------------------------------------------------------- the child module itself
@@ -329,19 +387,24 @@ def test_call_function_prefers_class_solution():
         sandbox_child.call_function(module, "g", [])
 
 
+LIB = "/usr/lib/python3"  # a read root in the judge's unit tests, as the interpreter's import path is in a run
+
+
 @pytest.fixture
 def decide(tmp_path, monkeypatch):
     """The hook's decisions for a sandbox at tmp_path, the cwd as in a run."""
     root = os.path.realpath(tmp_path)
     monkeypatch.chdir(root)
-    return sandbox_child.make_judge(root)[0]
+    return sandbox_child.make_judge(root, read_roots=(LIB,))[0]
 
 
 WRITE = os.O_WRONLY | os.O_CREAT
 
 
 @pytest.mark.parametrize("event, args", [
-    ("open", ("out.txt", "w", WRITE)), ("open", ("d/../out.txt", "a", WRITE)), ("open", ("/etc/hostname", "r", 0)),
+    ("open", ("out.txt", "w", WRITE)), ("open", ("d/../out.txt", "a", WRITE)), ("open", ("solution.py", "r", 0)),
+    ("open", (LIB + "/json/__init__.py", "r", 0)), ("open", (LIB, None, os.O_RDONLY)), ("os.listdir", (LIB,)),
+    ("os.scandir", (None,)), ("os.listdir", ("d",)), ("open", ("/dev/urandom", "rb", 0)),
     ("open", ("/dev/null", "w", WRITE)), ("os.remove", ("out.txt", -1)), ("os.rename", ("a", "b", -1, -1)),
     ("os.mkdir", ("d", 0o777, -1)), ("os.chdir", (".",)), ("os.kill", (os.getpid(), 0)),
     ("resource.prlimit", (0, 7, (1, 1))), ("compile", (b"1", "<string>")),
@@ -356,6 +419,9 @@ def test_judge_allows_work_inside_the_sandbox(decide, event, args):
     ("os.remove", ("/etc/hostname", -1)), ("os.rename", ("mine", "/tmp/stolen", -1, -1)), ("os.chdir", ("..",)),
     ("os.kill", (1, 9)), ("resource.prlimit", (1, 7, (1, 1))), ("os.system", (b"ls",)), ("os.fork", ()),
     ("socket.connect", (None, ("127.0.0.1", 9))), ("os.symlink", ("/etc", "link", -1)), ("code.__new__", ()),
+    ("open", ("/etc/hostname", "r", 0)), ("open", (LIB + "/../../../etc/passwd", "r", 0)),
+    ("open", (LIB + "x/secret", "r", 0)), ("open", ("/proc/1/cmdline", "rb", 0)), ("os.listdir", ("/proc",)),
+    ("os.scandir", ("/",)), ("open", ("/proc/self/root/etc/hostname", "r", 0)), ("open", ("/etc", None, 0)),
 ])
 def test_judge_refuses_work_outside_the_sandbox(decide, event, args):
     with pytest.raises(PermissionError, match=event.replace(".", r"\.")):
@@ -365,6 +431,8 @@ def test_judge_refuses_work_outside_the_sandbox(decide, event, args):
 @pytest.mark.parametrize("name, filename, refusal", [
     ("json", "/usr/lib/python3/json/__init__.py", None), ("solution_helper", "helper.py", None),
     ("ctypes", None, "cannot be imported"), ("_posixsubprocess", None, "cannot be imported"),
+    ("sqlite3", None, "cannot be imported"), ("dbm._gdbm", None, "cannot be imported"),
+    ("readline", None, "cannot be imported"),
     ("evil", "evil.so", "only .py modules"),
 ])
 def test_judge_refuses_some_imports_softly(decide, name, filename, refusal):
@@ -527,6 +595,17 @@ def test_time_limit_from_env_and_label(monkeypatch):
     assert reward_func([query], ["p"], [_label([""], ["late"], time_limit_s=3)])["rewards"].tolist() == [1.0]
     monkeypatch.setenv(TIME_LIMIT_ENV, "3")
     assert reward_func([query], ["p"], [_label([""], ["late"])])["rewards"].tolist() == [1.0]
+
+
+def test_a_nonfinite_or_negative_time_limit_is_not_taken(monkeypatch, caplog):
+    """$GROWMTP_CODE_TIME_LIMIT_S falls back to 6 s (logged); a label's scores 0.0 as malformed."""
+    from openrlhf_growmtp.rewards.code_reward import DEFAULT_TIME_LIMIT_S, code_score, default_time_limit_s
+
+    for raw in ("nan", "inf", "-1", "soon"):
+        monkeypatch.setenv(TIME_LIMIT_ENV, raw)
+        assert default_time_limit_s() == DEFAULT_TIME_LIMIT_S
+    label = json.dumps({"inputs": [""], "outputs": ["1"], "time_limit_s": float("inf")})  # JSON's Infinity
+    assert code_score("p```python\nprint(1)\n```", "p", label) == 0.0 and "malformed label" in caplog.text
 
 
 def test_reward_file_loads_the_way_openrlhf_loads_it():

@@ -2,7 +2,8 @@
 
 k=0 (no head): our strategy and trainer are transparent, losses and parameters identical to upstream's.
 detached: policy parameters identical to upstream's, the head moved. joint: the policy differs.
-A non-finite head loss: the head is untouched and the policy still identical to upstream's.
+A non-finite head loss, or a finite one with a non-finite gradient: the head is untouched and the policy still
+identical to upstream's.
 frozen: no head in the step, the policy identical to upstream's, the head exported as it started.
 """
 
@@ -24,6 +25,7 @@ from openrlhf_growmtp.trainer.head_step.deepspeed_patches import head_optimizer_
 from openrlhf_growmtp.trainer.keys import ACCEPTED_KEY, RECORD_KEY
 
 from helpers import tiny
+from helpers.faults import NaNGradient
 from helpers.trainer import K, TOPK, train_args
 
 BATCH, PROMPT, RESPONSE = 4, 5, 7
@@ -271,6 +273,29 @@ def test_nonfinite_head_loss_skips_head_update(upstream, single_rank, policy_dir
     assert status["growmtp/head_finite"] == 0.0
     assert "head update is skipped" in caplog.text
     assert_identical(policy, up_policy)
+    initial = {n: p.to(torch.bfloat16).float() for n, p in load_head(head_dir).state_dict().items()}
+    assert_identical(head, initial)
+
+
+def test_nonfinite_head_gradient_with_a_finite_loss_skips_the_head_step(upstream, single_rank, policy_dir, head_dir,
+                                                                       tmp_path, monkeypatch, caplog):
+    """DeepSpeed reports a non-finite gradient norm as -1 and steps bf16 groups with it; the head's step is
+    skipped instead: the head and its Adam state stay as they were, the policy's step is upstream's."""
+    from openrlhf_growmtp.core import head_loss
+
+    real = head_loss.head_loss_per_cycle_at
+
+    def poisoned(*args, **kwargs):
+        per_cycle, alpha = real(*args, **kwargs)
+        return NaNGradient.apply(per_cycle), alpha
+
+    monkeypatch.setattr(head_loss, "head_loss_per_cycle_at", poisoned)
+    status, policy, head, optimizer, _ = ours(policy_dir, head_dir, tmp_path)
+    assert torch.isfinite(torch.tensor(status["growmtp/head_loss"]))  # the loss was finite
+    assert status["growmtp/head_finite"] == 0.0 and status["growmtp/head_steps"] == 0.0
+    assert "gradient was not finite" in caplog.text
+    assert head_optimizer_state(SimpleNamespace(optimizer=optimizer)) == {}
+    assert_identical(policy, upstream[1])
     initial = {n: p.to(torch.bfloat16).float() for n, p in load_head(head_dir).state_dict().items()}
     assert_identical(head, initial)
 

@@ -100,6 +100,16 @@ def test_valid_configuration_has_no_errors(policy_dir):
     (["--growmtp_k", "3", "--growmtp_draft_vocab", "32", "--vllm.tensor_parallel_size", "2"],
      "--vllm.tensor_parallel_size 1"),
     (["--growmtp_k", "3", "--growmtp_no_committed_loss"], "--growmtp_no_committed_loss needs --growmtp_depth auto"),
+    # a NaN or infinite number passes a `<= 0` test: each would reach the head (and through it every engine)
+    (["--growmtp_k", "3", "--growmtp_head_lr", "nan"], "--growmtp_head_lr must be a finite number > 0, got nan"),
+    (["--growmtp_k", "3", "--growmtp_head_lr", "inf"], "--growmtp_head_lr must be a finite number > 0, got inf"),
+    (["--growmtp_k", "3", "--growmtp_head_lr", "0"], "--growmtp_head_lr must be a finite number > 0, got 0"),
+    (["--growmtp_k", "3", "--growmtp_head_min_lr_ratio", "nan"], "--growmtp_head_min_lr_ratio in [0, 1]"),
+    (["--growmtp_neg_adv_weight", "inf"], "--growmtp_neg_adv_weight must be a finite number > 0"),
+    (["--growmtp_neg_adv_weight", "nan"], "--growmtp_neg_adv_weight must be a finite number > 0"),
+    (["--growmtp_k", "3", "--rollout.temperature", "nan"], "--rollout.temperature must be a finite number > 0"),
+    (["--growmtp_k", "3", "--growmtp_depth", "auto", "--growmtp_cycle_costs", "1,2,inf,4"], "must be 4 positive"),
+    (["--growmtp_k", "3", "--growmtp_depth", "auto", "--growmtp_cycle_costs", "1,nan,3,4"], "must be 4 positive"),
 ])
 def test_bad_combinations_are_refused(policy_dir, argv, message):
     errors = errors_for(policy_dir, *argv)
@@ -176,6 +186,25 @@ def test_a_native_head_is_extracted_from_a_hub_ids_cached_weights(hub_cache, tmp
     for name, tensor in expected.items():
         assert torch.equal(extracted[name], tensor), name  # a copy, bit for bit
     assert load_head(resolve_head_dir(flat)).family.name == "mimo"
+
+
+def test_a_head_directory_with_a_nonfinite_weight_is_refused_by_name(head_dir, tmp_path):
+    """A head from a run that diverged would draft in every engine from the first rollout on."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from openrlhf_growmtp.cli.train_ppo_ray import resolve_head_dir
+    from openrlhf_growmtp.core.checkpoint import HeadCheckpointError
+
+    bad = Path(shutil.copytree(head_dir, tmp_path / "diverged"))
+    weights = load_file(str(bad / "model.safetensors"))
+    name = sorted(weights)[-1]
+    weights[name].view(-1)[0] = float("nan")
+    save_file(weights, str(bad / "model.safetensors"))
+    with pytest.raises(HeadCheckpointError, match=rf"non-finite values in \['{name}'\]"):
+        resolve_head_dir({"growmtp.head": str(bad)})
+    assert resolve_head_dir({"growmtp.head": str(head_dir)}) == str(Path(head_dir).resolve())
 
 
 def test_help_lists_the_hybrid_objective_and_the_alpha_estimate():

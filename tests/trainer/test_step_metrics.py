@@ -4,6 +4,7 @@ little of the policy's mass (`trainer/ppo_trainer.py`)."""
 
 from __future__ import annotations
 
+import json
 import logging
 from types import SimpleNamespace
 
@@ -60,3 +61,36 @@ def test_a_low_topk_mass_is_warned_about_once_naming_the_flag(tmp_path, caplog):
             metrics._warn_topk_mass(mass)
     assert len(caplog.records) == 1
     assert "--growmtp_topk" in caplog.records[0].getMessage() and "0.830" in caplog.records[0].getMessage()
+
+
+def test_a_resumed_run_sets_aside_the_rows_of_the_steps_it_logs_again(tmp_path):
+    """Rows of steps after the checkpoint a run starts from (logged before a crash cut its save short), and a row
+    cut short itself, move to the superseded file: the metrics file then holds each step once, nothing lost."""
+    from openrlhf_growmtp.trainer.ppo_trainer import METRICS_FILE, SUPERSEDED_FILE, set_aside_rows_after
+
+    path = tmp_path / METRICS_FILE
+    path.write_text("".join(json.dumps({"step": s, "tau": s / 2}) + "\n" for s in (1, 2, 3)) + '{"step": 4, "ta')
+    assert set_aside_rows_after(path, 2) == 2
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2]
+    aside = (tmp_path / SUPERSEDED_FILE).read_text().splitlines()
+    assert json.loads(aside[0]) == {"step": 3, "tau": 1.5} and aside[1] == '{"step": 4, "ta'
+    assert set_aside_rows_after(path, 2) == 0 and set_aside_rows_after(tmp_path / "none.jsonl", 0) == 0
+    assert set_aside_rows_after(path, 0) == 2  # a fresh start in a directory with an older run's rows
+    assert path.read_text() == "" and len((tmp_path / SUPERSEDED_FILE).read_text().splitlines()) == 4
+
+
+def test_records_that_were_not_compared_with_vllms_counts_are_counted_and_warned_about(caplog):
+    from openrlhf_growmtp.trainer.keys import ACCEPTED_KEY, CHECKED_KEY
+
+    def sample(checked: int):
+        return SimpleNamespace(info={ACCEPTED_KEY: [[1, 0, 3]], CHECKED_KEY: [checked]},
+                               response_length=torch.tensor([7.0]))
+
+    metrics = GrowMTPStepMetrics()
+    metrics.args = SimpleNamespace(growmtp=SimpleNamespace(k=3))
+    with caplog.at_level(logging.WARNING, logger="growmtp"):
+        assert metrics._rollout_metrics([sample(1), sample(1)])["growmtp/records_checked"] == 2.0
+        assert not caplog.records
+        row = metrics._rollout_metrics([sample(1), sample(0), sample(0)])
+    assert (row["growmtp/records"], row["growmtp/records_checked"]) == (3.0, 1.0)
+    assert "2 of 3 records of this step were not compared with vLLM's per-request counts" in caplog.text

@@ -256,6 +256,26 @@ def test_cycles_that_differ_from_vllms_per_request_counts_are_refused(capture_st
         collector.pop(output)
 
 
+def test_outputs_and_cycles_nobody_claims_are_discarded_where_nothing_is_in_flight(capture_state):
+    """A request aborted before its output (cycles only) and one whose caller failed before claiming it (an
+    output and cycles) would stay in the collector for the rest of the run."""
+    aborted = Request("aborted", prompt_len=4, accepted=[1, 0], seed=11)
+    failed = Request("failed", prompt_len=5, accepted=[2], seed=12)
+    claimed = Request("claimed", prompt_len=6, accepted=[0, 3], seed=13)
+    verify([(aborted, 0), (failed, 0), (claimed, 0)], seed=57)
+    verify([(aborted, 1), (claimed, 1)], seed=58)
+    collector = RecordCollector(K, topk=WIDTH, vocab_size=VOCAB)
+    for req in (failed, claimed):
+        collector.add_output(req.output(), PARAMS)
+    collector.add_drained(capture.drain())
+    assert_record_is(collector.pop(claimed.output()), claimed)
+    assert collector.unclaimed_request_ids == {"aborted", "failed"}
+    assert collector.discard_unclaimed() == 2
+    assert not collector.unclaimed_request_ids and collector.discard_unclaimed() == 0
+    with pytest.raises(RecordCollectionError, match="no finished output has these"):
+        collector.pop_by_tokens(failed.prompt + failed.response)
+
+
 def test_a_cycle_recorded_after_the_requests_end_is_refused(capture_state):
     # Async scheduling verifies a request that finished at step N once more (settings.ASYNC_SCHEDULING):
     # the hook would record a fourth cycle that vLLM's own counters do not have.

@@ -55,6 +55,22 @@ def test_level2_sleep_keeps_the_loaded_head(grown):
     assert again.metrics.acceptance.tau > grown["before"].metrics.acceptance.tau + 0.5
 
 
+def test_head_weights_that_would_not_fill_the_head_exactly_are_refused_and_the_live_head_kept(grown):
+    """A state missing a tensor (or one part of a fused q/k/v) would leave that part drafting with its old value;
+    a name the head has no parameter for would have failed half-way through the load. Both are refused by
+    name before any weight is written."""
+    engine, state = grown["engine"], grown["head"].state_dict()
+    zeroed = {name: torch.zeros_like(t) for name, t in state.items()}
+    extra = "layers.0.self_attn.extra.weight"
+    for bad, says in (({n: t for n, t in zeroed.items() if "k_proj" not in n}, r"qkv_proj.weight \(part k\)"),
+                      ({n: t for n, t in zeroed.items() if "norm" not in n}, "no weight for model.norm.weight"),
+                      ({**zeroed, extra: torch.zeros(1)}, f"'{extra}' has no parameter in the head")):
+        with pytest.raises(Exception, match=says):
+            engine.load_head(bad)
+    assert max(rank["max_diff"] for rank in engine.head_sync_diff(state)) == 0.0  # none of the zeros reached it
+    assert engine.load_head(state) == sorted(state)  # every name, back to the trainer
+
+
 def test_target_weights_reload_into_the_live_engine(world):
     """New policy weights reach verification (p) and the drafter's shared embedding/lm_head (q)."""
     engine = make_engine(world, capture_q=True, logprob_dtype="float32")

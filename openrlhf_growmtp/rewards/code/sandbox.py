@@ -7,14 +7,18 @@ resource limits set before the program runs; a wall-clock limit, after which (an
 once stdout passes its cap) the whole process group is SIGKILLed; network and pid namespaces where the
 kernel allows them (`namespace_flags`); no new privileges and no capabilities; and an audit hook
 (`sandbox_child.make_hook`) that ends the program on process creation, sockets, ctypes, changes outside
-the sandbox directory, signals to other processes, tracing and gc introspection. Reading is allowed.
+the sandbox directory, signals to other processes, tracing and gc introspection, and on reading or listing
+anything but its directory, the interpreter's import path and the time-zone database
+(`sandbox_child.readable_roots`): not the prompt dataset, whose labels hold the expected outputs, nor
+/proc, where other processes' command lines and environments are. Its environment is a minimal one.
 
 Threat model, honestly: this stops accidents and the obvious escapes of a policy model writing
 competitive-programming code (rm -rf, stray files, network calls, fork bombs, runaway memory/CPU). It is
 not a VM: CPython's audit hooks are documented as not being a sandbox; crafted bytecode (`marshal`, a
 planted `.pyc`), interpreter memory-safety bugs, the unaudited `os.mknod`/`os.mkfifo` and
-`pidfd_send_signal` (without a pid namespace) stay open, and a program may read what the trainer's user
-may read. Run the trainer unprivileged or in a container if the stakes are higher than reward hacking.
+`pidfd_send_signal` (without a pid namespace) stay open, and so do reads by C code that is not audited (a
+C extension in site-packages opening a file itself). Run the trainer unprivileged or in a container if the
+stakes are higher than reward hacking.
 """
 
 from __future__ import annotations

@@ -36,15 +36,19 @@ PATH_EVENTS = (
     ("os.chmod", ((0, 2),)), ("os.chown", ((0, 3),)), ("os.utime", ((0, 3),)), ("os.truncate", ((0, -1),)),
     ("os.setxattr", ((0, -1),)), ("os.removexattr", ((0, -1),)), ("os.chdir", ((0, -1),)),
 )
+LISTING_EVENTS = ("os.listdir", "os.scandir")  # their path argument must be readable
 WATCHED_EVENTS = DENIED_EVENTS | frozenset(name for name, _ in PATH_EVENTS) | frozenset(
-    {"open", "import", "object.__setattr__", "os.kill", "resource.prlimit"})
+    {"open", "import", "object.__setattr__", "os.kill", "resource.prlimit", *LISTING_EVENTS})
 # imported by name they fail with ImportError, so libraries that probe for them keep working
 BLOCKED_MODULES = frozenset({
     "ctypes", "_ctypes", "_ctypes_test", "_posixsubprocess", "_posixshmem", "_multiprocessing", "_xxsubinterpreters",
     "_xxinterpchannels", "_testcapi", "_testinternalcapi", "_testbuffer", "_testmultiphase", "_testsinglephase",
-    "_testimportmultiple", "_testclinic", "termios",
+    "_testimportmultiple", "_testclinic", "termios", "sqlite3", "_sqlite3", "_dbm", "_gdbm", "readline",
 })
 WRITABLE_OUTSIDE = frozenset({"/dev/null", "/dev/stdout", "/dev/stderr", "/proc/self/fd/1", "/proc/self/fd/2"})
+READABLE_OUTSIDE = frozenset({"/dev/null", "/dev/zero", "/dev/urandom", "/dev/random", "/dev/stdin"})
+# Besides the interpreter's import path, the one directory of data a program may read (zoneinfo's).
+READABLE_ROOTS = ("/usr/share/zoneinfo",)
 
 # Names a call-based program may use without importing them, as on LeetCode's judge (its starter code
 # uses `List[int]` and the like without an import). Not `from math import *`: math.pow would shadow
@@ -127,10 +131,21 @@ def probe(flags):
     return os.waitstatus_to_exitcode(os.waitpid(child, 0)[1])
 
 
-def make_judge(root):
-    """`decide(event, args)` for a sandbox rooted at `root` (absolute, symlink-free): None allows the event,
-    a string refuses an import with that ImportError message, and any exception (PermissionError for a
-    violation) ends the process. Returns decide and every function it uses."""
+def readable_roots():
+    """Where a program may read outside its directory: this interpreter's import path (the standard library,
+    its extension modules, site-packages; under `-I` nothing else), READABLE_ROOTS, and this file (a traceback
+    quotes it). Not the trainer's files: a policy that could read the prompt dataset (its labels hold the
+    expected outputs) or another process's command line or environment under /proc could print the answer
+    instead of computing it."""
+    import os
+    return tuple(os.path.abspath(path) for path in sys.path if path) + READABLE_ROOTS + (os.path.abspath(__file__),)
+
+
+def make_judge(root, read_roots=()):
+    """`decide(event, args)` for a sandbox rooted at `root` (absolute, symlink-free) whose programs may also
+    read under `read_roots` (trusted install directories): None allows the event, a string refuses an import
+    with that ImportError message, and any exception (PermissionError for a violation) ends the process.
+    Returns decide and every function it uses."""
     import os, posix
 
     def resolve(path, dir_fd, _type=type, _str=str, _bytes=bytes, _int=int,
@@ -151,16 +166,16 @@ def make_judge(root):
             return _readlink("/proc/self/fd/%d" % dir_fd) + "/" + path
         return None
 
-    def inside(path, dir_fd=None, _resolve=resolve, _root=root, _prefix=root + "/", _skip=len(root) + 1):
-        """Whether the path names the sandbox or something in it ("..", judged lexically, may not
-        climb above the sandbox; lexical is real here because no symlink can be made inside)."""
-        full = _resolve(path, dir_fd)
-        if full is None or full == _root:
-            return full is not None
-        if not full.startswith(_prefix):
+    def within(full, top, _len=len):
+        """Whether the absolute path `full` names `top` or something in it ("..", judged lexically, may not
+        climb above it; lexical is real in the sandbox, where no symlink can be made)."""
+        if full == top:
+            return True
+        prefix = top.rstrip("/") + "/"
+        if not full.startswith(prefix):
             return False
         depth = 0
-        for part in full[_skip:].split("/"):
+        for part in full[_len(prefix):].split("/"):
             if part == "..":
                 depth -= 1
                 if depth < 0:
@@ -168,6 +183,24 @@ def make_judge(root):
             elif part and part != ".":
                 depth += 1
         return True
+
+    def inside(path, dir_fd=None, _resolve=resolve, _within=within, _root=root):
+        """Whether the path names the sandbox or something in it."""
+        full = _resolve(path, dir_fd)
+        return full is not None and _within(full, _root)
+
+    def readable(path, _resolve=resolve, _within=within, _roots=(root,) + tuple(read_roots),
+                 _devices=READABLE_OUTSIDE):
+        """Whether the path may be read or listed: in the sandbox, under a read root, or a harmless device."""
+        full = _resolve(path, None)
+        if full is None:
+            return False
+        if full in _devices:
+            return True
+        for top in _roots:
+            if _within(full, top):
+                return True
+        return False
 
     def check_paths(event, args, _table=PATH_EVENTS, _inside=inside, _Violation=PermissionError):
         for name, positions in _table:
@@ -177,26 +210,20 @@ def make_judge(root):
                         raise _Violation(event)
                 return
 
-    def check_open(args, _inside=inside, _type=type, _int=int, _str=str, _bytes=bytes,
+    def check_open(args, _inside=inside, _readable=readable, _type=type, _int=int, _str=str,
                    _writing=os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND,
-                   _devices=WRITABLE_OUTSIDE, _stat=posix.stat, _Error=OSError, _Violation=PermissionError):
-        path, mode, flags = args[0], args[1], args[2]
+                   _devices=WRITABLE_OUTSIDE, _Violation=PermissionError):
+        """Writing in the sandbox only; reading there and under the read roots (a directory opened there may
+        serve as a dir_fd: a relative path is judged against the cwd, so it cannot climb out of it either)."""
+        path, flags = args[0], args[2]
         kind = _type(path)
         if kind is _int:
             return
         if flags & _writing:
             if not ((kind is _str and path in _devices) or _inside(path)):
                 raise _Violation("open")
-            return
-        if mode is None:  # os.open: its descriptor could serve as dir_fd, so no directories outside
-            if kind is not _str and kind is not _bytes:
-                raise _Violation("open")
-            try:
-                file_type = _stat(path).st_mode & 0o170000
-            except _Error:
-                return
-            if file_type == 0o040000 and not _inside(path):
-                raise _Violation("open")
+        elif not _readable(path):
+            raise _Violation("open")
 
     def check_import(args, _type=type, _str=str, _blocked=BLOCKED_MODULES, _inside=inside):
         name, filename = args[0], args[1]
@@ -207,13 +234,17 @@ def make_judge(root):
         return None
 
     def decide(event, args, _denied=DENIED_EVENTS, _open=check_open, _import=check_import,
-               _paths=check_paths, _pid=posix.getpid(), _Violation=PermissionError):
+               _paths=check_paths, _readable=readable, _listing=LISTING_EVENTS, _type=type, _int=int,
+               _pid=posix.getpid(), _Violation=PermissionError):
         if event in _denied:
             raise _Violation(event)
         if event == "import":
             return _import(args)
         if event == "open":
             _open(args)
+        elif event in _listing:
+            if args[0] is not None and _type(args[0]) is not _int and not _readable(args[0]):
+                raise _Violation(event)
         elif event == "os.kill":
             if args[0] != _pid:
                 raise _Violation(event)
@@ -224,13 +255,14 @@ def make_judge(root):
             _paths(event, args)
         return None
 
-    return decide, (resolve, inside, check_paths, check_open, check_import, decide)
+    return decide, (resolve, within, inside, readable, check_paths, check_open, check_import, decide)
 
 
-def make_hook(root, blocked_exit=BLOCKED_EXIT):
-    """The audit hook: `make_judge(root)`'s decisions, ending the process with `blocked_exit` on a violation."""
+def make_hook(root, blocked_exit=BLOCKED_EXIT, read_roots=()):
+    """The audit hook: `make_judge(root, read_roots)`'s decisions, ending the process with `blocked_exit` on a
+    violation."""
     import posix
-    decide, judges = make_judge(root)
+    decide, judges = make_judge(root, read_roots)
 
     def die(event, _write=posix.write, _exit=posix._exit, _code=blocked_exit, _Error=BaseException):
         try:
@@ -293,7 +325,7 @@ def run_program(config):
         os.dup2(2, 1)
         exec(CALL_PREAMBLE, module.__dict__)
     if config["audit_hook"]:
-        sys.addaudithook(make_hook(root))
+        sys.addaudithook(make_hook(root, read_roots=readable_roots()))
     try:
         exec(code, module.__dict__)
         if call is not None:

@@ -5,8 +5,9 @@ The head is a submodule of the model DeepSpeed wraps, so ZeRO partitions and red
 and one optimizer steps both. The patches, installed once and never touched again:
 - gradient-norm clipping per group (the policy's clip norm is exactly upstream's);
 - the head group held still: the optimizer steps it only where the run-time owner of the head's
-  accumulation windows says so (`head_optimizer.HeadOptimizer.steps_head`); in every other step of the
-  shared optimizer the head's parameters and its Adam state stay exactly as they are.
+  accumulation windows says so (`head_optimizer.HeadOptimizer.steps_head`), told whether the head's
+  gradient is finite; in every other step of the shared optimizer the head's parameters and its Adam
+  state stay exactly as they are.
 ZeRO-2 (`DeepSpeedZeroOptimizer`, `partition_gradients`) and ZeRO-3 (`DeepSpeedZeroOptimizer_Stage3`)
 differ in where gradients accumulate and how norms are grouped; each function handles both. The
 DeepSpeed internals used here and in `head_optimizer.py` are listed in `contract.CONTRACT` (methods) and
@@ -53,21 +54,29 @@ def head_step_indices(optimizer, stage: int, group: int) -> list[int]:
     return [group]
 
 
-def install(engine, steps_head: Callable[[], bool]) -> None:
+def install(engine, steps_head: Callable[[bool], bool]) -> None:
     """Keep the head's gradients out of the policy's clipping, and hold the head group still in every
-    optimizer step where `steps_head()` is False.
+    optimizer step where `steps_head(gradient_finite)` is False.
 
     DeepSpeed clips with one norm over all groups; here the policy's groups are clipped with the norm of
-    the policy's gradients alone (exactly upstream's) and the head's with the head's own norm.
+    the policy's gradients alone (exactly upstream's) and the head's with the head's own norm. DeepSpeed
+    reports a non-finite norm as -1 (and clips bf16 gradients with it as if finite); the head's norm, reduced
+    over the ranks, also says whether the head's gradient is finite on every rank.
     """
     optimizer, stage = zero_optimizer(engine)
     group = head_group_index(optimizer)
     indices = head_step_indices(optimizer, stage, group)
+    norms = {"head_finite": True}  # the head's gradient norm in the optimizer step now running
     if stage == 3:
-        _clip_per_group_zero3(optimizer, indices)
+        _clip_per_group_zero3(optimizer, indices, norms)
     else:
-        _clip_per_group_zero2(optimizer, group)
-    _hold_head(optimizer, indices, steps_head)
+        _clip_per_group_zero2(optimizer, group, norms)
+    _hold_head(optimizer, indices, lambda: steps_head(norms["head_finite"]))
+
+
+def _finite_norms(norms: list[torch.Tensor]) -> bool:
+    """Whether DeepSpeed's group norms are all finite (it writes -1 for an infinite or NaN one)."""
+    return all(bool(torch.isfinite(n)) and float(n) >= 0 for n in norms)
 
 
 def _hold_head(optimizer, head_indices: list[int], steps_head: Callable[[], bool]) -> None:
@@ -84,10 +93,9 @@ def _hold_head(optimizer, head_indices: list[int], steps_head: Callable[[], bool
     optimizer._optimizer_step = step
 
 
-def _clip_per_group_zero3(optimizer, head_subgroups: list[int]) -> None:
+def _clip_per_group_zero3(optimizer, head_subgroups: list[int], norms: dict) -> None:
     # ZeRO-3 computes one norm per sub-group and clips sub-group by sub-group: the head's sub-groups count
     # zero towards the policy's norm (which is then upstream's) and are clipped with their own.
-    norms = {}
     original_norms = optimizer._get_norm_groups
     original_clip = optimizer.unscale_and_clip_grads
 
@@ -95,6 +103,7 @@ def _clip_per_group_zero3(optimizer, head_subgroups: list[int]) -> None:
         per_subgroup = original_norms()
         head = [n for sub, n in enumerate(per_subgroup) if sub in head_subgroups]
         norms["head"] = torch.linalg.vector_norm(torch.stack(head)) if head else None
+        norms["head_finite"] = _finite_norms(head)
         return [torch.zeros_like(n) if sub in head_subgroups else n for sub, n in enumerate(per_subgroup)]
 
     def clip_per_group(sub_group_id, total_norm):
@@ -106,14 +115,13 @@ def _clip_per_group_zero3(optimizer, head_subgroups: list[int]) -> None:
     optimizer.unscale_and_clip_grads = clip_per_group
 
 
-def _clip_per_group_zero2(optimizer, group: int) -> None:
+def _clip_per_group_zero2(optimizer, group: int, norms: dict) -> None:
     # ZeRO-2 computes the global norm in one call over `bit16_groups` and clips each group's flat fp32
     # gradient with it. The head's group is the last one (strategy appends it), so the policy's norm is
     # that same call over the groups before it: upstream's groups, bit for bit.
     if group != len(optimizer.bit16_groups) - 1:
         raise HeadGroupError(f"the head's group must be the optimizer's last (it is {group} of "
                              f"{len(optimizer.bit16_groups)})")
-    norms = {}
     original_norm = optimizer.scaled_global_norm
     original_clip = optimizer.unscale_and_clip_grads
 
@@ -124,6 +132,7 @@ def _clip_per_group_zero2(optimizer, group: int) -> None:
             norms["head"] = optimizer.complete_grad_norm_calculation_for_cpu_offload(params)
         else:
             norms["head"] = optimizer.get_grad_norm_direct(optimizer.averaged_gradients[group], params)
+        norms["head_finite"] = _finite_norms([norms["head"]])
         groups = optimizer.bit16_groups
         optimizer.bit16_groups = groups[:group]
         try:

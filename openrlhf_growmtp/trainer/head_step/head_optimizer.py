@@ -11,7 +11,6 @@ RL step (its LR, its count of head steps). The patches themselves are `deepspeed
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -21,18 +20,44 @@ from . import deepspeed_patches
 from .deepspeed_patches import head_group_index, zero_optimizer
 
 
-@dataclass
 class HeadLR:
     """The head group's LR multiplier (its LambdaLR lambda): the schedule at the RL step (`per_rl_step`), or at
-    the policy's optimizer step. LambdaLR saves and restores its fields with the scheduler's state, so the
-    count of completed RL steps survives a resume."""
+    the policy's optimizer step; `peak_lr`, the head group's base LR.
 
-    schedule: HeadLRSchedule
-    per_rl_step: bool
-    rl_steps: int = 0  # completed RL steps
+    LambdaLR saves a callable's `__dict__` with the scheduler's state and updates it from a checkpoint. That
+    dict holds plain data only: `rl_steps`, the completed RL steps, which a resume carries over, and
+    `settings`, what the schedule was, which a resume compares with this run's (`resumed`). The schedule
+    itself lives in slots, outside it: no object of ours is pickled into a checkpoint, and a resumed run
+    follows its own flags, never the checkpoint's.
+    """
+
+    __slots__ = ("schedule", "per_rl_step", "peak_lr", "__dict__")
+
+    def __init__(self, schedule: HeadLRSchedule, per_rl_step: bool, peak_lr: float):
+        self.schedule, self.per_rl_step, self.peak_lr = schedule, per_rl_step, float(peak_lr)
+        self.rl_steps = 0  # completed RL steps
+        self.settings = self.described()
 
     def __call__(self, policy_steps: int) -> float:
         return self.schedule(self.rl_steps if self.per_rl_step else policy_steps)
+
+    def described(self) -> dict:
+        """This schedule as plain data, named by the flags that set it."""
+        return {"--growmtp_head_lr": self.peak_lr, "--growmtp_head_warmup_steps": self.schedule.warmup_steps,
+                "--growmtp_head_min_lr_ratio": self.schedule.min_lr_ratio,
+                "--growmtp_head_update": "rl_step" if self.per_rl_step else "policy_step",
+                "total steps (--train.num_episodes and the batch sizes)": self.schedule.total_steps}
+
+    def resumed(self) -> list[str]:
+        """After a checkpoint's state was loaded: the settings it was saved with that differ from this run's,
+        as "name: saved -> now" (this run's are kept), and only plain data left to save again."""
+        saved = vars(self).get("settings") or {}
+        steps = int(vars(self).get("rl_steps", 0))
+        now = self.described()
+        vars(self).clear()  # a checkpoint of an older layout may have put more here
+        self.rl_steps, self.settings = steps, now
+        return [f"{name}: {saved[name]} -> {value}" for name, value in now.items()
+                if name in saved and saved[name] != value]
 
 
 class HeadOptimizer:
@@ -41,8 +66,9 @@ class HeadOptimizer:
 
     Across the run: `_opened_at`, the engine's global step of the window the head's backwards last ran
     in, and `_updated_at`, that of the window whose latest head update was finite (None: not finite).
-    Per RL step: `finite` (every update of the open window was finite on every rank) and the head steps
-    taken, one per window with a finite update.
+    Per RL step: `finite` (every update of the open window was finite on every rank), `gradient_finite`
+    (every head step it would take had a finite gradient) and the head steps taken, one per window with a
+    finite update and a finite gradient.
     """
 
     def __init__(self, engine, scheduler):
@@ -52,19 +78,25 @@ class HeadOptimizer:
         self._opened_at: int | None = None
         self._updated_at: int | None = None
         self.finite, self.head_steps, self._stepping = True, 0, False
+        self.gradient_finite = True
         self._hold_off_boundary = False
 
     # ---- the optimizer step ---------------------------------------------------------------------------------
-    def steps_head(self) -> bool:
+    def steps_head(self, gradient_finite: bool) -> bool:
         """Whether the optimizer step now running steps the head group: the head's latest update ran in
-        this window and was finite on every rank. Asked by the hold `deepspeed_patches.install` put on
-        DeepSpeed's `_optimizer_step`."""
-        return self._updated_at == self.engine.global_steps
+        this window and was finite on every rank, and the head's gradient (reduced over the ranks) is finite.
+        A finite loss can still give a non-finite gradient; that step is skipped like a non-finite loss's.
+        Asked by the hold `deepspeed_patches.install` put on DeepSpeed's `_optimizer_step`."""
+        if self._updated_at != self.engine.global_steps:
+            return False
+        if not gradient_finite:
+            self.gradient_finite = self._stepping = False
+        return gradient_finite
 
     # ---- one RL step -----------------------------------------------------------------------------------------
     def start_rl_step(self) -> float:
         """Before an RL step's head updates: its counts start afresh and its LR is set on the head group now."""
-        self.finite, self.head_steps, self._stepping = True, 0, False
+        self.finite, self.head_steps, self._stepping, self.gradient_finite = True, 0, False, True
         self._hold_off_boundary = (self.stage == 2 and not self.optimizer.cpu_offload
                                    and self.engine.managed_gradient_accumulation())
         return self.refresh_lr()
@@ -136,6 +168,18 @@ class HeadOptimizer:
         self._stepping = False
 
     # ---- the LR ----------------------------------------------------------------------------------------------
+    def resumed(self) -> list[str]:
+        """After a resume loaded the optimizer's and scheduler's state: the head's LR follows this run's flags
+        (peak LR, warm-up, floor, update schedule, length), the completed RL steps carry over. Returns what
+        differs from the checkpoint's settings (`HeadLR.resumed`)."""
+        multiplier: HeadLR = self.scheduler.lr_lambdas[self.group]
+        # both hold the checkpoint's peak LR after a load: the base the schedule multiplies, and its record
+        self.scheduler.base_lrs[self.group] = multiplier.peak_lr
+        self.optimizer.param_groups[self.group]["initial_lr"] = multiplier.peak_lr
+        changes = multiplier.resumed()
+        self.refresh_lr()
+        return changes
+
     def lr(self) -> float:
         return self.optimizer.param_groups[self.group]["lr"]
 

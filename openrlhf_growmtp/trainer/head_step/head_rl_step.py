@@ -163,6 +163,11 @@ class HeadRLStep:
         if not self.totals.finite:
             logger.warning("GrowMTP: the head loss was not finite in an optimizer step of this RL step; that "
                            "step's head update is skipped (the policy update is unaffected)")
+        elif not self.optimizer.gradient_finite:
+            metrics["head_finite"] = 0.0
+            logger.warning("GrowMTP: the head's gradient was not finite (on some rank) in an optimizer step of this "
+                           "RL step, its loss was; that head step is skipped, the head and its Adam state are left "
+                           "as they were (the policy update is unaffected)")
         elif self.cfg.log_lag:
             # the updated head on the records of the policy it was trained for (see head_alpha_on)
             device = next(self.head.parameters()).device
