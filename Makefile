@@ -51,7 +51,7 @@ reproduce: $(STAMP)
 
 # GrowMTP (fixed K and --growmtp_depth auto) against autoregressive decoding over whole runs in the speed world:
 # 3 evaluation seeds and one repeated, arms in reversed order run to run, paired rollout measurements at checkpoints
-# (~2 h on 2 cores; runs/speed-study/, docs/demo.md, docs/depth.md). ARGS="--keep docs/data/speed-study" keeps it
+# (~70 min on 2 cores; runs/speed-study/, docs/demo.md, docs/depth.md). ARGS="--keep docs/data/speed-study" keeps it
 speed-study: $(STAMP)
 	$(PY) -m openrlhf_growmtp.experiments.speed_study $(ARGS)
 

@@ -46,8 +46,8 @@ from openrlhf_growmtp.measure.provenance import provenance
 ARMS = ("ar", "fixed", "auto")
 SEEDS = (21, 22, 23)
 REPEAT = 21
-CHECKPOINT_EVERY = 5
-PAIRED_STEPS = (5, 15, 30, 50)
+CHECKPOINT_EVERY = 10
+PAIRED_STEPS = (10, 50)  # as make demo's: early and final (fixed before the runs, for time: ~70 min in all)
 PAIRS = 6
 WINDOW_SHARE = 0.3  # "the first 30%" and "the last 30%" of the steps
 ARM_FILE = "arm.json"
