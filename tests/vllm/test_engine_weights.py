@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from helpers.engines import K, close_engine, core_head, hf_logprobs_on_path, make_engine
+from helpers.engines import K, close_engine, core_head, head_sync_diff, hf_logprobs_on_path, make_engine
 from test_records_engine import engine_q_vs_reconstruction
 from vllm import SamplingParams
 
@@ -67,7 +67,7 @@ def test_head_weights_that_would_not_fill_the_head_exactly_are_refused_and_the_l
                       ({**zeroed, extra: torch.zeros(1)}, f"'{extra}' has no parameter in the head")):
         with pytest.raises(Exception, match=says):
             engine.load_head(bad)
-    assert max(rank["max_diff"] for rank in engine.head_sync_diff(state)) == 0.0  # none of the zeros reached it
+    assert max(rank["max_diff"] for rank in head_sync_diff(engine, state)) == 0.0  # none of the zeros reached it
     assert engine.load_head(state) == sorted(state)  # every name, back to the trainer
 
 
