@@ -30,7 +30,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 from openrlhf_growmtp.experiments.demo import run_arm  # noqa: E402
 from openrlhf_growmtp.experiments.recipes import WORLDS, train_command  # noqa: E402
 
-ARMS = {"fixed": [], "auto": ["--growmtp_depth", "auto"],
+ARMS = {"fixed": [], "auto": ["--growmtp_depth", "auto", "--growmtp_committed_loss"],
         "auto_nocl": ["--growmtp_depth", "auto", "--growmtp_no_committed_loss"]}
 PER_STEP = ("depth", "tau", "reward", "step_s", "rollout_s", "head_committed_loss")
 

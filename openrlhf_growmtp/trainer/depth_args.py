@@ -19,11 +19,12 @@ def add_depth_args(group, flag) -> None:
          help="with --growmtp_depth auto: seconds of one engine step at each depth 0..K, comma-separated, instead "
               "of measuring them (the depth choices are then the same run after run)")
     group.add_argument("--growmtp_committed_loss", "--growmtp.committed_loss", dest="growmtp.committed_loss",
-                       action="store_true", default=True,
+                       action="store_true", default=False,
                        help="with --growmtp_depth auto: a rollout drafted at depth d < K also trains the head's "
-                            "positions d+1..K along the committed sequence (default on; core/committed.py)")
+                            "positions d+1..K along the committed sequence (core/committed.py). Off by default: on "
+                            "one seed it lowered the head's held-out acceptance at depth K (docs/depth.md)")
     group.add_argument("--growmtp_no_committed_loss", "--growmtp.no_committed_loss", dest="growmtp.committed_loss",
-                       action="store_false", help="positions past a rollout's depth learn only when drafted (ablation)")
+                       action="store_false", help="positions past a rollout's depth learn only when drafted (the default)")
 
 
 def cycle_costs(text: str | None) -> list[float] | None:
@@ -35,8 +36,8 @@ def check_depth(g: dict, k: int, async_train: bool) -> list[str]:
     """The depth flags' problems, for a run with K = k >= 1 (g: the growmtp options)."""
     if g.get("depth", "fixed") != "auto":  # argparse keeps it to DEPTH_MODES
         errors = [] if g.get("cycle_costs") is None else ["--growmtp_cycle_costs needs --growmtp_depth auto"]
-        if not g.get("committed_loss", True):
-            errors.append("--growmtp_no_committed_loss needs --growmtp_depth auto (a fixed K drafts every position)")
+        if g.get("committed_loss", False):
+            errors.append("--growmtp_committed_loss needs --growmtp_depth auto (a fixed K drafts every position)")
         return errors
     errors = [] if not async_train else [
         "--growmtp_depth auto chooses each rollout's depth from the last one's acceptance: it needs the synchronous "

@@ -189,12 +189,12 @@ def test_depth_auto_chooses_each_rollouts_depth_from_the_last_ones_acceptance(wo
     the first rollout drafts at depth 1, later costs are medians of the rollouts' own steps, and every later
     depth is what `core.depth.DepthRule` makes of the logged acceptance and of the costs logged with it
     (replayed here from the metrics file); records of every depth are trained on, a rollout drafted below K
-    trains the deeper positions on its committed chains, and the engine's per-position acceptance is logged
+    trains the deeper positions on its committed chains (`--growmtp_committed_loss`), and the engine's per-position acceptance is logged
     up to the depth drafted only."""
     from openrlhf_growmtp.core.depth import CycleCosts, DepthRule
 
     tmp, _ = world
-    launch(tmp, 8, "--growmtp_depth", "auto", "--vllm.max_num_seqs", "4", "--ckpt.save_steps", "-1",
+    launch(tmp, 8, "--growmtp_depth", "auto", "--growmtp_committed_loss", "--vllm.max_num_seqs", "4", "--ckpt.save_steps", "-1",
            ckpt="ckpt_auto", final="final_auto", lag=False)
     steps = rows(tmp, "ckpt_auto")
     assert [r["step"] for r in steps] == [1, 2, 3, 4]

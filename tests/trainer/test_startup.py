@@ -63,7 +63,7 @@ def test_valid_configuration_has_no_errors(policy_dir):
                       "1,1.1,1.2,1.3") == []
     assert errors_for(policy_dir, "--growmtp_k", "3", "--growmtp_draft_vocab", "32") == []
     assert errors_for(policy_dir, "--growmtp_k", "3", "--growmtp_draft_vocab", "128", "--growmtp_loss", "tv") == []
-    assert errors_for(policy_dir, "--growmtp_k", "3", "--growmtp_depth", "auto", "--growmtp_no_committed_loss") == []
+    assert errors_for(policy_dir, "--growmtp_k", "3", "--growmtp_depth", "auto", "--growmtp_committed_loss") == []
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -99,7 +99,7 @@ def test_valid_configuration_has_no_errors(policy_dir):
     (["--growmtp_k", "3", "--growmtp_draft_vocab", "32", "--train.async_enable"], "the synchronous controller"),
     (["--growmtp_k", "3", "--growmtp_draft_vocab", "32", "--vllm.tensor_parallel_size", "2"],
      "--vllm.tensor_parallel_size 1"),
-    (["--growmtp_k", "3", "--growmtp_no_committed_loss"], "--growmtp_no_committed_loss needs --growmtp_depth auto"),
+    (["--growmtp_k", "3", "--growmtp_committed_loss"], "--growmtp_committed_loss needs --growmtp_depth auto"),
     # a NaN or infinite number passes a `<= 0` test: each would reach the head (and through it every engine)
     (["--growmtp_k", "3", "--growmtp_head_lr", "nan"], "--growmtp_head_lr must be a finite number > 0, got nan"),
     (["--growmtp_k", "3", "--growmtp_head_lr", "inf"], "--growmtp_head_lr must be a finite number > 0, got inf"),

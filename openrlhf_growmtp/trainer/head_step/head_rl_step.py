@@ -61,7 +61,7 @@ class HeadRLStepConfig:
                                      chunk_cycles=None if joint else g.chunk_cycles or chunk_cycles_for(device),
                                      teacher_forcing=g.teacher_forcing, alpha_estimate=g.alpha_estimate,
                                      hybrid_lambda=hybrid_lambda(alpha_1) if g.loss == HYBRID else None,
-                                     max_depth=int(g.k) if getattr(g, "committed_loss", True) else None)
+                                     max_depth=int(g.k) if getattr(g, "committed_loss", False) else None)
         update = HeadUpdateConfig(loss_config=loss_config, joint=joint, hidden_batch_size=max(1, micro_batch_size))
         policy_steps = policy_steps_per_rl_step(a.rollout.batch_size, a.rollout.n_samples_per_prompt,
                                                 a.train.batch_size, a.train.max_epochs)
