@@ -83,6 +83,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--micro-batch", type=int, help="(c): responses per policy forward (default 2)")
     parser.add_argument("--repeats", type=int, help="(c): timed runs of each side (default 3; tiny 2)")
     parser.add_argument("--budget-s", type=float, help="(c): seconds its timed runs may take (default 150)")
+    parser.add_argument("--tau", type=float, help="(c): the records' tau, tokens per cycle (default 3.0; also (a)'s "
+                        "records; 2.91 with 64 responses of 8,192 tokens is the paper's step per GPU, ~180K cycles)")
     parser.add_argument("--chunk-cycles", type=int,
                         help="(c): cycles per head-update chunk (default 4096, a GPU's --growmtp_chunk_cycles; tiny 64)")
     parser.add_argument("--only", help=f"comma-separated checks to run, of {','.join(CHECKS)} (b and d need a, "
@@ -107,7 +109,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     plan = TINY if args.tiny else REAL
     overrides = {"responses": args.responses, "response_tokens": args.response_tokens,
                  "prompt_tokens": args.prompt_tokens, "micro_batch": args.micro_batch, "repeats": args.repeats,
-                 "budget_s": args.budget_s, "chunk_cycles": args.chunk_cycles, "trainer_layers": args.trainer_layers}
+                 "budget_s": args.budget_s, "chunk_cycles": args.chunk_cycles, "trainer_layers": args.trainer_layers,
+                 "tau": args.tau}
     for name, value in overrides.items():
         if value is not None and value <= 0:
             parser.error(f"--{name.replace('_', '-')} must be positive, got {value}")
@@ -116,6 +119,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.draft_vocab = DRAFT_VOCAB_DEFAULT[plan.name]
     if args.draft_vocab is not None and not 1 <= args.draft_vocab < plan.config.vocab_size:
         parser.error(f"--draft-vocab must be in 1..{plan.config.vocab_size - 1}, got {args.draft_vocab}")
+    if not 1.0 < args.plan.tau <= args.plan.k + 1:
+        parser.error(f"--tau must be in (1, {args.plan.k + 1}], got {args.plan.tau}")
     if args.plan.micro_batch > args.plan.responses:
         parser.error(f"--micro-batch {args.plan.micro_batch} is more than --responses {args.plan.responses}")
     if args.plan.response_tokens < 2 * args.plan.k:
