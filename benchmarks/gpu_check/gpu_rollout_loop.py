@@ -194,10 +194,12 @@ class Sweep:
                 with torch.no_grad():  # from the head's own scale, as the taus of every id were found
                     self.norm.copy_(next(iter(self.scales.values()))["base"])
                 self.subset_scale = calibrate(loop, PAPER["tau"], lp.calib_cycles, lp.calib_probes)
-                self.subset_scale["logit_shift_outside"] = shift
+                scale = self.subset_scale
+                scale["logit_shift_outside"] = shift
                 self.log(f"  (rollout_loop) draft vocabulary of {self.draft_ids.numel()} ids, tau {PAPER['tau']}: "
-                         f"scale 2^{self.subset_scale['log2_scale']:.2f} (probe tau {self.subset_scale['tau_probe']:.2f})")
-            timed = self.spec_at(loop, self.subset_scale, decode_s, self.subset_totals if depth == self.layers else None)
+                         f"scale 2^{scale['log2_scale']:.2f} (probe tau {scale['tau_probe']:.2f})")
+            totals = self.subset_totals if depth == self.layers else None
+            timed = self.spec_at(loop, self.subset_scale, decode_s, totals)
             del loop
         self._fresh_pool()
         self.log(f"  (rollout_loop) {depth} layers, {context} tokens, {self.draft_ids.numel()} draft ids: cycle "
