@@ -67,6 +67,9 @@ from gpu_world import REAL, TINY, build_head, build_policy, flatten_policy_logit
 # passed on this code, last. The end-to-end prediction, which needs cycle_cost and
 # trainer_step (and reads rollout_loop where it ran), comes after every check.
 CHECKS = ("rollout_loop", "head_update_graph", "cycle_cost", "trainer_step", "a", "b", "d", "c")
+# --draft-vocab without N: the 32,768 of Qwen3-4B's 151,936 ids; at tiny shapes about the same share
+DRAFT_VOCAB_DEFAULT = {"Qwen3-4B": 32768, "tiny": 512}
+DRAFT_VOCAB_GIVEN = -1  # what argparse holds for a --draft-vocab given without N
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -80,6 +83,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--micro-batch", type=int, help="(c): responses per policy forward (default 2)")
     parser.add_argument("--repeats", type=int, help="(c): timed runs of each side (default 3; tiny 2)")
     parser.add_argument("--budget-s", type=float, help="(c): seconds its timed runs may take (default 150)")
+    parser.add_argument("--tau", type=float, help="(c): the records' tau, tokens per cycle (default 3.0; also (a)'s "
+                        "records; 2.91 with 64 responses of 8,192 tokens is the paper's step per GPU, ~180K cycles)")
     parser.add_argument("--chunk-cycles", type=int,
                         help="(c): cycles per head-update chunk (default 4096, a GPU's --growmtp_chunk_cycles; tiny 64)")
     parser.add_argument("--only", help=f"comma-separated checks to run, of {','.join(CHECKS)} (b and d need a, "
@@ -88,6 +93,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "are skipped (recorded as not run)")
     parser.add_argument("--trainer-layers", type=int, help="trainer_step: the policy's layers (default: as many "
                         "as the device's memory holds under ZeRO-3; tiny 2)")
+    parser.add_argument("--draft-vocab", type=int, nargs="?", const=DRAFT_VOCAB_GIVEN, metavar="N",
+                        help="rollout_loop: also time the head drafting over N ids alone (without N: "
+                        f"{DRAFT_VOCAB_DEFAULT['Qwen3-4B']:,}; tiny {DRAFT_VOCAB_DEFAULT['tiny']})")
     args = parser.parse_args(argv)
     only = [c.strip() for c in (args.only or ",".join(CHECKS)).split(",") if c.strip()]
     unknown = [c for c in only if c not in CHECKS]
@@ -101,11 +109,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     plan = TINY if args.tiny else REAL
     overrides = {"responses": args.responses, "response_tokens": args.response_tokens,
                  "prompt_tokens": args.prompt_tokens, "micro_batch": args.micro_batch, "repeats": args.repeats,
-                 "budget_s": args.budget_s, "chunk_cycles": args.chunk_cycles, "trainer_layers": args.trainer_layers}
+                 "budget_s": args.budget_s, "chunk_cycles": args.chunk_cycles, "trainer_layers": args.trainer_layers,
+                 "tau": args.tau}
     for name, value in overrides.items():
         if value is not None and value <= 0:
             parser.error(f"--{name.replace('_', '-')} must be positive, got {value}")
     args.plan = dataclasses.replace(plan, **{k: v for k, v in overrides.items() if v is not None})
+    if args.draft_vocab == DRAFT_VOCAB_GIVEN:
+        args.draft_vocab = DRAFT_VOCAB_DEFAULT[plan.name]
+    if args.draft_vocab is not None and not 1 <= args.draft_vocab < plan.config.vocab_size:
+        parser.error(f"--draft-vocab must be in 1..{plan.config.vocab_size - 1}, got {args.draft_vocab}")
+    if not 1.0 < args.plan.tau <= args.plan.k + 1:
+        parser.error(f"--tau must be in (1, {args.plan.k + 1}], got {args.plan.tau}")
     if args.plan.micro_batch > args.plan.responses:
         parser.error(f"--micro-batch {args.plan.micro_batch} is more than --responses {args.plan.responses}")
     if args.plan.response_tokens < 2 * args.plan.k:
@@ -274,7 +289,7 @@ class Run:
             return flatten_policy_logits_(policy.eval())
 
         return check_rollout_loop(self.plan, policy_of, lambda p: build_head(p, torch.bfloat16), self.device,
-                                  self.log)
+                                  self.log, self.args.draft_vocab)
 
     def head_graph(self):
         return check_head_update_graph(self.plan, *self.models(), self.log)

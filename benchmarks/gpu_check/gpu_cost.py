@@ -165,6 +165,9 @@ def check_cost(plan: Plan, policy, head: MTPHead, log) -> tuple[list[Row], dict]
         "time_ratio": ratio, "time_ratio_with_own_forward": ratio_forward, "memory_ratio": memory_ratio,
         "head_loss": stats.loss, "head_alpha_mean": stats.alpha_mean,
         "policy_tokens_per_s": tokens / median["policy"], "head_cycles_per_s": cycles / median["head"],
+        "head_s_per_cycle": median["head"] / cycles, "policy_s_per_token": median["policy"] / tokens,
+        "path": "eager: bench_common.head_update, the trainer's chunked head update (DCA + VGM), chunks of "
+                f"{plan.chunk_cycles} cycles",
     }
     return _rows(plan, details), details
 
@@ -177,6 +180,10 @@ def _rows(plan: Plan, d: dict) -> list[Row]:
         Row("c", f"time: head update / policy fwd+bwd, {scale}", f"{d['time_ratio']:.3f}",
             f"{median['head']:.2f} s / {median['policy']:.2f} s (medians of {plan.repeats})", None,
             {"ratio": d["time_ratio"]}),
+        Row("c", f"head update per cycle (eager, chunks of {plan.chunk_cycles}), {d['cycles']} cycles at tau "
+            f"{d['tau']:.2f}; policy fwd+bwd per token", f"{d['head_s_per_cycle'] * 1e6:.2f} us per cycle",
+            f"policy {d['policy_s_per_token'] * 1e6:.2f} us per token, {d['tokens']} tokens", None,
+            {"head_s_per_cycle": d["head_s_per_cycle"], "policy_s_per_token": d["policy_s_per_token"]}),
         Row("c", "time: (head update + own no-grad forward) / policy fwd+bwd",
             f"{d['time_ratio_with_own_forward']:.3f}", f"own forward {median['own_forward']:.2f} s", None,
             {"ratio": d["time_ratio_with_own_forward"]}),

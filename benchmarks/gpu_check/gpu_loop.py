@@ -40,15 +40,19 @@ COUNTERS = ("tokens", "cycles", "first_accepted", "all_accepted", "alpha_sum", "
 
 class Loop:
     """One context's loop at one depth: views of the caches, the state (device tensors only), its phases, and
-    their CUDA graphs. `drafter` is "head" (the MTP head) or "target" (the policy drafts for itself: q = p)."""
+    their CUDA graphs. `drafter` is "head" (the MTP head) or "target" (the policy drafts for itself: q = p).
+    `draft_ids` [N] (int64, ascending, on the device): the head drafts over these ids alone, from their lm_head
+    rows (sliced once); q is kept over them ([B, K, N]) and is zero at every other id (`core/draft_vocab.py`)."""
 
     PHASES = ("decode", "first", "step", "verify")
 
     def __init__(self, policy: Qwen3ForCausalLM, layers: int, head: MTPHead | None, policy_kv: list[KVBuffer],
                  head_kv: KVBuffer | None, context: int, capacity: int, k: int, seed: int = 0,
-                 drafter: str = "head"):
+                 drafter: str = "head", draft_ids: torch.Tensor | None = None):
         if drafter not in ("head", "target") or (drafter == "head") != (head is not None):
             raise ValueError(f"drafter must be 'head' with a head or 'target' without, got {drafter!r}")
+        if draft_ids is not None and drafter != "head":
+            raise ValueError("a draft vocabulary is the head's: the target drafts over every id")
         self.policy, self.layers, self.head, self.k, self.drafter = policy, layers, head, k, drafter
         self.context, self.capacity = context, capacity
         self.caches = [kv.view(capacity) for kv in policy_kv[:layers]]
@@ -56,6 +60,9 @@ class Loop:
         weight = policy.model.embed_tokens.weight
         self.device, self.dtype = weight.device, weight.dtype
         self.vocab = weight.shape[0]
+        self.draft_ids = draft_ids
+        # the lm_head's rows of the draft vocabulary, sliced once (the product gathers them once per ranking)
+        self.draft_weight = None if draft_ids is None else policy.lm_head.weight.detach()[draft_ids].contiguous()
         self.batch = policy_kv[0].keys.shape[0]
         self.generator = None if self.device.type == "cuda" else torch.Generator().manual_seed(seed)
         self.init_generator = torch.Generator(device=self.device).manual_seed(seed + 1)
@@ -77,7 +84,9 @@ class Loop:
         self.feed = torch.zeros(batch, hidden, dtype=self.dtype, device=device)  # h' fed to the next position
         self.draft, self.draft_position, self.j = longs(batch), longs(batch), longs(1)
         self.drafts = longs(batch, k)
-        self.q = torch.zeros(batch, k, self.vocab, dtype=torch.float32, device=device)
+        self.places = longs(batch, k)  # with a draft vocabulary: the drafts' places in draft_ids
+        width = self.vocab if self.draft_ids is None else self.draft_ids.numel()
+        self.q = torch.zeros(batch, k, width, dtype=torch.float32, device=device)
         self.counts = {name: torch.zeros((), dtype=torch.float64, device=device) for name in COUNTERS}
 
     # ---- the phases --------------------------------------------------------------------------------------
@@ -101,7 +110,7 @@ class Loop:
         positions = self.base[:, None] + torch.arange(self.k + 1, device=self.device)
         out = self._head(self.verify_hidden, self.next_tokens, positions)
         pick = self.accepted[:, None, None].expand(-1, 1, out.normed.shape[-1])
-        self._drafted(self.head.logits(out.normed.gather(1, pick)[:, 0]), out.feed_back.gather(1, pick)[:, 0],
+        self._drafted(self._draft_logits(out.normed.gather(1, pick)[:, 0]), out.feed_back.gather(1, pick)[:, 0],
                       self.start + 1)
 
     def step(self) -> None:
@@ -111,7 +120,7 @@ class Loop:
             self._drafted(self.policy.lm_head(hidden), hidden, self.draft_position + 1)
             return
         out = self._head(self.feed[:, None], self.draft[:, None], self.draft_position[:, None])
-        self._drafted(self.head.logits(out.normed[:, 0]), out.feed_back[:, 0], self.draft_position + 1)
+        self._drafted(self._draft_logits(out.normed[:, 0]), out.feed_back[:, 0], self.draft_position + 1)
 
     def verify(self) -> None:
         k = self.k
@@ -119,8 +128,13 @@ class Loop:
         positions = (self.start + 1)[:, None] + torch.arange(k + 1, device=self.device)
         hidden = self._policy(ids, positions)
         p = torch.softmax(self.policy.lm_head(hidden).float(), dim=-1)  # [B, K+1, V]
-        accepted, emitted = rejection_step(p, self.q, self.drafts, self.generator)
-        alpha = torch.minimum(p[:, 0], self.q[:, 0]).sum(-1).double()
+        ids = self.draft_ids
+        if ids is None:
+            accepted, emitted = rejection_step(p, self.q, self.drafts, self.generator)
+            alpha = torch.minimum(p[:, 0], self.q[:, 0]).sum(-1).double()
+        else:  # q is zero outside the ids: sum min(p, q) runs over them
+            accepted, emitted = rejection_step(p, self.q, self.places, self.generator, ids)
+            alpha = torch.minimum(p[:, 0].index_select(-1, ids), self.q[:, 0]).sum(-1).double()
         c = self.counts
         c["tokens"].add_((accepted + 1).sum())
         c["cycles"].add_(self.batch)
@@ -145,11 +159,20 @@ class Loop:
         return self.head(hidden, ids, positions, cache=self.head_cache,
                          draft_path=MaskedGQA(visible(positions, self.capacity)))
 
+    def _draft_logits(self, normed: torch.Tensor) -> torch.Tensor:
+        """The head's logits over every id, or over the draft vocabulary's ids alone."""
+        if self.draft_weight is None:
+            return self.head.logits(normed)
+        return torch.nn.functional.linear(normed, self.draft_weight)
+
     def _drafted(self, logits, feed, next_position) -> None:
         q = torch.softmax(logits.float(), dim=-1)
-        draft = sample(q, self.generator)
+        place = sample(q, self.generator)
+        draft = place if self.draft_ids is None else self.draft_ids[place]
         self.q.index_copy_(1, self.j, q[:, None])
         self.drafts.index_copy_(1, self.j, draft[:, None])
+        if self.draft_ids is not None:
+            self.places.index_copy_(1, self.j, place[:, None])
         self.feed.copy_(feed)
         self.draft.copy_(draft)
         self.draft_position.copy_(next_position)

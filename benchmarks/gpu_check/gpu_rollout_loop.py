@@ -18,10 +18,14 @@ paper's rollout (8,192-token responses after 256) the speedup the contexts' line
 acceptance over every timed cycle is held to sum min(p_1, q_1) within 5 standard errors (a sampler that
 compared the wrong rows or positions would be far off). On a CPU (`--tiny`) also: with the target itself
 as the drafter (q = p), every draft is accepted.
+
+With a draft vocabulary (`--draft-vocab N`, `gpu_draft_vocab.py`), each context and depth is timed once more
+with the head drafting over N ids alone, at tau 2.91 (its own scale), and read at 36 layers the same way.
 """
 
 from __future__ import annotations
 
+import gc
 import statistics
 import time
 from dataclasses import dataclass
@@ -30,6 +34,7 @@ import torch
 from bench_common import fit_line
 from cycle_timing import KVBuffer, policy_caches, rollout_prediction
 from gpu_cycle import PAPER
+from gpu_draft_vocab import draft_vocab_ids, draft_vocab_report, shifted_outside
 from gpu_loop import Loop, acceptance_z, calibrate
 from gpu_report import Row
 from gpu_sampler import Z_LIMIT
@@ -91,7 +96,8 @@ class Sweep:
     """The loop at every context and tau, at the deepest policy that fits and at half its depth: the policy, its
     head and their caches (for the largest context), built once; the taus' head scales, found once."""
 
-    def __init__(self, plan, loop_plan: LoopPlan, build_policy, build_head, device: torch.device, log):
+    def __init__(self, plan, loop_plan: LoopPlan, build_policy, build_head, device: torch.device, log,
+                 draft_vocab: int | None = None):
         self.plan, self.loop_plan, self.device, self.log = plan, loop_plan, device, log
         self.capacity = {c: capacity_for(c, loop_plan, plan.k) for c in loop_plan.contexts}
         biggest = max(self.capacity.values())
@@ -106,6 +112,9 @@ class Sweep:
         self.generator = torch.Generator(device=device).manual_seed(0)
         self.norm = getattr(self.head, self.head.family.final_norm_name).weight
         self.scales, self.totals = {}, {}
+        # the draft vocabulary's ids (None: no subset runs), its scale for tau 2.91, its acceptance counters
+        self.draft_ids = None if not draft_vocab else draft_vocab_ids(plan.config.vocab_size, draft_vocab, device)
+        self.subset_scale, self.subset_totals = None, {}
         room = "" if free is None else f", {free / 2**30:.1f} GiB free"
         log(f"  (rollout_loop) {self.layers} of {plan.config.num_hidden_layers} layers fit (caches for "
             f"{loop_plan.batch} x {biggest} positions{room})")
@@ -118,15 +127,32 @@ class Sweep:
             self.norm.copy_(next(iter(self.scales.values()))["base"])
         return {"layers": self.layers, "depths": list(depths), "per": per, "scales": self.scales,
                 "counts": self.totals, "graphs": self.device.type == "cuda", "batch": self.loop_plan.batch,
-                "capacity": self.capacity}
+                "capacity": self.capacity, "subset_scale": self.subset_scale, "subset_counts": self.subset_totals,
+                "draft_vocab_size": None if self.draft_ids is None else int(self.draft_ids.numel())}
 
     def context_row(self, depth: int, context: int) -> dict:
-        """One context at one depth: its loop captured, the decode and each tau's cycle timed."""
-        lp, batch = self.loop_plan, self.loop_plan.batch
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+        """One context at one depth (its caches filled at random): every id's row, then the draft vocabulary's."""
         for cache in self.policy_kv + [self.head_kv]:
             cache.fill_random(context, self.generator)
+        row = self.all_ids_row(depth, context)
+        if self.draft_ids is not None:
+            try:  # its failure must not cost the rows of every id
+                row["draft_vocab"] = self.subset_row(depth, context, row["decode_s"])
+            except Exception as err:  # noqa: BLE001 - recorded in the row, reported by gpu_draft_vocab
+                row["draft_vocab"] = {"error": f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"}
+                self.log(f"  (rollout_loop) draft vocabulary at {depth} layers, {context} tokens: {row['draft_vocab']}")
+        return row
+
+    def _fresh_pool(self) -> None:
+        """The last loop's graphs and their pool gone before the next loop's are captured."""
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def all_ids_row(self, depth: int, context: int) -> dict:
+        """Its loop captured, the decode and each tau's cycle timed, the head drafting over every id."""
+        lp, batch = self.loop_plan, self.loop_plan.batch
+        self._fresh_pool()
         t0 = time.perf_counter()
         loop = Loop(self.policy, depth, self.head, self.policy_kv, self.head_kv, context, self.capacity[context],
                     self.plan.k)
@@ -139,7 +165,8 @@ class Sweep:
         row = {"layers": depth, "capacity": self.capacity[context], "capture_s": captured, "decode_s": decode_s,
                "ar_tokens_per_s": batch / decode_s, "taus": {}}
         for tau in (lp.taus if depth == self.layers else (PAPER["tau"],)):
-            row["taus"][str(tau)] = self.spec_at(loop, tau, decode_s, count=depth == self.layers)
+            row["taus"][str(tau)] = self.spec_at(loop, self.scales[tau], decode_s,
+                                                 self.totals if depth == self.layers else None)
         row["cycle_s"] = statistics.median(t["cycle_s"] for t in row["taus"].values())
         row["break_even_tau"] = row["cycle_s"] / decode_s
         self.log(f"  (rollout_loop) {depth} layers, {context} tokens: decode {decode_s * 1e3:.2f} ms, cycle "
@@ -154,17 +181,43 @@ class Sweep:
             self.log(f"  (rollout_loop) tau {tau}: scale 2^{found['log2_scale']:.2f} (probe tau "
                      f"{found['tau_probe']:.2f})")
 
-    def spec_at(self, loop: Loop, tau: float, decode_s: float, count: bool) -> dict:
-        """The cycle timed at the head scale of `tau`; its counters join the acceptance check's where `count`."""
+    def subset_row(self, depth: int, context: int, decode_s: float) -> dict:
+        """The cycle with the head drafting over the draft vocabulary alone, at tau 2.91 (its scale found once, at
+        the first context of the deepest policy), with the policy's p mostly inside it (`shifted_outside`)."""
+        lp = self.loop_plan
+        self._fresh_pool()
+        with shifted_outside(self.policy, self.draft_ids) as shift:
+            loop = Loop(self.policy, depth, self.head, self.policy_kv, self.head_kv, context, self.capacity[context],
+                        self.plan.k, draft_ids=self.draft_ids)
+            loop.capture()
+            if self.subset_scale is None:
+                with torch.no_grad():  # from the head's own scale, as the taus of every id were found
+                    self.norm.copy_(next(iter(self.scales.values()))["base"])
+                self.subset_scale = calibrate(loop, PAPER["tau"], lp.calib_cycles, lp.calib_probes)
+                scale = self.subset_scale
+                scale["logit_shift_outside"] = shift
+                self.log(f"  (rollout_loop) draft vocabulary of {self.draft_ids.numel()} ids, tau {PAPER['tau']}: "
+                         f"scale 2^{scale['log2_scale']:.2f} (probe tau {scale['tau_probe']:.2f})")
+            totals = self.subset_totals if depth == self.layers else None
+            timed = self.spec_at(loop, self.subset_scale, decode_s, totals)
+            del loop
+        self._fresh_pool()
+        self.log(f"  (rollout_loop) {depth} layers, {context} tokens, {self.draft_ids.numel()} draft ids: cycle "
+                 f"{timed['cycle_s'] * 1e3:.2f} ms at tau {timed['tau']:.2f}, {timed['speedup']:.2f}x")
+        return timed
+
+    def spec_at(self, loop: Loop, scale: dict, decode_s: float, totals: dict | None) -> dict:
+        """The cycle timed at the head scale `scale` (a `calibrate` result); its counters join `totals` (the
+        acceptance check's) where given."""
         lp = self.loop_plan
         with torch.no_grad():
-            self.norm.copy_(self.scales[tau]["base"] * 2.0 ** self.scales[tau]["log2_scale"])
+            self.norm.copy_(scale["base"] * 2.0 ** scale["log2_scale"])
         runs = [loop.timed("cycle", lp.spec_cycles) for _ in range(lp.repeats)]
         counts = {}
         for _, c in runs:
             _add(counts, c)
-        if count:
-            _add(self.totals, counts)
+        if totals is not None:
+            _add(totals, counts)
         cycle_s = statistics.median(s for s, _ in runs) / lp.spec_cycles
         measured_tau = counts["tokens"] / counts["cycles"]
         return {"tau": measured_tau, "cycle_s": cycle_s, "spec_tokens_per_s": measured_tau * lp.batch / cycle_s,
@@ -211,10 +264,13 @@ def target_drafts_are_all_accepted(plan, loop_plan: LoopPlan, build_policy, devi
             "tau": counts["tokens"] / counts["cycles"]}
 
 
-def check_rollout_loop(plan, build_policy, build_head, device: torch.device, log) -> tuple[list[Row], dict]:
-    """The rows and the details of check `rollout_loop` (module docstring). `build_policy(layers, dtype=bf16)`."""
+def check_rollout_loop(plan, build_policy, build_head, device: torch.device, log, draft_vocab: int | None = None
+                       ) -> tuple[list[Row], dict]:
+    """The rows and the details of check `rollout_loop` (module docstring). `build_policy(layers, dtype=bf16)`;
+    `draft_vocab`: the size of the draft vocabulary to time as well (None: none)."""
     loop_plan = LOOP_PLANS[plan.name]
-    measured = Sweep(plan, loop_plan, lambda n: build_policy(n, torch.bfloat16), build_head, device, log).run()
+    measured = Sweep(plan, loop_plan, lambda n: build_policy(n, torch.bfloat16), build_head, device, log,
+                     draft_vocab).run()
     contexts = loop_plan.contexts
     at_real = at_real_layers(measured, contexts, plan.real_layers)
     rollout = rollout_from_loop(at_real, contexts, plan)
@@ -239,6 +295,9 @@ def check_rollout_loop(plan, build_policy, build_head, device: torch.device, log
         rows.append(Row("rollout_loop", f"q = p (the target drafts): drafts accepted, {same['cycles']:.0f} cycles",
                         f"{same['all_accepted']:.0f} of {same['cycles']:.0f} cycles accept all {plan.k}",
                         "every one", same["all_accepted"] == same["cycles"], same))
+    if draft_vocab:
+        subset_rows, details["draft_vocab"] = draft_vocab_report(plan, measured, at_real, rollout, contexts)
+        rows.extend(subset_rows)
     return rows, details
 
 

@@ -53,18 +53,27 @@ def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return (p - q).clamp(min=0.0)
 
 
-def rejection_step(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor, generator: torch.Generator | None
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
+def rejection_step(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor, generator: torch.Generator | None,
+                   ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """p [B, K+1, V] the target's rows, q [B, K, V] the drafter's, drafts [B, K] sampled from q.
+
+    With `ids` [N] (a draft vocabulary), q [B, K, N] holds the drafter's rows over those ids alone (zero at
+    every other id) and drafts [B, K] are places in `ids`: the same draws and results as q scattered to
+    [B, K, V], without writing its zeros (the residual is p itself outside the ids).
 
     Returns (accepted [B] in 0..K, emitted [B]: the recovered token at the first rejection, or the bonus)."""
     k = q.shape[1]
-    p_draft = p[:, :k].gather(2, drafts[..., None])[..., 0]
+    tokens = drafts if ids is None else ids[drafts]
+    p_draft = p[:, :k].gather(2, tokens[..., None])[..., 0]
     q_draft = q.gather(2, drafts[..., None])[..., 0]
     u = torch.rand(p_draft.shape, generator=generator, device=p.device, dtype=p.dtype)
     accepted = accepted_count(p_draft, q_draft, u)
-    stop = accepted.clamp(max=k - 1)[:, None, None].expand(-1, 1, p.shape[-1])
-    recovered = residual(p.gather(1, stop), q.gather(1, stop))[:, 0]
+    stop = accepted.clamp(max=k - 1)[:, None, None]
+    p_stop, q_stop = (rows.gather(1, stop.expand(-1, 1, rows.shape[-1]))[:, 0] for rows in (p, q))
+    if ids is None:
+        recovered = residual(p_stop, q_stop)
+    else:
+        recovered = p_stop.index_copy(1, ids, residual(p_stop.index_select(1, ids), q_stop))
     return accepted, sample(torch.where((accepted == k)[:, None], p[:, k], recovered), generator)
 
 

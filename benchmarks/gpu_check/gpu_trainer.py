@@ -18,6 +18,10 @@ It shows:
 - the head's parameters moved: every weight matrix differs from where it started;
 - the head's share of the whole step: the head update's seconds (the step's `growmtp/head_update_s`) over
   the step with it, and the step with the head over the step without, measured one after the other.
+4. The production step: the same two runs again without strict determinism (strict mode fills every new
+   tensor and takes the deterministic kernels: no run trains under it), timed, and per token beside the plain
+   forward + backward of the same policy over the same sequences (`bench_common.policy_step`, micro-batches of
+   `micro_batch`, gradient checkpointing on as in the step; no optimizer).
 DeepSpeed's optimizer is torch's AdamW (`torch_adam`): DeepSpeed's fused Adam is a C++/CUDA build at first
 use, which an offline GPU machine may not be able to make; the update is the same AdamW.
 """
@@ -116,7 +120,7 @@ def _prepare_process(device: torch.device) -> list[str]:
     return standins
 
 
-def _train_args(policy_dir: Path, work: Path, plan, head_dir: Path | None):
+def _train_args(policy_dir: Path, work: Path, plan, head_dir: Path | None, strict: bool = True):
     from openrlhf.utils.config import hierarchize
 
     from openrlhf_growmtp.trainer.args import parse_train_args
@@ -127,7 +131,8 @@ def _train_args(policy_dir: Path, work: Path, plan, head_dir: Path | None):
             str(plan.micro_batch), "--rollout.batch_size", str(batch // 2), "--rollout.n_samples_per_prompt", "2",
             "--algo.advantage.estimator", "group_norm", "--algo.kl.init_coef", "0", "--actor.adam.lr", "1e-3",
             "--actor.lr_warmup_ratio", "0", "--vllm.num_engines", "1", "--ckpt.path", str(work / "ckpt"),
-            "--train.seed", "1", "--train.full_determinism_enable", "--actor.gradient_checkpointing_enable"]
+            "--train.seed", "1", "--actor.gradient_checkpointing_enable"] + (["--train.full_determinism_enable"]
+                                                                                 if strict else [])
     if head_dir is not None:
         argv += ["--growmtp_k", str(plan.k), "--growmtp_mode", "detached", "--growmtp_topk", str(plan.topk),
                  "--growmtp_chunk_cycles", str(plan.chunk_cycles)]
@@ -165,9 +170,9 @@ def _gathered(module) -> dict[str, torch.Tensor]:
         return {name: p.detach().float().cpu().clone() for name, p in params.items()}
 
 
-def _run_steps(args, ours: bool, make_experience, steps: int, device: torch.device) -> dict:
+def _run_steps(args, ours: bool, make_experience, steps: int, device: torch.device, gather: bool = True) -> dict:
     """Build strategy, actor and actor-side trainer as the policy actor does; `steps` RL steps, each on a
-    fresh copy of the same experience; the gathered parameters after them and the last step's times."""
+    fresh copy of the same experience; the steps' times and (where `gather`) the parameters after them."""
     from openrlhf_growmtp.trainer import strategy as ours_strategy
 
     if device.type == "cuda":
@@ -189,10 +194,12 @@ def _run_steps(args, ours: bool, make_experience, steps: int, device: torch.devi
                                if "deterministic" in str(w.message)})
     hf_model = parts[0].model.module
     head = ours_strategy.head_of(hf_model)
-    with ours_strategy.without_head(hf_model):
-        policy = _gathered(hf_model)
+    policy = None
+    if gather:
+        with ours_strategy.without_head(hf_model):
+            policy = _gathered(hf_model)
     out = {"seconds": seconds, "status": {k: float(v) for k, v in status.items() if isinstance(v, (int, float))},
-           "policy": policy, "head": _gathered(head) if head is not None else None,
+           "policy": policy, "head": _gathered(head) if head is not None and gather else None,
            "nondeterministic_ops": nondeterministic,
            "memory_mb": {"at_start": at_start / 2**20, "peak": torch.cuda.max_memory_allocated(device) / 2**20}
            if device.type == "cuda" else None}
@@ -302,9 +309,11 @@ def _draft(plan, config, device: torch.device, work: Path, log) -> Drafted:
                    initial_head)
 
 
-def _both_runs(plan, work: Path, drafted: Drafted, device: torch.device, log) -> tuple[dict, dict, dict | None]:
+def _both_runs(plan, work: Path, drafted: Drafted, device: torch.device, log
+               ) -> tuple[dict, dict, dict | None, dict]:
     """Upstream's steps without the head, ours with it, from the same saved policy and experience, under
-    upstream's full determinism (given back afterwards); upstream once more where the policies differ."""
+    upstream's full determinism (given back afterwards); upstream once more where the policies differ; then the
+    pair again without it (the production step, its parameters not gathered)."""
     records = drafted.rollouts.records
 
     def experience(with_records: bool):
@@ -327,9 +336,56 @@ def _both_runs(plan, work: Path, drafted: Drafted, device: torch.device, log) ->
             names, largest = _differences(without["policy"], again["policy"])
             control = {"differing": len(names), "max_abs_diff": largest}
             log(f"  (trainer_step) upstream against itself: {control['differing']} tensors differ")
+    production = {"without_head": _run_steps(_train_args(work / "policy", work / "up_prod", plan, None, strict=False),
+                                             False, experience(False), plan.trainer_steps, device, gather=False)}
+    log(f"  (trainer_step) production (not strict), no head: steps "
+        f"{', '.join(f'{s:.2f}' for s in production['without_head']['seconds'])} s")
+    production["with_head"] = _run_steps(_train_args(work / "policy", work / "ours_prod", plan, work / "head",
+                                                     strict=False), True, experience(True), plan.trainer_steps,
+                                         device, gather=False)
+    log(f"  (trainer_step) production (not strict), with the head: steps "
+        f"{', '.join(f'{s:.2f}' for s in production['with_head']['seconds'])} s")
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
-    return without, with_head, control
+    return without, with_head, control, production
+
+
+def _plain_forward_backward(config, sequences: torch.Tensor, micro_batch: int, device: torch.device) -> float:
+    """Seconds of the policy's plain forward + backward (`bench_common.policy_step`, gradient checkpointing on)
+    over `sequences` in micro-batches, the second of two passes (the first warms up)."""
+    from bench_common import policy_step
+
+    policy = _build_policy(config, device).train()
+    policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    seconds = []
+    for _ in range(2):
+        policy.zero_grad(set_to_none=False)
+        _sync(device)
+        t0 = time.perf_counter()
+        for lo in range(0, sequences.shape[0], micro_batch):
+            policy_step(policy, sequences[lo:lo + micro_batch].to(device))
+        _sync(device)
+        seconds.append(time.perf_counter() - t0)
+    del policy
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return seconds[-1]
+
+
+def _production(plan, runs: dict, plain_s: float, tokens: int) -> dict:
+    """The production steps' times (the last of each run), per token, over the plain forward + backward's."""
+    step = {name: run["seconds"][-1] for name, run in runs.items()}
+    head_s = runs["with_head"]["status"].get("growmtp/head_update_s", float("nan"))
+    return {"deterministic_algorithms": "off", "steps": plan.trainer_steps, "tokens": tokens,
+            "seconds": {name: run["seconds"] for name, run in runs.items()},
+            "step_s": step, "head_update_s": head_s, "head_share_of_step": head_s / step["with_head"],
+            "step_ratio_with_over_without": step["with_head"] / step["without_head"],
+            "plain_forward_backward_s": plain_s,
+            "per_token_s": {**{name: s / tokens for name, s in step.items()},
+                            "plain_forward_backward": plain_s / tokens},
+            "step_over_plain_forward_backward": {name: s / plain_s for name, s in step.items()},
+            "memory_mb": {name: run["memory_mb"] for name, run in runs.items()}}
 
 
 def check_trainer_step(plan, config, device: torch.device, log) -> tuple[list[Row], dict]:
@@ -337,7 +393,8 @@ def check_trainer_step(plan, config, device: torch.device, log) -> tuple[list[Ro
     standins = _prepare_process(device)
     work = Path(tempfile.mkdtemp(prefix="gpu_trainer_"))
     drafted = _draft(plan, config, device, work, log)
-    without, with_head, control = _both_runs(plan, work, drafted, device, log)
+    without, with_head, control, production = _both_runs(plan, work, drafted, device, log)
+    plain_s = _plain_forward_backward(config, drafted.sequences, plan.micro_batch, device)
     rollouts, status = drafted.rollouts, with_head["status"]
     differing, worst = _differences(without["policy"], with_head["policy"])
     matrices = [n for n, p in with_head["head"].items() if p.ndim == 2]
@@ -363,8 +420,11 @@ def check_trainer_step(plan, config, device: torch.device, log) -> tuple[list[Ro
         "nondeterministic_ops": sorted(set(without["nondeterministic_ops"] + with_head["nondeterministic_ops"])),
         "optimizer": "torch AdamW through DeepSpeed (torch_adam)", "deterministic_algorithms": "strict",
         "standins": standins,
+        "production": _production(plan, production, plain_s, int(drafted.sequences.numel())),
     }
-    return _rows(plan, details), details
+    details["strict_over_production"] = {"without_head": step_without / details["production"]["step_s"]["without_head"],
+                                         "with_head": step_with / details["production"]["step_s"]["with_head"]}
+    return _rows(plan, details) + _production_rows(details), details
 
 
 def _rows(plan, d: dict) -> list[Row]:
@@ -391,6 +451,23 @@ def _rows(plan, d: dict) -> list[Row]:
             None, {"ratio": head_s / step_with}),
         Row("trainer_step", "step with the head / step without (upstream)", f"{step_with / step_without:.3f}",
             f"{step_with:.2f} s / {step_without:.2f} s", None, {"ratio": step_with / step_without}),
+    ]
+
+
+def _production_rows(d: dict) -> list[Row]:
+    prod, layers = d["production"], d["layers"]
+    per_token, over = prod["per_token_s"], prod["step_over_plain_forward_backward"]
+    return [
+        Row("trainer_step", f"production step (not strict), {layers} layers, {prod['tokens']} tokens: per token "
+            "with the head / without / plain fwd+bwd", f"{per_token['with_head'] * 1e6:.1f} / "
+            f"{per_token['without_head'] * 1e6:.1f} / {per_token['plain_forward_backward'] * 1e6:.1f} us",
+            f"over plain fwd+bwd: {over['with_head']:.2f}x with, {over['without_head']:.2f}x without; strict / "
+            f"production {d['strict_over_production']['without_head']:.2f}x", None,
+            {"with_head": over["with_head"], "without_head": over["without_head"]}),
+        Row("trainer_step", "production step (not strict): with the head / without; head update / step",
+            f"{prod['step_ratio_with_over_without']:.3f}; {prod['head_share_of_step']:.3f}",
+            f"{prod['step_s']['with_head']:.2f} s / {prod['step_s']['without_head']:.2f} s", None,
+            {"ratio": prod["step_ratio_with_over_without"], "head_share": prod["head_share_of_step"]}),
     ]
 
 

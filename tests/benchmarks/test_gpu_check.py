@@ -4,6 +4,7 @@ check a GPU machine runs cannot rot between loans; its statistical sampler check
 checks (the cached forward, the reference drafter's arithmetic and records, the cycle formula) hold on their own."""
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -131,6 +132,17 @@ def _check_trainer_step(trainer):
     # the policy's loss and gradient norm are upstream's too (the head's gradients are not in the norm)
     for key in ("policy_loss", "actor_grad_norm"):
         assert status[key] == trainer["status_without_head"][key], key
+    # the production step: the pair again, not strict, timed per token beside the plain forward + backward
+    prod = trainer["production"]
+    assert prod["deterministic_algorithms"] == "off" and prod["tokens"] == trainer["tokens"]
+    assert set(prod["step_s"]) == {"with_head", "without_head"} and all(s > 0 for s in prod["step_s"].values())
+    assert all(len(s) == TINY.trainer_steps for s in prod["seconds"].values())
+    assert prod["plain_forward_backward_s"] > 0 and 0 < prod["head_share_of_step"] < 1
+    for name, seconds in prod["step_s"].items():
+        assert prod["per_token_s"][name] == pytest.approx(seconds / prod["tokens"])
+        over = prod["step_over_plain_forward_backward"][name]
+        assert over == pytest.approx(seconds / prod["plain_forward_backward_s"])
+    assert all(r > 0 for r in trainer["strict_over_production"].values())
 
 
 def _check_cycle_cost(cycle, trainer=None):
@@ -212,6 +224,29 @@ def test_real_shapes_refuse_without_cuda_before_any_work(tmp_path):
 def test_bad_arguments_are_refused_by_name():
     proc = _run("--tiny", "--responses", "2", "--micro-batch", "4", timeout=120)
     assert proc.returncode == 2 and "--micro-batch 4 is more than --responses 2" in proc.stderr
+    proc = _run("--tiny", "--draft-vocab", "2048", timeout=120)  # the tiny vocabulary is 2,048 ids
+    assert proc.returncode == 2 and "--draft-vocab must be in 1..2047" in proc.stderr
+    proc = _run("--tiny", "--tau", "1.0", timeout=120)
+    assert proc.returncode == 2 and "--tau must be in (1, 6]" in proc.stderr
+
+
+def test_the_loop_times_the_draft_vocabulary_beside_every_id(tmp_path):
+    out = tmp_path / "subset.json"
+    proc = _run("--tiny", "--only", "rollout_loop", "--draft-vocab", "--json", str(out))
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    loop = json.loads(out.read_text())["rollout_loop"]
+    _check_rollout_loop(loop)  # the rows of every id as they are without it
+    subset, plan = loop["draft_vocab"], gpu_rollout_loop.LOOP_PLANS["tiny"]
+    assert subset["size"] == 512 and not subset["errors"] and subset["scale"]["logit_shift_outside"] > 0
+    assert sorted(subset["per_context"], key=int) == [str(c) for c in plan.contexts]
+    for entry in subset["per_context"].values():
+        assert set(entry["measured"]) == {str(d) for d in loop["depths"]}
+        for timed in entry["measured"].values():
+            assert timed["cycle_s"] > 0 and 1.0 <= timed["tau"] <= TINY.k + 1
+        assert entry["speedup_at_paper_tau"] > 0 and entry["speedup_at_paper_tau_all_ids"] > 0
+    assert subset["rollout_speedup_all_ids"] == loop["rollout"]["speedup"] and subset["rollout_speedup"] > 0
+    assert abs(subset["acceptance"]["z"]) <= 5 and subset["acceptance"]["cycles"] > 0
+    assert "draft over 512 ids" in proc.stdout
 
 
 def _pair(vocab=400, seed=0):
@@ -490,6 +525,54 @@ def test_loop_first_acceptance_matches_sum_min_p_q():
     # the same trials held to another expectation 0.05 away would fail: 5 sigma is ~0.05 at these trials
     sigma = counts["alpha_var"] ** 0.5 / counts["cycles"]
     assert 5 * sigma < 0.06
+
+
+def test_rejection_step_over_draft_ids_is_the_step_over_q_scattered_to_every_id():
+    """q kept over N ids alone gives the very draws and results of q zero at every other id."""
+    g = torch.Generator().manual_seed(11)
+    batch, k, vocab = 256, TINY.k, 300
+    ids = torch.sort(torch.randperm(vocab, generator=g)[:70]).values
+    p = torch.randn(batch, k + 1, vocab, generator=g).softmax(-1)
+    q = torch.randn(batch, k, ids.numel(), generator=g).softmax(-1)
+    places = torch.randint(0, ids.numel(), (batch, k), generator=g)
+    scattered = torch.zeros(batch, k, vocab).index_copy_(2, ids, q)
+    got = gpu_sampler.rejection_step(p, q, places, torch.Generator().manual_seed(4), ids)
+    want = gpu_sampler.rejection_step(p, scattered, ids[places], torch.Generator().manual_seed(4))
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert 0 < int((got[0] < k).sum()) < batch  # rejections and recoveries were exercised
+    # a step that forgot the ids (q's columns read as ids 0..N-1) gives other results
+    wrong = gpu_sampler.rejection_step(p, torch.zeros(batch, k, vocab).index_copy_(2, torch.arange(ids.numel()), q),
+                                       places, torch.Generator().manual_seed(4))
+    assert not torch.equal(wrong[0], want[0])
+
+
+def test_loop_over_draft_ids_drafts_inside_them_and_accepts_as_sum_min_p_q():
+    import gpu_draft_vocab
+    import gpu_loop
+
+    policy, head, caches, capacity = _loop_world()
+    ids = gpu_draft_vocab.draft_vocab_ids(policy.config.vocab_size, 512, torch.device("cpu"))
+    with torch.no_grad():  # a flatter q: acceptance near one half, where a bias shows most
+        getattr(head, head.family.final_norm_name).weight.mul_(2.0 ** -3)
+    with gpu_draft_vocab.shifted_outside(policy, ids):
+        loop = gpu_loop.Loop(policy, 2, head, caches[:2], caches[2], 24, capacity, TINY.k, seed=7, draft_ids=ids)
+        assert loop.q.shape[-1] == ids.numel()  # q over the ids alone: zero at every other id
+        counts = loop.timed("cycle", 30)[1]
+        assert torch.isin(loop.drafts, ids).all() and torch.equal(ids[loop.places], loop.drafts)
+    assert policy.lm_head.bias is None  # the shift is gone with the block
+    alpha = counts["alpha_sum"] / counts["cycles"]
+    assert 0.2 < alpha < 0.9 and counts["cycles"] == 64 * 30
+    assert abs(gpu_loop.acceptance_z(counts)) <= gpu_sampler.Z_LIMIT
+    assert 5 * counts["alpha_var"] ** 0.5 / counts["cycles"] < 0.06
+
+
+def test_the_outside_shift_leaves_the_mass_asked_for_outside_the_ids():
+    import gpu_draft_vocab
+
+    vocab, size = 151936, 32768
+    d = gpu_draft_vocab.outside_shift(vocab, size)
+    outside = (vocab - size) * math.exp(-d)
+    assert outside / (size + outside) == pytest.approx(gpu_draft_vocab.OUTSIDE_MASS)
 
 
 def test_batched_rejection_step_passes_the_samplers_statistics_and_a_swapped_one_does_not():
