@@ -4,7 +4,7 @@ Two marks, both invisible in rendered markdown:
 
 - after a number, `<!-- fig: PATH KEY -->`: the number is the JSON file PATH's value at KEY (dots between keys
   and list indices, e.g. `paired.0.speedup.low`; a key may hold dots itself), rounded to as many decimals as the text shows; ` pct` after
-  KEY reads a share as a percentage. PATH is relative to the markdown file.
+  KEY reads a share as a percentage, ` ms` seconds as milliseconds. PATH is relative to the markdown file.
 - `<!-- table: PATH -->` ... `<!-- /table -->` around a block: the block is the file PATH's text (a table a
   study wrote, e.g. `table.md`).
 
@@ -23,7 +23,8 @@ import re
 import sys
 from pathlib import Path
 
-FIGURE = re.compile(r"(-?\d[\d,]*(?:\.\d+)?)(?:\*\*|[×x%]|\s)*<!-- fig: (\S+) (\S+)( pct)? -->")
+FIGURE = re.compile(r"(-?\d[\d,]*(?:\.\d+)?)(?:\*\*|[×x%]|\s)*<!-- fig: (\S+) (\S+)( pct| ms)? -->")
+SCALES = {None: 1, " pct": 100, " ms": 1000}  # a mark's unit: what the kept value is multiplied by
 TABLE = re.compile(r"<!-- table: (\S+) -->\n(.*?)<!-- /table -->", re.DOTALL)
 MARK = re.compile(r"<!-- (fig|table): ")
 CODE = re.compile(r"^(```|~~~).*?^\1[^\n]*$|(`+)[^\n]*?\2", re.DOTALL | re.MULTILINE)  # fenced blocks, code spans
@@ -60,7 +61,7 @@ def check(path: Path) -> list[str]:
     matched = 0
     for match in FIGURE.finditer(text):
         matched += 1
-        shown, source, key, pct = match.groups()
+        shown, source, key, unit = match.groups()
         where = f"{path.name}: {shown} <- {source} {key}"
         file = (path.parent / source).resolve()
         try:
@@ -73,7 +74,7 @@ def check(path: Path) -> list[str]:
         if not isinstance(value, (int, float)) or isinstance(value, bool):
             problems.append(f"{where}: the kept value {value!r} is not a number")
             continue
-        value = 100 * value if pct else value
+        value = SCALES[unit] * value
         digits = len(shown.split(".")[1]) if "." in shown else 0
         if round(value, digits) != float(shown.replace(",", "")):
             problems.append(f"{where}: the kept value is {value!r}, which shows as {value:.{digits}f}")
