@@ -14,7 +14,7 @@ outside them. Only values change: every phase has the shape it has without it. T
 for tau 2.91 (`gpu_loop.calibrate`), as for the draft over every id.
 
 What it reports: per context, the cycle at the measured depths, and at 36 layers (the per-layer line through them,
-`gpu_rollout_loop.at_real_layers`) the speedup at tau 2.91 with and without the subset; the same over the paper's
+`gpu_loop_lines.at_real_layers`) the speedup at tau 2.91 with and without the subset; the same over the paper's
 8K-token rollout; the subset's first-draft acceptance against sum min(p_1, q_1) (q restricted) within 5 sigma.
 """
 
@@ -26,6 +26,7 @@ import math
 import torch
 from gpu_cycle import PAPER
 from gpu_loop import acceptance_z
+from gpu_loop_lines import at_real_layers, rollout_from_loop
 from gpu_report import Row
 from gpu_sampler import Z_LIMIT
 
@@ -67,7 +68,6 @@ def shifted_outside(policy, ids: torch.Tensor):
 def draft_vocab_report(plan, measured: dict, at_real: dict, rollout: dict, contexts) -> tuple[list[Row], dict]:
     """The subset's rows and its JSON section, from the sweep's `measured` (its rows' "draft_vocab" entries) and the
     draft over every id's `at_real` and `rollout` (`gpu_rollout_loop`)."""
-    from gpu_rollout_loop import at_real_layers, rollout_from_loop  # here: gpu_rollout_loop imports this module
 
     depths, size = measured["depths"], measured["draft_vocab_size"]
     errors = {f"{d}/{c}": measured["per"][(d, c)]["draft_vocab"]["error"] for d in depths for c in contexts

@@ -31,10 +31,10 @@ import time
 from dataclasses import dataclass
 
 import torch
-from bench_common import fit_line
-from cycle_timing import KVBuffer, policy_caches, rollout_prediction
+from cycle_timing import KVBuffer, policy_caches
 from gpu_cycle import PAPER
 from gpu_draft_vocab import draft_vocab_ids, draft_vocab_report, shifted_outside
+from gpu_loop_lines import at_real_layers, rollout_from_loop
 from gpu_loop import Loop, acceptance_z, calibrate
 from gpu_report import Row
 from gpu_sampler import Z_LIMIT
@@ -222,30 +222,6 @@ class Sweep:
         measured_tau = counts["tokens"] / counts["cycles"]
         return {"tau": measured_tau, "cycle_s": cycle_s, "spec_tokens_per_s": measured_tau * lp.batch / cycle_s,
                 "speedup": measured_tau * decode_s / cycle_s}
-
-
-def at_real_layers(measured: dict, contexts, real_layers: int) -> dict:
-    """Per context, decode and cycle seconds read at `real_layers` on the line through the two depths: the
-    per-layer time (the slope) x layers + the non-layer part (the intercept), both measured."""
-    deep, shallow = measured["depths"]
-    out = {}
-    for c in contexts:
-        rows = measured["per"][(deep, c)], measured["per"][(shallow, c)]
-        fits = {name: fit_line([deep, shallow], [r[name] for r in rows], nonnegative_slope=True)
-                for name in ("decode_s", "cycle_s")}
-        decode, cycle = fits["decode_s"].at(real_layers), fits["cycle_s"].at(real_layers)
-        out[c] = {"decode_s": decode, "cycle_s": cycle, "break_even_tau": cycle / decode,
-                  "speedup_at_paper_tau": PAPER["tau"] * decode / cycle,
-                  "per_layer_s": {n: f.b for n, f in fits.items()}, "non_layer_s": {n: f.a for n, f in fits.items()}}
-    return out
-
-
-def rollout_from_loop(at_real: dict, contexts, plan) -> dict:
-    """The paper's rollout (responses of `rollout_response` after `rollout_prompt`) at tau 2.91 from the
-    loop's 36-layer decode and cycle seconds, linear in the context (`cycle_timing.rollout_prediction`)."""
-    return rollout_prediction(list(contexts), [at_real[c]["decode_s"] for c in contexts],
-                              [at_real[c]["cycle_s"] for c in contexts], PAPER["tau"], plan.rollout_prompt,
-                              plan.rollout_response)
 
 
 def target_drafts_are_all_accepted(plan, loop_plan: LoopPlan, build_policy, device) -> dict:
