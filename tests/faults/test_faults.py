@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import random
 import re
 import shutil
 import subprocess
@@ -23,7 +22,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers.rewards import token_parity_reward
+from helpers.rewards import token_parity_reward, write_toy_prompts
 from helpers.trainer import cpu_support  # noqa: F401  (the CPU layer before openrlhf is imported)
 from openrlhf_growmtp.cli.train_ppo_ray import INITIAL_HEAD_DIR
 from openrlhf_growmtp.core.schedule import HeadLRSchedule
@@ -110,11 +109,7 @@ def user_sees(log: str, *needles: str) -> str:
 def world(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("f")  # short: Ray's socket paths under it must stay within 107 bytes
     toy.make_policy(tmp / "policy", seed=0)
-    rng = random.Random(2)
-    with open(tmp / "prompts.jsonl", "w") as f:
-        for _ in range(4 * PROMPTS_PER_STEP):
-            prompt = " ".join(f"t{rng.randint(2, 127)}" for _ in range(rng.randint(4, 8)))
-            f.write(json.dumps({"input": prompt, "label": ""}) + "\n")
+    write_toy_prompts(tmp / "prompts.jsonl", 4 * PROMPTS_PER_STEP, seed=2)
     (tmp / "reward.py").write_text(token_parity_reward(0))
     return tmp
 

@@ -1,4 +1,7 @@
-"""Reward files for the launcher's end-to-end tests on the toy world."""
+"""Reward and prompt files for the launcher's end-to-end tests on the toy world."""
+
+import json
+import random
 
 
 def token_parity_reward(parity: int) -> str:
@@ -11,3 +14,12 @@ def reward_func(queries, prompts, labels):
     value = torch.tensor(hits / max(1, len(tokens)))
     return {{"rewards": value, "scores": value}}
 '''
+
+
+def write_toy_prompts(path, count: int, seed: int, max_words: int = 8) -> None:
+    """A prompt dataset of `count` lines `{"input": "t<id> ...", "label": ""}`, 4..`max_words` toy tokens each."""
+    rng = random.Random(seed)
+    with open(path, "w") as f:
+        for _ in range(count):
+            prompt = " ".join(f"t{rng.randint(2, 127)}" for _ in range(rng.randint(4, max_words)))
+            f.write(json.dumps({"input": prompt, "label": ""}) + "\n")

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import shutil
 import subprocess
 import sys
@@ -19,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers.rewards import token_parity_reward
+from helpers.rewards import token_parity_reward, write_toy_prompts
 from openrlhf_growmtp.experiments.worlds import toy
 
 pytestmark = pytest.mark.slow
@@ -78,11 +77,7 @@ def saved(tmp_path_factory):
     """One RL step at K = 3: its checkpoint (`ckpt/_actor/global_step1`) and its final export (`ckpt_final`)."""
     tmp = tmp_path_factory.mktemp("rz")  # short: Ray's socket paths under it must stay within 107 bytes
     toy.make_policy(tmp / "policy", seed=0)
-    rng = random.Random(1)
-    with open(tmp / "prompts.jsonl", "w") as f:
-        for _ in range(3 * PROMPTS_PER_STEP):
-            prompt = " ".join(f"t{rng.randint(2, 127)}" for _ in range(rng.randint(4, 8)))
-            f.write(json.dumps({"input": prompt, "label": ""}) + "\n")
+    write_toy_prompts(tmp / "prompts.jsonl", 3 * PROMPTS_PER_STEP, seed=1)
     (tmp / "reward.py").write_text(REWARD)
     ok(run(tmp, "ckpt", steps=1))
     assert [r["step"] for r in rows(tmp / "ckpt")] == [1]

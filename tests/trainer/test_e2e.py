@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import random
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +15,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from helpers.rewards import token_parity_reward
+from helpers.rewards import token_parity_reward, write_toy_prompts
 from openrlhf_growmtp.experiments.worlds import toy
 from openrlhf_growmtp.cli.train_ppo_ray import INITIAL_HEAD_DIR
 
@@ -49,11 +48,7 @@ def launch(tmp: Path, samples: int, *extra: str, ckpt: str = "ckpt", final: str 
 def world(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("e2e")
     toy.make_policy(tmp / "policy", seed=0)
-    rng = random.Random(0)
-    with open(tmp / "prompts.jsonl", "w") as f:
-        for _ in range(12):
-            prompt = " ".join(f"t{rng.randint(2, 127)}" for _ in range(rng.randint(4, 10)))
-            f.write(json.dumps({"input": prompt, "label": ""}) + "\n")
+    write_toy_prompts(tmp / "prompts.jsonl", 12, seed=0, max_words=10)
     (tmp / "reward.py").write_text(REWARD)
     log = launch(tmp, samples=6, hybrid=True)
     return tmp, log
