@@ -5,7 +5,7 @@
     python -m openrlhf_growmtp.cli.serve --export DIR         # a directory growmtp-export wrote
 
 The run's final export (<run>/growmtp/final with growmtp_head/) is exported with growmtp-export to
-<run>/growmtp/served (replaced each time), then served by vLLM's own server on 127.0.0.1:8000 with K from
+<run>/growmtp/served (replaced whole each time), then served by vLLM's own server on 127.0.0.1:8000 with K from
 the run (the head's growmtp_trained_k). The server runs in the foreground: Ctrl-C stops it.
 
 vLLM's server is started as `python -m vllm.entrypoints.openai.api_server`, the same server and flags as
@@ -21,14 +21,13 @@ import argparse
 import json
 import os
 import shlex
-import shutil
 import subprocess
 import sys
 import time
 import urllib.request
 from pathlib import Path
 
-from openrlhf_growmtp.core.model_export import (LAYOUT_GROWMTP, SERVE_FILE, ExportError, export_model,
+from openrlhf_growmtp.core.model_export import (LAYOUT_GROWMTP, ExportError, check_served, export_model,
                                                 read_serve_config)
 
 DEMO_RUNS = ("demo", "demo-quick")  # `make demo` and `make demo-quick` (cli/demo.py --name)
@@ -51,11 +50,9 @@ def newest_run(runs_dir: Path) -> Path:
 
 
 def export_run(run: Path) -> Path:
-    """Export <run>/growmtp/final to <run>/growmtp/served (a previous export of ours there is replaced)."""
-    served = run / ARM / SERVED
-    if served.is_dir() and (served / SERVE_FILE).is_file():
-        shutil.rmtree(served)
-    return export_model(run / ARM / FINAL, served)
+    """Export <run>/growmtp/final to <run>/growmtp/served (a previous export of ours there is replaced whole;
+    a final export cut short or mixed is refused, naming its files)."""
+    return export_model(run / ARM / FINAL, run / ARM / SERVED, replace=True)
 
 
 def engine_settings(export_dir: Path, cpu: bool) -> dict:
@@ -153,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.export:
             source = export_dir = Path(args.export)
-            read_serve_config(export_dir)
+            check_served(export_dir)
         else:
             source = Path(args.run) if args.run else newest_run(Path(args.runs_dir))
             export_dir = export_run(source)

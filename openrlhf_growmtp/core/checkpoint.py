@@ -3,7 +3,8 @@
 A head directory holds `config.json` (the config of the head's single decoder layer, with
 `growmtp_family`) and `model.safetensors` (the head's own parameters under the native names, fc in our
 [e, h] input order). Trainer, engine and export all read this one format. A native export writes the
-names and fc order of the family's full-model checkpoint instead.
+names and fc order of the family's full-model checkpoint instead. `check_head_dir` checks one whole (its
+config against a policy's, every tensor against its config, every value finite) before anything loads it.
 """
 
 from __future__ import annotations
@@ -11,10 +12,11 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import struct
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 from transformers import PretrainedConfig
@@ -24,6 +26,9 @@ from .head import HEAD_CONFIG_FIELD, MTPHead, make_head_config, native_fc_to_our
 
 HEAD_WEIGHTS = "model.safetensors"
 HEAD_CONFIG = "config.json"
+# what must agree between a head's config and the one its policy implies (the named shapes of the head)
+HEAD_SHAPE_FIELDS = ("hidden_size", "vocab_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                     "intermediate_size")
 
 
 class HeadCheckpointError(ValueError):
@@ -147,19 +152,122 @@ def _replacing(path: Path):
 
 def nonfinite_tensors(head_dir: str | Path) -> list[str]:
     """The names of a head directory's tensors that hold an infinite or NaN value (read one at a time)."""
-    with safe_open(str(Path(head_dir) / HEAD_WEIGHTS), framework="pt") as f:
+    path = Path(head_dir) / HEAD_WEIGHTS
+    read_safetensors_header(path)  # whole, or a sentence saying why not
+    with _naming_errors(path), safe_open(str(path), framework="pt") as f:
         return [name for name in f.keys() if not bool(torch.isfinite(f.get_tensor(name)).all())]
+
+
+def read_safetensors_header(path: str | Path) -> dict:
+    """A safetensors file's header (tensor name -> dtype, shape, data_offsets; "__metadata__"), read without its
+    data, once the file is known whole: HeadCheckpointError naming the file where it is missing, cut short (its
+    tensors end past its last byte), or not safetensors at all."""
+    path = Path(path)
+    if not path.is_file():
+        raise HeadCheckpointError(f"{path}: missing")
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        (length,) = struct.unpack("<Q", head) if len(head) == 8 else (size,)
+        try:
+            header = json.loads(f.read(length)) if 8 + length <= size else None
+        except (ValueError, UnicodeDecodeError):
+            header = None
+    try:
+        end = 8 + length + max((int(meta["data_offsets"][1]) for name, meta in header.items()
+                                if name != "__metadata__"), default=0)
+    except (AttributeError, KeyError, TypeError, ValueError, IndexError):  # not a header, or a JSON of another kind
+        header = None
+    if not isinstance(header, dict):
+        raise HeadCheckpointError(f"{path}: not a whole safetensors file ({size} bytes; its header does not read): "
+                                  "cut short by a full disk or a copy, or another format")
+    if end != size:
+        raise HeadCheckpointError(f"{path}: {'cut short' if end > size else 'has bytes past its tensors'}: its header "
+                                  f"places its tensors up to byte {end:,}, the file holds {size:,}; write it again")
+    return header
+
+
+@contextlib.contextmanager
+def _naming_errors(path: Path):
+    """safetensors' own errors (a file changed under us) as HeadCheckpointError naming the file."""
+    try:
+        yield
+    except SafetensorError as err:
+        raise HeadCheckpointError(f"{path}: does not read as safetensors ({err})") from None
+
+
+def check_head_dir(head_dir: str | Path, policy: tuple[HeadFamily, PretrainedConfig, str] | None = None,
+                   ) -> PretrainedConfig:
+    """A head directory checked whole before anything loads it; returns its config. With `policy` (family, text
+    config, where it is), the head's family and every shape of its config must be the ones that policy implies
+    (`check_head_fits`); every tensor the config implies must be in its weight file, of that shape, and finite.
+    Reads each tensor once; HeadCheckpointError naming the file and what is wrong."""
+    config = read_head_config(head_dir)
+    if policy is not None:
+        check_head_fits(config, Path(head_dir), *policy)
+    weights = Path(head_dir) / HEAD_WEIGHTS
+    header = read_safetensors_header(weights)
+    _check_shapes(_shapes_of(config, Path(head_dir) / HEAD_CONFIG), {
+        name: tuple(meta["shape"]) for name, meta in header.items() if name != "__metadata__"}, weights, config)
+    if bad := nonfinite_tensors(head_dir):
+        raise HeadCheckpointError(f"{weights} holds non-finite values in {bad}: a diverged head would draft in every "
+                                  "engine")
+    return config
+
+
+def check_head_fits(config: PretrainedConfig, head_dir: Path, family: HeadFamily, text: PretrainedConfig,
+                    where: str) -> None:
+    """The head of `config` (at head_dir) drafts for the policy of `family` and text config `text` (at `where`):
+    the same family, every named shape field (HEAD_SHAPE_FIELDS) and every tensor shape the two configs imply."""
+    head_family = getattr(config, HEAD_CONFIG_FIELD)
+    if head_family != family.name:
+        raise HeadCheckpointError(f"{head_dir} is a {head_family} head, but the policy at {where} is a {family.name} "
+                                  "model: a head drafts only for its own family")
+    expected = make_head_config(text, family)
+    for name in HEAD_SHAPE_FIELDS:
+        have, want = getattr(config, name, None), getattr(expected, name, None)
+        if have != want:
+            raise HeadCheckpointError(f"{head_dir / HEAD_CONFIG}: {name} = {have}, but the policy at {where} needs "
+                                      f"{want}: this head was not grown for this policy")
+    source = head_dir / HEAD_CONFIG
+    _check_shapes(_shapes_of(expected, source), _shapes_of(config, source), source, expected)
+
+
+def _shapes_of(config: PretrainedConfig, source: Path) -> dict[str, tuple[int, ...]]:
+    """Every tensor's shape in the head a config builds (on the meta device: nothing allocated)."""
+    try:
+        with torch.device("meta"):
+            return {name: tuple(t.shape) for name, t in MTPHead(config).state_dict().items()}
+    except Exception as err:  # any config the layer classes refuse, in their words
+        raise HeadCheckpointError(f"{source}: builds no head ({type(err).__name__}: {err})") from None
+
+
+def _check_shapes(expected: dict[str, tuple], found: dict[str, tuple], source: Path, config) -> None:
+    missing = sorted(set(expected) - set(found))
+    unexpected = sorted(set(found) - set(expected))
+    if missing or unexpected:
+        raise HeadCheckpointError(f"{source}: head parameters do not match the {getattr(config, HEAD_CONFIG_FIELD)} "
+                                  f"head: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    for name, shape in sorted(found.items()):
+        if shape != expected[name]:
+            raise HeadCheckpointError(f"{source}: {name} has shape {shape}, the head expects {expected[name]}")
 
 
 def read_head_config(head_dir: str | Path) -> PretrainedConfig:
     path = Path(head_dir) / HEAD_CONFIG
     if not path.is_file():
         raise HeadCheckpointError(f"{path}: not a head directory (no config.json)")
-    raw = json.loads(path.read_text())
-    if HEAD_CONFIG_FIELD not in raw:
+    try:
+        raw = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as err:
+        raise HeadCheckpointError(f"{path}: not JSON ({err}): cut short, or not a head's config") from None
+    if not isinstance(raw, dict) or HEAD_CONFIG_FIELD not in raw:
         raise HeadCheckpointError(f"{path}: no {HEAD_CONFIG_FIELD!r} field; not written by growmtp-make-head "
                                   "or export_head")
-    family = get_family(raw[HEAD_CONFIG_FIELD])
+    try:
+        family = get_family(raw[HEAD_CONFIG_FIELD])
+    except ValueError as err:
+        raise HeadCheckpointError(f"{path}: {err}") from None
     fields = {k: v for k, v in raw.items() if k not in ("model_type", "transformers_version")}
     return family.config_class(**fields)
 
@@ -175,23 +283,14 @@ def load_head(head_dir: str | Path, embed_tokens: nn.Module | None = None, lm_he
 
 
 def _load_exact(head: MTPHead, state: dict[str, torch.Tensor], source: Path) -> None:
-    expected = head.state_dict()
-    missing = sorted(set(expected) - set(state))
-    unexpected = sorted(set(state) - set(expected))
-    if missing or unexpected:
-        raise HeadCheckpointError(f"{source}: head parameters do not match the {head.family.name} head: "
-                                  f"missing {missing[:5]}, unexpected {unexpected[:5]}")
-    for name, tensor in state.items():
-        if tuple(tensor.shape) != tuple(expected[name].shape):
-            raise HeadCheckpointError(f"{source}: {name} has shape {tuple(tensor.shape)}, "
-                                      f"the head expects {tuple(expected[name].shape)}")
+    _check_shapes({name: tuple(t.shape) for name, t in head.state_dict().items()},
+                  {name: tuple(t.shape) for name, t in state.items()}, source, head.config)
     head.load_state_dict(state)
 
 
 def _read_safetensors(path: Path, prefix: str = "") -> dict[str, torch.Tensor]:
-    if not path.is_file():
-        raise HeadCheckpointError(f"{path}: missing")
-    with safe_open(str(path), framework="pt") as f:
+    read_safetensors_header(path)  # whole, or a sentence saying why not
+    with _naming_errors(path), safe_open(str(path), framework="pt") as f:
         return {name: f.get_tensor(name) for name in f.keys() if name.startswith(prefix)}
 
 

@@ -12,26 +12,25 @@ this package's layout with the depth it was trained at (`growmtp_trained_k`). Tw
   registers the head's model class in every vLLM process it starts (the `vllm.general_plugins` entry point).
 
 `growmtp_serve.json` in the export says which, with the speculative config to serve it with. Everything
-is checked before anything is written, and the directory appears whole or not at all: it is written
-beside OUT_DIR under a temporary name and renamed at the end.
+is checked before anything is written, the run's export read back against its manifest where it has one (the
+trainer writes one: `whole_dir`), and the directory appears whole or not at all: it is written beside OUT_DIR
+under a temporary name, with its own manifest, and renamed at the end (`whole_dir.written_whole`).
 """
 
 from __future__ import annotations
 
 import json
 import shutil
-import struct
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from .checkpoint import (HEAD_CONFIG, HEAD_WEIGHTS, HeadCheckpointError, load_head, read_head_config, resolve_backbone,
-                         to_native_state_dict)
+from .checkpoint import (HEAD_CONFIG, HEAD_WEIGHTS, HeadCheckpointError, check_head_dir,
+                         read_safetensors_header, resolve_backbone, to_native_state_dict)
 from .families import HeadFamily
-from .head import HEAD_CONFIG_FIELD, make_head_config
+from .whole_dir import MANIFEST, check_whole, written_whole
 
 MODEL_CONFIG, MODEL_WEIGHTS = "config.json", "model.safetensors"  # a model directory's (as a head directory's)
 RUN_HEAD_DIR = "growmtp_head"  # where a run's export keeps its head (trainer/strategy.py HEAD_EXPORT_DIR)
@@ -40,9 +39,6 @@ SERVE_FILE = "growmtp_serve.json"
 NATIVE_HEAD_WEIGHTS = "model-growmtp-mtp.safetensors"  # the native head's tensors, listed in the index
 WEIGHT_INDEX = "model.safetensors.index.json"
 LAYOUT_NATIVE, LAYOUT_GROWMTP = "native", "growmtp"
-# what must agree between the head's config and the one the policy implies (every shape of the head)
-SHAPE_FIELDS = ("hidden_size", "vocab_size", "num_attention_heads", "num_key_value_heads", "head_dim",
-                "intermediate_size")
 # vLLM architectures whose "mtp" method reads the native layout (config/speculative.py maps them)
 NATIVE_ARCHITECTURE = {"mimo": "MiMoForCausalLM"}
 
@@ -70,12 +66,17 @@ class ExportPlan:
 
 
 def plan_export(checkpoint: str | Path, out_dir: str | Path, head_dir: str | Path | None = None,
-                k: int | None = None) -> ExportPlan:
-    """Check a run's checkpoint, its head and the output directory; raises ExportError naming the problem."""
+                k: int | None = None, replace: bool = False) -> ExportPlan:
+    """Check a run's checkpoint, its head and the output directory; raises ExportError naming the problem.
+    `replace`: OUT_DIR may hold an earlier export of this function's (replaced whole)."""
     checkpoint, out = Path(checkpoint), Path(out_dir)
     if not (checkpoint / MODEL_CONFIG).is_file():
         raise ExportError(f"{checkpoint}: no config.json; CHECKPOINT is a run's final export (its --ckpt.output_dir)")
-    _check_out_dir(out, checkpoint)
+    _check_out_dir(out, checkpoint, replace)
+    try:
+        check_whole(checkpoint)  # where the trainer wrote its manifest: a file cut short or mixed in is named
+    except ValueError as err:
+        raise ExportError(str(err)) from None
     head_dir = checkpoint / RUN_HEAD_DIR if head_dir is None else Path(head_dir)
     if not (head_dir / HEAD_CONFIG).is_file():
         raise ExportError(f"{checkpoint}: no head to export ({head_dir} has no config.json); a GrowMTP run's "
@@ -83,31 +84,21 @@ def plan_export(checkpoint: str | Path, out_dir: str | Path, head_dir: str | Pat
                           "none), or pass --head")
     try:
         family, text, raw = resolve_backbone(checkpoint)
-        head_config = read_head_config(head_dir)
+        # family, shapes, every tensor against them, finite; then the depth; the policy's weight files whole
+        head_config = check_head_dir(head_dir, (family, text, str(checkpoint)))
+        trained_k, k = _served_depth(head_dir, getattr(head_config, TRAINED_K_FIELD, None), k)
+        weight_files = _policy_weight_files(checkpoint)
+        for path in weight_files:
+            read_safetensors_header(path)
     except ValueError as err:  # HeadCheckpointError, or a backbone no head family serves
         raise ExportError(str(err)) from None
-    head_family = getattr(head_config, HEAD_CONFIG_FIELD)
-    if head_family != family.name:
-        raise ExportError(f"{head_dir} is a {head_family} head, but the policy at {checkpoint} is a {family.name} "
-                          f"model (model_type {raw.get('model_type')!r}): a head drafts only for its own family")
-    expected = make_head_config(text, family)
-    for name in SHAPE_FIELDS:
-        have, want = getattr(head_config, name, None), getattr(expected, name, None)
-        if have != want:
-            raise ExportError(f"{head_dir}: {name} = {have}, but the policy at {checkpoint} needs {want}: "
-                              "this head was not grown for this policy")
-    trained_k, k = _served_depth(head_dir, getattr(head_config, TRAINED_K_FIELD, None), k)
-    try:
-        load_head(head_dir)  # every tensor's name and shape against the (checked) config
-    except HeadCheckpointError as err:
-        raise ExportError(str(err)) from None
-    return ExportPlan(checkpoint, head_dir, out, family, raw, _policy_weight_files(checkpoint), k, trained_k)
+    return ExportPlan(checkpoint, head_dir, out, family, raw, weight_files, k, trained_k)
 
 
-def _check_out_dir(out: Path, checkpoint: Path) -> None:
+def _check_out_dir(out: Path, checkpoint: Path, replace: bool) -> None:
     if out.exists() and not out.is_dir():
         raise ExportError(f"{out} exists and is not a directory")
-    if out.is_dir() and any(out.iterdir()):
+    if out.is_dir() and any(out.iterdir()) and not (replace and (out / SERVE_FILE).is_file()):
         raise ExportError(f"{out} exists and is not empty; the export writes a new directory (remove it, or "
                           "choose another OUT_DIR)")
     if out.resolve() == checkpoint.resolve():
@@ -147,27 +138,19 @@ def _policy_weight_files(checkpoint: Path) -> list[Path]:
 
 # ---- writing -------------------------------------------------------------------------------------------
 def export_model(checkpoint: str | Path, out_dir: str | Path, head_dir: str | Path | None = None,
-                 k: int | None = None) -> Path:
-    """Check, then write the served directory whole (temporary sibling, renamed at the end). Returns it."""
-    plan = plan_export(checkpoint, out_dir, head_dir, k)
-    plan.out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{plan.out_dir.name}.tmp-", dir=plan.out_dir.parent))
-    try:
-        staging.chmod(0o755)  # mkdtemp's 0700 would otherwise become OUT_DIR's
+                 k: int | None = None, replace: bool = False) -> Path:
+    """Check, then write the served directory whole (`whole_dir.written_whole`: a temporary sibling with a
+    manifest, renamed over OUT_DIR at the end; `replace`: an earlier export there is replaced). Returns it."""
+    plan = plan_export(checkpoint, out_dir, head_dir, k, replace)
+    with written_whole(plan.out_dir) as staging:
         _write(plan, staging)
-        if plan.out_dir.is_dir():
-            plan.out_dir.rmdir()  # empty (checked): rename cannot replace a directory on every platform
-        staging.rename(plan.out_dir)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     return plan.out_dir
 
 
 def _write(plan: ExportPlan, out: Path) -> None:
     weight_names = {f.name for f in plan.weight_files} | {WEIGHT_INDEX, MODEL_CONFIG}
     for item in sorted(plan.checkpoint.iterdir()):  # tokenizer, generation config, ...
-        if item.is_file() and item.name not in weight_names:
+        if item.is_file() and item.name not in weight_names and item.name != MANIFEST:
             shutil.copy2(item, out / item.name)
     if plan.layout == LAYOUT_NATIVE:
         _write_native_weights(plan, out)
@@ -231,12 +214,19 @@ def _declare_native_layer(raw_config: dict, family: HeadFamily) -> dict:
 
 
 def tensor_bytes(path: Path) -> dict[str, int]:
-    """Tensor name -> bytes, from a safetensors header (8-byte length, then JSON), without reading the data."""
-    with open(path, "rb") as f:
-        (length,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(length))
-    return {name: end - start for name, meta in header.items() if name != "__metadata__"
+    """Tensor name -> bytes, from a safetensors header, without reading the data."""
+    return {name: end - start for name, meta in read_safetensors_header(path).items() if name != "__metadata__"
             for start, end in [meta["data_offsets"]]}
+
+
+def check_served(export_dir: str | Path) -> dict:
+    """A served directory read back whole against its manifest (growmtp-export writes one), then its
+    growmtp_serve.json (`read_serve_config`); ExportError naming what is cut short or mixed in."""
+    try:
+        check_whole(export_dir)
+    except ValueError as err:
+        raise ExportError(str(err)) from None
+    return read_serve_config(export_dir)
 
 
 def read_serve_config(export_dir: str | Path) -> dict:

@@ -24,6 +24,7 @@ from openrlhf.utils.distributed_util import torch_dist_barrier_and_cuda_sync
 
 from ..core.checkpoint import HEAD_CONFIG, export_head, load_head, read_head_config
 from ..core.schedule import HeadLRSchedule
+from ..core.whole_dir import written_whole
 from .args import policy_steps_per_rl_step, resolve_head_lr
 from .head_step.deepspeed_patches import HEAD_GROUP
 from .head_step.head_optimizer import HeadLR, HeadOptimizer, attach_head_optimizer
@@ -122,21 +123,25 @@ class GrowMTPStrategy(DeepspeedStrategy):
         return super().save_ckpt(model, save_dir, tag, *args, save_latest=save_latest and not held, **kwargs)
 
     def save_model(self, model, tokenizer, output_dir, **kwargs) -> None:
-        """Upstream's HF export without the head, plus the head as a standalone directory the engine loads."""
+        """Upstream's HF export without the head, plus the head as a standalone directory the engine loads,
+        written whole (`core.whole_dir`): both into a temporary sibling of output_dir, a manifest of every file
+        (written last, it ties the head to its policy), then renamed over the older export. A write that fails,
+        a full disk's included, leaves the older export as it was."""
         hf_model = self._unwrap_model(model)
-        with without_head(hf_model) as head:
-            super().save_model(model, tokenizer, output_dir, **kwargs)
         g = getattr(self.args, "growmtp", None)
-        if head is not None:
-            params = list(head.parameters())
-            with deepspeed.zero.GatheredParameters(params):
-                if self.is_rank_0():
-                    head.config.growmtp_trained_k = g.k  # the evaluation CLI's default depth
-                    export_head(head, Path(output_dir) / HEAD_EXPORT_DIR)
-            torch_dist_barrier_and_cuda_sync()
-        elif g is not None and g.k and g.mode == "frozen" and self.is_rank_0():
-            # a frozen head drafted unchanged all run: the export carries it, as a trained run's does
-            _export_frozen_head(g.head_dir, Path(output_dir) / HEAD_EXPORT_DIR, g.k)
+        with written_whole(output_dir, write=self.is_rank_0()) as staging:  # rank 0 writes; the others gather
+            with without_head(hf_model) as head:
+                super().save_model(model, tokenizer, str(staging), **kwargs)
+            if head is not None:
+                params = list(head.parameters())
+                with deepspeed.zero.GatheredParameters(params):
+                    if self.is_rank_0():
+                        head.config.growmtp_trained_k = g.k  # the evaluation CLI's default depth
+                        export_head(head, staging / HEAD_EXPORT_DIR)
+            elif g is not None and g.k and g.mode == "frozen" and self.is_rank_0():
+                # a frozen head drafted unchanged all run: the export carries it, as a trained run's does
+                _export_frozen_head(g.head_dir, staging / HEAD_EXPORT_DIR, g.k)
+        torch_dist_barrier_and_cuda_sync()
 
 
 def head_lr_multiplier(args, policy_steps: int) -> HeadLR:

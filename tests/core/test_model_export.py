@@ -17,6 +17,8 @@ from openrlhf_growmtp.core.checkpoint import export_head, load_native_head, mate
 from openrlhf_growmtp.core.families import get_family
 from openrlhf_growmtp.core.model_export import (NATIVE_HEAD_WEIGHTS, RUN_HEAD_DIR, SERVE_FILE, ExportError,
                                                 export_model, read_serve_config)
+from openrlhf_growmtp.core.whole_dir import MANIFEST, check_whole, write_manifest
+from helpers.disk import FullDisk
 from helpers.tiny import HIDDEN, backbone_modules, make_head, tiny_backbone_config
 
 ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "mimo": "Qwen2ForCausalLM", "qwen3_5": "Qwen3_5ForCausalLM"}
@@ -60,6 +62,7 @@ def run_checkpoint(root, family, *, stale_native_head=False, sharded=False, wrap
     if trained_k is not None:
         head.config.growmtp_trained_k = trained_k
     export_head(head, final / RUN_HEAD_DIR)
+    write_manifest(final)  # as the trainer's export ends (whole_dir.written_whole)
     return final, tensors
 
 
@@ -144,6 +147,7 @@ def test_k_defaults_to_the_trained_depth_and_may_be_lowered(tmp_path):
 
 def _no_head(final, tmp_path):
     shutil.rmtree(final / RUN_HEAD_DIR)
+    (final / MANIFEST).unlink()  # what is checked here is the head, not the manifest
 
 
 def _other_family_head(final, tmp_path):
@@ -151,6 +155,7 @@ def _other_family_head(final, tmp_path):
     head = make_head("mimo")
     head.config.growmtp_trained_k = 3
     export_head(head, final / RUN_HEAD_DIR)
+    write_manifest(final)
 
 
 def _narrower_head(final, tmp_path, field="hidden_size", value=96):
@@ -158,6 +163,7 @@ def _narrower_head(final, tmp_path, field="hidden_size", value=96):
     materialize_random_head(tiny_backbone_config("qwen3", **{field: value}), final / RUN_HEAD_DIR)
     config = final / RUN_HEAD_DIR / "config.json"
     config.write_text(json.dumps({**json.loads(config.read_text()), "growmtp_trained_k": 3}))
+    write_manifest(final)
 
 
 def _untrained_head(final, tmp_path):  # growmtp-make-head's: no growmtp_trained_k
@@ -165,6 +171,7 @@ def _untrained_head(final, tmp_path):  # growmtp-make-head's: no growmtp_trained
     raw = json.loads(config.read_text())
     raw.pop("growmtp_trained_k")
     config.write_text(json.dumps(raw))
+    write_manifest(final)
 
 
 def _bad_head_tensor(final, tmp_path):
@@ -172,6 +179,7 @@ def _bad_head_tensor(final, tmp_path):
     state = load_file(str(weights))
     state["fc.weight"] = state["fc.weight"][:, :HIDDEN].contiguous()
     save_file(state, str(weights))
+    write_manifest(final)
 
 
 BAD_INPUTS = {
@@ -230,13 +238,97 @@ def test_a_failure_while_writing_leaves_no_directory(tmp_path, monkeypatch):
     assert list(parent.iterdir()) == []
 
 
+@pytest.mark.parametrize("family", ["qwen3", "mimo"])
+def test_a_disk_full_at_every_write_of_an_export_leaves_the_earlier_export_whole(tmp_path, family):
+    """growmtp-export (and `make serve`, which replaces its served export each time) over an earlier export, the
+    disk filling at the start and in the middle of every file it writes (copies, the native head's safetensors,
+    the index, growmtp_serve.json, the manifest): the earlier export stays whole, no staging directory is left."""
+    final, _ = run_checkpoint(tmp_path / "run", family, sharded=family == "mimo")
+    served = export_model(final, tmp_path / "out" / "served", k=2)
+    before = {p.relative_to(served): p.read_bytes() for p in served.rglob("*") if p.is_file()}
+    with FullDisk(tmp_path / "out", budget=None) as disk:
+        export_model(final, tmp_path / "out" / "probe")
+    assert len(disk.writes) >= 5 and disk.writes[-1][0].endswith(MANIFEST)
+    for budget in disk.fill_points():
+        with FullDisk(tmp_path / "out", budget), pytest.raises(OSError, match="No space left on device"):
+            export_model(final, served, replace=True)
+        assert {p.relative_to(served): p.read_bytes() for p in served.rglob("*") if p.is_file()} == before, budget
+        assert check_whole(served) and read_serve_config(served)["k"] == 2
+        assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["probe", "served"], budget
+    with FullDisk(tmp_path / "out", budget=disk.total):
+        export_model(final, served, replace=True)
+    assert read_serve_config(served)["k"] == 3 and check_whole(served)
+
+
+def _cut_policy(final):
+    data = (final / "model.safetensors").read_bytes()
+    (final / "model.safetensors").write_bytes(data[:len(data) // 2])
+
+
+def _head_of_another_run(final):
+    """The head of another run of the same policy: the same files, the same sizes, other weights."""
+    head = make_head("qwen3", seed=12).to(torch.bfloat16)  # run_checkpoint's head is seed 11's
+    head.config.growmtp_trained_k = 3
+    export_head(head, final / RUN_HEAD_DIR)
+
+
+@pytest.mark.parametrize("damage, says", [
+    (_cut_policy, "model.safetensors has"),
+    (_head_of_another_run, "growmtp_head/model.safetensors holds other bytes than were written with the rest"),
+    (lambda final: (final / "model-00002-of-00002.safetensors").write_bytes(b"x"),
+     "model-00002-of-00002.safetensors was not written with the rest"),
+])
+def test_a_run_export_cut_short_or_mixed_is_refused_by_growmtp_export_and_make_serve(tmp_path, capsys, damage, says):
+    from openrlhf_growmtp.cli import serve
+
+    run = tmp_path / "demo"
+    final, _ = run_checkpoint(run / serve.ARM, "qwen3")
+    assert final == run / serve.ARM / serve.FINAL
+    damage(final)
+    with pytest.raises(ExportError, match="not the directory that was written whole") as err:
+        export_model(final, tmp_path / "served")
+    assert says in str(err.value) and str(final) in str(err.value)
+    assert export_main([str(final), str(tmp_path / "served")]) == 2
+    assert serve.main(["--run", str(run)]) == 2  # `make serve` refuses before starting any server
+    printed = capsys.readouterr().err
+    assert printed.count(says) == 2 and "growmtp-serve:" in printed
+    assert not (tmp_path / "served").exists() and not (run / serve.ARM / serve.SERVED).exists()
+
+
+def test_an_export_without_a_manifest_is_still_checked_file_by_file(tmp_path):
+    """An export written before manifests (or by hand) is read as it is, but a weight file cut short (the issue's
+    329,748 of 659,496 bytes, written in place by a save the disk filled) is refused by name."""
+    final, _ = run_checkpoint(tmp_path / "run", "qwen3")
+    (final / MANIFEST).unlink()
+    assert (export_model(final, tmp_path / "a") / SERVE_FILE).is_file()
+    _cut_policy(final)
+    with pytest.raises(ExportError, match=r"model.safetensors: cut short: its header places its tensors up to byte"):
+        export_model(final, tmp_path / "b")
+    data = (final / RUN_HEAD_DIR / "model.safetensors").read_bytes()
+    (final / RUN_HEAD_DIR / "model.safetensors").write_bytes(data[:100])
+    with pytest.raises(ExportError, match=r"growmtp_head/model.safetensors: not a whole safetensors file"):
+        export_model(final, tmp_path / "c")
+
+
+def test_make_serve_refuses_a_served_directory_changed_after_it_was_written(tmp_path, capsys):
+    from openrlhf_growmtp.cli import serve
+
+    final, _ = run_checkpoint(tmp_path / "run", "qwen3")
+    served = export_model(final, tmp_path / "served")
+    assert check_whole(served)
+    (served / RUN_HEAD_DIR / "config.json").write_text("{}")
+    assert serve.main(["--export", str(served)]) == 2
+    assert f"{RUN_HEAD_DIR}/config.json has" in capsys.readouterr().err
+
+
 def test_the_cli_prints_the_serve_command_and_refuses_with_a_message(tmp_path, capsys):
     final, _ = run_checkpoint(tmp_path / "run", "qwen3")
     assert export_main([str(final), str(tmp_path / "served")]) == 0
     printed = capsys.readouterr().out
     assert "vllm serve" in printed and '"method":"eagle"' in printed and str(tmp_path / "served") in printed
-    # as a module (the console script's target), on a checkpoint without a head
+    # as a module (the console script's target), on a checkpoint without a head (nor a manifest saying it had one)
     (final / RUN_HEAD_DIR / "config.json").unlink()
+    (final / MANIFEST).unlink()
     done = subprocess.run([sys.executable, "-m", "openrlhf_growmtp.cli.export", str(final), str(tmp_path / "again")],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2, done.stderr

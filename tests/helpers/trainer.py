@@ -34,3 +34,25 @@ def train_args(policy_dir, tmp_path, *extra: str):
     args.actor.eps_clip_low_high = (args.actor.eps_clip, args.actor.eps_clip)
     args.algo.advantage.is_correction_threshold.insert(0, 0.0)
     return args
+
+
+def prepared_actor(args, policy_dir, ours: bool = True):
+    """(strategy, actor, optimizer, scheduler) as PolicyModelActor builds them: our strategy (the head attached
+    where `args.growmtp.head_dir` names one) or upstream's, the tiny policy prepared by DeepSpeed on this rank."""
+    from openrlhf.models import Actor
+    from openrlhf.utils import get_strategy
+
+    from openrlhf_growmtp.trainer import strategy as growmtp_strategy
+
+    strategy = growmtp_strategy.get_strategy(args) if ours else get_strategy(args)
+    strategy.setup_distributed()
+    actor = Actor(str(policy_dir), attn_implementation="sdpa", param_dtype="bf16",
+                  ds_config=strategy.get_ds_train_config(), packing_samples=args.ds.packing_samples)
+    if args.actor.gradient_checkpointing_enable:  # where upstream enables it: after the Actor, before prepare
+        actor.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs={"use_reentrant": args.actor.gradient_checkpointing_reentrant})
+    cfg = dict(optim="adam", muon=vars(args.actor.muon), adam=vars(args.actor.adam),
+               lr_scheduler=args.actor.lr_scheduler, lr_warmup_ratio=args.actor.lr_warmup_ratio,
+               min_lr_ratio=args.actor.min_lr_ratio, max_norm=args.actor.max_norm, scheduler_steps=10)
+    actor, optimizer, scheduler = strategy.prepare((actor, cfg))
+    return strategy, actor, optimizer, scheduler

@@ -26,7 +26,7 @@ from openrlhf_growmtp.trainer.keys import ACCEPTED_KEY, RECORD_KEY
 
 from helpers import tiny
 from helpers.faults import NaNGradient
-from helpers.trainer import K, TOPK, train_args
+from helpers.trainer import K, TOPK, prepared_actor, train_args
 
 BATCH, PROMPT, RESPONSE = 4, 5, 7
 
@@ -65,23 +65,11 @@ def gathered(module) -> dict[str, torch.Tensor]:
 def one_step(args, policy_dir, ours: bool, records=None, sequences=None, save_to=None):
     """Build strategy, actor and actor trainer as PolicyModelActor does, append one experience, train (and
     export the model as the final save does, to `save_to`)."""
-    from openrlhf.models import Actor
     from openrlhf.trainer.ray.ppo_actor import ActorPPOTrainer
-    from openrlhf.utils import get_strategy
 
     from openrlhf_growmtp.trainer import ppo_actor, strategy as growmtp_strategy
 
-    strategy = growmtp_strategy.get_strategy(args) if ours else get_strategy(args)
-    strategy.setup_distributed()
-    actor = Actor(str(policy_dir), attn_implementation="sdpa", param_dtype="bf16",
-                  ds_config=strategy.get_ds_train_config(), packing_samples=args.ds.packing_samples)
-    if args.actor.gradient_checkpointing_enable:  # where upstream enables it: after the Actor, before prepare
-        actor.gradient_checkpointing_enable(
-            gradient_checkpointing_kwargs={"use_reentrant": args.actor.gradient_checkpointing_reentrant})
-    cfg = dict(optim="adam", muon=vars(args.actor.muon), adam=vars(args.actor.adam),
-               lr_scheduler=args.actor.lr_scheduler, lr_warmup_ratio=args.actor.lr_warmup_ratio,
-               min_lr_ratio=args.actor.min_lr_ratio, max_norm=args.actor.max_norm, scheduler_steps=10)
-    actor, optimizer, scheduler = strategy.prepare((actor, cfg))
+    strategy, actor, optimizer, scheduler = prepared_actor(args, policy_dir, ours)
     trainer = (ppo_actor.GrowMTPActorTrainer if ours else ActorPPOTrainer)(
         strategy, actor, None, optimizer, scheduler, micro_train_batch_size=args.train.micro_batch_size,
         tokenizer=None, vllm_engines=None)
