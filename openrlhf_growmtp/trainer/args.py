@@ -12,8 +12,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from ..core.checkpoint import (HeadCheckpointError, check_text_only, native_head_layers, native_head_tensor_names,
-                               read_head_config, resolve_backbone)
+from ..core.checkpoint import (HeadCheckpointError, check_head_dir, check_text_only, native_head_layers,
+                               native_head_tensor_names, resolve_backbone)
 from ..core.objectives import ALPHA_ESTIMATES, OBJECTIVES
 from ..core.reconstruction import CHUNK_CYCLES
 from ..core.records import DEFAULT_TOPK
@@ -135,13 +135,25 @@ def check_args(flat: dict) -> list[str]:
     if g.get("head_lr") is not None and not 0 < g["head_lr"] < INF:  # NaN too: it would reach every engine
         errors.append(f"--growmtp_head_lr must be a finite number > 0, got {g['head_lr']}")
     # Drafting is sampled from q and verified by rejection sampling; the records describe that process only.
-    temperature = get("rollout.temperature", 1.0)
-    if temperature is None or not 0 < temperature < INF:
-        errors.append(f"GrowMTP drafts by sampling: --rollout.temperature must be a finite number > 0 (got "
-                      f"{temperature}); greedy drafting is not supported")
+    # Evaluation drafts in the same engines: upstream takes every other sampling setting of it (top_p, top_k,
+    # max_new_tokens) from the rollout's, so only its temperature and sample count are its own.
+    temperatures = ["rollout.temperature"] + (["eval.temperature"] if get("eval.dataset") else [])
+    for name in temperatures:
+        temperature = get(name, 1.0)
+        if temperature is None or not 0 < temperature < INF:
+            errors.append(f"GrowMTP drafts by sampling: --{name} must be a finite number > 0 (got {temperature}); "
+                          "greedy drafting is not supported")
+    if get("eval.dataset") and not (get("eval.n_samples_per_prompt") or 0) >= 1:
+        errors.append(f"--eval.n_samples_per_prompt must be >= 1, got {get('eval.n_samples_per_prompt')}")
     if get("rollout.top_p", 1.0) != 1.0 or get("rollout.top_k", -1) not in (-1, 0, None):
         errors.append("GrowMTP records need the full target distribution: use --rollout.top_p 1.0 and no "
-                      f"--rollout.top_k (got top_p={get('rollout.top_p')}, top_k={get('rollout.top_k')})")
+                      f"--rollout.top_k (got top_p={get('rollout.top_p')}, top_k={get('rollout.top_k')}); "
+                      "evaluation samples with them too")
+    if (get("ds.lora.rank") or 0) > 0:
+        errors.append(f"--ds.lora.rank {get('ds.lora.rank')}: LoRA is not supported with a GrowMTP head (--growmtp_k "
+                      "> 0): the head is a module of the policy's HF model, which LoRA wraps and freezes, with its own "
+                      "param group, export and weight sync of the full policy. Train the full policy, or run LoRA "
+                      "without the head (--growmtp_k 0, on a GPU)")
     if not get("vllm.num_engines"):
         errors.append("GrowMTP drafts inside vLLM: set --vllm.num_engines >= 1")
     if get("train.async_enable") and get("train.partial_rollout_enable"):
@@ -212,15 +224,16 @@ def _check_head(flat: dict, g: dict, k: int) -> list[str]:
                     f"{family.native_prefix}* tensors; use a checkpoint with them, or --growmtp_head random"]
         max_depth = MAX_DRAFT_DEPTH
     else:
-        try:
-            config = read_head_config(local_dir(source))
+        try:  # a local directory or a hub id's cached snapshot, checked whole: it drafts from the first rollout
+            head_dir = local_dir(source, weights=True)
+            policy = None if family is None else (family, text_config, str(model))
+            config = check_head_dir(head_dir, policy)
         except (HeadCheckpointError, ModelLocationError) as err:
             return [f"--growmtp_head: {err}"]
         max_depth = int(getattr(config, "max_draft_depth", MAX_DRAFT_DEPTH))
-        if text_config is not None and (config.hidden_size, config.vocab_size) != (
-                text_config.hidden_size, text_config.vocab_size):
-            return [f"--growmtp_head {source}: head has hidden_size/vocab_size {config.hidden_size}/"
-                    f"{config.vocab_size}, the model {text_config.hidden_size}/{text_config.vocab_size}"]
+        if k > max_depth:
+            return [f"--growmtp_k {k} is deeper than the head at --growmtp_head {source} drafts ({head_dir}/config.json: "
+                    f"max_draft_depth {max_depth})"]
     if k > max_depth:
         return [f"--growmtp_k {k} is deeper than this head supports (max {max_depth})"]
     return []

@@ -10,22 +10,34 @@ engines have started, with a list of unexpected keys; this check says so before 
 A checkpoint has a head when its tag holds SNAPSHOT_FILE, which a run with a training head writes beside every
 checkpoint it saves (`ppo_actor.GrowMTPPolicyActor`). Such a run names the tag in `latest` itself, once the
 snapshot is there too (`publish_latest`), so a save cut short leaves `latest` naming the last complete
-checkpoint, never a tag without its snapshot. No openrlhf or DeepSpeed import here.
+checkpoint, never a tag without its snapshot.
+
+Every file the resume will load is checked here too (`unloadable_files`): DeepSpeed's model and optimizer states
+of every rank the checkpoint was saved by (no rank's missing) and the head snapshot, each readable and whole (a
+`torch.save` file is a zip archive, whose directory is its last bytes: a file cut short has none). DeepSpeed would
+otherwise fail on a cut file only after Ray and the engines had started, naming none. No openrlhf or DeepSpeed
+import here.
 """
 
 from __future__ import annotations
 
 import os
+import re
+import zipfile
 from pathlib import Path
 
 SNAPSHOT_FILE = "growmtp_head_snapshot.pt"  # head weights, rank-0 head Adam moments and head LR
 ACTOR_DIR = "_actor"  # upstream's actor checkpoints under --ckpt.path
 LATEST = "latest"  # DeepSpeed's file naming the newest tag
+CRITIC_DIR = "_critic"  # upstream's critic checkpoints under --ckpt.path (a run with a critic)
+MODEL_STATES = "mp_rank_00_model_states.pt"  # DeepSpeed's model states (ZeRO-2: one file for every rank)
+# DeepSpeed's per-rank files: ZeRO's optimizer partitions (bf16_ under bf16), ZeRO-3's model-state partitions
+RANK_FILE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_\d+_(optim|model)_states\.pt$")
 
 
-def checkpoint_to_load(ckpt_path: str | Path) -> Path | None:
-    """The checkpoint directory a resume from `ckpt_path` would load (None: none, and the run starts fresh)."""
-    latest = Path(ckpt_path) / ACTOR_DIR / LATEST
+def checkpoint_to_load(ckpt_path: str | Path, role: str = ACTOR_DIR) -> Path | None:
+    """The checkpoint directory a resume from `ckpt_path` would load for `role` (None: none, and it starts fresh)."""
+    latest = Path(ckpt_path) / role / LATEST
     if not latest.is_file():
         return None
     tag = latest.read_text().strip()
@@ -78,4 +90,41 @@ def resume_problem(flat: dict) -> str | None:
         return (f"--ckpt.load_enable: {checkpoint} has no {SNAPSHOT_FILE}: it was saved without a training GrowMTP "
                 "head (--growmtp_k 0 or --growmtp_mode frozen), and a run that trains one cannot load it. Resume it "
                 f"as it was saved, or, to start growing a head from this policy, {fresh_run}")
+    checkpoints = [checkpoint, checkpoint_to_load(flat["ckpt.path"], CRITIC_DIR)]
+    problems = [problem for saved in checkpoints if saved is not None for problem in unloadable_files(saved)]
+    if problems:
+        saved = sorted(d.name for d in checkpoint.parent.iterdir() if d.is_dir() and d != checkpoint)
+        return (f"--ckpt.load_enable: the checkpoint {checkpoint.name} would not load: {'; '.join(problems)}. Resume "
+                f"from an earlier checkpoint (write its tag into {checkpoint.parent / LATEST}; there: {saved or 'none'}), "
+                "or drop --ckpt.load_enable to start afresh")
     return None
+
+
+def unloadable_files(checkpoint: Path) -> list[str]:
+    """What of the files a resume loads from `checkpoint` (a tag directory) is missing, unreadable or cut short."""
+    files = sorted(checkpoint.glob("*.pt"))
+    ranks: dict[str, set[int]] = {}
+    for path in files:
+        if match := RANK_FILE.match(path.name):
+            ranks.setdefault(match.group(2), set()).add(int(match.group(1)))
+    problems = []
+    if not (checkpoint / MODEL_STATES).is_file() and "model" not in ranks:
+        problems.append(f"{checkpoint} holds no DeepSpeed model states ({MODEL_STATES} or zero_pp_rank_*_model_states.pt)")
+    saved_by = max((max(found) + 1 for found in ranks.values()), default=0)  # the ranks that saved it
+    for kind, found in sorted(ranks.items()):
+        if missing := sorted(set(range(saved_by)) - found):
+            problems.append(f"{checkpoint} lacks the {kind} states of rank(s) {missing} of the {saved_by} that saved it")
+    return problems + [problem for path in files if (problem := _unloadable(path))]
+
+
+def _unloadable(path: Path) -> str | None:
+    """Why a `torch.save` file would not load (None: readable, with its whole zip directory)."""
+    try:
+        size = path.stat().st_size
+        with zipfile.ZipFile(path) as archive:
+            beyond = [info.filename for info in archive.infolist() if info.header_offset + info.compress_size > size]
+    except zipfile.BadZipFile:
+        return f"{path} is cut short or not a torch.save file ({size:,} bytes, no whole zip directory at its end)"
+    except OSError as err:
+        return f"{path} cannot be read ({err.strerror or err})"
+    return f"{path} is cut short: its entries {beyond[:3]} reach past its {size:,} bytes" if beyond else None

