@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import torch
 
 from openrlhf_growmtp.core.draft_vocab import DRAFT_VOCAB_META
-from openrlhf_growmtp.core.records import DEFAULT_TOPK, SequenceRecord
+from openrlhf_growmtp.core.records import DEFAULT_TOPK, REQUEST_ID_META, SequenceRecord
 from openrlhf_growmtp.core.validation import validate_records
 
 from . import check_vllm_version
@@ -248,7 +248,7 @@ class RecordCollector:
         elif self.capture_hidden and not pending.hidden_dropped and len(cycles["start"]):
             raise RecordCollectionError(f"request {request_id!r}: exact mode, but the engine captured no hidden "
                                         "states for its cycles")
-        meta = {"request_id": request_id, DROPPED_META: num_dropped, CHECKED_META: checked}
+        meta = {REQUEST_ID_META: request_id, DROPPED_META: num_dropped, CHECKED_META: checked}
         if len(pending.draft_vocabs) > 1:
             raise RecordCollectionError(f"request {request_id!r}: its cycles were drafted over different draft "
                                         f"vocabularies {sorted(map(str, pending.draft_vocabs))}")

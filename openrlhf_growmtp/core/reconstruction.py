@@ -233,4 +233,4 @@ def check_batch(head: MTPHead, records: Sequence[SequenceRecord],
                 raise RecordError(f"hidden: trainer hidden has shape {tuple(hiddens[i].shape)}, expected "
                                   f"[{rec.token_ids.shape[0]}, {head.config.hidden_size}]")
         except RecordError as err:
-            raise RecordError(f"record {i}: {err}") from None
+            raise RecordError(f"{rec.label(i)}: {err}") from None

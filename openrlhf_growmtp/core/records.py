@@ -28,11 +28,17 @@ import json
 from dataclasses import dataclass, field
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 SCHEMA_VERSION = 1
 DEFAULT_TOPK = 64
+REQUEST_ID_META = "request_id"  # meta key: the id of the request the record was captured for (the collector's)
+# What a record's bytes may fail to decode with: a safetensors layout, the JSON header, its text, a missing
+# field or tensor, a field that is not a number, a header that is not a JSON object.
+DECODE_ERRORS = (SafetensorError, json.JSONDecodeError, UnicodeDecodeError, KeyError, ValueError, TypeError,
+                 AttributeError)
 
 
 class RecordError(ValueError):
@@ -88,16 +94,30 @@ class SequenceRecord:
         return st_save({name: t.detach().cpu().contiguous() for name, t in tensors.items()}, metadata=header)
 
     @classmethod
-    def unpack(cls, blob: bytes) -> "SequenceRecord":
-        header = _read_safetensors_metadata(blob)
-        version = int(header.get("schema_version", -1))
-        if version != SCHEMA_VERSION:
-            raise RecordError(f"schema_version: record has {version}, this code reads {SCHEMA_VERSION}")
-        t = st_load(blob)
-        return cls(token_ids=t["token_ids"].long(), prompt_len=int(header["prompt_len"]),
-                   start=t["start"].long(), drafts=t["drafts"].long(), topk_ids=t["topk_ids"].long(),
-                   topk_logprobs=t["topk_logprobs"], accepted=t["accepted"].long(), hidden=t.get("hidden"),
-                   temperature=float(header["temperature"]), meta=json.loads(header["meta"]))
+    def unpack(cls, blob: bytes, name: str | None = None) -> "SequenceRecord":
+        """The record packed in `blob`. Bytes that do not decode (cut short, empty, garbage, a field missing)
+        raise a RecordError naming `name` (the sample's request, where the caller knows it) and the cause."""
+        try:
+            header = _read_safetensors_metadata(blob)
+            version = int(header.get("schema_version", -1))
+            if version != SCHEMA_VERSION:
+                raise RecordError(f"schema_version: record has {version}, this code reads {SCHEMA_VERSION}")
+            t = st_load(blob)
+            return cls(token_ids=t["token_ids"].long(), prompt_len=int(header["prompt_len"]),
+                       start=t["start"].long(), drafts=t["drafts"].long(), topk_ids=t["topk_ids"].long(),
+                       topk_logprobs=t["topk_logprobs"], accepted=t["accepted"].long(), hidden=t.get("hidden"),
+                       temperature=float(header["temperature"]), meta=json.loads(header["meta"]))
+        except RecordError as err:
+            raise RecordError(f"{name}: {err}" if name else str(err)) from None
+        except DECODE_ERRORS as err:
+            what = f"{name}: its" if name else "a"
+            raise RecordError(f"{what} record's {len(blob)} bytes do not decode ({type(err).__name__}: {err}): cut "
+                              "short, empty or not a packed record") from None
+
+    def label(self, index: int) -> str:
+        """How errors name this record: its request (the collector's id), or `record <index>` without one."""
+        request = self.meta.get(REQUEST_ID_META) if isinstance(self.meta, dict) else None
+        return f"request {request!r}" if request is not None else f"record {index}"
 
     @property
     def nbytes(self) -> int:

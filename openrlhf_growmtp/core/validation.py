@@ -1,8 +1,9 @@
 """Validation of verification records (`core/records.py` defines them and their terms).
 
 `validate_record` checks everything that makes a record true to its rollout, `validate_records` does so
-for many records side by side, and `check_fits` checks only what a head needs to reconstruct a record
-without indexing out of range. Each raises a RecordError naming the field.
+for many records side by side, `check_fits` checks only what a head needs to reconstruct a record
+without indexing out of range, and `decode_record` is the trainer's: a packed record decoded and checked
+before any loss. Each raises a RecordError naming the field (and the request, where known).
 """
 
 from __future__ import annotations
@@ -21,6 +22,9 @@ from .records import RecordError, SequenceRecord
 UNIT_ROUNDOFF = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 2.0**-24}
 # The engine's fp32 log-softmax before the cast: a few fp32 ulps of |log p| (< 100 for any kept entry).
 FP32_SLACK = 1e-5
+# vLLM raises a sampling temperature below this to it (SamplingParams.__post_init__, `_MAX_TEMP` in
+# vllm/sampling_params.py), so no engine's record holds less; 1e-30 would scale the head's logits to infinity.
+MIN_TEMPERATURE = 1e-2
 
 
 def mass_tolerance(dtype: torch.dtype, width: int) -> float:
@@ -152,11 +156,31 @@ def _named(name: str):
 
 
 def _check_rest(rec: SequenceRecord) -> None:
-    """Finite hidden states, a positive temperature."""
+    """Finite hidden states, a finite temperature no lower than vLLM's (NaN fails both comparisons)."""
     if rec.hidden is not None:
         _require(bool(torch.isfinite(rec.hidden).all()), "hidden", "non-finite hidden states")
-    _require(isinstance(rec.temperature, (int, float)) and rec.temperature > 0, "temperature",
-             f"must be > 0 (greedy drafting has no q to learn from), got {rec.temperature!r}")
+    t = rec.temperature
+    _require(isinstance(t, (int, float)) and not isinstance(t, bool) and MIN_TEMPERATURE <= t < math.inf,
+             "temperature", f"must be a finite number >= {MIN_TEMPERATURE} (vLLM's lowest; greedy drafting has no q "
+                            f"to learn from), got {t!r}")
+
+
+def check_received(rec: SequenceRecord) -> None:
+    """What the trainer checks of a record it decoded, before any loss: every array's length against the cycle
+    count (`_check_layout`), the temperature, finite hidden states, and finite log-probs <= 0: the boundary's
+    checks that cost at most one pass over the record (the rest ran where the record was made)."""
+    _check_layout(rec)
+    _check_rest(rec)
+    if rec.topk_logprobs.numel():
+        _check_logprob_range(rec.topk_logprobs)
+
+
+def decode_record(blob: bytes, name: str) -> SequenceRecord:
+    """A packed record, decoded and `check_received`; a RecordError names `name` (its request) and the field."""
+    rec = SequenceRecord.unpack(blob, name)
+    with _named(name):
+        check_received(rec)
+    return rec
 
 
 @dataclass
@@ -235,11 +259,7 @@ def _check_ranges(c: _Cycles, vocab_size: int | None) -> None:
 def _check_cycles(c: _Cycles) -> None:
     """Normalised, finite, distinct top-k rows; monotone starts; committed tokens equal accepted drafts."""
     lp = c.topk_logprobs
-    low, high = (float(v) for v in torch.aminmax(lp))  # one pass; NaN propagates to both
-    _require(math.isfinite(low) and math.isfinite(high), "topk_logprobs", "non-finite log-probs")
-    tolerance = mass_tolerance(lp.dtype, lp.shape[-1])
-    if high > tolerance:
-        raise RecordError(f"topk_logprobs: positive log-probs (max {high:.4g}); they must be full-vocab log p <= 0")
+    tolerance = _check_logprob_range(lp)
     # the largest row mass (fp32 sums of at most k terms <= e^tolerance: no overflow, error ~k * 6e-8)
     mass = float(lp.to(torch.float32, copy=True).exp_().sum(dim=-1).max())  # a copy: never exp_ the record
     if mass > math.exp(tolerance):
@@ -258,6 +278,16 @@ def _check_cycles(c: _Cycles) -> None:
         raise RecordError(f"start: starts are not monotone: cycle {r + 1} starts at {int(c.start[r + 1])}, "
                           f"before {int(earliest_next[r])} = previous start + accepted + 1")
     _check_committed_prefix(c)
+
+
+def _check_logprob_range(lp: torch.Tensor) -> float:
+    """Finite log-probs, none above 0 by more than rounding (`mass_tolerance`, which it returns)."""
+    low, high = (float(v) for v in torch.aminmax(lp))  # one pass; NaN propagates to both
+    _require(math.isfinite(low) and math.isfinite(high), "topk_logprobs", "non-finite log-probs")
+    tolerance = mass_tolerance(lp.dtype, lp.shape[-1])
+    if high > tolerance:
+        raise RecordError(f"topk_logprobs: positive log-probs (max {high:.4g}); they must be full-vocab log p <= 0")
+    return tolerance
 
 
 def _check_committed_prefix(c: _Cycles) -> None:

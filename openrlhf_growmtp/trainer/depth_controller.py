@@ -5,8 +5,8 @@ The costs: engine 0's seconds per step at each depth, measured once before the f
 batch the rollouts run at, after a warm-up generate (`growmtp_cycle_costs`); then, after each rollout, every
 engine's own steps of that rollout (`growmtp_step_times`) replace them depth by depth with recent medians
 (`core.step_costs.RecentCosts`). `--growmtp_cycle_costs` gives fixed costs instead (the choices are then the
-same run after run). The acceptance is the last rollout's, read from its samples' accepted counts at the depth
-it drafted.
+same run after run). The acceptance is the last training rollout's, read from its samples' accepted counts at
+the depth it drafted; evaluation's rollouts never reach it (`samples_generator.generate_eval_samples`).
 """
 
 from __future__ import annotations
@@ -59,12 +59,19 @@ class DepthController:
             steps = ray.get([engine.growmtp_step_times.remote() for engine in self.engines])
             self.recent.add_rollout([tuple(step) for engine_steps in steps for step in engine_steps])
 
+    def drop_engine_steps(self) -> None:
+        """Read and drop the engines' steps since the last read (an evaluation's: never a cost of training's)."""
+        if self.recent is not None:
+            ray.get([engine.growmtp_step_times.remote() for engine in self.engines])
+
     def metrics(self) -> dict[str, float]:
-        """The depth drafted, its predicted speed-up, the costs it was chosen with and, where measured, how many
-        rollout steps each depth's cost is the median of (0: the start-up measurement's, scaled)."""
+        """The depth drafted, its predicted speed-up, the conditional rates a_j it was predicted with
+        (`depth_rate_j`), the costs it was chosen with and, where measured, how many rollout steps each depth's
+        cost is the median of (0: the start-up measurement's, scaled)."""
         metrics = {"growmtp/depth": float(self.depth)}
         if self.choice is not None:
             metrics["growmtp/predicted_speedup"] = self.choice.predicted_speedup
+            metrics.update({f"growmtp/depth_rate_{j}": rate for j, rate in enumerate(self.choice.rates, start=1)})
         metrics.update({f"growmtp/cycle_s_{d}": s for d, s in enumerate(self.costs.seconds)} if self.costs else {})
         if self.recent is not None:
             metrics.update({f"growmtp/cycle_steps_{d}": float(self.cost_steps.get(d, 0)) for d in range(self.k + 1)})

@@ -24,13 +24,14 @@ from openrlhf.utils.distributed_util import torch_dist_barrier_and_cuda_sync
 from .. import cpu_support, device_memory, reproducibility
 from ..core.draft_vocab import check_drafted_over
 from ..core.lockstep import Lockstep
-from ..core.records import SequenceRecord
+from ..core.records import RecordError, SequenceRecord
+from ..core.validation import decode_record
 from . import installer
 from .draft_vocab_sync import actor_draft_vocab
 from .engine_sync import loaded_all, nonfinite_head, send_to_engines
 from .head_step.deepspeed_patches import head_lr, head_optimizer_state
 from .head_step.head_rl_step import HeadRLStep, HeadRLStepConfig
-from .keys import ACCEPTED_KEY, CHECKED_KEY, DROPPED_KEY, RECORD_INDEX_KEY, RECORD_KEY
+from .keys import ACCEPTED_KEY, CHECKED_KEY, DROPPED_KEY, RECORD_INDEX_KEY, RECORD_KEY, REQUEST_KEY
 from .loss import NegativeAdvantageWeightedLoss
 from .resume import ACTOR_DIR, SNAPSHOT_FILE, publish_latest
 from .strategy import gathered_head_state, head_of, without_head
@@ -141,18 +142,7 @@ class GrowMTPActorTrainer(ActorTrainer):
             return super().training_step(experience, kl_ctl, step, loss_batch_info)
 
     def _take_records(self) -> list[SequenceRecord]:
-        # Records must leave `info` before upstream's training step turns every info list into a tensor; an
-        # int index into the returned list stays, and training_step takes it out of its micro-batch.
-        records = []
-        for item in self.replay_buffer.items:
-            item.info.pop(ACCEPTED_KEY, None)
-            item.info.pop(DROPPED_KEY, None)
-            item.info.pop(CHECKED_KEY, None)
-            blob = item.info.pop(RECORD_KEY, None)
-            if blob is not None:
-                item.info[RECORD_INDEX_KEY] = len(records)
-                records.append(SequenceRecord.unpack(blob))
-        return records
+        return take_records(self.replay_buffer.items, Lockstep(distributed=True))
 
     def broadcast_to_vllm(self):
         hf_model = self.actor.model.module
@@ -166,6 +156,31 @@ class GrowMTPActorTrainer(ActorTrainer):
                             refuse=nonfinite_head)
             torch_dist_barrier_and_cuda_sync()
             self.head_sync_s, self.head_changed = time.perf_counter() - began, False
+
+
+def take_records(items, lockstep: Lockstep) -> list[SequenceRecord]:
+    """The RL step's records out of its samples' `info` (`items`: the replay buffer's), decoded and checked
+    (`validation.decode_record`) before any loss. A record that does not decode or check stops every rank at once
+    (`lockstep`: the data-parallel ranks), the one that holds it naming its request."""
+    # Records must leave `info` before upstream's training step turns every info list into a tensor; an int index
+    # into the returned list stays, and training_step takes it out of its micro-batch.
+    records, error = [], ""
+    for item in items:
+        for key in (ACCEPTED_KEY, DROPPED_KEY, CHECKED_KEY):
+            item.info.pop(key, None)
+        request = item.info.pop(REQUEST_KEY, None)
+        blob = item.info.pop(RECORD_KEY, None)
+        if blob is not None and not error:
+            item.info[RECORD_INDEX_KEY] = len(records)
+            name = f"request {request!r}" if request is not None else f"record {len(records)} of this rank"
+            try:
+                records.append(decode_record(blob, name))
+            except RecordError as err:
+                error = f"GrowMTP: a record of this RL step refused before any loss: {err}"
+    if not lockstep.every(not error):
+        raise RecordError(error or "GrowMTP: a record of this RL step was refused on another data-parallel rank (its "
+                                   "log names the request)")
+    return records
 
 
 def realised_alpha_1(records: list[SequenceRecord], lockstep: Lockstep) -> float:

@@ -4,8 +4,9 @@
   reproducible under `--train.full_determinism_enable`, and the per-step times and memory a GrowMTP run logs
   too (`StepMetrics`), so that the two arms of a comparison log the same rollout and step metrics;
 - `GrowMTPPPOTrainer`: a GrowMTP run's, with GrowMTP's samples generator and the per-step GrowMTP metrics
-  (console line, upstream's loggers, `<ckpt.path>/growmtp_metrics.jsonl`). `GrowMTPStepMetrics` is shared
-  with the async controller's training actor (`ppo_trainer_async`).
+  (console line, upstream's loggers, `<ckpt.path>/growmtp_metrics.jsonl`), and each evaluation's acceptance
+  (`eval_growmtp/*`: upstream's eval loggers, `<ckpt.path>/growmtp_eval_metrics.jsonl`). `GrowMTPStepMetrics`
+  is shared with the async controller's training actor (`ppo_trainer_async`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from .samples_generator import GrowMTPSamplesGenerator, OrderedSamplesGenerator
 logger = logging.getLogger("growmtp")
 
 METRICS_FILE = "growmtp_metrics.jsonl"
+EVAL_METRICS_FILE = "growmtp_eval_metrics.jsonl"  # one row per evaluation: its acceptance (eval_growmtp/*)
 SUPERSEDED_FILE = "growmtp_metrics.superseded.jsonl"  # rows of steps a resumed run logs again
 # Below this share of the policy's mass in the recorded top-k the update's α may differ from the true one by
 # more than the differences between objectives (docs/from_scratch.md).
@@ -231,6 +233,24 @@ class _GrowMTPController(GrowMTPStepMetrics, _OrderedController):
         if getattr(strategy.args.growmtp, "draft_vocab", None):  # before the first rollout: the prompt set's ranking
             self.draft_vocab_ranking = DraftVocabRanking(strategy.args, self.prompts_dataloader.dataset.prompts,
                                                          self.tokenizer, self.vllm_engines, self.actor_model_group)
+
+    def evaluate(self, global_step, **generate_kwargs):
+        """Upstream's evaluation, plus the acceptance of its rollouts (`eval_growmtp/*`, at the depth they drafted)
+        in the returned logs, upstream's eval loggers and EVAL_METRICS_FILE. It is evaluation's alone: the depth
+        controller never reads it (`GrowMTPSamplesGenerator.generate_eval_samples`)."""
+        logs = super().evaluate(global_step, **generate_kwargs)
+        acceptance = dict(self.samples_generator.eval_metrics)
+        for tracker in (self.wandb_logger, self.tensorboard_logger):
+            if tracker:
+                tracker.log_eval(global_step, acceptance)
+        path = Path(self.args.ckpt.path) / EVAL_METRICS_FILE
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("a") as f:
+            f.write(json.dumps({"step": global_step, **acceptance}) + "\n")
+        logger.warning("GrowMTP evaluation at step %d: tau=%.3f depth=%d cycles=%d", global_step,
+                       acceptance["eval_growmtp/tau"], int(acceptance["eval_growmtp/depth"]),
+                       int(acceptance["eval_growmtp/cycles"]))
+        return {**logs, **acceptance}
 
 
 OrderedPPOTrainer = ray.remote(_OrderedController)

@@ -34,9 +34,10 @@ import ray
 from openrlhf.trainer.ray.vllm_engine import RolloutRayActor
 
 from .. import reproducibility
+from ..core.records import REQUEST_ID_META
 from ..cpu_support import VLLM_THREADS_BIND_ENV, omp_threads_bind
 from . import rollout_order
-from .keys import ACCEPTED_KEY, CHECKED_KEY, DROPPED_KEY, RECORD_KEY, RECORD_SECONDS_KEY
+from .keys import ACCEPTED_KEY, CHECKED_KEY, DROPPED_KEY, RECORD_KEY, RECORD_SECONDS_KEY, REQUEST_KEY
 
 logger = logging.getLogger("growmtp")
 
@@ -194,6 +195,7 @@ class GrowMTPRolloutActor(RolloutActor):
                 response[ACCEPTED_KEY] = record.accepted.tolist()
                 response[DROPPED_KEY] = record.meta[DROPPED_META]
                 response[CHECKED_KEY] = int(record.meta[CHECKED_META])
+                response[REQUEST_KEY] = str(record.meta[REQUEST_ID_META])
             for response in responses:
                 response[RECORD_SECONDS_KEY] = (time.perf_counter() - began) / len(responses)
         if self._in_flight == 0 and (orphans := self.collector.discard_unclaimed()):

@@ -4,7 +4,8 @@
   in dispatch order and admitted to each engine while it is paused, and the step's samples are put back in
   that order (`rollout_order`); otherwise upstream's, unchanged.
 - `GrowMTPSamplesGenerator`: that, carrying each sample's record into its Experience.info, and timing
-  the rollout.
+  the rollout. Evaluation's rollouts (`generate_eval_samples`) draft at the depth the last training rollout
+  chose and never reach the depth controller: their acceptance is evaluation's own (`eval_metrics`).
 """
 
 from __future__ import annotations
@@ -13,11 +14,13 @@ import itertools
 import time
 
 import ray
+import torch
 from openrlhf.trainer.ppo_utils.samples_generator import SamplesGenerator
 
 from .. import reproducibility
+from ..core.metrics import acceptance_summary
 from .depth_controller import DepthController
-from .keys import ACCEPTED_KEY, CHECKED_KEY, DROPPED_KEY, RECORD_KEY, RECORD_SECONDS_KEY
+from .keys import ACCEPTED_KEY, CHECKED_KEY, DROPPED_KEY, RECORD_KEY, RECORD_SECONDS_KEY, REQUEST_KEY
 from .rollout_order import ORDER_KEY, NumberedEngines
 
 
@@ -71,13 +74,32 @@ class GrowMTPSamplesGenerator(OrderedSamplesGenerator):
     """Carries each sample's record into its Experience.info; under `--growmtp_depth auto`, sets the depth of
     each vLLM call first (`depth_controller`; inside the rollout's time)."""
 
+    evaluating: bool = False  # inside generate_eval_samples
+    eval_metrics: dict[str, float] = {}  # the last evaluation's acceptance (`eval_growmtp/*`)
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         auto = getattr(self.args.growmtp, "depth", "fixed") == "auto"
         self.depth_controller = DepthController(self.vllm_engines, self.args) if auto else None
 
+    def generate_eval_samples(self, **generate_kwargs):
+        """Upstream's evaluation rollouts, kept apart from the depth controller: it neither chooses their depth
+        nor learns from their acceptance or their engine steps (read and dropped here). Their acceptance, at the
+        depth they drafted, is `eval_metrics`."""
+        self.evaluating = True
+        try:
+            experiences = super().generate_eval_samples(**generate_kwargs)
+        finally:
+            self.evaluating = False
+            if self.depth_controller is not None:
+                self.depth_controller.drop_engine_steps()
+        accepted = [torch.tensor(a, dtype=torch.long) for e in experiences for a in e.info.get(ACCEPTED_KEY, [])]
+        summary = acceptance_summary(torch.cat(accepted) if accepted else torch.zeros(0, dtype=torch.long), self.depth)
+        self.eval_metrics = {**summary.as_dict("eval_growmtp/"), "eval_growmtp/depth": float(self.depth)}
+        return experiences
+
     def _generate_vllm(self, *args, **kwargs):
-        if self.depth_controller is None:
+        if self.depth_controller is None or self.evaluating:
             return super()._generate_vllm(*args, **kwargs)
         self.depth_controller.before_rollout()
         experiences, prompts_consumed, exhausted = super()._generate_vllm(*args, **kwargs)
@@ -100,4 +122,5 @@ class GrowMTPSamplesGenerator(OrderedSamplesGenerator):
         experience.info[ACCEPTED_KEY] = [response[ACCEPTED_KEY]]
         experience.info[DROPPED_KEY] = [response[DROPPED_KEY]]
         experience.info[CHECKED_KEY] = [response[CHECKED_KEY]]
+        experience.info[REQUEST_KEY] = [response[REQUEST_KEY]]
         return experience

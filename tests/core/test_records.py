@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from openrlhf_growmtp.core import RecordError, SequenceRecord
-from openrlhf_growmtp.core.validation import validate_record, validate_records
+from openrlhf_growmtp.core.validation import decode_record, validate_record, validate_records
 from helpers.tiny import HIDDEN, VOCAB, synthetic_record
 
 
@@ -111,6 +111,11 @@ MALFORMED = [
     ("integer hidden", _set("hidden", lambda h: h.long()), "hidden", {}),
     ("prompt_len zero", _set("prompt_len", lambda p: 0), "prompt_len", {}),
     ("greedy temperature", _set("temperature", lambda t: 0.0), "temperature", {}),
+    # an infinite temperature makes q uniform and 1e-30 its logits infinite: the head's gradient 0 either way
+    ("infinite temperature", _set("temperature", lambda t: float("inf")), "temperature", {}),
+    ("temperature below vLLM's lowest", _set("temperature", lambda t: 1e-30), "temperature", {}),
+    ("NaN temperature", _set("temperature", lambda t: float("nan")), "temperature", {}),
+    ("negative temperature", _set("temperature", lambda t: -1.0), "temperature", {}),
 ]
 
 
@@ -219,3 +224,54 @@ def test_log_probs_stored_in_another_dtype_are_refused():
     rec.topk_logprobs = rec.topk_logprobs.double()
     with pytest.raises(RecordError, match="^topk_logprobs: expected a"):
         validate_record(rec)
+
+
+def _garbage(blob):
+    return bytes((b * 7 + 3) % 256 for b in blob[:200])
+
+
+def _missing_header_field(blob):
+    return blob.replace(b'"prompt_len"', b'"prompt_lex"')  # as long: the header still reads
+
+
+def _not_utf8(blob):
+    header = b'{"\xc3(":1}'
+    return len(header).to_bytes(8, "little") + header
+
+
+@pytest.mark.parametrize("case, spoil", [
+    ("cut short", lambda blob: blob[:len(blob) // 2]),
+    ("cut inside its header", lambda blob: blob[:40]),
+    ("empty", lambda blob: b""),
+    ("garbage", _garbage),
+    ("a header field missing", _missing_header_field),
+    ("a header that is not UTF-8", _not_utf8),
+])
+def test_a_blob_that_does_not_decode_raises_a_record_error_naming_its_request(case, spoil):
+    """Before, these raised safetensors' SafetensorError, JSONDecodeError, UnicodeDecodeError or KeyError, naming
+    no sample."""
+    with pytest.raises(RecordError) as err:
+        SequenceRecord.unpack(spoil(_valid().pack()), "request 'r-17'")
+    assert str(err.value).startswith("request 'r-17': ") and "do not decode" in str(err.value)
+
+
+@pytest.mark.parametrize("case, mutate, field_name", [
+    ("temperature -1", _set("temperature", lambda t: -1.0), "temperature"),
+    ("infinite temperature", _set("temperature", lambda t: float("inf")), "temperature"),
+    ("temperature 1e-30", _set("temperature", lambda t: 1e-30), "temperature"),
+    ("a positive top-k log-prob", _assign("topk_logprobs", (0, 2, 0), 0.5), "topk_logprobs"),
+    ("a non-finite log-prob", _assign("topk_logprobs", (1, 0, 0), float("-inf")), "topk_logprobs"),
+    ("a cycle count the starts disagree with", _set("start", lambda s: s[:-1]), "start"),
+    ("a cycle count accepted disagrees with", _set("accepted", lambda a: a[:-1]), "accepted"),
+    ("top-k ids of another shape", _set("topk_ids", lambda t: t[:, :2]), "topk_ids"),
+])
+def test_the_trainer_refuses_a_decoded_record_naming_its_request_and_field(case, mutate, field_name):
+    """What the trainer decodes is checked before any loss (`decode_record`): before, a header with temperature
+    -1 or log-probs above 0 trained on garbage, inf or 1e-30 gave a zero gradient silently, and a cycle count
+    that disagreed with the arrays stopped in an AssertionError of read_topk_mass."""
+    rec = _valid()
+    assert decode_record(rec.pack(), "request 'r-3'").num_cycles == rec.num_cycles
+    mutate(rec)
+    with pytest.raises(RecordError) as err:
+        decode_record(rec.pack(), "request 'r-3'")
+    assert str(err.value).startswith(f"request 'r-3': {field_name}:"), str(err.value)
