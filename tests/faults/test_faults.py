@@ -25,9 +25,13 @@ from safetensors.torch import load_file
 from helpers.rewards import token_parity_reward, write_toy_prompts
 from helpers.trainer import cpu_support  # noqa: F401  (the CPU layer before openrlhf is imported)
 from openrlhf_growmtp.cli.train_ppo_ray import INITIAL_HEAD_DIR
+from openrlhf_growmtp.core.checkpoint import materialize_random_head
+from openrlhf_growmtp.core.depth import conditional_rates
+from openrlhf_growmtp.core.model_export import export_model, read_serve_config
 from openrlhf_growmtp.core.schedule import HeadLRSchedule
+from openrlhf_growmtp.core.whole_dir import check_whole, written_whole
 from openrlhf_growmtp.experiments.worlds import toy
-from openrlhf_growmtp.trainer.ppo_trainer import METRICS_FILE, SUPERSEDED_FILE
+from openrlhf_growmtp.trainer.ppo_trainer import EVAL_METRICS_FILE, METRICS_FILE, SUPERSEDED_FILE
 from openrlhf_growmtp.trainer.resume import ACTOR_DIR, LATEST, SNAPSHOT_FILE
 
 pytestmark = pytest.mark.faults
@@ -231,6 +235,127 @@ def test_resuming_where_latest_names_no_checkpoint_is_refused_before_ray(world):
         assert result.returncode == 2 and seconds < 120, log_of(result)[-3000:]
         user_sees(log_of(result), LATEST, says)
     shutil.rmtree(ckpt)
+
+
+# ---- the final export, evaluation, records, bad input known at startup --------------------------------------
+def older_export(out: Path, policy: Path) -> Path:
+    """An earlier run's final export, as the trainer writes it (written whole): the policy's files and a head."""
+    with written_whole(out) as staging:
+        for item in policy.iterdir():
+            shutil.copy2(item, staging / item.name)
+        materialize_random_head(policy, staging / "growmtp_head", seed=5)
+        config = staging / "growmtp_head" / "config.json"
+        config.write_text(json.dumps({**json.loads(config.read_text()), "growmtp_trained_k": 3}))
+    return out
+
+
+def files(directory: Path) -> dict[str, bytes]:
+    return {p.relative_to(directory).as_posix(): p.read_bytes() for p in directory.rglob("*") if p.is_file()}
+
+
+@pytest.mark.parametrize("during", ["policy", "head"])
+def test_a_disk_full_during_the_final_export_leaves_the_older_export_whole(world, during):
+    """The disk fills while rank 0 writes the run's final export over an earlier one (--ckpt.output_dir), in the
+    policy's weights or in the head's (half of the file written, then ENOSPC): the run stops naming the full disk,
+    and the earlier export is there, byte for byte, whole against its manifest, and growmtp-export takes it; no
+    staging directory is left beside it. Before, the policy was written in place: a half-written model.safetensors
+    under its name, beside a new config.json and the older run's head."""
+    tmp = world
+    out = older_export(tmp / f"older_{during}", tmp / "policy")
+    before = files(out)
+    result, seconds = launch(tmp, f"full_{during}", 1, "--ckpt.output_dir", str(out), fault="export_disk_full",
+                             env={"GROWMTP_FAULT_AT": during})
+    user_sees(failed(result), "No space left on device")
+    print(f"  the run stopped {seconds:.0f} s after its start")
+    assert files(out) == before and check_whole(out)
+    assert read_serve_config(export_model(out, tmp / f"served_{during}"))["k"] == 3
+    assert not [p.name for p in tmp.iterdir() if p.name.startswith(f".older_{during}")]
+
+
+def test_evaluation_is_its_own_and_never_feeds_the_depth_controller(world):
+    """--growmtp_depth auto with an evaluation after every RL step (at --eval.temperature 0.6, the rollouts at 1.0):
+    each evaluation logs its own acceptance at the depth it drafted, and every rollout's depth is chosen from the
+    previous training rollout's rates, exactly (growmtp/depth_rate_j = a_j of its alpha), never from evaluation's.
+    Before, an evaluation's acceptance replaced the training rollout's in the controller."""
+    tmp = world
+    log = ok(launch(tmp, "eval", 3, "--growmtp_depth", "auto", "--growmtp_cycle_costs", "1,1.05,1.1,1.15",
+                    "--eval.dataset", str(tmp / "prompts.jsonl"), "--eval.steps", "1", "--eval.temperature", "0.6",
+                    "--eval.n_samples_per_prompt", "2")[0])
+    user_sees(log, "GrowMTP evaluation at step 1")
+    steps = rows(tmp / "eval")
+    evals = [json.loads(line) for line in (tmp / "eval" / EVAL_METRICS_FILE).read_text().splitlines()]
+    assert [r["step"] for r in steps] == [e["step"] for e in evals] == [1, 2, 3]
+    for row, evaluation in zip(steps, evals):
+        assert evaluation["eval_growmtp/cycles"] > 0 and evaluation["eval_growmtp/depth"] == row["growmtp/depth"]
+    differs = 0
+    for previous, row in zip(steps, steps[1:]):
+        depth = int(previous["growmtp/depth"])
+        trained = conditional_rates([previous[f"growmtp/alpha_{j}"] for j in range(1, depth + 1)])
+        evaluated = conditional_rates([evals[previous["step"] - 1][f"eval_growmtp/alpha_{j}"]
+                                       for j in range(1, depth + 1)])
+        chosen_from = [row[f"growmtp/depth_rate_{j}"] for j in range(1, depth + 1)]
+        assert chosen_from == pytest.approx(trained, abs=1e-12)
+        differs += chosen_from != pytest.approx(evaluated, abs=1e-6)
+    assert differs  # evaluation's rates were other numbers: had they fed the controller, the test would see it
+
+
+def test_a_record_cut_short_on_its_way_stops_every_rank_naming_its_request(world):
+    """The engine's third prompt's first record reaches the trainer cut to half its bytes: in that RL step, before
+    any loss, the rank holding it names the request and the other rank stops with it (none waits at a collective);
+    the last checkpoint is whole. Before, safetensors' own error named no sample, on one rank only."""
+    tmp = world
+    result, seconds = launch(tmp, "record", 2, fault="record_cut_short", env={"GROWMTP_FAULT_AT": "3"})
+    line = user_sees(failed(result), "RecordError", "request '", "do not decode")
+    assert "cut short, empty or not a packed record" in line
+    print(f"  the run stopped {seconds:.0f} s after its start")
+    assert latest(tmp / "record") == "global_step1"
+
+
+def _cut_optimizer_state(tmp: Path) -> list[str]:
+    """A resumable checkpoint whose rank-1 optimizer partition is cut short."""
+    tag = tmp / "cut" / ACTOR_DIR / "global_step1"
+    tag.mkdir(parents=True, exist_ok=True)
+    (tag.parent / LATEST).write_text("global_step1")
+    for name in ("zero_pp_rank_0_mp_rank_00_model_states.pt", "zero_pp_rank_1_mp_rank_00_model_states.pt",
+                 "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt", "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt",
+                 SNAPSHOT_FILE):
+        torch.save({"state": torch.zeros(4096)}, tag / name)
+    cut = tag / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    cut.write_bytes(cut.read_bytes()[:5000])
+    return ["--ckpt.load_enable"]
+
+
+def _cut_head(tmp: Path) -> list[str]:
+    head = materialize_random_head(tmp / "policy", tmp / "cut_head")
+    data = (head / "model.safetensors").read_bytes()
+    (head / "model.safetensors").write_bytes(data[:len(data) // 2])
+    return ["--growmtp_head", str(head)]
+
+
+STARTUP = {  # what is wrong, the launch's extra flags, what the refusal says
+    "an evaluation temperature of 0": (lambda tmp: ["--eval.dataset", str(tmp / "prompts.jsonl"), "--eval.steps", "1",
+                                                    "--eval.temperature", "0"], ["--eval.temperature", "greedy"]),
+    "LoRA with the head": (lambda tmp: ["--ds.lora.rank", "8"], ["--ds.lora.rank 8", "LoRA is not supported"]),
+    "a head file cut short (dry run)": (_cut_head, ["cut_head/model.safetensors: cut short"]),
+    "an optimizer state cut short": (_cut_optimizer_state, ["bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt is cut "
+                                                            "short"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(STARTUP))
+def test_bad_input_known_at_startup_is_refused_before_ray_naming_it(world, case):
+    """Each of these ran for minutes before (the evaluation's temperature until the first evaluation, 135 s; the
+    head until its load in the trainer or never; the optimizer state until DeepSpeed's load after the engines had
+    started, 77 s; LoRA until DeepSpeed's assertion, 98 s): now the launcher stops before Ray, naming the flag
+    or file. The cut head is tried as a dry run (GROWMTP_DRY_RUN=1), which runs the same checks."""
+    tmp = world
+    extra, needles = STARTUP[case]
+    dry = {"GROWMTP_DRY_RUN": "1"} if "dry run" in case else {}
+    ckpt = "cut" if "optimizer" in case else f"startup_{sorted(STARTUP).index(case)}"
+    result, seconds = launch(tmp, ckpt, 1, *extra(tmp), env=dry)
+    assert result.returncode == 2 and seconds < 120, log_of(result)[-3000:]
+    assert "invalid GrowMTP configuration" in log_of(result) and "Ray instance" not in log_of(result)
+    user_sees(log_of(result), *needles)
 
 
 # ---- hostile reward programs -----------------------------------------------------------------------------

@@ -89,11 +89,60 @@ def save_interrupted(module) -> None:
     cls._write_snapshot = _write_snapshot
 
 
+def export_disk_full(module) -> None:
+    """The disk fills during the run's final export, in the process that writes it (policy rank 0): the write of
+    the policy's weights ($GROWMTP_FAULT_AT=policy) or of the head's (=head) writes half its bytes, then fails
+    with ENOSPC, as a full filesystem does."""
+    import errno
+    import importlib
+
+    from safetensors.torch import save
+
+    cls, original = module.GrowMTPStrategy, module.GrowMTPStrategy.save_model
+    owner_name, name = {"policy": ("transformers.modeling_utils", "safe_save_file"),
+                        "head": ("openrlhf_growmtp.core.checkpoint", "save_file")}[os.environ["GROWMTP_FAULT_AT"]]
+
+    def full(tensors, filename, metadata=None):
+        data = save(tensors, metadata=metadata)
+        with open(filename, "wb") as f:
+            f.write(data[:len(data) // 2])
+        raise OSError(errno.ENOSPC, "No space left on device (injected fault)", str(filename))
+
+    def save_model(self, *args, **kwargs):
+        owner = importlib.import_module(owner_name)
+        real = getattr(owner, name)
+        setattr(owner, name, full)
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            setattr(owner, name, real)
+
+    cls.save_model = save_model
+
+
+def record_cut_short(module) -> None:
+    """The first record of the engine's $GROWMTP_FAULT_AT-th prompt leaves it cut to half its bytes."""
+    cls, original = module.GrowMTPRolloutActor, module.GrowMTPRolloutActor.generate_responses
+    calls, cut_at = [0], int(os.environ["GROWMTP_FAULT_AT"])
+
+    async def generate_responses(self, *args, **kwargs):
+        responses = await original(self, *args, **kwargs)
+        calls[0] += 1
+        if calls[0] == cut_at:
+            blob = responses[0][module.RECORD_KEY]
+            responses[0][module.RECORD_KEY] = blob[:len(blob) // 2]
+        return responses
+
+    cls.generate_responses = generate_responses
+
+
 FAULTS = {
     "engine_killed": ("openrlhf_growmtp.trainer.rollout_actor", engine_killed),
     "head_sync_fails": ("openrlhf_growmtp.trainer.rollout_actor", head_sync_fails),
     "nonfinite_gradient_rank1": ("openrlhf_growmtp.core.head_loss", nonfinite_gradient_rank1),
     "save_interrupted": ("openrlhf_growmtp.trainer.ppo_actor", save_interrupted),
+    "export_disk_full": ("openrlhf_growmtp.trainer.strategy", export_disk_full),
+    "record_cut_short": ("openrlhf_growmtp.trainer.rollout_actor", record_cut_short),
 }
 
 
