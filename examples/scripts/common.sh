@@ -15,7 +15,8 @@
 #                                            it alike for a run and its baseline_ar.sh
 #   OUTPUT_ROOT                              where every run writes (default ./runs); on a cluster a directory
 #                                            of the shared filesystem that every node mounts at the same path
-#   RUN_ROOT                                 one run's checkpoints, logs and exports (default OUTPUT_ROOT/<run>)
+#   RUN_ROOT                                 one run's checkpoints, logs and exports (default OUTPUT_ROOT/<run>);
+#                                            under GROWMTP_SMOKE=1 the smoke writes to RUN_ROOT_smoke instead
 #   DATA_ROOT                                the prepared prompt files (default ./data; shared on a cluster)
 #   PYTHON                                   interpreter (default python)
 #   GROWMTP_DRY_RUN=1                        build the command, run every startup check, exit 0 before Ray
@@ -142,6 +143,9 @@ run_growmtp() {
   fi
   local root
   root=$(realpath -m "${RUN_ROOT:-$OUTPUT_ROOT/$run}")
+  if [[ "$SMOKE" == 1 && -n "${RUN_ROOT:-}" ]]; then
+    root=${root%_smoke}_smoke  # RUN_ROOT names the real run: the smoke writes beside it, never into it
+  fi
   if [[ "$REHEARSAL" == 1 ]]; then
     # a CPU run on any machine (GROWMTP_REHEARSAL=1 in the launcher's environment decides it, CUDA or not);
     # its engines need vLLM's CPU build
@@ -184,7 +188,8 @@ sys.exit(m and 'GROWMTP_REHEARSAL=1: ' + m)"
   fi
   if [[ "$SMOKE" == 1 ]]; then
     cmd+=(--growmtp_check_sync)
-    [[ "${GROWMTP_DRY_RUN:-0}" == 1 ]] || rm -rf "$root"  # <run>_smoke: the verdict reads this run's steps only
+    # <run>_smoke starts empty (the verdict reads this run's steps only); emptied only if an earlier smoke made it
+    [[ "${GROWMTP_DRY_RUN:-0}" == 1 ]] || fresh_smoke_dir "$root"
   fi
   cmd+=("$@")
   if [[ "$SMOKE" == 1 ]]; then
@@ -212,6 +217,21 @@ sys.exit(m and 'GROWMTP_REHEARSAL=1: ' + m)"
     fi
     "${report[@]}"
   fi
+}
+
+# fresh_smoke_dir <dir>: make <dir> an empty directory marked as the smoke's own. A directory the smoke did not
+# make (no marker) is never deleted: the smoke stops and names it.
+SMOKE_MARKER=.growmtp_smoke
+fresh_smoke_dir() {
+  local dir=$1
+  if [[ -e "$dir" && ! -f "$dir/$SMOKE_MARKER" ]] && [[ ! -d "$dir" || -n "$(ls -A "$dir")" ]]; then
+    echo "GROWMTP_SMOKE=1: $dir exists and was not made by a smoke (no $SMOKE_MARKER in it); the smoke deletes" \
+         "its own directory before it runs, so it stops here: move that directory or set RUN_ROOT elsewhere" >&2
+    return 2
+  fi
+  rm -rf "$dir"
+  mkdir -p "$dir"
+  touch "$dir/$SMOKE_MARKER"
 }
 
 # frozen <command...>: whether the command's last --growmtp_mode / --growmtp.mode is "frozen"
