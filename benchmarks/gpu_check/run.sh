@@ -12,8 +12,10 @@
 #      GPU_SMOKE=1 first runs the check at tiny shapes on CUDA (about 45 s on an H100);
 #      with --tiny: runs only that, with the arguments given.
 # Everything lands in $OUT (the device tool's folder that comes back), else runs/gpu/: the JSONs, a log per
-# run, environment.txt and timing.txt. Exit status: the last run's (0 passed, 1 a check failed, 2 could not
-# run, 3 passed what ran but the deadline skipped some checks, 124 cut off by the budget).
+# run (trainer_step's runs: gpu_check_trainer_runs/), environment.txt and timing.txt. GPU_HOST_COMMIT (the
+# host's `git rev-parse HEAD`, written into the command) is the commit the JSON records. Exit status: the last
+# run's (0 passed, 1 a check failed, 2 could not run, 3 passed what ran but the deadline skipped some checks, 124
+# cut off by the budget).
 set -uo pipefail
 started=$SECONDS
 cd "$(dirname "$0")/../.."
@@ -49,6 +51,7 @@ export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:Tr
 
 {
   date -u +%Y-%m-%dT%H:%M:%SZ
+  echo "GPU_HOST_COMMIT=${GPU_HOST_COMMIT:-(not set: the JSON records the git HEAD of this copy)}"
   nvidia-smi 2>&1 || echo "(no nvidia-smi)"
   "$PYTHON" -c "import sys, torch, transformers; print(sys.version); \
 print('torch', torch.__version__, 'cuda', torch.version.cuda, 'available', torch.cuda.is_available()); \

@@ -55,9 +55,21 @@ def untried_paths(argv: list[str]) -> list[UntriedPath]:
     parser.add_argument("--vllm.enforce_eager", dest="eager", action="store_true")
     parser.add_argument("--vllm.tensor_parallel_size", dest="tp", type=int, default=1)
     parser.add_argument("--vllm.enable_sleep", dest="sleep", action="store_true")
+    parser.add_argument("--train.full_determinism_enable", dest="strict", action="store_true")
+    parser.add_argument("--ds.adam_offload", dest="offload", action="store_true")
     a, _ = parser.parse_known_args(argv)
     v1 = a.k > 0 or a.runner == "growmtp"
     return [
+        # docs/gpu_results.md: on GPUs the step with the head ran under strict determinism only (H100, 13
+        # layers; H200, 18 and 27); without it, on an H200 at 18 layers, it stopped on a device-side assert
+        UntriedPath("the policy's training step with the head without strict determinism (every example script's)",
+                    a.k > 0 and not a.strict,
+                    "--train.full_determinism_enable: the mode whose step with the head has run on a GPU (slower "
+                    "per step: every new tensor filled, the deterministic kernels)"),
+        UntriedPath("DeepSpeed's fused Adam with the head's parameter group (compiled at first use)",
+                    a.k > 0 and not a.offload,
+                    "none by flag (upstream's config picks it); the GPU check's steps ran torch's AdamW, the same "
+                    "update (gpu_check --fused-adam-s builds and runs the fused one)"),
         UntriedPath("vLLM's V1 model runner, forced (record capture hooks it)", v1,
                     "none for K > 0; a K = 0 run on vLLM's default runner (no --vllm.runner growmtp) avoids it"),
         UntriedPath("synchronous scheduling (records need it)", v1,

@@ -196,10 +196,25 @@ def score(head, chunk: Chunk, cfg: HeadLossConfig, groups: int, train: bool = Tr
             if train:
                 (grad_logq,) = torch.autograd.grad(loss * (0.0 if pad else chunk.weight), scores.logq)
                 # added, not assigned: a padding row is some group's real slot, and its gradient here is 0
-                grad_normed.index_add_(0, rows, scores.input_grad(grad_logq))
+                add_rows_(grad_normed, rows, scores.input_grad(grad_logq))
         loss_sum = loss_sum + loss.detach()
     positions = torch.arange(depth, device=device)[None, :]
     lengths = chain_lengths(chunk.accepted, num_cycles, depth, device=device)
     reached = (positions < lengths[:, None]) & (positions >= first)
     passed = (positions < chunk.accepted.long()[:, None]) & (positions >= first)
     return Scored(loss_sum, grad_normed, alpha, reached, passed)
+
+
+def add_rows_(dest: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """dest[rows[i]] += values[i] for every i, repeated rows summed (dest [M, H], rows [n], values [n, H]).
+
+    One kernel whether or not torch's deterministic algorithms are on, so that a strict run vouches for a
+    production one. `index_add_` would not be: on CUDA it takes atomic adds (`index_add_cuda_impl`,
+    aten/src/ATen/native/cuda/Indexing.cu), and under deterministic algorithms it calls
+    `index_put_(..., accumulate=True)` instead. `index_put_` with accumulate takes the sort-based kernel on
+    CUDA in both modes (`_index_put_impl_`, aten/src/ATen/native/TensorAdvancedIndexing.cpp: `accumulate ||
+    deterministicAlgorithms()` -> `index_put_with_sort_kernel`), and checks the rows' range on the host first
+    (`wrapIndexOnce`): a row out of range raises an error naming it and the size, not a device-side assert.
+    """
+    return dest.index_put_((rows,), values, accumulate=True)
+

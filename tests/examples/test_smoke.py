@@ -79,7 +79,9 @@ def test_the_untried_paths_are_marked_by_the_commands_flags():
         return {p.name.split(" (")[0]: p.taken for p in smoke.untried_paths(list(argv))}
 
     growmtp = taken("--growmtp_k", "5", "--vllm.num_engines", "4")
-    assert growmtp == {"vLLM's V1 model runner, forced": True, "synchronous scheduling": True,
+    assert growmtp == {"the policy's training step with the head without strict determinism": True,
+                       "DeepSpeed's fused Adam with the head's parameter group": True,
+                       "vLLM's V1 model runner, forced": True, "synchronous scheduling": True,
                        "the policy's NCCL weight sync with the head hidden from it": True,
                        "CUDA graphs with record capture": True, "tensor-parallel engines over Ray": False,
                        "vLLM's sleep mode": False}
@@ -87,6 +89,9 @@ def test_the_untried_paths_are_marked_by_the_commands_flags():
                       "--vllm.tensor_parallel_size", "2", "--vllm.enable_sleep")
     assert not fallbacks["the policy's NCCL weight sync with the head hidden from it"]
     assert not fallbacks["CUDA graphs with record capture"] and fallbacks["tensor-parallel engines over Ray"]
+    strict = taken("--growmtp_k", "5", "--train.full_determinism_enable", "--ds.adam_offload")
+    assert not strict["the policy's training step with the head without strict determinism"]
+    assert not strict["DeepSpeed's fused Adam with the head's parameter group"]
     assert not any(taken("--growmtp_k", "0").values())  # the autoregressive arm on vLLM's defaults
     matched = taken("--growmtp_k", "0", "--vllm.runner", "growmtp")
     assert matched["vLLM's V1 model runner, forced"] and not matched["CUDA graphs with record capture"]
