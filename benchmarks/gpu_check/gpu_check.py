@@ -94,7 +94,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--trainer-layers", type=int, help="trainer_step: the policy's layers (default: as many "
                         "as the device's memory holds under ZeRO-3; tiny 2)")
     parser.add_argument("--draft-vocab", type=int, nargs="?", const=DRAFT_VOCAB_GIVEN, metavar="N",
-                        help="rollout_loop: also time the head drafting over N ids alone (without N: "
+                        help="rollout_loop: also time the head drafting over N ids alone; (c) and "
+                        "head_update_graph: also the head update over N ids alone (without N: "
                         f"{DRAFT_VOCAB_DEFAULT['Qwen3-4B']:,}; tiny {DRAFT_VOCAB_DEFAULT['tiny']})")
     args = parser.parse_args(argv)
     only = [c.strip() for c in (args.only or ",".join(CHECKS)).split(",") if c.strip()]
@@ -266,7 +267,7 @@ class Run:
                              self.plan.sampler_trials)
 
     def cost(self):
-        return check_cost(self.plan, *self.models(), self.log)
+        return check_cost(self.plan, *self.models(), self.log, self.args.draft_vocab)
 
     def trainer(self):
         from gpu_trainer import check_trainer_step, layers_that_fit
@@ -292,7 +293,7 @@ class Run:
                                   self.log, self.args.draft_vocab)
 
     def head_graph(self):
-        return check_head_update_graph(self.plan, *self.models(), self.log)
+        return check_head_update_graph(self.plan, *self.models(), self.log, self.args.draft_vocab)
 
     def end_to_end(self) -> None:
         found, self.payload["cycle_cost"]["end_to_end"] = end_to_end(

@@ -149,6 +149,19 @@ class DraftRows:
         return nn.functional.linear(normed, self.weight, self.bias)
 
 
+class MaskedLMHead(nn.Module):
+    """An lm_head over every id with -inf outside `vocab`: the logits the head scored before `DraftRows`, kept as
+    the reference the tests and `benchmarks/bench_head_vocab.py` check the rows against (bind it to a head
+    without a draft vocabulary)."""
+
+    def __init__(self, lm_head: nn.Module, vocab: DraftVocab):
+        super().__init__()
+        self.lm_head, self.vocab = lm_head, vocab
+
+    def forward(self, normed: torch.Tensor) -> torch.Tensor:
+        return masked_logits(self.lm_head(normed), self.vocab)
+
+
 def check_drafted_over(records, vocab: DraftVocab | None) -> None:
     """Raise unless every record with cycles was drafted over `vocab` (None: the whole vocabulary): the head
     loss reads q as the drafting head had it."""

@@ -178,12 +178,11 @@ class MTPHead(nn.Module):
         if self.draft_vocab is None:
             yield
             return
-        lm_head = self._shared("lm_head")
-        self.draft_rows = DraftRows.slice(lm_head, self.draft_vocab, gathered)
+        outer, self.draft_rows = self.draft_rows, DraftRows.slice(self._shared("lm_head"), self.draft_vocab, gathered)
         try:
             yield
         finally:
-            self.draft_rows = None
+            self.draft_rows = outer  # an enclosing context's rows again (None outside any)
 
     # ---- the head's computation -------------------------------------------------------------
     def fuse(self, hidden: torch.Tensor, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:

@@ -6,30 +6,18 @@ import contextlib
 
 import pytest
 import torch
-from torch import nn
 
 from helpers.ranks import TwoRanks, module_calls
 from helpers.tiny import VOCAB, make_head, make_records
 from openrlhf_growmtp.core import HeadLossConfig, Lockstep, head_loss_backward, measure_head_loss
 from openrlhf_growmtp.core.committed import committed_chains
-from openrlhf_growmtp.core.draft_vocab import DraftRows, DraftVocab, masked_logits
+from openrlhf_growmtp.core.draft_vocab import DraftRows, DraftVocab, MaskedLMHead
 
 
 def quarter(seed: int = 2) -> DraftVocab:
     """A quarter of the tiny vocabulary (24 of 97 ids), drawn at random."""
     ids = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(seed))[: VOCAB // 4]
     return DraftVocab(ids.sort().values, VOCAB)
-
-
-class MaskedLMHead(nn.Module):
-    """The reference: today's computation, the lm_head over every id and -inf outside the vocabulary."""
-
-    def __init__(self, lm_head: nn.Linear, vocab: DraftVocab):
-        super().__init__()
-        self.lm_head, self.vocab = lm_head, vocab
-
-    def forward(self, normed):
-        return masked_logits(self.lm_head(normed), self.vocab)
 
 
 def records_with_a_cycle_outside(vocab: DraftVocab, k: int = 4):
@@ -157,10 +145,17 @@ def test_the_rows_are_sliced_once_per_update_through_the_lockstep_and_never_stal
         reference.lm_head.lm_head.weight.copy_(head.lm_head.weight)
     expected = measure_head_loss(reference, records, hiddens, HeadLossConfig(chunk_cycles=2))
     assert abs(after.loss - expected.loss) <= 1e-10 * max(1.0, abs(expected.loss))
+    # an update inside an enclosing slice (a benchmark's captured graph holds one) slices its own, then leaves the
+    # enclosing rows as they were
+    with head.sliced_draft_rows():
+        outer = head.draft_rows
+        measure_head_loss(head, records, hiddens, HeadLossConfig(chunk_cycles=2), lockstep)
+        assert outer is not None and head.draft_rows is outer and len(gathers) == 4
+    assert head.draft_rows is None
     # no draft vocabulary: nothing gathered, the lm_head scores every id as before
     head.draft_vocab = None
     head_loss_backward(head, records, hiddens, HeadLossConfig(chunk_cycles=2), lockstep)
-    assert len(gathers) == 3
+    assert len(gathers) == 4
 
 
 def test_ranks_gather_the_rows_alike_and_a_rank_with_empty_groups_stays_finite(monkeypatch):
