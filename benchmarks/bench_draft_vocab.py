@@ -98,14 +98,18 @@ def acceptance(keep: Path, tag: str = "vocab-quarter") -> dict:
             if not (subset / run.name).exists():
                 continue
             paths = {"all": run, "subset": subset / run.name}
-            rows = {arm: json.loads(path.read_text())["rows"] for arm, path in paths.items()}
+            kept = {arm: json.loads(path.read_text()) for arm, path in paths.items()}
+            rows = {arm: k["rows"] for arm, k in kept.items()}
             window = {arm: r[-final_window(len(r)):] for arm, r in rows.items()}
             tau = {arm: mean(row["tau"] for row in w) for arm, w in window.items()}
             out.setdefault(plain.name, {})[run.stem.split("-s")[-1]] = {
                 "tau_final_all_ids": tau["all"], "tau_final_subset": tau["subset"],
                 "tau_change": tau["subset"] / tau["all"] - 1.0,
                 "coverage_mean": mean(row["draft_vocab_coverage"] for row in rows["subset"]),
-                "flags": json.loads((subset / run.name).read_text())["flags"]}
+                "flags": kept["subset"]["flags"],
+                # where each arm ran: the world's build and the code (a seed's two arms compare on one of each)
+                "world_digest": {arm: k.get("world_digest") for arm, k in kept.items()},
+                "commit": {arm: k.get("commit") for arm, k in kept.items()}}
     return out
 
 

@@ -111,7 +111,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--launch-blocking-layers", help="trainer_step: depths (as --trainer-layers) whose runs run "
                         "with CUDA_LAUNCH_BLOCKING=1 (a kernel's error at the call that launched it; not timings)")
     parser.add_argument("--draft-vocab", type=int, nargs="?", const=DRAFT_VOCAB_GIVEN, metavar="N",
-                        help="rollout_loop: also time the head drafting over N ids alone (without N: "
+                        help="rollout_loop: also time the head drafting over N ids alone; (c) and "
+                        "head_update_graph: also the head update over N ids alone (without N: "
                         f"{DRAFT_VOCAB_DEFAULT['Qwen3-4B']:,}; tiny {DRAFT_VOCAB_DEFAULT['tiny']})")
     args = parser.parse_args(argv)
     only = [c.strip() for c in (args.only or ",".join(CHECKS)).split(",") if c.strip()]
@@ -319,7 +320,7 @@ class Run:
                              self.plan.sampler_trials)
 
     def cost(self):
-        return check_cost(self.plan, *self.models(), self.log)
+        return check_cost(self.plan, *self.models(), self.log, self.args.draft_vocab)
 
     def trainer(self):
         from gpu_trainer import check_trainer_step
@@ -366,7 +367,7 @@ class Run:
                                   self.log, self.args.draft_vocab)
 
     def head_graph(self):
-        return check_head_update_graph(self.plan, *self.models(), self.log)
+        return check_head_update_graph(self.plan, *self.models(), self.log, self.args.draft_vocab)
 
     def end_to_end(self) -> None:
         found, self.payload["cycle_cost"]["end_to_end"] = end_to_end(

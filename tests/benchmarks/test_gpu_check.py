@@ -280,6 +280,26 @@ def test_the_loop_times_the_draft_vocabulary_beside_every_id(tmp_path):
     assert "draft over 512 ids" in proc.stdout
 
 
+def test_the_head_update_checks_time_the_draft_vocabulary_beside_every_id(tmp_path):
+    """(c) and head_update_graph with --draft-vocab: the eager update, and the fixed-shape one (captured on CUDA),
+    also over 512 ids alone; on a CPU the fixed-shape path runs eagerly over the same rows and its gradients
+    point where the eager update's do."""
+    out = tmp_path / "subset.json"
+    proc = _run("--tiny", "--only", "c,head_update_graph", "--draft-vocab", "--json", str(out))
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    result = json.loads(out.read_text())
+    cost = result["head_update_cost"]
+    assert cost["draft_vocab"] == 512 and len(cost["seconds"]["head_subset"]) == cost["repeats"]
+    assert cost["subset_over_all"] == pytest.approx(cost["median_s"]["head_subset"] / cost["median_s"]["head"])
+    assert any("over 512 ids / over every id" in r["name"] for r in result["rows"])
+    graph = result["head_update_graph"]
+    _check_head_update_graph(graph)  # every id's entries as they are without it
+    for entry in graph["per_chunk"].values():
+        sub = entry["draft_vocab"]
+        assert sub["size"] == 512 and sub["eager_s"] > 0 and sub["graph_s"] > 0
+        assert sub["min_grad_cosine_graph_vs_eager"] > 0.99  # bf16, as over every id
+
+
 def _pair(vocab=400, seed=0):
     g = torch.Generator().manual_seed(seed)
     q = (torch.randn(3, vocab, generator=g, dtype=torch.float64) * 2).softmax(-1)
