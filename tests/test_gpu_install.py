@@ -13,7 +13,7 @@ pin is the torch resolved; torch is the registry's CUDA build, whose CUDA versio
 comes as a source release; `.[gpu]` finds torch and flash-attn installed and builds neither.
 What it cannot check: that the wheels load on a given driver or GPU, that flash-attn's kernels compile, other
 Python versions, or anything at run time.
-Needs the registry (skipped without it) and this machine's CPU torch wheel (the stand-in); slow (about 4 minutes,
+Needs the registry (skipped without it) and this machine's CPU torch wheel (the stand-in); slow (2.5 minutes here,
 most of it installing the stand-in torch and resolving `.[gpu]`): `make test-slow`.
 """
 
