@@ -11,6 +11,8 @@ import json
 from pathlib import Path
 from statistics import mean
 
+from openrlhf_growmtp.measure.intervals import verdict
+
 FINAL_WINDOW = 5  # "final" values are means over the last steps (one step's τ or reward is noisy)...
 SPEEDUP_WINDOW = 10  # the speedups are means over the last steps too (rollout_speedup_last10, ...)
 
@@ -146,6 +148,14 @@ def _interval(figure: dict) -> str:
     return f"{figure['estimate']:.2f}x [{figure['low']:.2f}, {figure['high']:.2f}]"
 
 
+def _spread(measured: dict) -> str:
+    """How a paired figure was made and the processes' own figures (the between-process spread)."""
+    if "speedup_per_process" not in measured:
+        return f"median of {measured['pairs']} pairs, one process"
+    return (f"mean of {measured['processes']} processes' medians, t 95% over processes; the processes "
+            + ", ".join(f"{v:.2f}" for v in measured["speedup_per_process"]))
+
+
 def summary_lines(summary: dict, k: int, wall: dict[str, float]) -> list[str]:
     """The demo's printed summary: the paired figures first, then the run's own (unpaired) ones, named as such."""
     lines = []
@@ -153,17 +163,18 @@ def summary_lines(summary: dict, k: int, wall: dict[str, float]) -> list[str]:
     if paired:
         last = paired[-1]
         lines.append(f"paired rollout speedup after step {last['step']} (τ {last['tau']:.2f}, depth {last['depth']}, "
-                     f"{last['pairs']} pairs of {last['requests']} requests, same engine settings): "
-                     f"{_interval(last['speedup'])} per generated token (median, bootstrap 95%)")
+                     f"{last['requests']} requests, same engine settings): {_interval(last['speedup'])} per generated "
+                     f"token ({_spread(last)}): {verdict(last['speedup'])} 1")
         for earlier in paired[:-1]:
-            lines.append(f"  after step {earlier['step']} (τ {earlier['tau']:.2f}): {_interval(earlier['speedup'])}")
+            lines.append(f"  after step {earlier['step']} (τ {earlier['tau']:.2f}): {_interval(earlier['speedup'])} "
+                         f"({_spread(earlier)}): {verdict(earlier['speedup'])} 1")
     regimes = summary.get("regimes")
     if regimes:
         s, best = regimes["speedup"], regimes["best"]
-        winner = ("speculative decoding wins" if s["low"] > 1 else "autoregressive decoding wins" if s["high"] < 1
-                  else "a tie")
+        winner = {"above": "speculative decoding wins", "below": "autoregressive decoding wins"}.get(verdict(s), "a tie")
         lines.append(f"each at its best concurrency on this machine (autoregressive {best['ar']}, speculative "
-                     f"{best['spec']} requests at a time): speculative {_interval(s)} per generated token: {winner}")
+                     f"{best['spec']} requests at a time): speculative {_interval(s)} per generated token "
+                     f"({_spread(regimes)}): {winner}")
     lines.append(f"τ {summary['tau_first']:.2f} -> {summary['tau_final']:.2f} (mean of the last "
                  f"{summary['final_window']} steps; max {summary['tau_max']:.2f}; K+1 = {k + 1}); α_final = "
                  f"[{' '.join(f'{a:.2f}' if a is not None else '-' for a in summary['alpha_final'])}]")

@@ -8,6 +8,15 @@ Two marks, both invisible in rendered markdown:
 - `<!-- table: PATH -->` ... `<!-- /table -->` around a block: the block is the file PATH's text (a table a
   study wrote, e.g. `table.md`).
 
+Every other number with a speed or time unit (×, x, s, ms, min, %, tokens/s, GB/s, ...) or a τ value, outside code,
+stands inside a labelled block, `<!-- KIND: why -->` ... `<!-- /KIND -->`, KIND one of
+- `history`: from a run that was not kept (quoted from its output at the time), or a figure withdrawn;
+- `example`: not a measurement: an illustration, a target, a setting, a spec sheet's value, worked arithmetic;
+- `derived`: arithmetic on figures quoted with marks nearby (its inputs named in the text);
+- `kept: PATH [PATH ...]`: read from those kept files without a mark each; every such number must be one of the
+  files' values (any key) at the precision shown, as a value, a share in percent or seconds in milliseconds.
+`untied(markdown_path)` lists the numbers that stand in none (`tests/test_figures.py`: none may).
+
 `check(markdown_path)` lists every mark that no longer matches its file; `refresh(markdown_path)` rewrites the
 table blocks from their files (a quoted number is never rewritten: its sentence may need to change with it).
 
@@ -88,6 +97,78 @@ def check(path: Path) -> list[str]:
     if matched != marks:
         problems.append(f"{path.name}: {marks - matched} mark(s) not after a number or not closed by <!-- /table -->")
     return problems
+
+
+NUMBER = r"\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d+)?"
+# a number, or a range of two, with a speed or time unit after it ("1.18×", "516 s", "9-12%", "1,292 tokens/s")
+UNIT_FIGURE = re.compile(rf"(?<![\w.\-/])({NUMBER})(?:\s?[-–]\s?({NUMBER}))?(?:\*\*)?\s?(?:×|x(?![\w])|ms\b|s\b|min\b|"
+                         r"minutes?\b|seconds?\b|hours?\b|%|tokens?/s\b|tok/s\b|[GT]B/s\b|[GT]FLOP/s\b)")
+# a τ value: "τ 2.26", "τ = 2.91", "τ ≈ 2.9", "at τ 3.01-3.04", "τ 1.04 → 2.23"
+TAU_FIGURE = re.compile(rf"τ\s?(?:=|≈|of|at|:)?\s?({NUMBER})(?:\s?[-–→]\s?({NUMBER}))?")
+MARK_AFTER = re.compile(r"^(?:\*\*|[×x%]|\s)*<!-- fig: ")
+LABEL = re.compile(r"<!-- (history|example|derived|kept)(?::([^>]*?))? -->(.*?)<!-- /\1 -->", re.DOTALL)
+
+
+def _numbers(document) -> set[float]:
+    """Every number in a JSON document, as it is, times 100 and times 1000 (a share in percent, seconds in ms)."""
+    found = set()
+    stack = [document]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, dict):
+            stack.extend(value.values())
+        elif isinstance(value, list):
+            stack.extend(value)
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            found.update((value, 100 * value, 1000 * value))
+    return found
+
+
+def _kept_in(shown: str, values: set[float]) -> bool:
+    digits = len(shown.split(".")[1]) if "." in shown else 0
+    target = float(shown.replace(",", ""))
+    return any(round(v, digits) == target for v in values)
+
+
+def untied(path: Path) -> list[str]:
+    """Every number with a speed or time unit, or τ value, outside code, that carries no mark and stands in no
+    labelled block; and every number of a `kept` block that none of its files holds."""
+    text = _outside_code(path.read_text(encoding="utf-8"))
+    text = TABLE.sub(lambda m: " " * len(m.group(0)), text)  # a table block is its file
+    problems = []
+    for label in LABEL.finditer(text):
+        if label.group(1) == "kept":
+            values = set()
+            for source in (label.group(2) or "").split():
+                try:
+                    values |= _numbers(json.loads((path.parent / source).read_text()))
+                except (OSError, ValueError) as err:
+                    problems.append(f"{path.name}: kept block's file {source}: {err}")
+            for shown in _figures(label.group(3)):
+                if not _kept_in(shown, values):
+                    problems.append(f"{path.name}: {shown} is in a kept block whose files ({label.group(2).strip()}) "
+                                    "hold no such value")
+    outside = LABEL.sub(lambda m: " " * len(m.group(0)), text)
+    for shown in _figures(outside):
+        line = outside[:outside.index(shown)].count("\n") + 1 if shown in outside else 0
+        problems.append(f"{path.name}: {shown} has no <!-- fig: --> mark and no label (near line {line})")
+    return problems
+
+
+def _figures(text: str) -> list[str]:
+    """The figures of `text` that carry no mark: each number of a unit or τ figure (both ends of a range)."""
+    found = []
+    for pattern in (UNIT_FIGURE, TAU_FIGURE):
+        for match in pattern.finditer(text):
+            for i in (1, 2):
+                if match.group(i) is None:
+                    continue
+                if i == 1 and match.group(2) is None and MARK_AFTER.match(text[match.end(1):]):
+                    continue  # "1.18×<!-- fig: ... -->"
+                if MARK_AFTER.match(text[match.end(i):]) or re.match(r"^\s*<!-- fig: ", text[match.end(i):]):
+                    continue
+                found.append(match.group(i))
+    return found
 
 
 def refresh(path: Path) -> int:
