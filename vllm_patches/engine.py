@@ -264,13 +264,24 @@ def close_llm(llm) -> None:
         llm.llm_engine.engine_core.shutdown()
 
 
+ENGINE_FACTS_LINE = "growmtp engine facts: "  # a rollout actor's log line, read back by the studies (report.py)
+
+
 def engine_facts(llm) -> dict:
     """What a vLLM `LLM` runs with, read from the engine itself (a kept measurement records it): its model
     runner's class, asynchronous scheduling and `max_num_seqs`, as vLLM resolved them, and the runner choice
     in the environment of the process that built it."""
-    config = llm.llm_engine.vllm_config.scheduler_config
-    return {"runner": llm.collective_rpc(_runner_name)[0], "async_scheduling": bool(config.async_scheduling),
-            "max_num_seqs": int(config.max_num_seqs), RUNNER_ENV: os.environ.get(RUNNER_ENV)}
+    return _facts(llm.llm_engine.vllm_config.scheduler_config, llm.collective_rpc(_runner_name)[0])
+
+
+async def engine_facts_async(llm) -> dict:
+    """`engine_facts` of an `AsyncLLM` (a rollout actor's engine)."""
+    return _facts(llm.vllm_config.scheduler_config, (await llm.collective_rpc(_runner_name))[0])
+
+
+def _facts(scheduler_config, runner: str) -> dict:
+    return {"runner": runner, "async_scheduling": bool(scheduler_config.async_scheduling),
+            "max_num_seqs": int(scheduler_config.max_num_seqs), RUNNER_ENV: os.environ.get(RUNNER_ENV)}
 
 
 def _runner_name(worker) -> str:

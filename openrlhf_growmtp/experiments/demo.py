@@ -146,6 +146,8 @@ def main(argv: list[str] | None = None) -> int:
         "world_name": args.world, "arm_wall_s": {arm: round(seconds, 1) for arm, seconds in wall.items()},
         # each arm's whole wall (start-up, every step, the final export): what a user waits for
         "net_wall_ratio": wall["growmtp"] / wall["ar"],
+        # each arm's rollout engines as vLLM resolved them: runner, asynchronous scheduling, max_num_seqs
+        "engines": {arm: report.engine_facts(out / arm / "train.log") for arm in arms},
         "calibration": calibration,  # the machine before the arms and after the measurements
         "total_wall_s": round(time.perf_counter() - began, 1)})
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

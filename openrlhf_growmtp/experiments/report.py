@@ -64,6 +64,18 @@ def read_arm(tensorboard_dir: str | Path, arm: str, k: int) -> list[dict]:
     return rows
 
 
+ENGINE_FACTS_LINE = "growmtp engine facts: "  # vllm_patches.engine.ENGINE_FACTS_LINE (not imported: vLLM)
+
+
+def engine_facts(train_log: str | Path) -> list[dict]:
+    """Each rollout engine's runner, scheduling and max_num_seqs, as its actor logged them in the run's log."""
+    found = []
+    for line in Path(train_log).read_text(errors="replace").splitlines():
+        if ENGINE_FACTS_LINE in line:
+            found.append(json.loads(line.split(ENGINE_FACTS_LINE, 1)[1]))
+    return found
+
+
 def _mean_known(values) -> float | None:
     """The mean of the values that were logged (None: a step that drafted less deep)."""
     known = [v for v in values if v is not None]

@@ -310,8 +310,9 @@ def run_study(out: Path, plan: list, preset, demo, world, design: Design = Desig
                 rows = report.read_arm(arm_dir / "tensorboard", arm, 0 if arm == "ar" else preset.k)
                 if len(rows) != preset.steps:
                     raise RuntimeError(f"{name} {arm} logged {len(rows)} steps, expected {preset.steps}")
-                (arm_dir / TRAINED_FILE).write_text(json.dumps({"wall_s": wall, "rows": rows,
-                                                                "calibration_before": calibration}) + "\n")
+                (arm_dir / TRAINED_FILE).write_text(json.dumps({
+                    "wall_s": wall, "rows": rows, "calibration_before": calibration,
+                    "engines": report.engine_facts(arm_dir / "train.log")}) + "\n")
                 if stop_after_training:
                     log(f"{name} {arm}: trained; stopping here (--stop-after-training)")
                     return False
@@ -327,7 +328,7 @@ def run_study(out: Path, plan: list, preset, demo, world, design: Design = Desig
             (arm_dir / ARM_FILE).write_text(json.dumps(
                 {"run": name, "seed": seed, "arm": arm, "order": arms.index(arm), "wall_s": trained["wall_s"],
                  "rows": trained["rows"], "paired": results, "command": (arm_dir / "command.txt").read_text().strip(),
-                 "calibration_before": trained["calibration_before"],
+                 "calibration_before": trained["calibration_before"], "engines": trained.get("engines"),
                  "provenance": provenance(calibrate=True)}, indent=1) + "\n")
     return True
 
