@@ -118,8 +118,8 @@ def combine(results: list[dict]) -> dict:
     if len(results) < 2:
         raise ValueError(f"{len(results)} measurement process(es): combining needs at least 2")
     figure = {}
-    for name, per_pair in (("speedup", "speedup_per_pair"), ("ar_s_per_token", None), ("spec_s_per_token", None)):
-        groups = [r[per_pair] for r in results] if per_pair else [_per_pair(r["rows"], name[:-12]) for r in results]
+    for name, arm in (("speedup", None), ("ar_s_per_token", "ar"), ("spec_s_per_token", "spec")):
+        groups = [r["speedup_per_pair"] if arm is None else _per_pair(r["rows"], arm) for r in results]
         interval, medians = process_interval(groups)
         figure[name] = interval.as_dict()
         figure[f"{name}_per_process"] = medians
