@@ -9,7 +9,11 @@ times, with this process's torch threads:
   weights) for 2 sequences, torch's matmuls alone: a step reads every weight once, as the world's decode does,
   so it is bound by memory traffic and per-operator work, as the world's decode is;
 - `bandwidth_gb_s`: read bandwidth, a `sum` over 256 MiB of fp32 (far beyond any cache);
-- `gemm_gflops`: fp32 GEMM rate, 1024 x 1024 x 1024.
+- `gemm_gflops`: fp32 GEMM rate, 1024 x 1024 x 1024;
+- `bf16_gemm_gflops`: bf16 GEMM rate, 256 x 256 x 256: the dtype the policy trains in (DeepSpeed's default), which
+  a CPU without native bf16 arithmetic runs tens of times slower than fp32;
+- `cpu_capability`: the instruction set torch dispatches to (`torch.backends.cpu.get_cpu_capability()`: AVX2,
+  AVX512, ...).
 
 Each is the median of its repeats after a warm-up (what a run meets, not the machine's best); about 2 s in
 all. The same numbers on two machines say little; different ones say why a figure moved.
@@ -67,8 +71,11 @@ def calibrate(repeats: int = REPEATS) -> dict:
     del big
     a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
     gemm = 2 * 1024 ** 3 / _median_s(lambda: torch.mm(a, b), repeats) / 1e9
+    a16, b16 = torch.randn(256, 256).bfloat16(), torch.randn(256, 256).bfloat16()
+    bf16 = 2 * 256 ** 3 / _median_s(lambda: torch.mm(a16, b16), 5) / 1e9
     return {"decode_step_ms": 1e3 * _median_s(decode_step, repeats), "bandwidth_gb_s": bandwidth,
-            "gemm_gflops": gemm, "torch_threads": torch.get_num_threads(), "repeats": repeats}
+            "gemm_gflops": gemm, "bf16_gemm_gflops": bf16, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "torch_threads": torch.get_num_threads(), "repeats": repeats}
 
 
 if __name__ == "__main__":
