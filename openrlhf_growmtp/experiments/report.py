@@ -294,3 +294,25 @@ def plot(out_dir: Path, growmtp: list[dict], ar: list[dict], k: int) -> list[Pat
     fig.savefig(written[-1], dpi=90)
     plt.close(fig)
     return written
+
+
+def interval_comparison(earlier_step: Path, repeated: list[Path], current_step: Path, step: int) -> dict:
+    """The intervals of one checkpoint's paired figure side by side (docs/demo.md): the earlier demo's kept
+    figure (one process, 6 pairs, the percentile bootstrap it was made with) and the same pairs' order-statistic
+    interval; the speed study's two bit-identical runs of one seed at `step` (each one process, and the two taken
+    as two processes); and `current_step`'s figure over its processes."""
+    from openrlhf_growmtp.measure.intervals import median_interval, process_interval
+
+    earlier = json.loads(Path(earlier_step).read_text())
+    runs = [next(p for p in json.loads(Path(path).read_text())["paired"] if p["step"] == step) for path in repeated]
+    two, medians = process_interval([run["speedup_per_pair"] for run in runs])
+    current = json.loads(Path(current_step).read_text())
+    return {
+        "earlier_bootstrap": earlier["speedup"],
+        "earlier_order_statistic": median_interval(earlier["speedup_per_pair"]).as_dict(),
+        "repeated_runs_bootstrap": [run["speedup"] for run in runs],
+        "repeated_runs_order_statistic": [median_interval(run["speedup_per_pair"]).as_dict() for run in runs],
+        "repeated_runs_as_processes": {**two.as_dict(), "per_process": medians},
+        "current": {**current["speedup"], "per_process": current.get("speedup_per_process")},
+        "sources": {"earlier": str(earlier_step), "repeated": [str(p) for p in repeated], "current": str(current_step)},
+    }
