@@ -169,3 +169,15 @@ def test_the_committed_checks_tau_over_the_last_steps_follows_from_its_rows():
     kept = json.loads((ROOT / "docs" / "data" / "depth" / "committed_check_seed7.json").read_text())
     for arm, found in kept["arms"].items():
         assert found["tau_final"] == pytest.approx(tau_final(found["steps"])), arm
+
+
+def test_the_demos_interval_comparison_follows_from_its_files():
+    from openrlhf_growmtp.experiments.report import interval_comparison
+
+    kept = json.loads((ROOT / "docs" / "data" / "demo" / "intervals.json").read_text())
+    sources = kept["sources"]
+    again = interval_comparison(ROOT / sources["earlier"], [ROOT / p for p in sources["repeated"]],
+                                ROOT / sources["current"], 50)
+    for key in ("earlier_bootstrap", "earlier_order_statistic", "repeated_runs_bootstrap",
+                "repeated_runs_order_statistic", "repeated_runs_as_processes", "current"):
+        assert kept[key] == pytest.approx(again[key]), key
