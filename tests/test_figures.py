@@ -107,6 +107,22 @@ def test_what_counts_as_a_figure_and_what_ties_it(kept):
 
 # ---- summaries and tables follow from their kept rows ---------------------------------------------------------
 
+def same(kept, again, where: str = "") -> None:
+    """`kept` equals `again`: numbers to 1e-9 relative (the same arithmetic, JSON's round trip), the rest exactly."""
+    if isinstance(kept, dict):
+        assert set(kept) == set(again), where
+        for key in kept:
+            same(kept[key], again[key], f"{where}.{key}")
+    elif isinstance(kept, list):
+        assert len(kept) == len(again), where
+        for i, (a, b) in enumerate(zip(kept, again)):
+            same(a, b, f"{where}.{i}")
+    elif isinstance(kept, float) or isinstance(again, float):
+        assert kept == pytest.approx(again, rel=1e-9, abs=1e-12), where
+    else:
+        assert kept == again, where
+
+
 def test_the_demos_summary_follows_from_its_kept_rows():
     from openrlhf_growmtp.experiments import report
     from openrlhf_growmtp.measure.paired_rollout import combine, summarize
@@ -117,7 +133,7 @@ def test_the_demos_summary_follows_from_its_kept_rows():
     arms = {arm: [r for r in rows if r["arm"] == arm] for arm in ("ar", "growmtp")}
     again = report.summarize(arms["growmtp"], arms["ar"], summary["k"], extra={})
     for key, value in again.items():
-        assert summary[key] == pytest.approx(value), key
+        same(summary[key], value, key)
     walls = summary["arm_wall_s"]
     assert summary["net_wall_ratio"] == pytest.approx(walls["growmtp"] / walls["ar"], abs=1e-3)  # walls rounded
     for kept in summary["paired"]:
@@ -126,7 +142,7 @@ def test_the_demos_summary_follows_from_its_kept_rows():
         assert kept["tau"] == pytest.approx(figure["tau"])
         assert kept["speedup"]["estimate"] == pytest.approx(figure["speedup"]["estimate"])
         if kept["speedup"]["method"] == figure["speedup"]["method"]:  # an older file's bootstrap: its estimate
-            assert kept["speedup"] == pytest.approx(figure["speedup"])
+            same(kept["speedup"], figure["speedup"], f"step {kept['step']}")
 
 
 def kept_study(tmp_path: Path, data: Path) -> Path:
@@ -157,9 +173,10 @@ def test_a_kept_studys_summary_and_table_follow_from_its_arm_files(tmp_path, nam
     for arm, figures in summary["across"].items():
         for figure, kept_figure in figures.items():
             for key in ("estimate", "low", "high", "detectable", "repeat_difference", "per_seed"):
-                assert kept_figure[key] == pytest.approx(again["across"][arm][figure][key]), (arm, figure, key)
+                same(kept_figure[key], again["across"][arm][figure][key], f"{arm}.{figure}.{key}")
     if "auto_over_fixed_net_wall" in summary:
-        assert summary["auto_over_fixed_net_wall"] == pytest.approx(again["auto_over_fixed_net_wall"])
+        for key in ("estimate", "low", "high", "detectable"):
+            same(summary["auto_over_fixed_net_wall"][key], again["auto_over_fixed_net_wall"][key], key)
     assert (data / "table.md").read_text().strip() == speed_study.table(again).strip()
 
 
@@ -180,4 +197,4 @@ def test_the_demos_interval_comparison_follows_from_its_files():
                                 ROOT / sources["current"], 50)
     for key in ("earlier_bootstrap", "earlier_order_statistic", "repeated_runs_bootstrap",
                 "repeated_runs_order_statistic", "repeated_runs_as_processes", "current"):
-        assert kept[key] == pytest.approx(again[key]), key
+        same(kept[key], again[key], key)
