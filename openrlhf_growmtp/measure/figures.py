@@ -109,9 +109,9 @@ def check(path: Path) -> list[str]:
 NUMBER = r"\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d+)?"
 # a number, or a range of two, with a speed or time unit after it ("1.18×", "516 s", "9-12%", "1,292 tokens/s"; a
 # ratio's × right after the number, "2 × hidden" being arithmetic)
-# (an interval's level, "95% interval", is no figure)
+# (an interval's level, "95% interval", "[95%]", is no figure)
 UNIT_FIGURE = re.compile(rf"(?<![\w.\-/])({NUMBER})(?:\s?[-–]\s?({NUMBER}))?(?:\*\*)?(?:×(?!\s?\d)|x(?![\w])|\s?ms\b|\s?s\b|\s?min\b|"
-                         r"\s?minutes?\b|\s?seconds?\b|\s?hours?\b|%(?!\s(?:interval|confidence|bootstrap|percentile))|"
+                         r"\s?minutes?\b|\s?seconds?\b|\s?hours?\b|%(?!\s(?:interval|confidence|bootstrap|percentile)|\])|"
                          r"\s?tokens?/s\b|\s?tok/s\b|\s?[GT]B/s\b|\s?[GT]FLOP/s\b)")
 # a τ value: "τ 2.26", "τ = 2.91", "τ ≈ 2.9", "at τ 3.01-3.04", "τ 1.04 → 2.23" (not "τ = 1", the floor, nor a
 # formula, "τ = 1 + ...")
