@@ -80,14 +80,14 @@ def test_a_seed_run_twice_counts_once_and_its_spread_is_kept(tmp_path):
 
 def test_the_cumulative_wall_ratio_at_every_step_and_at_the_end_with_its_interval():
     # GrowMTP's steps cost 6 s for the first 10 steps, then 2 s; the autoregressive arm's 3 s throughout: the
-    # cumulative ratio is 2 until step 10, then falls, and crosses 1 at step 31 (62 + 2 (s - 10) < 3 s: s > 30)
+    # cumulative ratio is 2 until step 10, then falls, and crosses 1 at step 41 (60 + 2 (s - 10) < 3 s: s > 40)
     ar = arm_rows(3.0, 2.0, 30.0, steps=60)
     mine = arm_rows(2.0, 1.0, 30.0, steps=60, tau=2.0)
     for row in mine[:10]:
         row["step_s"] = 6.0
     c = speed_study.cumulative(mine, ar)
     assert c["ratio"][9] == pytest.approx(2.0) and c["ratio"][-1] == pytest.approx((60 + 100) / 180)
-    assert c["crossover_step"] == 31 and c["steps"] == list(range(1, 61))
+    assert c["crossover_step"] == 41 and c["steps"] == list(range(1, 61))
     end = c["end"]
     assert end["estimate"] == pytest.approx(c["ratio"][-1]) and end["method"].startswith("batch means")
     assert end["low"] < end["estimate"] < end["high"]  # the first batch's 6 s steps are spread

@@ -127,7 +127,7 @@ def test_combine_takes_the_mean_of_the_processes_medians_with_a_t_interval_over_
                          machine.clock)
         for row, speedup in zip([r for r in rows if r["arm"] == "spec"], speedups):
             row["wall_s"] = row["tokens"] * 0.003 * slow / speedup  # the pair's own speedup
-        results.append(summarize(rows))
+        results.append({"rows": rows, **summarize(rows)})  # a process's result: its rows and summary
     combined = combine(results)
     assert combined["speedup_per_process"] == pytest.approx([1.2, 1.05, 1.25])
     half = stats.t.ppf(0.975, 2) * np.std([1.2, 1.05, 1.25], ddof=1) / np.sqrt(3)
