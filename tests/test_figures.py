@@ -124,11 +124,12 @@ def same(kept, again, where: str = "") -> None:
         assert kept == again, where
 
 
-def test_the_demos_summary_follows_from_its_kept_rows():
+@pytest.mark.parametrize("run", ["demo", "demo/earlier"])
+def test_the_demos_summary_follows_from_its_kept_rows(run):
     from openrlhf_growmtp.experiments import report
     from openrlhf_growmtp.measure.paired_rollout import combine, summarize
 
-    data = ROOT / "docs" / "data" / "demo"
+    data = ROOT / "docs" / "data" / run
     summary = json.loads((data / "summary.json").read_text())
     rows = [json.loads(line) for line in (data / "metrics.jsonl").read_text().splitlines()]
     arms = {arm: [r for r in rows if r["arm"] == arm] for arm in ("ar", "growmtp")}
@@ -137,6 +138,7 @@ def test_the_demos_summary_follows_from_its_kept_rows():
         same(summary[key], value, key)
     walls = summary["arm_wall_s"]
     assert summary["net_wall_ratio"] == pytest.approx(walls["growmtp"] / walls["ar"], abs=1e-3)  # walls rounded
+    same(summary["cumulative"], report.cumulative(arms["growmtp"], arms["ar"]), "cumulative")
     for kept in summary["paired"]:
         measured = json.loads((data / "paired" / f"step{kept['step']}.json").read_text())
         figure = combine(measured["per_process"]) if "per_process" in measured else summarize(measured["rows"])

@@ -146,6 +146,8 @@ def main(argv: list[str] | None = None) -> int:
         "world_name": args.world, "arm_wall_s": {arm: round(seconds, 1) for arm, seconds in wall.items()},
         # each arm's whole wall (start-up, every step, the final export): what a user waits for
         "net_wall_ratio": wall["growmtp"] / wall["ar"],
+        # the RL steps' cumulative wall, GrowMTP / autoregressive, at every step and at the end with its interval
+        "cumulative": report.cumulative(rows["growmtp"], rows["ar"]),
         # each arm's rollout engines as vLLM resolved them: runner, asynchronous scheduling, max_num_seqs
         "engines": {arm: report.engine_facts(out / arm / "train.log") for arm in arms},
         "calibration": calibration,  # the machine before the arms and after the measurements

@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 from statistics import mean
 
-from openrlhf_growmtp.measure.intervals import verdict
+from openrlhf_growmtp.measure.intervals import BATCH, batch_ratio_interval, verdict
 
 FINAL_WINDOW = 5  # "final" values are means over the last steps (one step's τ or reward is noisy)...
 SPEEDUP_WINDOW = 10  # the speedups are means over the last steps too (rollout_speedup_last10, ...)
@@ -114,6 +114,21 @@ def crossover_step(growmtp: list[dict], ar: list[dict], field: str = "step_s") -
         elif crossed is None:
             crossed = row["step"]
     return crossed
+
+
+def cumulative(rows: list[dict], ar_rows: list[dict]) -> dict:
+    """The RL steps' cumulative wall, GrowMTP / autoregressive, at every step, and at the end with its
+    batch-means interval over the steps: what the noise of single steps leaves of the end ratio."""
+    theirs = {r["step"]: r["step_s"] for r in ar_rows}
+    common = [r for r in rows if r["step"] in theirs]
+    mine, ar = [r["step_s"] for r in common], [theirs[r["step"]] for r in common]
+    ratios, total, ar_total = [], 0.0, 0.0
+    for a, b in zip(mine, ar):
+        total, ar_total = total + a, ar_total + b
+        ratios.append(total / ar_total)
+    return {"steps": [r["step"] for r in common], "ratio": ratios,
+            "end": batch_ratio_interval(mine, ar).as_dict() if len(common) >= 3 * BATCH else None,
+            "crossover_step": crossover_step(rows, ar_rows)}
 
 
 def tokens_per_step(rows: list[dict], samples_per_step: int) -> list[float]:

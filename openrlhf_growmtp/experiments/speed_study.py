@@ -51,8 +51,7 @@ from openrlhf_growmtp.experiments import paired, report
 from openrlhf_growmtp.experiments.demo import run_arm
 from openrlhf_growmtp.experiments.recipes import WORLDS, train_command
 from openrlhf_growmtp.measure.calibration import calibrate
-from openrlhf_growmtp.measure.intervals import (BATCH, batch_ratio_interval, detectable_difference, mean_interval,
-                                                sample_sd, verdict)
+from openrlhf_growmtp.measure.intervals import detectable_difference, mean_interval, sample_sd, verdict
 from openrlhf_growmtp.measure.provenance import provenance
 
 ARMS = ("ar", "fixed", "auto")
@@ -124,23 +123,8 @@ def compare(arm: dict, ar: dict, samples: int) -> dict:
     out["paired_tau"] = {str(p["step"]): p["tau"] for p in arm.get("paired", [])}
     out["paired_per_process"] = {str(p["step"]): p["speedup_per_process"] for p in arm.get("paired", [])
                                  if "speedup_per_process" in p}
-    out["cumulative"] = cumulative(rows, ar_rows)
+    out["cumulative"] = report.cumulative(rows, ar_rows)
     return out
-
-
-def cumulative(rows: list[dict], ar_rows: list[dict]) -> dict:
-    """The RL steps' cumulative wall, GrowMTP / autoregressive, at every step, and at the end with its
-    batch-means interval over the steps: what the noise of single steps leaves of the end ratio."""
-    theirs = {r["step"]: r["step_s"] for r in ar_rows}
-    common = [r for r in rows if r["step"] in theirs]
-    mine, ar = [r["step_s"] for r in common], [theirs[r["step"]] for r in common]
-    ratios, total, ar_total = [], 0.0, 0.0
-    for a, b in zip(mine, ar):
-        total, ar_total = total + a, ar_total + b
-        ratios.append(total / ar_total)
-    return {"steps": [r["step"] for r in common], "ratio": ratios,
-            "end": batch_ratio_interval(mine, ar).as_dict() if len(common) >= 3 * BATCH else None,
-            "crossover_step": report.crossover_step(rows, ar_rows)}
 
 
 FIGURES = ("net_wall_ratio", "net_wall_per_token_ratio", "step_ratio_early", "step_ratio_late",

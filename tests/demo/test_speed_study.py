@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from openrlhf_growmtp.experiments import paired, speed_study
+from openrlhf_growmtp.experiments import paired, report, speed_study
 from openrlhf_growmtp.experiments.paired import PairedPlan, checkpoint_dir, checkpoint_flags, depth_at
 from openrlhf_growmtp.experiments.demo import paired_plan
 from openrlhf_growmtp.measure.intervals import verdict
@@ -85,13 +85,13 @@ def test_the_cumulative_wall_ratio_at_every_step_and_at_the_end_with_its_interva
     mine = arm_rows(2.0, 1.0, 30.0, steps=60, tau=2.0)
     for row in mine[:10]:
         row["step_s"] = 6.0
-    c = speed_study.cumulative(mine, ar)
+    c = report.cumulative(mine, ar)
     assert c["ratio"][9] == pytest.approx(2.0) and c["ratio"][-1] == pytest.approx((60 + 100) / 180)
     assert c["crossover_step"] == 41 and c["steps"] == list(range(1, 61))
     end = c["end"]
     assert end["estimate"] == pytest.approx(c["ratio"][-1]) and end["method"].startswith("batch means")
     assert end["low"] < end["estimate"] < end["high"]  # the first batch's 6 s steps are spread
-    assert speed_study.cumulative(mine[:20], ar[:20])["end"] is None  # too few steps for batches
+    assert report.cumulative(mine[:20], ar[:20])["end"] is None  # too few steps for batches
 
 
 def test_paired_checkpoints_the_flags_the_places_and_the_depth_they_draft_at(tmp_path):
