@@ -1,6 +1,6 @@
 """GROWMTP_SMOKE=1 never deletes a directory it did not make (`fresh_smoke_dir` in common.sh).
 
-The script runs under a stand-in python (a shell script that logs its arguments, says CUDA is there and
+The script runs under a stand-in python (a shell script that logs its arguments, decides a GPU run and
 succeeds), so only the shell's own file handling is exercised: which directory the smoke writes to, and what
 it removes before it starts."""
 
@@ -17,8 +17,9 @@ STAND_IN = """#!/usr/bin/env bash
 printf '%s\\n' "$*" >> "$STAND_IN_LOG"
 case "$*" in
   *pathlib*) echo /nowhere/math_reward.py ;;  # the reward's path, printed by python -c
+  *decide_run*) echo "a GPU run"; exit 1 ;;  # cpu_support's decision: exit 1 is "no CPU run needed", a GPU run
 esac
-exit 0  # every call succeeds; the CUDA probe's exit 0 means CUDA is there
+exit 0  # every other call succeeds
 """
 
 

@@ -29,13 +29,21 @@ def cuda_hidden(monkeypatch):
 
 @pytest.fixture
 def upstream_kwargs(monkeypatch):
-    """The kwargs our rollout actors hand to upstream's __init__ (which would start vLLM)."""
+    """The kwargs our rollout actors hand to upstream's __init__ (which would start vLLM); no engine, so no
+    engine facts to read either."""
+    import vllm_patches.engine
+
     seen = {}
 
     async def record(self, *args, **kwargs):
         seen.update(kwargs)
+        self.llm = None
+
+    async def no_facts(llm):
+        return {}
 
     monkeypatch.setattr(UPSTREAM_ACTOR, "__init__", record)
+    monkeypatch.setattr(vllm_patches.engine, "engine_facts_async", no_facts)
     return seen
 
 
