@@ -14,6 +14,7 @@ AdamW, and the reason is recorded. The build's log sits beside the runs' logs.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -98,4 +99,6 @@ def _build(result_path: Path) -> None:
 
 
 if __name__ == "__main__":
-    _build(Path(sys.argv[1]))
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("result", type=Path, help="where the build's outcome (JSON) goes")
+    _build(parser.parse_args().result)

@@ -21,6 +21,7 @@ anything down; `faulthandler` writes every thread's stack to the log if the proc
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import faulthandler
 import gc
@@ -345,4 +346,6 @@ def run_plain(spec: dict, device: torch.device) -> dict:
 RUNS = {"step": run_step, "plain": run_plain}
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("spec", help="the run's SPEC.json, as gpu_trainer.py writes it")
+    main(parser.parse_args().spec)
