@@ -164,8 +164,8 @@ def main() -> None:
                                vocab_size=RECORD_IDS, hidden_size=config.hidden_size, seed=args.seed + 1)
         result["check_fp32"] = differences(head32, vocab, [short], [short.hidden.float()], chunk_cycles)
     a, s = result["arms"]["all"], result["arms"]["subset"]
-    print(f"Qwen3-4B's head (H={config.hidden_size}, V={config.vocab_size:,}, {args.dtype}) on this CPU; {cycles} cycles at "
-          f"K={K}, τ={result['tau']:.2f}, chunks of {chunk_cycles}; {args.rounds} rounds")
+    print(f"Qwen3-4B's head (H={config.hidden_size}, V={config.vocab_size:,}, {args.dtype}) on this CPU; "
+          f"{cycles} cycles at K={K}, τ={result['tau']:.2f}, chunks of {chunk_cycles}; {args.rounds} rounds")
     for name, arm in (("every id", a), (f"{vocab.size:,} ids", s)):
         print(f"  {name:>11}: {arm['update_s']['median']:7.2f} s per update (rounds {arm['update_s']['min']:.2f}-"
               f"{arm['update_s']['max']:.2f}), {arm['per_cycle_ms']['median']:6.2f} ms per cycle")

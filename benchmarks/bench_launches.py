@@ -264,8 +264,8 @@ def measure(args) -> dict:
     gpu_plan = count(head, gpu_records, torch.bfloat16, "cuda", args.gpu_chunk)
     del gpu_records
     tau = 1.0 + float(torch.cat([rec.accepted for rec in records]).float().mean())
-    return {"cycles": cycles, "chunk_cycles": args.gpu_chunk, "tau": tau, "k": K, "topk": TOPK, "responses": args.responses,
-            "tokens": args.tokens, "ops_per_cycle": sum(gpu_plan.values()) / gpu_cycles,
+    return {"cycles": cycles, "chunk_cycles": args.gpu_chunk, "tau": tau, "k": K, "topk": TOPK,
+            "responses": args.responses, "tokens": args.tokens, "ops_per_cycle": sum(gpu_plan.values()) / gpu_cycles,
             "ops": sum(gpu_plan.values()), "cycles_at_chunk": gpu_cycles,
             "ops_at_1024": sum(cuda_plan.values()), "ops_per_cycle_at_1024": sum(cuda_plan.values()) / cycles,
             "ops_cpu_plan": sum(cpu_plan.values()), "ops_per_cycle_cpu_plan": sum(cpu_plan.values()) / cycles,

@@ -158,8 +158,8 @@ def chunk_peaks(shape: Shape, chunks: list[int], k: int, topk: int, tau: float, 
         # int(tokens / τ) cycles: exactly `chunk`
         rec = records_at_tau(int(chunk * tau), prompt, tau, k, topk, min(DRAW_VOCAB, shape.config.vocab_size),
                              hidden_size=None, seed=chunk)
-        hidden = torch.randn(rec.token_ids.shape[0], shape.config.hidden_size, generator=torch.Generator().manual_seed(1)
-                             ).to(dtype)
+        hidden = torch.randn(rec.token_ids.shape[0], shape.config.hidden_size,
+                             generator=torch.Generator().manual_seed(1)).to(dtype)
         cfg = HeadLossConfig(chunk_cycles=chunk)
         t0 = time.perf_counter()
         with PeakMemory() as memory:

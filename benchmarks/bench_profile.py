@@ -229,7 +229,7 @@ def run_cycle(args) -> dict:
 
     results["spec"] = profile_engine(engine.llm, spec_generate, timers, args.repeats)
     engine.close()
-    del engine
+    engine = None  # the engine goes; spec_generate above holds only the variable
     gc.collect()
 
     timers = Timers()

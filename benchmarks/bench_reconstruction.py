@@ -296,7 +296,8 @@ def main() -> None:
     chunk_memory = {}
     for chunk in (64, 256, 1024):
         chunk_memory[chunk] = peak_memory_mb(head, rec, chunk, args.device)
-        print(f"  chunk {chunk:>5}: {chunk_memory[chunk]['activations']:8.1f} {chunk_memory[chunk]['prefix_state']:8.1f}")
+        mb = chunk_memory[chunk]
+        print(f"  chunk {chunk:>5}: {mb['activations']:8.1f} {mb['prefix_state']:8.1f}")
 
     print(f"\nmemory per response length at chunk 256 ({unit}: activations, prefix state)")
     length_memory = {}

@@ -106,7 +106,7 @@ def compare(args) -> None:
     inputs = [{"prompt_token_ids": p} for p in prompts]
     _, wall = timed(lambda: llm.generate(inputs, params, use_tqdm=False), args.repeats)
     rows["ar"] = {"tokens_per_s": tokens / wall}
-    del llm
+    llm = None  # the engine goes; the timed lambda above holds only the variable
     gc.collect()
 
     for tag, head_dir in (("random", random_head), ("trained", work / "head_trained")):
@@ -200,7 +200,7 @@ def sweep(args) -> None:
         inputs = [{"prompt_token_ids": p} for p in prompts[:row["concurrency"]]]
         _, wall = timed(lambda: llm.generate(inputs, params, use_tqdm=False), args.repeats)
         row["ar_tokens_per_s"] = row["concurrency"] * args.max_tokens / wall
-    del llm
+    llm = None  # the engine goes; the timed lambda above holds only the variable
     gc.collect()
 
     # the random head, then a head grown on its records, as the RL run's first steps grow it; the two

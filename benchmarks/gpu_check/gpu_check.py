@@ -92,7 +92,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--tau", type=float, help="(c): the records' tau, tokens per cycle (default 3.0; also (a)'s "
                         "records; 2.91 with 64 responses of 8,192 tokens is the paper's step per GPU, ~180K cycles)")
     parser.add_argument("--chunk-cycles", type=int,
-                        help="(c): cycles per head-update chunk (default 4096, a GPU's --growmtp_chunk_cycles; tiny 64)")
+                        help="(c): cycles per head-update chunk (default 4096, a GPU's --growmtp_chunk_cycles; "
+                        "tiny 64)")
     parser.add_argument("--only", help=f"comma-separated checks to run, of {','.join(CHECKS)} (b and d need a, "
                         "which then runs too)")
     parser.add_argument("--deadline-s", type=float, help="checks not started this many seconds after the start "
@@ -406,8 +407,8 @@ def main(argv=None) -> int:
             f"{env['cuda']}, transformers {env['transformers']}); checks {','.join(args.only)}; commit "
             f"{env['git_commit']} ({env['git_commit_from']})")
     if env["git_commit_disagrees"]:
-        run.log(f"WARNING: ${HOST_COMMIT_ENV} is {env['git_commit']}, this copy's git HEAD {env['git_commit_of_this_copy']}"
-                ": the JSON records the host's")
+        run.log(f"WARNING: ${HOST_COMMIT_ENV} is {env['git_commit']}, this copy's git HEAD "
+                f"{env['git_commit_of_this_copy']}: the JSON records the host's")
     run.save()
     try:
         run.all_checks()

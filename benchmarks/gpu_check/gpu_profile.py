@@ -51,7 +51,8 @@ def profile_update(head, records, hiddens, chunk: int, rows: int) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     head.zero_grad(set_to_none=False)
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof, Meter(torch.device("cuda")) as meter:
+    activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+    with profile(activities=activities) as prof, Meter(torch.device("cuda")) as meter:
         head_update(head, records, hiddens, chunk)
     wall = meter.seconds
     events = prof.key_averages()

@@ -178,7 +178,8 @@ def _save_policy(policy, sequences: torch.Tensor, prompt: int, work: Path, layer
     with torch.no_grad():
         logits = policy(input_ids=sequences.to(policy.device)).logits.float()
         logp = torch.log_softmax(logits[:, :-1], -1).gather(-1, sequences[:, 1:, None].to(policy.device))[..., 0]
-    save_file({"logp": logp[:, prompt - 1:].cpu().contiguous()}, str(work / "experience" / f"logp_{layers}.safetensors"))
+    save_file({"logp": logp[:, prompt - 1:].cpu().contiguous()},
+              str(work / "experience" / f"logp_{layers}.safetensors"))
     policy.save_pretrained(work / f"policy_{layers}")
 
 
@@ -346,7 +347,8 @@ def _depth(plan, layers: int, drafted: Drafted, runner: Runner, modes, blocking:
     return _rows(plan, details), details
 
 
-def _details(plan, layers, config, drafted: Drafted, runs: dict, comparison, control, work: Path, blocking: bool) -> dict:
+def _details(plan, layers, config, drafted: Drafted, runs: dict, comparison, control, work: Path,
+             blocking: bool) -> dict:
     sequences = drafted.sequences
     d = {"layers": layers, "hidden_size": config.hidden_size, "vocab_size": config.vocab_size,
          "responses": plan.trainer_responses, "prompt_tokens": plan.trainer_prompt,

@@ -24,7 +24,8 @@ def test_record_bytes_are_the_record_tensors_bytes_counted_from_their_shapes(k, 
     assert r["packed_bytes"] == packed
     assert r["exact_bytes"] == packed + 2 * t * hidden  # + bf16 hidden [T, H]
     # unpacked: every integer tensor back to int64, the log-probs stay bf16
-    assert r["unpacked_bytes"] == 8 * t + 8 * cycles + 8 * cycles * k + 8 * cycles * k * topk + 2 * cycles * k * topk + 8 * cycles
+    assert r["unpacked_bytes"] == (8 * t + 8 * cycles + 8 * cycles * k + 8 * cycles * k * topk
+                                   + 2 * cycles * k * topk + 8 * cycles)
     assert r["generated"] == t - 20
     assert r["packed_bytes_per_token"] == pytest.approx(packed / (t - 20))
     # the draw's mean accepted count: an accepted count lies in 0..K, so its standard deviation is at most K / 2;

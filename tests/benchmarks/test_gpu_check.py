@@ -117,7 +117,8 @@ def _check_head_update_graph(graph):
 
 def _check_trainer_step(trainer, out_dir, modes=("production", "strict"), layers=TINY.trainer_layers):
     # the GPU machine's environment, rehearsed: Ray and vLLM were never imported, only stood in for
-    assert trainer["standins"] == ["ray", "vllm"] and trainer["optimizer"] == ["torch AdamW through DeepSpeed (torch_adam)"]
+    assert trainer["standins"] == ["ray", "vllm"]
+    assert trainer["optimizer"] == ["torch AdamW through DeepSpeed (torch_adam)"]
     assert trainer["layers"] == layers and trainer["steps"] == TINY.trainer_steps
     assert trainer["optimizer_choice"]["reason"] == "no CUDA"
     # every run in a process of its own, each started with no DeepSpeed engine alive in it or in the check's
@@ -634,7 +635,8 @@ def test_the_commit_recorded_is_the_hosts_where_given(monkeypatch):
     assert here["git_commit"] == here["git_commit_of_this_copy"] and not here["git_commit_disagrees"]
     monkeypatch.setenv("GPU_HOST_COMMIT", "0123456789abcdef0123456789abcdef01234567")
     host = gpu_check.commits()
-    assert host["git_commit"] == "0123456789abcdef0123456789abcdef01234567" and host["git_commit_from"] == "GPU_HOST_COMMIT"
+    assert host["git_commit"] == "0123456789abcdef0123456789abcdef01234567"
+    assert host["git_commit_from"] == "GPU_HOST_COMMIT"
     assert host["git_commit_disagrees"] == (here["git_commit_of_this_copy"] is not None)
     monkeypatch.setenv("GPU_HOST_COMMIT", (here["git_commit_of_this_copy"] or "x")[:7])  # a short form agrees
     assert not gpu_check.commits()["git_commit_disagrees"]

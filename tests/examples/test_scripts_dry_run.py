@@ -128,7 +128,8 @@ def check_dry_run(out: dict, cwd: Path, name: str) -> None:
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     assert "passed every startup check; not starting Ray" in result.stdout
     command = next(line for line in result.stdout.splitlines() if line.startswith("+ "))
-    expected = CASES[name][3] + ([ABLATION_FLAGS[name.removeprefix("ablation_")]] if name.startswith("ablation") else [])
+    expected = CASES[name][3] + ([ABLATION_FLAGS[name.removeprefix("ablation_")]]
+                                 if name.startswith("ablation") else [])
     for flag in expected + PAPER_GRPO:
         assert flag in command, (flag, command)
     assert "Started a local Ray instance" not in result.stdout + result.stderr
