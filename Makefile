@@ -90,10 +90,10 @@ rehearse: $(STAMP)
 	PYTHON=$(CURDIR)/$(PY) bash examples/rehearse_all.sh
 
 bench: $(STAMP)
-	$(PY) benchmarks/bench_reconstruction.py
-	$(PY) benchmarks/bench_head_update.py
-	$(PY) benchmarks/bench_rollout.py
-	$(PY) benchmarks/bench_topk.py
+	$(PY) -m benchmarks.bench_reconstruction
+	$(PY) -m benchmarks.bench_head_update
+	$(PY) -m benchmarks.bench_rollout
+	$(PY) -m benchmarks.bench_topk
 
 # The GPU check (docs/gpu.md). On a GPU machine, with its own python and torch (no registry needed), in at most
 # $$GPU_BUDGET_S seconds (480): installs the carried .gpu-wheels/ into .gpu-site/, then checks at Qwen3-4B's

@@ -15,8 +15,8 @@ step's time does not depend on them), every linear through vLLM's CPU GEMM as th
 From them, per arm: draft / decode, and the cycle speedup the formula predicts at --tau and K, τ x decode /
 (verify + K x draft) (engine overhead left out, as in docs/gpu.md's cycle formula).
 
-    python benchmarks/bench_draft_vocab.py [--layers 36] [--subset 32768] [--k 5] [--tau 2.91] [--out FILE]
-    python benchmarks/bench_draft_vocab.py --acceptance docs/data/draft_vocab/runs [--out FILE]
+    python -m benchmarks.bench_draft_vocab [--layers 36] [--subset 32768] [--k 5] [--tau 2.91] [--out FILE]
+    python -m benchmarks.bench_draft_vocab --acceptance docs/data/draft_vocab/runs [--out FILE]
 
 --acceptance: what a smaller draft vocabulary costs in τ, from the paper and reasoning worlds' runs kept by
     python -m openrlhf_growmtp.experiments.ablations --worlds paper,reasoning --arms growmtp --no-ceiling \
@@ -32,12 +32,12 @@ import time
 from pathlib import Path
 
 import torch
-from bench_common import median_seconds, qwen3_4b_config
-from bench_cycle_formula import with_engine_gemms
-from bench_profile import machine, provenance
-from cycle_timing import KVBuffer, policy_times
 from transformers import Qwen3ForCausalLM
 
+from benchmarks.bench_cycle_formula import with_engine_gemms
+from benchmarks.bench_profile import machine, provenance
+from benchmarks.shared.bench_common import median_seconds, qwen3_4b_config
+from benchmarks.shared.cycle_timing import KVBuffer, policy_times
 from openrlhf_growmtp.core import MTPHead, make_head_config
 from openrlhf_growmtp.core.families import get_family
 

@@ -20,7 +20,7 @@ difference relative to its own scale.
 --dtype: bfloat16 is the trainer's; a CPU without bf16 matrix instructions (AVX2 only: torch runs bf16 products
 through its reference GEMM, several times slower than fp32's) times float32, the default here.
 
-    python benchmarks/bench_head_vocab.py [--tokens 2048] [--subset 32768] [--rounds 5] [--dtype float32] [--out FILE]
+    python -m benchmarks.bench_head_vocab [--tokens 2048] [--subset 32768] [--rounds 5] [--dtype float32] [--out FILE]
 """
 
 from __future__ import annotations
@@ -32,9 +32,9 @@ import time
 from pathlib import Path
 
 import torch
-from bench_common import qwen3_4b_config, records_at_tau
 from torch import nn
 
+from benchmarks.shared.bench_common import qwen3_4b_config, records_at_tau
 from openrlhf_growmtp.core import HeadLossConfig, MTPHead, head_loss_backward, init_random_head_, make_head_config
 from openrlhf_growmtp.core.draft_vocab import DraftVocab, MaskedLMHead
 from openrlhf_growmtp.core.families import get_family

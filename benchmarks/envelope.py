@@ -1,6 +1,6 @@
 """The envelope of each example recipe at its default settings, by arithmetic (derived, not measured).
 
-    python benchmarks/envelope.py [--json docs/data/envelope/envelope.json]
+    python -m benchmarks.envelope [--json docs/data/envelope/envelope.json]
 
 Per recipe (examples/scripts/common.sh: 4 training GPUs under ZeRO-3 with the reference colocated, 4 vLLM
 engines at --vllm.gpu_memory_utilization 0.8, 64 prompts x 8 samples, 1,024-token prompts at most, the preset's
@@ -28,7 +28,7 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from openrlhf_growmtp.memory_estimate import (ModelShape, TrainingLayout, training_gpu, usable_gib)
+from openrlhf_growmtp.memory_estimate import ModelShape, TrainingLayout, training_gpu, usable_gib
 
 ROOT = Path(__file__).resolve().parents[1]
 GIB = 2**30

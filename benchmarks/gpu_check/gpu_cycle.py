@@ -42,10 +42,17 @@ speedup either way: the prediction here is a reading of the formula, not a bound
 from __future__ import annotations
 
 import torch
-from bench_common import fit_line
-from cycle_timing import (cycle_prediction, draft_time, policy_times, rollout_prediction, step_prediction,
-                          training_time)
-from gpu_report import Row
+
+from benchmarks.gpu_check.gpu_report import Row
+from benchmarks.shared.bench_common import fit_line
+from benchmarks.shared.cycle_timing import (
+    cycle_prediction,
+    draft_time,
+    policy_times,
+    rollout_prediction,
+    step_prediction,
+    training_time,
+)
 
 # The paper (Section 4 and Table 1, Qwen3-4B on math): K = 5, tau 2.91, rollouts of up to 8,192 tokens,
 # 64 prompts x 8 responses per RL step on 8 GPUs; the AR run's rollout 523.86 s of a 723.51 s step, the

@@ -24,11 +24,12 @@ import contextlib
 import math
 
 import torch
-from gpu_cycle import PAPER
-from gpu_loop import acceptance_z
-from gpu_loop_lines import at_real_layers, rollout_from_loop
-from gpu_report import Row
-from gpu_sampler import Z_LIMIT
+
+from benchmarks.gpu_check.gpu_cycle import PAPER
+from benchmarks.gpu_check.gpu_loop import acceptance_z
+from benchmarks.gpu_check.gpu_loop_lines import at_real_layers, rollout_from_loop
+from benchmarks.gpu_check.gpu_report import Row
+from benchmarks.gpu_check.gpu_sampler import Z_LIMIT
 
 OUTSIDE_MASS = 0.05  # a flat p's mass outside the draft vocabulary, in the subset's runs
 IDS_SEED = 0

@@ -9,7 +9,7 @@ its first run waits for it until S seconds after the start. Built and loaded, an
 parameter on the device: every run loads it from that directory (DeepSpeed finds it built). Otherwise: torch's
 AdamW, and the reason is recorded. The build's log sits beside the runs' logs.
 
-    python benchmarks/gpu_check/gpu_fused_adam.py RESULT.json     # the build, as trainer_step starts it
+    python -m benchmarks.gpu_check.gpu_fused_adam RESULT.json     # the build, as trainer_step starts it
 """
 
 from __future__ import annotations
@@ -37,8 +37,9 @@ class FusedAdamBuild:
         out_dir.mkdir(parents=True, exist_ok=True)
         self.result_path.unlink(missing_ok=True)
         with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), str(self.result_path)],
-                                         stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **self.env()})
+            self.proc = subprocess.Popen([sys.executable, "-m", "benchmarks.gpu_check.gpu_fused_adam",
+                                          str(self.result_path)], cwd=Path(__file__).resolve().parents[2], stdout=log,
+                                         stderr=subprocess.STDOUT, env={**os.environ, **self.env()})
 
     def env(self) -> dict[str, str]:
         """What the build and every run that loads it share: where torch keeps built extensions, and a PATH with

@@ -5,9 +5,9 @@ the two depths the loop ran (`at_real_layers`), and over the paper's whole rollo
 
 from __future__ import annotations
 
-from bench_common import fit_line
-from cycle_timing import rollout_prediction
-from gpu_cycle import PAPER
+from benchmarks.gpu_check.gpu_cycle import PAPER
+from benchmarks.shared.bench_common import fit_line
+from benchmarks.shared.cycle_timing import rollout_prediction
 
 
 def at_real_layers(measured: dict, contexts, real_layers: int) -> dict:

@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
+
+from benchmarks import bench_memory
 from helpers.tiny import tiny_backbone_config
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks"))  # the benchmarks' modules, as the script itself sees them
-
-import bench_memory  # noqa: E402
 
 
 @pytest.mark.parametrize("k,topk,tau", [(3, 8, 1.0), (5, 64, 3.0), (7, 16, 2.2)])
