@@ -20,7 +20,7 @@ difference relative to its own scale.
 --dtype: bfloat16 is the trainer's; a CPU without bf16 matrix instructions (AVX2 only: torch runs bf16 products
 through its reference GEMM, several times slower than fp32's) times float32, the default here.
 
-    python benchmarks/bench_head_vocab.py [--tokens 2048] [--subset 32768] [--rounds 5] [--dtype float32] [--out FILE]
+    python -m benchmarks.bench_head_vocab [--tokens 2048] [--subset 32768] [--rounds 5] [--dtype float32] [--out FILE]
 """
 
 from __future__ import annotations
@@ -32,9 +32,9 @@ import time
 from pathlib import Path
 
 import torch
-from bench_common import qwen3_4b_config, records_at_tau
 from torch import nn
 
+from benchmarks.shared.bench_common import qwen3_4b_config, records_at_tau
 from openrlhf_growmtp.core import HeadLossConfig, MTPHead, head_loss_backward, init_random_head_, make_head_config
 from openrlhf_growmtp.core.draft_vocab import DraftVocab, MaskedLMHead
 from openrlhf_growmtp.core.families import get_family
@@ -164,8 +164,8 @@ def main() -> None:
                                vocab_size=RECORD_IDS, hidden_size=config.hidden_size, seed=args.seed + 1)
         result["check_fp32"] = differences(head32, vocab, [short], [short.hidden.float()], chunk_cycles)
     a, s = result["arms"]["all"], result["arms"]["subset"]
-    print(f"Qwen3-4B's head (H={config.hidden_size}, V={config.vocab_size:,}, {args.dtype}) on this CPU; {cycles} cycles at "
-          f"K={K}, τ={result['tau']:.2f}, chunks of {chunk_cycles}; {args.rounds} rounds")
+    print(f"Qwen3-4B's head (H={config.hidden_size}, V={config.vocab_size:,}, {args.dtype}) on this CPU; "
+          f"{cycles} cycles at K={K}, τ={result['tau']:.2f}, chunks of {chunk_cycles}; {args.rounds} rounds")
     for name, arm in (("every id", a), (f"{vocab.size:,} ids", s)):
         print(f"  {name:>11}: {arm['update_s']['median']:7.2f} s per update (rounds {arm['update_s']['min']:.2f}-"
               f"{arm['update_s']['max']:.2f}), {arm['per_cycle_ms']['median']:6.2f} ms per cycle")

@@ -1,6 +1,6 @@
 """The envelope of each example recipe at its default settings, by arithmetic (derived, not measured).
 
-    python benchmarks/envelope.py [--json docs/data/envelope/envelope.json]
+    python -m benchmarks.envelope [--json docs/data/envelope/envelope.json]
 
 Per recipe (examples/scripts/common.sh: 4 training GPUs under ZeRO-3 with the reference colocated, 4 vLLM
 engines at --vllm.gpu_memory_utilization 0.8, 64 prompts x 8 samples, 1,024-token prompts at most, the preset's
@@ -28,7 +28,7 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from openrlhf_growmtp.memory_estimate import (ModelShape, TrainingLayout, training_gpu, usable_gib)
+from openrlhf_growmtp.memory_estimate import ModelShape, TrainingLayout, training_gpu, usable_gib
 
 ROOT = Path(__file__).resolve().parents[1]
 GIB = 2**30
@@ -164,7 +164,8 @@ def expectations(step: dict, strict_over_plain: float) -> dict:
                                "autoregressive_step_s": ar, "autoregressive_step_s_plain": ar_plain,
                                "checkpoint_every_h": SAVE_STEPS * ar / 3600,
                                "checkpoint_every_h_plain": SAVE_STEPS * ar_plain / 3600,
-                               "hours_per_100_steps": 100 * ar / 3600, "hours_per_100_steps_plain": 100 * ar_plain / 3600})
+                               "hours_per_100_steps": 100 * ar / 3600,
+                               "hours_per_100_steps_plain": 100 * ar_plain / 3600})
     out["qwen3_4b_growmtp_step_s_plain"] = step["growmtp_at_tau_2.91_s"] - step["train_s"] + train_plain
     return out
 
@@ -210,11 +211,12 @@ def describe(env: dict) -> str:
                  f"{s['growmtp_at_tau_2.91_s']:.0f} (rollout {s['rollout_growmtp_s']:.0f}, head update "
                  f"{s['head_update_s']:.0f})")
     x = env["expectations"]
-    lines.append(f"expectations (training from a strict 13-layer step, {x['strict_over_plain_per_token']:.1f}x the plain "
-                 "cost per token; 'plain': at the plain cost):")
+    lines.append(f"expectations (training from a strict 13-layer step, {x['strict_over_plain_per_token']:.1f}x "
+                 "the plain cost per token; 'plain': at the plain cost):")
     for r in x["recipes"]:
         lines.append(f"  {r['script']}{' (scaled from Qwen3-4B)' if r['scaled_from_qwen3_4b'] else ''}: "
-                     f"autoregressive step {r['autoregressive_step_s']:.0f} s (plain {r['autoregressive_step_s_plain']:.0f}),"
+                     f"autoregressive step {r['autoregressive_step_s']:.0f} s "
+                     f"(plain {r['autoregressive_step_s_plain']:.0f}),"
                      f" a checkpoint every {r['checkpoint_every_h']:.1f} h (plain {r['checkpoint_every_h_plain']:.1f})")
     lines.append(f"  the smoke (Qwen3-4B): {x['smoke']['steps']} steps of about {x['smoke']['step_s']:.0f} s "
                  f"(plain {x['smoke']['step_s_plain']:.0f}), its start-up left out")

@@ -127,12 +127,18 @@ def activate() -> bool:
         return _active
     set_cpu_env()
     os.environ["PYTHONPATH"] = _pythonpath_with_shims()
-    if importlib.util.find_spec("flash_attn") is None:
-        sys.path.insert(0, str(SHIM_DIR))
+    add_flash_attn_shim()
     _patch_torch_cuda()
     _disable_deepspeed_jit_ops()
     _active = True
     return True
+
+
+def add_flash_attn_shim() -> None:
+    """The pure-torch `flash_attn` shim first on sys.path, where no flash_attn is installed (upstream's
+    openrlhf.models imports its padding helpers at module level); also on a CUDA machine without flash-attn."""
+    if importlib.util.find_spec("flash_attn") is None:
+        sys.path.insert(0, str(SHIM_DIR))
 
 
 def set_cpu_env() -> None:

@@ -141,7 +141,8 @@ def describe(terms: dict[str, float], card: float, from_env: bool) -> list[str]:
              f"experience {terms['experience_gib']:.1f}: rollout micro-batch logits "
              f"{terms['rollout_micro_batch_logits_gib']:.1f}) of a {card:g} GiB card ({where})"]
     if terms["estimate_gib"] > usable_gib(card):
-        lines.append(f"WARNING: GrowMTP: this run's estimate, {terms['estimate_gib']:.1f} GiB per training GPU, exceeds "
+        lines.append(f"WARNING: GrowMTP: this run's estimate, {terms['estimate_gib']:.1f} GiB per training GPU, "
+                     "exceeds "
                      f"the {usable_gib(card):.0f} GiB it allows of a {card:g} GiB card ({MARGIN:.0%} kept for what it "
                      "leaves out): lower --train.micro_batch_size or --rollout.micro_batch_size (the logits grow with "
                      "them), or --rollout.max_new_tokens; GROWMTP_SMOKE=1 at SMOKE_TOKENS of the full length measures")

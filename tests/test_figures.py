@@ -45,9 +45,11 @@ def write(root: Path, text: str) -> Path:
 def test_a_figure_matches_at_the_precision_shown(kept):
     page = write(kept, "speedup **1.46×**<!-- fig: data/s.json paired.0.speedup.estimate --> and 1.457x"
                        "<!-- fig: data/s.json paired.0.speedup.estimate --> of which 12.3%<!-- fig: data/s.json "
-                       "share pct --> in 123<!-- fig: data/s.json share ms --> ms\n<!-- table: data/t.md -->\n| a |\n|---|\n| 1 |\n<!-- /table -->\n")
+                       "share pct --> in 123<!-- fig: data/s.json share ms --> ms\n"
+                       "<!-- table: data/t.md -->\n| a |\n|---|\n| 1 |\n<!-- /table -->\n")
     assert check(page) == []
-    quoted = write(kept, "write `1.2 <!-- fig: FILE KEY -->` after a number\n```\n9 <!-- fig: nowhere.json a -->\n```\n")
+    quoted = write(kept, "write `1.2 <!-- fig: FILE KEY -->` after a number\n"
+                         "```\n9 <!-- fig: nowhere.json a -->\n```\n")
     assert check(quoted) == []  # marks quoted in code are examples, not marks
     assert lookup({"a": [{"b": 2}]}, "a.0.b") == 2
     assert lookup({"t": {"2.91": {"x": 3}, "2": {}}}, "t.2.91.x") == 3  # a key with a dot in it

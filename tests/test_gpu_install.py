@@ -116,6 +116,7 @@ def test_torch_is_the_cuda_build_the_docs_name_and_flash_attn_is_built_from_sour
     toolkit = next(re.search(r"cuda-toolkit\[.*\]==(\d+)\.(\d+)", r) for r in requires if r.startswith("cuda-toolkit"))
     cuda = f"{toolkit.group(1)}.{toolkit.group(2)}"
     assert any(r.startswith(f"nvidia-nccl-cu{toolkit.group(1)}==") for r in requires)
-    assert f"CUDA {cuda}" in GUIDE.read_text(), f"docs/guide.md should name the CUDA version torch {PINS['torch']} is built with"
+    assert f"CUDA {cuda}" in GUIDE.read_text(), \
+        f"docs/guide.md should name the CUDA version torch {PINS['torch']} is built with"
     flash_attn = next(step["flash-attn"] for step in steps if "flash-attn" in step)
     assert flash_attn["download_info"]["url"].endswith(".tar.gz")  # no wheel on the registry

@@ -24,13 +24,13 @@ head_update_graph: the head update over chunks of one fixed shape, captured in a
     and 4,096 beside the eager one, with the kernels per cycle (gpu_head_graph.py).
 Each module says how its bounds follow from the dtype and the number of trials: gpu_numerics.py (a, b),
 gpu_cost.py (c), gpu_sampler.py (d), gpu_trainer.py, gpu_rollout_loop.py, gpu_head_graph.py. The device-neutral
-timing they share with the CPU benchmarks is benchmarks/cycle_timing.py. Prints one table and
+timing they share with the CPU benchmarks is benchmarks/shared/cycle_timing.py. Prints one table and
 writes it as JSON, rewritten whole after every check ("complete": false until the last; "cut_off" says where a
 SIGTERM or the deadline stopped it), so a run cut off by a time limit still leaves what it did.
 
-    python benchmarks/gpu_check/gpu_check.py [--json PATH] [--only rollout_loop,head_update_graph,...] [--deadline-s S]
-    GPU_HOST_COMMIT=<the host's commit> python benchmarks/gpu_check/gpu_check.py ...   # the commit the JSON records
-    python benchmarks/gpu_check/gpu_check.py --tiny [--device cuda]   # the same at tiny shapes, on a CPU by default
+    python -m benchmarks.gpu_check.gpu_check [--json PATH] [--only rollout_loop,head_update_graph,...] [--deadline-s S]
+    GPU_HOST_COMMIT=<the host's commit> python -m benchmarks.gpu_check.gpu_check ...   # the commit the JSON records
+    python -m benchmarks.gpu_check.gpu_check --tiny [--device cuda]   # the same at tiny shapes, on a CPU by default
 
 Exit status: 0 every check passed, 1 a check failed, 2 it cannot run here (no CUDA without --tiny, bad
 arguments), 3 every check that ran passed but the deadline skipped some, 124 cut off by a signal.
@@ -55,17 +55,16 @@ from pathlib import Path
 import torch
 import transformers
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(1, str(ROOT / "benchmarks"))  # bench_common, cycle_timing: what the CPU benchmarks share with it
+from benchmarks.gpu_check.gpu_cost import check_cost
+from benchmarks.gpu_check.gpu_cycle import check_cycle_cost, end_to_end
+from benchmarks.gpu_check.gpu_head_graph import check_head_update_graph
+from benchmarks.gpu_check.gpu_numerics import check_alpha, check_reconstruction
+from benchmarks.gpu_check.gpu_report import Row, all_passed, exit_status, rows_json, table, write_json
+from benchmarks.gpu_check.gpu_rollout_loop import check_rollout_loop
+from benchmarks.gpu_check.gpu_sampler import check_sampler
+from benchmarks.gpu_check.gpu_world import REAL, TINY, build_head, build_policy, flatten_policy_logits_
 
-from gpu_cost import check_cost  # noqa: E402
-from gpu_cycle import check_cycle_cost, end_to_end  # noqa: E402
-from gpu_head_graph import check_head_update_graph  # noqa: E402
-from gpu_numerics import check_alpha, check_reconstruction  # noqa: E402
-from gpu_report import Row, all_passed, exit_status, rows_json, table, write_json  # noqa: E402
-from gpu_rollout_loop import check_rollout_loop  # noqa: E402
-from gpu_sampler import check_sampler  # noqa: E402
-from gpu_world import REAL, TINY, build_head, build_policy, flatten_policy_logits_  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 # in the order they run: the loop and the captured head update first (about 90 s together on an H100), then
 # cycle_cost (seconds); the head's math (a), (b), (d) before trainer_step (minutes), as the guide's step 2 has
 # it (they must pass before anything trains with the head); (c), a cost, last. The end-to-end prediction, which
@@ -92,7 +91,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--tau", type=float, help="(c): the records' tau, tokens per cycle (default 3.0; also (a)'s "
                         "records; 2.91 with 64 responses of 8,192 tokens is the paper's step per GPU, ~180K cycles)")
     parser.add_argument("--chunk-cycles", type=int,
-                        help="(c): cycles per head-update chunk (default 4096, a GPU's --growmtp_chunk_cycles; tiny 64)")
+                        help="(c): cycles per head-update chunk (default 4096, a GPU's --growmtp_chunk_cycles; "
+                        "tiny 64)")
     parser.add_argument("--only", help=f"comma-separated checks to run, of {','.join(CHECKS)} (b and d need a, "
                         "which then runs too)")
     parser.add_argument("--deadline-s", type=float, help="checks not started this many seconds after the start "
@@ -323,7 +323,7 @@ class Run:
         return check_cost(self.plan, *self.models(), self.log, self.args.draft_vocab)
 
     def trainer(self):
-        from gpu_trainer import check_trainer_step
+        from benchmarks.gpu_check.gpu_trainer import check_trainer_step
 
         def progress(details: dict) -> None:  # a later depth cut off keeps the earlier ones'
             self.payload["trainer_step"] = details
@@ -340,7 +340,7 @@ class Run:
     def depths(self, asked: list) -> list[int]:
         """--trainer-layers' depths, "auto" as many as the device holds (`layers_that_fit`; the plan's on a CPU),
         each once, in the order given."""
-        from gpu_trainer import layers_that_fit
+        from benchmarks.gpu_check.gpu_trainer import layers_that_fit
 
         def resolve(layers):
             if layers != "auto":
@@ -387,7 +387,7 @@ def main(argv=None) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         what = "the check at Qwen3-4B's shapes needs" if not args.tiny else "--device cuda needs"
         print(f"gpu_check: {what} CUDA, and torch {torch.__version__} sees no CUDA device here. Run "
-              "`python benchmarks/gpu_check/gpu_check.py --tiny` for the CPU version (docs/gpu.md).", file=sys.stderr)
+              "`python -m benchmarks.gpu_check.gpu_check --tiny` for the CPU version (docs/gpu.md).", file=sys.stderr)
         return 2
     device = torch.device(args.device)
     if device.type == "cuda" and "trainer_step" in args.only:
@@ -406,8 +406,8 @@ def main(argv=None) -> int:
             f"{env['cuda']}, transformers {env['transformers']}); checks {','.join(args.only)}; commit "
             f"{env['git_commit']} ({env['git_commit_from']})")
     if env["git_commit_disagrees"]:
-        run.log(f"WARNING: ${HOST_COMMIT_ENV} is {env['git_commit']}, this copy's git HEAD {env['git_commit_of_this_copy']}"
-                ": the JSON records the host's")
+        run.log(f"WARNING: ${HOST_COMMIT_ENV} is {env['git_commit']}, this copy's git HEAD "
+                f"{env['git_commit_of_this_copy']}: the JSON records the host's")
     run.save()
     try:
         run.all_checks()

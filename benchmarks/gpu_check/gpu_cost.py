@@ -29,10 +29,10 @@ import statistics
 import time
 
 import torch
-from bench_common import accepted_at_tau, head_update, policy_hiddens, sync
-from gpu_report import Row
-from gpu_world import Plan
 
+from benchmarks.gpu_check.gpu_report import Row
+from benchmarks.gpu_check.gpu_world import Plan
+from benchmarks.shared.bench_common import accepted_at_tau, head_update, policy_hiddens, sync
 from openrlhf_growmtp.core import MTPHead, SequenceRecord
 from openrlhf_growmtp.core.draft_vocab import DraftVocab
 from openrlhf_growmtp.experiments.worlds.toy import synthetic_record
@@ -160,7 +160,7 @@ def check_cost(plan: Plan, policy, head: MTPHead, log, draft_vocab: int | None =
     """(c); with `draft_vocab` N, also the head update over N ids (`gpu_draft_vocab.draft_vocab_ids`)."""
     vocab = None
     if draft_vocab is not None:
-        from gpu_draft_vocab import draft_vocab_ids
+        from benchmarks.gpu_check.gpu_draft_vocab import draft_vocab_ids
 
         vocab = DraftVocab(draft_vocab_ids(plan.config.vocab_size, draft_vocab, torch.device("cpu")),
                            plan.config.vocab_size)

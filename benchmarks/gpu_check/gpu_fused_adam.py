@@ -9,11 +9,12 @@ its first run waits for it until S seconds after the start. Built and loaded, an
 parameter on the device: every run loads it from that directory (DeepSpeed finds it built). Otherwise: torch's
 AdamW, and the reason is recorded. The build's log sits beside the runs' logs.
 
-    python benchmarks/gpu_check/gpu_fused_adam.py RESULT.json     # the build, as trainer_step starts it
+    python -m benchmarks.gpu_check.gpu_fused_adam RESULT.json     # the build, as trainer_step starts it
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -36,8 +37,9 @@ class FusedAdamBuild:
         out_dir.mkdir(parents=True, exist_ok=True)
         self.result_path.unlink(missing_ok=True)
         with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), str(self.result_path)],
-                                         stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **self.env()})
+            self.proc = subprocess.Popen([sys.executable, "-m", "benchmarks.gpu_check.gpu_fused_adam",
+                                          str(self.result_path)], cwd=Path(__file__).resolve().parents[2], stdout=log,
+                                         stderr=subprocess.STDOUT, env={**os.environ, **self.env()})
 
     def env(self) -> dict[str, str]:
         """What the build and every run that loads it share: where torch keeps built extensions, and a PATH with
@@ -98,4 +100,6 @@ def _build(result_path: Path) -> None:
 
 
 if __name__ == "__main__":
-    _build(Path(sys.argv[1]))
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("result", type=Path, help="where the build's outcome (JSON) goes")
+    _build(parser.parse_args().result)

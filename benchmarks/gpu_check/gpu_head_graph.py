@@ -38,14 +38,14 @@ import time
 from dataclasses import dataclass
 
 import torch
-from bench_common import head_update, median_seconds, policy_hiddens, sync
-from gpu_cost import make_records
-from cycle_timing import MaskedGQA
-from gpu_numerics import _compare_grads, noise_factor, unit_roundoff
-from gpu_numerics import make_records as numerics_records
-from gpu_report import Row, sci
-from gpu_world import head_copy
 
+from benchmarks.gpu_check.gpu_cost import make_records
+from benchmarks.gpu_check.gpu_numerics import _compare_grads, noise_factor, unit_roundoff
+from benchmarks.gpu_check.gpu_numerics import make_records as numerics_records
+from benchmarks.gpu_check.gpu_report import Row, sci
+from benchmarks.gpu_check.gpu_world import head_copy
+from benchmarks.shared.bench_common import head_update, median_seconds, policy_hiddens, sync
+from benchmarks.shared.cycle_timing import MaskedGQA
 from openrlhf_growmtp.core import HeadLossConfig, MTPHead, SequenceRecord, head_loss_backward
 from openrlhf_growmtp.core.draft_vocab import DraftVocab
 from openrlhf_growmtp.core.objectives import chain_lengths, head_loss_per_cycle_at
@@ -360,7 +360,7 @@ def check_head_update_graph(plan, policy, head: MTPHead, log, draft_vocab: int |
         log(f"  (head_update_graph) chunk {chunk}: eager {d['eager_s']:.3f} s, captured {d['graph_s']:.3f} s, "
             f"policy {policy_s:.3f} s")
         if draft_vocab is not None:
-            from gpu_draft_vocab import draft_vocab_ids
+            from benchmarks.gpu_check.gpu_draft_vocab import draft_vocab_ids
 
             vocab = DraftVocab(draft_vocab_ids(plan.config.vocab_size, draft_vocab, torch.device("cpu")),
                                plan.config.vocab_size)

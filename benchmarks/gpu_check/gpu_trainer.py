@@ -49,14 +49,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from gpu_drafter import calibrate_head, draft_rollouts, first_accept_z
-from gpu_fused_adam import FusedAdamBuild, no_build
-from gpu_report import Row
-from gpu_sampler import Z_LIMIT  # the drafter's first acceptance, held as check (d) holds its own
-from gpu_trainer_run import held
-from gpu_world import build_head, flatten_policy_logits_
 
-RUN_SCRIPT = Path(__file__).with_name("gpu_trainer_run.py")
+from benchmarks.gpu_check.gpu_drafter import calibrate_head, draft_rollouts, first_accept_z
+from benchmarks.gpu_check.gpu_fused_adam import FusedAdamBuild, no_build
+from benchmarks.gpu_check.gpu_report import Row
+from benchmarks.gpu_check.gpu_sampler import Z_LIMIT  # the drafter's first acceptance, held as check (d) holds its own
+from benchmarks.gpu_check.gpu_trainer_run import held
+from benchmarks.gpu_check.gpu_world import build_head, flatten_policy_logits_
+
+RUN_ARGS = ["-m", "benchmarks.gpu_check.gpu_trainer_run"]  # a run's process: `python -m` from the repository's root
 # Bytes per parameter (the policy's and the head's) at the peak of one run's step, measured on a run that
 # started clean: on an H100 (2026-11-27, docs/data/gpu/trainer_step_head_update_graph_cycle_cost_2026-11-27.json)
 # upstream's step at 13 layers (1.70B parameters) started with 416 MiB allocated and peaked at 36,480 MiB:
@@ -178,7 +179,8 @@ def _save_policy(policy, sequences: torch.Tensor, prompt: int, work: Path, layer
     with torch.no_grad():
         logits = policy(input_ids=sequences.to(policy.device)).logits.float()
         logp = torch.log_softmax(logits[:, :-1], -1).gather(-1, sequences[:, 1:, None].to(policy.device))[..., 0]
-    save_file({"logp": logp[:, prompt - 1:].cpu().contiguous()}, str(work / "experience" / f"logp_{layers}.safetensors"))
+    save_file({"logp": logp[:, prompt - 1:].cpu().contiguous()},
+              str(work / "experience" / f"logp_{layers}.safetensors"))
     policy.save_pretrained(work / f"policy_{layers}")
 
 
@@ -228,7 +230,7 @@ class Runner:
         parent_held = self.held_here()
         t0 = time.perf_counter()
         with open(log_path, "wb") as out:
-            proc = subprocess.Popen([sys.executable, str(RUN_SCRIPT), str(spec_path)], stdout=out,
+            proc = subprocess.Popen([sys.executable, *RUN_ARGS, str(spec_path)], stdout=out,
                                     stderr=subprocess.STDOUT, env=env, cwd=Path(__file__).resolve().parents[2])
             try:
                 code = proc.wait()
@@ -346,7 +348,8 @@ def _depth(plan, layers: int, drafted: Drafted, runner: Runner, modes, blocking:
     return _rows(plan, details), details
 
 
-def _details(plan, layers, config, drafted: Drafted, runs: dict, comparison, control, work: Path, blocking: bool) -> dict:
+def _details(plan, layers, config, drafted: Drafted, runs: dict, comparison, control, work: Path,
+             blocking: bool) -> dict:
     sequences = drafted.sequences
     d = {"layers": layers, "hidden_size": config.hidden_size, "vocab_size": config.vocab_size,
          "responses": plan.trainer_responses, "prompt_tokens": plan.trainer_prompt,

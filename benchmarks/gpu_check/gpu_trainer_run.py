@@ -10,7 +10,7 @@ Each run records what was held when it started (`held`), how many engines it cou
 (the counter is not blind), and, once its result is saved, how many are still alive after the teardown the
 check did when the runs shared a process (`engines_after_teardown`).
 
-    python benchmarks/gpu_check/gpu_trainer_run.py SPEC.json
+    python -m benchmarks.gpu_check.gpu_trainer_run SPEC.json
 
 SPEC.json (written by gpu_trainer.py) says what to run and where its result goes. The process's stdout and
 stderr are the run's log (the parent points both at one file). The result JSON is written when the run
@@ -21,6 +21,7 @@ anything down; `faulthandler` writes every thread's stack to the log if the proc
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import faulthandler
 import gc
@@ -37,11 +38,10 @@ from types import SimpleNamespace
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(1, str(ROOT / "benchmarks"))  # bench_common, as gpu_check.py has it
+from benchmarks.gpu_check.gpu_fused_adam import FUSED, TORCH_ADAM
+from benchmarks.gpu_check.gpu_report import write_json
 
-from gpu_fused_adam import FUSED, TORCH_ADAM  # noqa: E402
-from gpu_report import write_json  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 
 class CutOff(BaseException):
@@ -135,7 +135,7 @@ def _prepare_process(device: torch.device) -> list[str]:
     """What an actor process of a run has: torch.distributed's one rank, the CPU layer where there is no
     CUDA, a flash_attn module for upstream's imports, and the stand-ins for Ray and vLLM (returned: the
     packages stood in for; none where they were imported already)."""
-    import gpu_standins
+    from benchmarks.gpu_check import gpu_standins
 
     standins = gpu_standins.install(force=True)
     from openrlhf_growmtp import cpu_support
@@ -143,10 +143,7 @@ def _prepare_process(device: torch.device) -> list[str]:
 
     if device.type == "cuda":
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS's deterministic mode
-        import importlib.util
-
-        if importlib.util.find_spec("flash_attn") is None:  # upstream imports its padding helpers only
-            sys.path.insert(0, str(cpu_support.SHIM_DIR))
+        cpu_support.add_flash_attn_shim()  # upstream imports its padding helpers only
     else:
         installer.install_cpu_support()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1",
@@ -278,7 +275,8 @@ def _actor_trainer(args, ours: bool, fused_adam: bool):
     from openrlhf.trainer.ray.ppo_actor import ActorPPOTrainer
     from openrlhf.utils import get_strategy as upstream_get_strategy
 
-    from openrlhf_growmtp.trainer import ppo_actor, strategy as ours_strategy
+    from openrlhf_growmtp.trainer import ppo_actor
+    from openrlhf_growmtp.trainer import strategy as ours_strategy
 
     strategy = ours_strategy.get_strategy(args) if ours else upstream_get_strategy(args)
     # upstream's enable_full_determinism, strict as upstream sets it: an operator without a deterministic kernel
@@ -318,9 +316,10 @@ def run_plain(spec: dict, device: torch.device) -> dict:
     """Seconds of the policy's plain forward + backward (`bench_common.policy_step`, gradient checkpointing on,
     micro-batches of the plan's) over the drafted sequences, the second of two passes (the first warms up),
     from the same saved policy the steps start from; no optimizer."""
-    from bench_common import policy_step
     from safetensors.torch import load_file
     from transformers import Qwen3ForCausalLM
+
+    from benchmarks.shared.bench_common import policy_step
 
     micro_batch = spec["plan"]["micro_batch"]
     sequences = load_file(str(Path(spec["experience_dir"]) / "sequences.safetensors"))["sequences"]
@@ -345,4 +344,6 @@ def run_plain(spec: dict, device: torch.device) -> dict:
 RUNS = {"step": run_step, "plain": run_plain}
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("spec", help="the run's SPEC.json, as gpu_trainer.py writes it")
+    main(parser.parse_args().spec)

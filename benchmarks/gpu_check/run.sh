@@ -64,7 +64,7 @@ for arg in "$@"; do
   [[ "$arg" == --tiny ]] && tiny=1
 done
 if [[ $tiny == 1 ]]; then
-  "$PYTHON" benchmarks/gpu_check/gpu_check.py --json "$OUT/gpu_check_tiny.json" "$@" 2>&1 | tee "$OUT/gpu_check_tiny.log"
+  "$PYTHON" -m benchmarks.gpu_check.gpu_check --json "$OUT/gpu_check_tiny.json" "$@" 2>&1 | tee "$OUT/gpu_check_tiny.log"
   exit "${PIPESTATUS[0]}"
 fi
 if ! "$PYTHON" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
@@ -73,7 +73,7 @@ if ! "$PYTHON" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() el
   exit 2
 fi
 if [[ ${GPU_SMOKE:-0} == 1 ]]; then
-  "$PYTHON" benchmarks/gpu_check/gpu_check.py --tiny --device cuda --json "$OUT/gpu_check_tiny_cuda.json" 2>&1 \
+  "$PYTHON" -m benchmarks.gpu_check.gpu_check --tiny --device cuda --json "$OUT/gpu_check_tiny_cuda.json" 2>&1 \
     | tee "$OUT/gpu_check_tiny_cuda.log"
   echo "smoke: $((SECONDS - started)) s" >> "$OUT/timing.txt"
 fi
@@ -83,7 +83,7 @@ if (( left < RESERVE )); then
   exit 124
 fi
 timeout --signal=TERM --kill-after=15 "$((left - 5))" \
-  "$PYTHON" benchmarks/gpu_check/gpu_check.py --json "$OUT/gpu_check.json" --deadline-s "$((left - RESERVE))" "$@" 2>&1 \
+  "$PYTHON" -m benchmarks.gpu_check.gpu_check --json "$OUT/gpu_check.json" --deadline-s "$((left - RESERVE))" "$@" 2>&1 \
   | tee "$OUT/gpu_check.log"
 status=${PIPESTATUS[0]}
 echo "check: $((SECONDS - started)) s (exit $status)" >> "$OUT/timing.txt"

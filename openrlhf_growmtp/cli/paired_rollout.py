@@ -71,7 +71,8 @@ def _how(result: dict) -> str:
     if "processes" in result:
         return (f"mean of {result['processes']} processes' medians, t 95% over processes; the processes: "
                 + ", ".join(f"{v:.2f}" for v in result["speedup_per_process"]))
-    return f"median of {result['pairs']} pairs, order-statistic {100 * result['speedup']['coverage']:.1f}% of this process"
+    coverage = 100 * result["speedup"]["coverage"]
+    return f"median of {result['pairs']} pairs, order-statistic {coverage:.1f}% of this process"
 
 
 def summary_line(result: dict) -> str:

@@ -102,7 +102,8 @@ def untried_paths(argv: list[str], torch_version: str | None = None) -> list[Unt
                     "flash_attn's padding helpers)", a.attn.startswith("flash_attention") or a.packing,
                     "--ds.attn_implementation sdpa, without --ds.packing_samples (upstream sets flash_attention_2 "
                     "whenever it packs)",
-                    f"no sample packing: padded micro-batches; speed and memory against flash_attention_2 {unmeasured}"),
+                    "no sample packing: padded micro-batches; speed and memory against flash_attention_2 "
+                    f"{unmeasured}"),
         UntriedPath("DeepSpeed's FusedAdam with the head's parameter group (every GPU check stepped torch's Adam)",
                     trains_head and not a.offload,
                     "none tested: --ds.adam_offload swaps in DeepSpeed's CPU Adam, which has not stepped the head's "

@@ -198,7 +198,8 @@ def summary_lines(summary: dict, k: int, wall: dict[str, float]) -> list[str]:
     regimes = summary.get("regimes")
     if regimes:
         s, best = regimes["speedup"], regimes["best"]
-        winner = {"above": "speculative decoding wins", "below": "autoregressive decoding wins"}.get(verdict(s), "a tie")
+        winner = {"above": "speculative decoding wins",
+                  "below": "autoregressive decoding wins"}.get(verdict(s), "a tie")
         lines.append(f"each at its best concurrency on this machine (autoregressive {best['ar']}, speculative "
                      f"{best['spec']} requests at a time): speculative {_interval(s)} per generated token "
                      f"({_spread(regimes)}): {winner}")
@@ -215,7 +216,8 @@ def summary_lines(summary: dict, k: int, wall: dict[str, float]) -> list[str]:
                     else "not below the autoregressive arm's at the end"))
     window = min(SPEEDUP_WINDOW, summary["steps"])
     lines.append(f"the arms' own steps (different responses): rollout speedup "
-                 f"{summary['rollout_speedup_last10']:.2f}x, step {summary['step_speedup_last10']:.2f}x over the last {window} steps; GrowMTP / "
+                 f"{summary['rollout_speedup_last10']:.2f}x, step {summary['step_speedup_last10']:.2f}x over the "
+                 f"last {window} steps; GrowMTP / "
                  f"autoregressive per step after the first: rollout {summary['rollout_time_ratio']:.2f}x, step "
                  f"{summary['step_time_ratio']:.2f}x")
     return lines

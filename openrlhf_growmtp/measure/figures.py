@@ -2,9 +2,9 @@
 
 Two marks, both invisible in rendered markdown:
 
-- after a number, `<!-- fig: PATH KEY -->`: the number is the JSON file PATH's value at KEY (dots between keys
-  and list indices, e.g. `paired.0.speedup.low`; a key may hold dots itself), rounded to as many decimals as the text shows; ` pct` after
-  KEY reads a share as a percentage, ` ms` seconds as milliseconds. PATH is relative to the markdown file.
+- after a number, `<!-- fig: PATH KEY -->`: the number is the JSON file PATH's value at KEY (dots between keys and list
+  indices, e.g. `paired.0.speedup.low`; a key may hold dots itself), rounded to as many decimals as the text shows;
+  ` pct` after KEY reads a share as a percentage, ` ms` seconds as milliseconds. PATH is relative to the markdown file.
 - `<!-- table: PATH -->` ... `<!-- /table -->` around a block: the block is the file PATH's text (a table a
   study wrote, e.g. `table.md`).
 
@@ -13,10 +13,10 @@ stands inside a labelled block, `<!-- KIND: why -->` ... `<!-- /KIND -->`, KIND 
 - `history`: from a run that was not kept (quoted from its output at the time), or a figure withdrawn;
 - `example`: not a measurement: an illustration, a target, a setting, a spec sheet's value, worked arithmetic;
 - `derived`: arithmetic on figures quoted with marks nearby (its inputs named in the text);
-- `kept: PATH [PATH ...]`: read from those kept files (a folder: its JSON files) without a mark each; every such number must be one of the
-  files' values (any key) at the precision shown, as a value, a share in percent or seconds in milliseconds (a
-  weaker check than a mark's: it catches a number the files do not hold, not one that matches another value by
-  chance). The other labels may stand inside a kept block, for what is not read from its files.
+- `kept: PATH [PATH ...]`: read from those kept files (a folder: its JSON files) without a mark each; every such number
+  must be one of the files' values (any key) at the precision shown, as a value, a share in percent or seconds in
+  milliseconds (a weaker check than a mark's: it catches a number the files do not hold, not one that matches another
+  value by chance). The other labels may stand inside a kept block, for what is not read from its files.
 `untied(markdown_path)` lists the numbers that stand in none (`tests/test_figures.py`: none may).
 
 `check(markdown_path)` lists every mark that no longer matches its file; `refresh(markdown_path)` rewrites the
@@ -110,12 +110,14 @@ NUMBER = r"\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d+)?"
 # a number, or a range of two, with a speed or time unit after it ("1.18×", "516 s", "9-12%", "1,292 tokens/s"; a
 # ratio's × right after the number, "2 × hidden" being arithmetic)
 # (an interval's level, "95% interval", "[95%]", is no figure)
-UNIT_FIGURE = re.compile(rf"(?<![\w.\-/])({NUMBER})(?:\s?[-–]\s?({NUMBER}))?(?:\*\*)?(?:×(?!\s?\d)|x(?![\w])|\s?ms\b|\s?s\b|\s?min\b|"
+UNIT_FIGURE = re.compile(rf"(?<![\w.\-/])({NUMBER})(?:\s?[-–]\s?({NUMBER}))?(?:\*\*)?"
+                         r"(?:×(?!\s?\d)|x(?![\w])|\s?ms\b|\s?s\b|\s?min\b|"
                          r"\s?minutes?\b|\s?seconds?\b|\s?hours?\b|%(?!\s(?:interval|confidence|bootstrap|percentile)|\])|"
                          r"\s?tokens?/s\b|\s?tok/s\b|\s?[GT]B/s\b|\s?[GT]FLOP/s\b)")
 # a τ value: "τ 2.26", "τ = 2.91", "τ ≈ 2.9", "at τ 3.01-3.04", "τ 1.04 → 2.23" (not "τ = 1", the floor, nor a
 # formula, "τ = 1 + ...")
-TAU_FIGURE = re.compile(rf"τ\s?(?:=|≈|of|at|to|from|near|about|:)?\s?(?!1(?!\d|[.,]\d))({NUMBER})(?![\d.])(?!\s?[+×*/≤]|\s?<(?!!--))(?:\s?[-–→]\s?({NUMBER}))?")
+TAU_FIGURE = re.compile(rf"τ\s?(?:=|≈|of|at|to|from|near|about|:)?\s?(?!1(?!\d|[.,]\d))({NUMBER})(?![\d.])"
+                        rf"(?!\s?[+×*/≤]|\s?<(?!!--))(?:\s?[-–→]\s?({NUMBER}))?")
 MARK_AFTER = re.compile(r"^(?:\*\*|[×x%]|\s)*<!-- fig: ")
 LABEL_INNER = re.compile(r"<!-- (history|example|derived)(?::[^>]*?)? -->.*?<!-- /\1 -->", re.DOTALL)
 LABEL_KEPT = re.compile(r"<!-- kept: ([^>]*?) -->(.*?)<!-- /kept -->", re.DOTALL)

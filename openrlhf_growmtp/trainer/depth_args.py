@@ -25,7 +25,8 @@ def add_depth_args(group, flag) -> None:
                             "positions d+1..K along the committed sequence (core/committed.py). Off by default: on "
                             "one seed it lowered the head's held-out acceptance at depth K (docs/depth.md)")
     group.add_argument("--growmtp_no_committed_loss", "--growmtp.no_committed_loss", dest="growmtp.committed_loss",
-                       action="store_false", help="positions past a rollout's depth learn only when drafted (the default)")
+                       action="store_false",
+                       help="positions past a rollout's depth learn only when drafted (the default)")
 
 
 def cycle_costs(text: str | None) -> list[float] | None:

@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks"))  # the benchmarks' modules, as the script itself sees them
+from benchmarks import envelope
 
-import envelope  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("layers", [1, 3])  # the count is linear in the layers: two depths fix both terms
@@ -33,7 +31,7 @@ def test_parameter_counts_equal_transformers_models_built_from_the_same_fields(l
 
 
 def test_record_bytes_per_token_equal_a_packed_records():
-    import bench_memory
+    from benchmarks import bench_memory
 
     for k, tau in ((5, 1.0), (3, 3.0)):
         measured = bench_memory.record_bytes(None, k=k, topk=64, tau=tau, tokens=1024, prompt=64)

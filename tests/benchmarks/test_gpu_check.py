@@ -15,18 +15,14 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "benchmarks" / "gpu_check" / "gpu_check.py"
-sys.path[:0] = [str(ROOT / "benchmarks" / "gpu_check"), str(ROOT / "benchmarks")]  # as the scripts see them
+from benchmarks import bench_cycle_formula
+from benchmarks.gpu_check import gpu_cycle, gpu_drafter, gpu_rollout_loop, gpu_sampler
+from benchmarks.gpu_check.gpu_world import TINY, tiny_config
+from benchmarks.shared import cycle_timing
+from benchmarks.shared.bench_common import fit_line, qwen3_4b_config
 
-import bench_cycle_formula  # noqa: E402
-import cycle_timing  # noqa: E402
-import gpu_cycle  # noqa: E402
-import gpu_drafter  # noqa: E402
-import gpu_rollout_loop  # noqa: E402
-import gpu_sampler  # noqa: E402
-from bench_common import fit_line, qwen3_4b_config  # noqa: E402
-from gpu_world import TINY, tiny_config  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
+CHECK = ["-m", "benchmarks.gpu_check.gpu_check"]
 
 SECTIONS = {"environment", "shapes", "rows", "errors", "complete", "cut_off", "checks", "all_passed", "seconds",
             "reconstruction", "alpha", "rejection_sampler", "head_update_cost", "trainer_step", "cycle_cost",
@@ -41,7 +37,7 @@ def _env():
 
 
 def _run(*args, timeout=300):
-    return subprocess.run([sys.executable, str(SCRIPT), *args], cwd=ROOT, env=_env(), capture_output=True, text=True,
+    return subprocess.run([sys.executable, *CHECK, *args], cwd=ROOT, env=_env(), capture_output=True, text=True,
                           timeout=timeout)
 
 
@@ -117,7 +113,8 @@ def _check_head_update_graph(graph):
 
 def _check_trainer_step(trainer, out_dir, modes=("production", "strict"), layers=TINY.trainer_layers):
     # the GPU machine's environment, rehearsed: Ray and vLLM were never imported, only stood in for
-    assert trainer["standins"] == ["ray", "vllm"] and trainer["optimizer"] == ["torch AdamW through DeepSpeed (torch_adam)"]
+    assert trainer["standins"] == ["ray", "vllm"]
+    assert trainer["optimizer"] == ["torch AdamW through DeepSpeed (torch_adam)"]
     assert trainer["layers"] == layers and trainer["steps"] == TINY.trainer_steps
     assert trainer["optimizer_choice"]["reason"] == "no CUDA"
     # every run in a process of its own, each started with no DeepSpeed engine alive in it or in the check's
@@ -211,7 +208,7 @@ def test_only_refuses_an_unknown_check():
 
 
 def test_the_exit_status_tells_a_failed_check_from_one_the_deadline_skipped():
-    from gpu_report import Row, exit_status
+    from benchmarks.gpu_check.gpu_report import Row, exit_status
 
     passed, measured = Row("a", "x", "", "", True), Row("c", "cost", "", "", None)
     skipped = Row("d", "not run", "-", "-", False, skipped=True)
@@ -230,7 +227,7 @@ def test_a_run_past_its_deadline_records_what_it_skipped(tmp_path):
 
 def test_sigterm_leaves_the_json_of_what_was_done(tmp_path):
     out = tmp_path / "term.json"
-    proc = subprocess.Popen([sys.executable, str(SCRIPT), "--tiny", "--only", "a,b,d,c,cycle_cost", "--json", str(out)],
+    proc = subprocess.Popen([sys.executable, *CHECK, "--tiny", "--only", "a,b,d,c,cycle_cost", "--json", str(out)],
                             cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
     while not out.exists() and proc.poll() is None and time.monotonic() < deadline:
@@ -479,7 +476,7 @@ def test_alpha_for_tau_inverts_the_acceptance_length():
 
 
 def test_trainer_layers_follow_the_devices_memory():
-    from gpu_trainer import layers_that_fit
+    from benchmarks.gpu_check.gpu_trainer import layers_that_fit
 
     config = qwen3_4b_config(36)
     h100, h200 = layers_that_fit(config, 80 * 10**9), layers_that_fit(config, 141 * 10**9)
@@ -492,7 +489,7 @@ def test_trainer_depth_follows_a_clean_runs_own_peak():
     # allocated by the check before it): its own rise over its parameters, with and without the head, must not
     # exceed it, and it must not sit far above it (the 37 it replaced was read off a run that started with an
     # earlier run's 26 GB still held)
-    from gpu_trainer import PEAK_BYTES_PER_PARAM, parameters
+    from benchmarks.gpu_check.gpu_trainer import PEAK_BYTES_PER_PARAM, parameters
 
     kept = json.loads((ROOT / "docs/data/gpu/trainer_step_head_update_graph_cycle_cost_2026-11-27.json").read_text())
     trainer, config = kept["trainer_step"], qwen3_4b_config(36)
@@ -504,7 +501,7 @@ def test_trainer_depth_follows_a_clean_runs_own_peak():
 
 
 def test_clean_starts_name_what_a_run_started_with():
-    from gpu_trainer import ACCUMULATED_MIB, PARENT_HELD_MIB, clean_starts
+    from benchmarks.gpu_check.gpu_trainer import ACCUMULATED_MIB, PARENT_HELD_MIB, clean_starts
 
     def run(engines=0, allocated=0.0, used=1000.0, parent_engines=0, parent_allocated=10.0):
         return {"held_at_start": {"deepspeed_engines": engines, "cuda_allocated_mib": allocated,
@@ -529,7 +526,7 @@ def test_clean_starts_name_what_a_run_started_with():
 def test_a_failed_run_leaves_its_error_and_log_and_a_verdict_that_says_so(tmp_path, monkeypatch):
     # the runs' process stood in for by scripts: one that fails as a run fails (its JSON with the traceback),
     # one that dies before recording anything (as a device-side assert or a kill ends a process)
-    import gpu_trainer
+    from benchmarks.gpu_check import gpu_trainer
 
     failing = tmp_path / "failing.py"
     failing.write_text("import json, sys\nspec = json.load(open(sys.argv[1]))\n"
@@ -545,7 +542,7 @@ def test_a_failed_run_leaves_its_error_and_log_and_a_verdict_that_says_so(tmp_pa
     (tmp_path / "work").mkdir()
     results = {}
     for script, run in ((failing, gpu_trainer.RUNS["production"][0]), (dying, gpu_trainer.RUNS["production"][1])):
-        monkeypatch.setattr(gpu_trainer, "RUN_SCRIPT", script)
+        monkeypatch.setattr(gpu_trainer, "RUN_ARGS", [str(script)])
         results[run.name] = runner.launch(run, 2, blocking=False)
     failed, died = results["production_with_head"], results["production_without_head"]
     assert not failed["ok"] and failed["exit_status"] == 1 and "device-side assert" in failed["error"]
@@ -566,7 +563,7 @@ def test_a_failed_run_leaves_its_error_and_log_and_a_verdict_that_says_so(tmp_pa
 
 
 def test_a_run_with_a_bad_spec_records_its_traceback_before_any_model_work(tmp_path):
-    import gpu_trainer_run
+    from benchmarks.gpu_check import gpu_trainer_run
 
     result, log = tmp_path / "run.json", tmp_path / "run.log"
     spec = {"name": "strict_with_head", "kind": "step", "device": "cpu", "ours": True, "strict": True,
@@ -577,7 +574,7 @@ def test_a_run_with_a_bad_spec_records_its_traceback_before_any_model_work(tmp_p
                      "trainer_prompt": 8, "trainer_steps": 2}}
     (tmp_path / "spec.json").write_text(json.dumps(spec))
     with open(log, "wb") as out:
-        code = subprocess.run([sys.executable, str(Path(gpu_trainer_run.__file__)), str(tmp_path / "spec.json")],
+        code = subprocess.run([sys.executable, "-m", gpu_trainer_run.__name__, str(tmp_path / "spec.json")],
                               stdout=out, stderr=subprocess.STDOUT, env=_env(), cwd=ROOT, timeout=120).returncode
     recorded = json.loads(result.read_text())
     assert code == 1 and not recorded["ok"] and recorded["stage"] == "failed"
@@ -587,7 +584,7 @@ def test_a_run_with_a_bad_spec_records_its_traceback_before_any_model_work(tmp_p
 
 
 def test_a_checks_error_is_saved_before_any_cuda_call_and_a_cuda_error_stops_the_rest(tmp_path, monkeypatch, capsys):
-    import gpu_check
+    from benchmarks.gpu_check import gpu_check
 
     args = gpu_check.parse_args(["--tiny", "--only", "cycle_cost,c", "--json", str(tmp_path / "gpu_check.json")])
     run = gpu_check.Run(args, torch.device("cpu"))
@@ -616,7 +613,7 @@ def test_a_checks_error_is_saved_before_any_cuda_call_and_a_cuda_error_stops_the
 
 def test_fused_adam_not_built_within_its_time_box_leaves_torch_adam_and_says_why(tmp_path):
     # 0.2 s: the build's process is still importing torch when its time box ends, and is stopped
-    from gpu_fused_adam import TORCH_ADAM, FusedAdamBuild
+    from benchmarks.gpu_check.gpu_fused_adam import TORCH_ADAM, FusedAdamBuild
 
     build = FusedAdamBuild(tmp_path / "extensions", tmp_path / "runs", budget_s=0.2)
     outcome = build.outcome()
@@ -627,21 +624,22 @@ def test_fused_adam_not_built_within_its_time_box_leaves_torch_adam_and_says_why
 
 
 def test_the_commit_recorded_is_the_hosts_where_given(monkeypatch):
-    import gpu_check
+    from benchmarks.gpu_check import gpu_check
 
     monkeypatch.delenv("GPU_HOST_COMMIT", raising=False)
     here = gpu_check.commits()
     assert here["git_commit"] == here["git_commit_of_this_copy"] and not here["git_commit_disagrees"]
     monkeypatch.setenv("GPU_HOST_COMMIT", "0123456789abcdef0123456789abcdef01234567")
     host = gpu_check.commits()
-    assert host["git_commit"] == "0123456789abcdef0123456789abcdef01234567" and host["git_commit_from"] == "GPU_HOST_COMMIT"
+    assert host["git_commit"] == "0123456789abcdef0123456789abcdef01234567"
+    assert host["git_commit_from"] == "GPU_HOST_COMMIT"
     assert host["git_commit_disagrees"] == (here["git_commit_of_this_copy"] is not None)
     monkeypatch.setenv("GPU_HOST_COMMIT", (here["git_commit_of_this_copy"] or "x")[:7])  # a short form agrees
     assert not gpu_check.commits()["git_commit_disagrees"]
 
 
 def test_trainer_arguments_are_refused_by_name(capsys):
-    import gpu_check
+    from benchmarks.gpu_check import gpu_check
 
     for argv, said in ((["--trainer-layers", "8,0"], "--trainer-layers must be in 1..36 or auto, got 0"),
                        (["--trainer-layers", "eight"], "--trainer-layers must be in 1..36 or auto, got eight"),
@@ -676,7 +674,7 @@ def test_trainer_step_at_two_depths_runs_production_and_strict_each_in_a_process
 
 
 def _loop_world(batch=64, context=24, cycles=30, dtype=torch.float32):
-    from gpu_world import build_head, build_policy
+    from benchmarks.gpu_check.gpu_world import build_head, build_policy
 
     config = TINY.trainer_config(2)
     policy = build_policy(config, torch.device("cpu"), dtype).eval()
@@ -716,7 +714,7 @@ def test_target_as_its_own_drafter_has_every_draft_accepted():
 
 
 def _fp64_policy(layers, dtype):
-    from gpu_world import build_policy
+    from benchmarks.gpu_check.gpu_world import build_policy
 
     policy = build_policy(TINY.trainer_config(layers), torch.device("cpu"), dtype)
     policy.gradient_checkpointing_disable()
@@ -724,7 +722,7 @@ def _fp64_policy(layers, dtype):
 
 
 def test_loop_first_acceptance_matches_sum_min_p_q():
-    import gpu_loop
+    from benchmarks.gpu_check import gpu_loop
 
     policy, head, caches, capacity = _loop_world()
     with torch.no_grad():  # a flatter q than the random head's: acceptance near one half, where a bias shows most
@@ -759,8 +757,7 @@ def test_rejection_step_over_draft_ids_is_the_step_over_q_scattered_to_every_id(
 
 
 def test_loop_over_draft_ids_drafts_inside_them_and_accepts_as_sum_min_p_q():
-    import gpu_draft_vocab
-    import gpu_loop
+    from benchmarks.gpu_check import gpu_draft_vocab, gpu_loop
 
     policy, head, caches, capacity = _loop_world()
     ids = gpu_draft_vocab.draft_vocab_ids(policy.config.vocab_size, 512, torch.device("cpu"))
@@ -779,7 +776,7 @@ def test_loop_over_draft_ids_drafts_inside_them_and_accepts_as_sum_min_p_q():
 
 
 def test_the_outside_shift_leaves_the_mass_asked_for_outside_the_ids():
-    import gpu_draft_vocab
+    from benchmarks.gpu_check import gpu_draft_vocab
 
     vocab, size = 151936, 32768
     d = gpu_draft_vocab.outside_shift(vocab, size)
@@ -814,7 +811,7 @@ def test_the_drafters_records_hold_the_policys_own_log_probs_on_the_committed_pa
     # positions 1..accepted + 1) its top-k log-probs must be those of a plain forward over the committed tokens.
     # fp32 on CPU: the two forwards differ by rounding in other reduction orders, ~1e-6 on log-probs of magnitude
     # ~log V = 7.6; 1e-4 leaves room, and a wrong slot or position moves them by the logits' spread (~1)
-    from gpu_world import build_head, build_policy
+    from benchmarks.gpu_check.gpu_world import build_head, build_policy
 
     policy = build_policy(TINY.trainer_config(2), torch.device("cpu"), torch.float32).eval()
     policy.gradient_checkpointing_disable()
@@ -836,9 +833,8 @@ def test_the_drafters_records_hold_the_policys_own_log_probs_on_the_committed_pa
 
 
 def test_fixed_shape_head_update_is_head_loss_backward():
-    import gpu_head_graph
-    from gpu_world import build_head, build_policy
-
+    from benchmarks.gpu_check import gpu_head_graph
+    from benchmarks.gpu_check.gpu_world import build_head, build_policy
     from openrlhf_growmtp.experiments.worlds.toy import synthetic_record
 
     policy = build_policy(TINY.config, torch.device("cpu"), torch.float64)

@@ -44,7 +44,8 @@ def run_checkpoint(root, family, *, stale_native_head=False, sharded=False, wrap
         shipped = make_head(family, seed=7)
         prefix = get_family(family).native_prefix
         tensors.update({prefix + n: t.detach().clone() for n, t in shipped.state_dict().items()})
-        tensors[NATIVE_ROOT[family] + ("1.extra.weight" if family == "mimo" else "layers.1.extra.weight")] = torch.ones(3)
+        extra = "1.extra.weight" if family == "mimo" else "layers.1.extra.weight"
+        tensors[NATIVE_ROOT[family] + extra] = torch.ones(3)
     if sharded:
         names = sorted(tensors)
         shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
@@ -66,7 +67,8 @@ def run_checkpoint(root, family, *, stale_native_head=False, sharded=False, wrap
 def all_tensors(model_dir):
     """Every tensor of a model directory, through its index when it has one (file name kept per tensor)."""
     index = model_dir / "model.safetensors.index.json"
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else ["model.safetensors"]
+    files = (sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file()
+             else ["model.safetensors"])
     out = {}
     for file in files:
         with safe_open(str(model_dir / file), framework="pt") as f:
@@ -115,7 +117,8 @@ def test_native_export_reads_back_exactly_the_grown_head(tmp_path, family, shard
     # the layout, written out by hand: MiMo's fc input is [hidden, embedding] (ours is [embedding, hidden])
     fc = grown["input_proj.weight" if family == "mimo" else "fc.weight"]
     if family == "mimo":
-        assert torch.equal(native["model.mtp_layers.0.input_proj.weight"], torch.cat([fc[:, HIDDEN:], fc[:, :HIDDEN]], 1))
+        assert torch.equal(native["model.mtp_layers.0.input_proj.weight"],
+                           torch.cat([fc[:, HIDDEN:], fc[:, :HIDDEN]], 1))
         assert torch.equal(native["model.mtp_layers.0.self_attn.q_proj.weight"], grown["self_attn.q_proj.weight"])
     else:
         assert torch.equal(native["mtp.fc.weight"], fc)

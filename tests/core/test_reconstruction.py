@@ -270,7 +270,8 @@ def test_every_rank_makes_the_same_module_calls_whatever_its_records(monkeypatch
     # records differ (cycle counts, accepted lengths) must still call every module the same number of times.
     from openrlhf_growmtp.core import topk_logq
 
-    monkeypatch.setattr(topk_logq, "GROUP_LOGITS", {"cpu": 2 * 97, "cuda": 2 * 97})  # two slots' logits per group: 14 groups for 27 slots
+    # two slots' logits per group: 14 groups for 27 slots
+    monkeypatch.setattr(topk_logq, "GROUP_LOGITS", {"cpu": 2 * 97, "cuda": 2 * 97})
     mixed = make_records(k=4)  # full accepts and early rejections
     rejected = make_records(k=4, seed=5)[1:2]  # two cycles, both rejected at once: no chain reaches position 2
     assert int(rejected[0].accepted.max()) == 0

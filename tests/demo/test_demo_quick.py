@@ -21,8 +21,8 @@ PLOTS = ["tau.png", "alpha.png", "time.png", "reward.png", "overview.png"]
 def quick_run(tmp_path_factory, world_cache):
     tmp = tmp_path_factory.mktemp("demo")
     env = {**os.environ, "GROWMTP_RAY_TMP": str(tmp / "ray")}
-    result = subprocess.run([sys.executable, "-m", "openrlhf_growmtp.experiments.demo", "--quick", "--runs-dir", str(tmp),
-                             "--cache-dir", str(world_cache)],
+    result = subprocess.run([sys.executable, "-m", "openrlhf_growmtp.experiments.demo", "--quick",
+                             "--runs-dir", str(tmp), "--cache-dir", str(world_cache)],
                             capture_output=True, text=True, env=env, timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return tmp / "demo-quick", result.stdout

@@ -128,7 +128,8 @@ def check_dry_run(out: dict, cwd: Path, name: str) -> None:
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     assert "passed every startup check; not starting Ray" in result.stdout
     command = next(line for line in result.stdout.splitlines() if line.startswith("+ "))
-    expected = CASES[name][3] + ([ABLATION_FLAGS[name.removeprefix("ablation_")]] if name.startswith("ablation") else [])
+    expected = CASES[name][3] + ([ABLATION_FLAGS[name.removeprefix("ablation_")]]
+                                 if name.startswith("ablation") else [])
     for flag in expected + PAPER_GRPO:
         assert flag in command, (flag, command)
     assert "Started a local Ray instance" not in result.stdout + result.stderr
@@ -261,8 +262,7 @@ def qwen3_4b_full_size(tmp_path_factory):
 
 
 def test_the_dry_run_estimates_memory_and_warns_when_a_run_exceeds_the_card(env, qwen3_4b_full_size, tmp_path):
-    sys.path.insert(0, str(SCRIPTS.parents[1] / "benchmarks"))
-    import envelope  # the same arithmetic, tabulated for the presets (docs/guide.md, the envelope)
+    from benchmarks import envelope  # the same arithmetic, tabulated for the presets (docs/guide.md, the envelope)
 
     preset = envelope.recipe_training_gpu(envelope.RECIPES[0])["estimate_gib"]
     cases = {"preset": ([], {}), "micro8": (["--train.micro_batch_size", "8"], {"GROWMTP_CARD_GIB": "100"}),
@@ -289,8 +289,7 @@ def test_the_dry_run_estimates_memory_and_warns_when_a_run_exceeds_the_card(env,
 def test_each_presets_micro_batches_are_the_envelopes(results):
     """The scripts' command lines carry the micro-batches the envelope's arithmetic chose (tests/benchmarks/
     test_envelope.py holds those to the card), and the checkpoint interval its expectations read."""
-    sys.path.insert(0, str(SCRIPTS.parents[1] / "benchmarks"))
-    import envelope
+    from benchmarks import envelope
 
     out, _ = results
     for case, recipe in zip(("qwen3_4b_math", "qwen3_5_math", "mimo_math"), envelope.RECIPES):
