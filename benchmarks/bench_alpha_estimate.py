@@ -10,7 +10,7 @@ position k on exactly those cycles, so estimate minus realised is the estimate's
 (its standard error is printed). Per record width (`--topks`), the bytes a record holds per generated token
 and the update's time (forward and backward, median of `--repeats`) are its cost.
 
-    python benchmarks/bench_alpha_estimate.py [--world paper] [--heads random,ce_k1] [--topks 64,256] [--json]
+    python -m benchmarks.bench_alpha_estimate [--world paper] [--heads random,ce_k1] [--topks 64,256] [--json]
 
 `ce_k1` is the world's random head trained offline with CE at K = 1 (`make ablations --start ce_k1` builds
 it under the world's cache directory); a head that is not built is left out, and said so.

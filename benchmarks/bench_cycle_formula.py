@@ -35,8 +35,8 @@ policies are its first layers. --tau T (comma-separated) also prints the engine 
 at that tau, tau x (decode + engine AR) / (K x draft + verify + engine spec), with each run's measured costs:
 what an RL rollout at that tau gains where its batch streams requests (no prefill, no longest request).
 
-    python benchmarks/bench_cycle_formula.py [--runs 3] [--k 3] [--concurrency 1,4,16,64] [--json]
-    python benchmarks/bench_cycle_formula.py --model runs/.cache/speed-<key>/policy --concurrency 2 --tau 2.2
+    python -m benchmarks.bench_cycle_formula [--runs 3] [--k 3] [--concurrency 1,4,16,64] [--json]
+    python -m benchmarks.bench_cycle_formula --model runs/.cache/speed-<key>/policy --concurrency 2 --tau 2.2
 """
 
 from __future__ import annotations
@@ -52,10 +52,10 @@ import tempfile
 from pathlib import Path
 
 import torch
-from bench_common import fit_line
-from bench_rollout import deep_policy
-from cycle_timing import cycle_prediction, draft_time, policy_times, prefill_time
 
+from benchmarks.bench_rollout import deep_policy
+from benchmarks.shared.bench_common import fit_line
+from benchmarks.shared.cycle_timing import cycle_prediction, draft_time, policy_times, prefill_time
 from openrlhf_growmtp.core.checkpoint import load_head, materialize_random_head
 from openrlhf_growmtp.experiments.worlds.toy import load_policy, random_prompts
 

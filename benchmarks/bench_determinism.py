@@ -17,7 +17,7 @@ times aside) and every exported tensor (`make reproduce`'s comparison). One pair
 does not prove an ingredient unneeded (a rare difference may not show in two runs); a pair that differs
 proves it needed.
 
-    python benchmarks/bench_determinism.py [--steps 4] [--only ours,none] [--json]
+    python -m benchmarks.bench_determinism [--steps 4] [--only ours,none] [--json]
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from openrlhf_growmtp.experiments.demo import fresh_run_dir, run_arm
-from openrlhf_growmtp.experiments.reproduce import compare_exports, compare_scalars, logged_scalars
 from openrlhf_growmtp.experiments.recipes import WORLDS, train_command
+from openrlhf_growmtp.experiments.reproduce import compare_exports, compare_scalars, logged_scalars
 from openrlhf_growmtp.reproducibility import INGREDIENTS, OVERRIDE_ENV
 
 DETERMINISM_FLAG = "--train.full_determinism_enable"

@@ -3,7 +3,7 @@
 One request, bf16, Qwen3-4B's real widths and vocabulary (151,936; hidden 2,560; 36 layers, random weights: a
 step's time does not depend on them), every linear through vLLM's CPU GEMM as the engine runs it
 (`bench_cycle_formula.with_engine_gemms`), at --context cached positions, measured side by side in one run:
-  decode      the policy's step: 36 layers, the lm_head, a token sampled (`gpu_cycle.policy_times`)
+  decode      the policy's step: 36 layers, the lm_head, a token sampled (`cycle_timing.policy_times`)
   verify      the same over K + 1 positions
   draft       one head step (fc, its layer, its norm) and its logits, sampled as vLLM's draft sampler does
               (softmax of logits / T in fp32, exponential noise, argmax of probs / noise), q kept as a [1, V]
@@ -15,8 +15,8 @@ step's time does not depend on them), every linear through vLLM's CPU GEMM as th
 From them, per arm: draft / decode, and the cycle speedup the formula predicts at --tau and K, τ x decode /
 (verify + K x draft) (engine overhead left out, as in docs/gpu.md's cycle formula).
 
-    python benchmarks/bench_draft_vocab.py [--layers 36] [--subset 32768] [--k 5] [--tau 2.91] [--out FILE]
-    python benchmarks/bench_draft_vocab.py --acceptance docs/data/draft_vocab/runs [--out FILE]
+    python -m benchmarks.bench_draft_vocab [--layers 36] [--subset 32768] [--k 5] [--tau 2.91] [--out FILE]
+    python -m benchmarks.bench_draft_vocab --acceptance docs/data/draft_vocab/runs [--out FILE]
 
 --acceptance: what a smaller draft vocabulary costs in τ, from the paper and reasoning worlds' runs kept by
     python -m openrlhf_growmtp.experiments.ablations --worlds paper,reasoning --arms growmtp --no-ceiling \
@@ -32,12 +32,12 @@ import time
 from pathlib import Path
 
 import torch
-from bench_common import median_seconds, qwen3_4b_config
-from bench_cycle_formula import with_engine_gemms
-from bench_profile import machine, provenance
-from gpu_cycle import KVBuffer, policy_times
 from transformers import Qwen3ForCausalLM
 
+from benchmarks.bench_cycle_formula import with_engine_gemms
+from benchmarks.bench_profile import machine, provenance
+from benchmarks.shared.bench_common import median_seconds, qwen3_4b_config
+from benchmarks.shared.cycle_timing import KVBuffer, policy_times
 from openrlhf_growmtp.core import MTPHead, make_head_config
 from openrlhf_growmtp.core.families import get_family
 
@@ -48,7 +48,7 @@ def draft_step(head: MTPHead, lm_head, vocab_size: int, context: int, repeats: i
     and of its parts alone: the head's layer (`head_s`), its logits (`logits_s`) and the sampling (`sample_s`)."""
     config, dtype = head.config, lm_head.weight.dtype if lm_head.weight.numel() else torch.bfloat16
     g = torch.Generator().manual_seed(seed)
-    cache = KVBuffer(1, config.num_key_value_heads, context + 1, config.head_dim, "cpu", dtype)
+    cache = KVBuffer.empty(1, config.num_key_value_heads, context + 1, config.head_dim, "cpu", dtype)
     cache.fill_random(context, g)
     state = torch.randn(1, 1, config.hidden_size, dtype=dtype, generator=g)
     token = torch.randint(0, vocab_size, (1, 1), generator=g)
@@ -98,14 +98,18 @@ def acceptance(keep: Path, tag: str = "vocab-quarter") -> dict:
             if not (subset / run.name).exists():
                 continue
             paths = {"all": run, "subset": subset / run.name}
-            rows = {arm: json.loads(path.read_text())["rows"] for arm, path in paths.items()}
+            kept = {arm: json.loads(path.read_text()) for arm, path in paths.items()}
+            rows = {arm: k["rows"] for arm, k in kept.items()}
             window = {arm: r[-final_window(len(r)):] for arm, r in rows.items()}
             tau = {arm: mean(row["tau"] for row in w) for arm, w in window.items()}
             out.setdefault(plain.name, {})[run.stem.split("-s")[-1]] = {
                 "tau_final_all_ids": tau["all"], "tau_final_subset": tau["subset"],
                 "tau_change": tau["subset"] / tau["all"] - 1.0,
                 "coverage_mean": mean(row["draft_vocab_coverage"] for row in rows["subset"]),
-                "flags": json.loads((subset / run.name).read_text())["flags"]}
+                "flags": kept["subset"]["flags"],
+                # where each arm ran: the world's build and the code (a seed's two arms compare on one of each)
+                "world_digest": {arm: k.get("world_digest") for arm, k in kept.items()},
+                "commit": {arm: k.get("commit") for arm, k in kept.items()}}
     return out
 
 

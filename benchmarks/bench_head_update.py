@@ -25,7 +25,7 @@ ratio is and how far one round of it can be off. Peak memory (one more run of th
 policy) is CUDA's peak on a GPU, else the sampled peak of the bytes malloc has handed out above the models
 (bench_reconstruction.PeakMemory).
 
-    python benchmarks/bench_head_update.py [--tokens 2048] [--tau 3] [--depths 1,2,3,4] [--rounds 5] [--json]
+    python -m benchmarks.bench_head_update [--tokens 2048] [--tau 3] [--depths 1,2,3,4] [--rounds 5] [--json]
 """
 
 from __future__ import annotations
@@ -36,10 +36,10 @@ import statistics
 import time
 
 import torch
-from bench_common import fit_line, head_update, policy_step, qwen3_4b_config, records_at_tau, sync
-from bench_reconstruction import measure_peak
 from transformers import Qwen3ForCausalLM
 
+from benchmarks.bench_reconstruction import measure_peak
+from benchmarks.shared.bench_common import fit_line, head_update, policy_step, qwen3_4b_config, records_at_tau, sync
 from openrlhf_growmtp.core import MTPHead, init_random_head_, make_head_config
 from openrlhf_growmtp.core.families import get_family
 

@@ -45,7 +45,7 @@ what fusing them would leave. Their kernels are counted as inductor generates th
 each way here); for a GPU it generates Triton kernels, where a backward's two reductions (over a row, over the
 rows) may be two or three: the CPU's count is then the lower end. The head's code compiles nothing itself.
 
-    python benchmarks/bench_launches.py [--responses 4] [--tokens 1536] [--repeats 3] [--before-tree PATH]
+    python -m benchmarks.bench_launches [--responses 4] [--tokens 1536] [--repeats 3] [--before-tree PATH]
                                         [--compile] [--json]
 """
 
@@ -62,12 +62,21 @@ import time
 from collections import Counter
 
 import torch
-from bench_common import head_update, qwen3_4b_config, records_at_tau
 from torch.profiler import ProfilerActivity, profile
 
-from openrlhf_growmtp.core import MTPHead, init_random_head_, make_head_config
-from openrlhf_growmtp.core import draft_attention, recompute, topk_logq
-from openrlhf_growmtp.core import chunk_plan, head_loss, reconstruction, rms_norm
+from benchmarks.shared.bench_common import head_update, qwen3_4b_config, records_at_tau
+from openrlhf_growmtp.core import (
+    MTPHead,
+    chunk_plan,
+    draft_attention,
+    head_loss,
+    init_random_head_,
+    make_head_config,
+    recompute,
+    reconstruction,
+    rms_norm,
+    topk_logq,
+)
 from openrlhf_growmtp.core.families import get_family
 
 K, TOPK, TAU, PROMPT, CHUNK = 5, 64, 3.0, 256, 1024
@@ -264,8 +273,8 @@ def measure(args) -> dict:
     gpu_plan = count(head, gpu_records, torch.bfloat16, "cuda", args.gpu_chunk)
     del gpu_records
     tau = 1.0 + float(torch.cat([rec.accepted for rec in records]).float().mean())
-    return {"cycles": cycles, "chunk_cycles": args.gpu_chunk, "tau": tau, "k": K, "topk": TOPK, "responses": args.responses,
-            "tokens": args.tokens, "ops_per_cycle": sum(gpu_plan.values()) / gpu_cycles,
+    return {"cycles": cycles, "chunk_cycles": args.gpu_chunk, "tau": tau, "k": K, "topk": TOPK,
+            "responses": args.responses, "tokens": args.tokens, "ops_per_cycle": sum(gpu_plan.values()) / gpu_cycles,
             "ops": sum(gpu_plan.values()), "cycles_at_chunk": gpu_cycles,
             "ops_at_1024": sum(cuda_plan.values()), "ops_per_cycle_at_1024": sum(cuda_plan.values()) / cycles,
             "ops_cpu_plan": sum(cpu_plan.values()), "ops_per_cycle_cpu_plan": sum(cpu_plan.values()) / cycles,
@@ -274,8 +283,10 @@ def measure(args) -> dict:
 
 
 def measure_tree(tree: str, argv: list[str]) -> dict:
-    """This script's measurement on another checkout of the package (its tree first on PYTHONPATH)."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([tree, os.environ.get("PYTHONPATH", "")]))
+    """This script's measurement on another checkout of the package (its tree first on PYTHONPATH, then this
+    checkout's root for the benchmarks' own modules; the script itself run by its path)."""
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([tree, here, os.environ.get("PYTHONPATH", "")]))
     out = subprocess.run([sys.executable, __file__, *argv, "--json", "--no-before"], env=env, check=True,
                          capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])

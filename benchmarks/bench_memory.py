@@ -21,7 +21,7 @@ vocabulary, tying); nothing is downloaded. Three parts:
    scores a chunk in groups of 2^26 logits here and 2^28 on a GPU, so a GPU's peak has a larger constant part;
    the GPU check measured it (docs/gpu.md).
 
-    python benchmarks/bench_memory.py [--chunks 192,320,448] [--families qwen3_4b,qwen3_5_4b,mimo_7b] [--json]
+    python -m benchmarks.bench_memory [--chunks 192,320,448] [--families qwen3_4b,qwen3_5_4b,mimo_7b] [--json]
 """
 
 from __future__ import annotations
@@ -33,14 +33,20 @@ import time
 from dataclasses import dataclass
 
 import torch
-from bench_common import fit_line, qwen3_4b_config, records_at_tau
-from bench_reconstruction import PeakMemory
 from torch import nn
 from transformers import PretrainedConfig, Qwen2Config
 from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
 
-from openrlhf_growmtp.core import HeadLossConfig, MTPHead, SequenceRecord, head_loss_backward, init_random_head_
-from openrlhf_growmtp.core import make_head_config
+from benchmarks.bench_reconstruction import PeakMemory
+from benchmarks.shared.bench_common import fit_line, qwen3_4b_config, records_at_tau
+from openrlhf_growmtp.core import (
+    HeadLossConfig,
+    MTPHead,
+    SequenceRecord,
+    head_loss_backward,
+    init_random_head_,
+    make_head_config,
+)
 from openrlhf_growmtp.core.families import get_family
 
 MiB = 2**20
@@ -158,8 +164,8 @@ def chunk_peaks(shape: Shape, chunks: list[int], k: int, topk: int, tau: float, 
         # int(tokens / τ) cycles: exactly `chunk`
         rec = records_at_tau(int(chunk * tau), prompt, tau, k, topk, min(DRAW_VOCAB, shape.config.vocab_size),
                              hidden_size=None, seed=chunk)
-        hidden = torch.randn(rec.token_ids.shape[0], shape.config.hidden_size, generator=torch.Generator().manual_seed(1)
-                             ).to(dtype)
+        hidden = torch.randn(rec.token_ids.shape[0], shape.config.hidden_size,
+                             generator=torch.Generator().manual_seed(1)).to(dtype)
         cfg = HeadLossConfig(chunk_cycles=chunk)
         t0 = time.perf_counter()
         with PeakMemory() as memory:

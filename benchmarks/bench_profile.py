@@ -29,9 +29,9 @@ records' transfer, the head RL step's parts, the head's sync).
 
 Writes JSON (--out) with the commit, command, machine and date.
 
-    python benchmarks/bench_profile.py --cycle --out docs/data/profile/cycle_before.json
-    python benchmarks/bench_profile.py --step --steps 8 --out docs/data/profile/step_before.json
-    python benchmarks/bench_profile.py --markdown docs/data/profile/cycle_*.json   # kept runs as one table
+    python -m benchmarks.bench_profile --cycle --out docs/data/profile/cycle_before.json
+    python -m benchmarks.bench_profile --step --steps 8 --out docs/data/profile/step_before.json
+    python -m benchmarks.bench_profile --markdown docs/data/profile/cycle_*.json   # kept runs as one table
 """
 
 from __future__ import annotations
@@ -99,8 +99,8 @@ def provenance(argv: list[str]) -> dict:
     commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
     dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
                                 text=True).stdout.strip())
-    script = Path(sys.argv[0]).name  # this script, or another benchmark that reports through it
-    return {"commit": commit, "dirty": dirty, "command": f"python benchmarks/{script} " + " ".join(argv),
+    script = Path(sys.argv[0]).stem  # this script, or another benchmark that reports through it
+    return {"commit": commit, "dirty": dirty, "command": f"python -m benchmarks.{script} " + " ".join(argv),
             "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **machine()}
 
 
@@ -229,7 +229,7 @@ def run_cycle(args) -> dict:
 
     results["spec"] = profile_engine(engine.llm, spec_generate, timers, args.repeats)
     engine.close()
-    del engine
+    engine = None  # the engine goes; spec_generate above holds only the variable
     gc.collect()
 
     timers = Timers()

@@ -17,7 +17,7 @@ Qwen3-4B's head shape and real vocabulary in bf16: CUDA's peak allocation, or on
 the bytes malloc has handed out (`PeakMemory`; its peak resident memory, which also holds what glibc
 keeps after frees, is printed next to it). With --json the last line is one JSON object.
 
-    python benchmarks/bench_reconstruction.py [--json] [--cycles 64 256 1024] [--device cpu|cuda]
+    python -m benchmarks.bench_reconstruction [--json] [--cycles 64 256 1024] [--device cpu|cuda]
 """
 
 from __future__ import annotations
@@ -33,12 +33,20 @@ import time
 import weakref
 
 import torch
-from bench_common import chain_by_chain, qwen3_4b_config, sync
 from torch import nn
 from transformers import Qwen3Config
 
-from openrlhf_growmtp.core import (HeadLossConfig, Lockstep, MTPHead, SequenceRecord, head_loss_backward,
-                                   init_random_head_, make_head_config, reconstruct_draft_logits)
+from benchmarks.shared.bench_common import chain_by_chain, qwen3_4b_config, sync
+from openrlhf_growmtp.core import (
+    HeadLossConfig,
+    Lockstep,
+    MTPHead,
+    SequenceRecord,
+    head_loss_backward,
+    init_random_head_,
+    make_head_config,
+    reconstruct_draft_logits,
+)
 from openrlhf_growmtp.core.families import get_family
 from openrlhf_growmtp.core.objectives import head_loss_per_cycle
 from openrlhf_growmtp.experiments.worlds.toy import synthetic_record
@@ -296,7 +304,8 @@ def main() -> None:
     chunk_memory = {}
     for chunk in (64, 256, 1024):
         chunk_memory[chunk] = peak_memory_mb(head, rec, chunk, args.device)
-        print(f"  chunk {chunk:>5}: {chunk_memory[chunk]['activations']:8.1f} {chunk_memory[chunk]['prefix_state']:8.1f}")
+        mb = chunk_memory[chunk]
+        print(f"  chunk {chunk:>5}: {mb['activations']:8.1f} {mb['prefix_state']:8.1f}")
 
     print(f"\nmemory per response length at chunk 256 ({unit}: activations, prefix state)")
     length_memory = {}

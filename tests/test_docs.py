@@ -184,3 +184,17 @@ def test_slugs_and_links_follow_github():
     assert not named(Path("t/x.json"), "all under [data/t/](data/t/)")  # a topic's folder names none of its files
     assert not named(Path("t/a.json"), "data/t/a.json.bak and data/t/ab.json") and not named(Path("t/a.json"),
                                                                                          "data/t/b.json")
+
+
+def test_docs_map_lists_every_page_once_in_reading_order():
+    """docs/README.md, the map, links every page of docs/ exactly once (a new page must be placed on it), its path runs
+    guide -> architecture -> invariants before the result pages, and the README links to it."""
+    index = (ROOT / "docs" / "README.md").read_text(encoding="utf-8")
+    listed = [target.split("#")[0] for target in links(index)]
+    listed = [target for target in listed if target.endswith(".md") and "/" not in target]
+    pages = sorted(p.name for p in (ROOT / "docs").glob("*.md") if p.name != "README.md")
+    assert sorted(listed) == pages, f"missing {sorted(set(pages) - set(listed))}, listed twice or not a page: " \
+                                    f"{sorted(t for t in set(listed) if listed.count(t) > 1 or t not in pages)}"
+    path = [listed.index(page) for page in ("guide.md", "architecture.md", "invariants.md", "demo.md")]
+    assert path == sorted(path), "the map's path: guide, architecture, invariants, then the results"
+    assert "docs/README.md" in links((ROOT / "README.md").read_text(encoding="utf-8"))

@@ -18,6 +18,7 @@ a `collector.RecordCollector` (a cycle vLLM verified without q at run time raise
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,7 +35,7 @@ from openrlhf_growmtp.core.records import DEFAULT_TOPK, SequenceRecord
 from . import check_vllm_version
 from .collector import DROPPED_META, RecordCollector
 from .depth_control import awaitable, calibration, run_now
-from .settings import CaptureConfig, SpecConfigError, check_sampling_params, spec_engine_kwargs
+from .settings import RUNNER_ENV, CaptureConfig, SpecConfigError, check_sampling_params, spec_engine_kwargs
 from .transport import dump_blob
 
 check_vllm_version()
@@ -261,6 +262,31 @@ def close_llm(llm) -> None:
         in_process.model_executor.shutdown()
     else:
         llm.llm_engine.engine_core.shutdown()
+
+
+ENGINE_FACTS_LINE = "growmtp engine facts: "  # a rollout actor's log line, read back by the studies (report.py)
+
+
+def engine_facts(llm) -> dict:
+    """What a vLLM `LLM` runs with, read from the engine itself (a kept measurement records it): its model
+    runner's class, asynchronous scheduling and `max_num_seqs`, as vLLM resolved them, and the runner choice
+    in the environment of the process that built it."""
+    return _facts(llm.llm_engine.vllm_config.scheduler_config, llm.collective_rpc(_runner_name)[0])
+
+
+async def engine_facts_async(llm) -> dict:
+    """`engine_facts` of an `AsyncLLM` (a rollout actor's engine)."""
+    return _facts(llm.vllm_config.scheduler_config, (await llm.collective_rpc(_runner_name))[0])
+
+
+def _facts(scheduler_config, runner: str) -> dict:
+    return {"runner": runner, "async_scheduling": bool(scheduler_config.async_scheduling),
+            "max_num_seqs": int(scheduler_config.max_num_seqs), RUNNER_ENV: os.environ.get(RUNNER_ENV)}
+
+
+def _runner_name(worker) -> str:
+    runner = type(worker.model_runner)
+    return f"{runner.__module__}.{runner.__qualname__}"
 
 
 def _in_process_core(llm):

@@ -67,7 +67,8 @@ def _vllm_layer(family: HeadFamily, vllm_config: VllmConfig, config, prefix: str
 
 
 def _unwrapped(config):
-    """The head directory's own config inside vLLM's EAGLE wrapper (`transformers_utils/configs/eagle.py`, `EAGLEConfig`)."""
+    """The head directory's own config inside vLLM's EAGLE wrapper (`transformers_utils/configs/eagle.py`,
+    `EAGLEConfig`)."""
     from transformers import PretrainedConfig
 
     inner = getattr(config, "model", None)

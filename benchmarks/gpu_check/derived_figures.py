@@ -1,7 +1,7 @@
 """The GPU figures docs quote, each named measured or derived, from the kept JSONs of one GPU session.
 
-    python benchmarks/gpu_check/derived_figures.py                       # prints; --out keeps the JSON
-    python benchmarks/gpu_check/derived_figures.py --out docs/data/gpu/derived_2026-11-27.json
+    python -m benchmarks.gpu_check.derived_figures                       # prints; --out keeps the JSON
+    python -m benchmarks.gpu_check.derived_figures --out docs/data/gpu/derived_2026-11-27.json
 
 Reads the H100 session of 2026-11-27 (docs/data/gpu/): `rollout_loop` (the CUDA-graph draft-and-verify loop,
 timed at 27 and 13 layers) and `trainer_step` + `cycle_cost` (the ZeRO-3 step under strict determinism at 13
@@ -18,11 +18,10 @@ import json
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path[:0] = [str(ROOT / "benchmarks" / "gpu_check"), str(ROOT / "benchmarks")]  # as gpu_check.py sees them
+from benchmarks.gpu_check.gpu_cycle import end_to_end
+from benchmarks.gpu_check.gpu_world import REAL
 
-from gpu_cycle import end_to_end  # noqa: E402
-from gpu_world import REAL  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 LOOP = ROOT / "docs/data/gpu/rollout_loop_2026-11-27.json"
 STEP = ROOT / "docs/data/gpu/trainer_step_head_update_graph_cycle_cost_2026-11-27.json"

@@ -9,6 +9,9 @@ same responses, timed and measured side by side in one run.
   training forward hands them over;
 - own forward: the no-grad policy forward a head update runs where it cannot read the policy's training
   forward (several policy steps per RL step, the lag probe, joint mode).
+With a draft vocabulary (`--draft-vocab N`), each repeat also times the head update over N ids alone (the product's
+`--growmtp_draft_vocab`: logits from the lm_head's N rows, sliced once per update; `core/draft_vocab.DraftRows`),
+on the same records and hidden states, and the ratio of the two updates is reported beside the policy's.
 No optimizer step on either side. The repeats alternate policy, own forward and head update; times are
 medians. Peak memory is CUDA's peak allocation above what was allocated before each run: the models,
 their gradients (allocated beforehand, as they live across a step) and the hidden states already held.
@@ -26,11 +29,12 @@ import statistics
 import time
 
 import torch
-from bench_common import accepted_at_tau, head_update, policy_hiddens, sync
-from gpu_report import Row
-from gpu_world import Plan
 
+from benchmarks.gpu_check.gpu_report import Row
+from benchmarks.gpu_check.gpu_world import Plan
+from benchmarks.shared.bench_common import accepted_at_tau, head_update, policy_hiddens, sync
 from openrlhf_growmtp.core import MTPHead, SequenceRecord
+from openrlhf_growmtp.core.draft_vocab import DraftVocab
 from openrlhf_growmtp.experiments.worlds.toy import synthetic_record
 
 RECORD_VOCAB = 1024  # records' ids are drawn over the first 1,024 ids: which ids they hold costs nothing
@@ -77,8 +81,9 @@ class Sides:
     """The three passes that (c) times, over one list of records: the policy's forward + backward (it hands over
     the hidden states), the policy's own no-grad forward, and the head update."""
 
-    def __init__(self, plan: Plan, policy, head: MTPHead):
+    def __init__(self, plan: Plan, policy, head: MTPHead, vocab: DraftVocab | None = None):
         self.plan, self.policy, self.head, self.device = plan, policy, head, policy.device
+        self.vocab = vocab  # also time the head update over these ids alone
         for module in (policy, head):  # gradients live across a step: allocated before anything is measured
             for p in module.parameters():
                 if p.requires_grad and p.grad is None:
@@ -94,9 +99,13 @@ class Sides:
             for lo in range(0, len(records), batch):
                 self.policy.model(input_ids=torch.stack([r.token_ids for r in records[lo:lo + batch]]).to(self.device))
 
-    def head_pass(self, records, hiddens):
+    def head_pass(self, records, hiddens, vocab: DraftVocab | None = None):
         self.head.zero_grad(set_to_none=False)
-        stats = head_update(self.head, records, hiddens, self.plan.chunk_cycles)
+        self.head.draft_vocab = vocab
+        try:
+            stats = head_update(self.head, records, hiddens, self.plan.chunk_cycles)
+        finally:
+            self.head.draft_vocab = None
         if not stats.finite:
             raise RuntimeError("the head update's loss is not finite")
         return stats
@@ -109,6 +118,8 @@ class Sides:
         hiddens = self.policy_pass(records)
         self.own_forward(records)
         self.head_pass(records, hiddens)
+        if self.vocab is not None:
+            self.head_pass(records, hiddens, self.vocab)
         with Meter(self.device) as policy_once:
             hiddens = self.policy_pass(records)
         with Meter(self.device) as forward_once:
@@ -124,25 +135,36 @@ class Sides:
 
     def timed(self, records) -> tuple[dict, dict, object]:
         """Seconds and peaks of each side, the repeats alternating the three; the last head update's stats."""
-        times = {"policy": [], "own_forward": [], "head": []}
-        peaks = {"policy": [], "own_forward": [], "head": []}
+        sides = ("policy", "own_forward", "head") + (("head_subset",) if self.vocab is not None else ())
+        times, peaks = {key: [] for key in sides}, {key: [] for key in sides}
         stats = None
         for _ in range(self.plan.repeats):
-            with Meter(self.device) as policy_meter:
+            meters = {}
+            with Meter(self.device) as meters["policy"]:
                 hiddens = self.policy_pass(records)
-            with Meter(self.device) as forward_meter:
+            with Meter(self.device) as meters["own_forward"]:
                 self.own_forward(records)
-            with Meter(self.device) as head_meter:
+            with Meter(self.device) as meters["head"]:
                 stats = self.head_pass(records, hiddens)
+            if self.vocab is not None:
+                with Meter(self.device) as meters["head_subset"]:
+                    self.head_pass(records, hiddens, self.vocab)
             del hiddens
-            for key, meter in (("policy", policy_meter), ("own_forward", forward_meter), ("head", head_meter)):
+            for key, meter in meters.items():
                 times[key].append(meter.seconds)
                 peaks[key].append(meter.peak_mb)
         return times, peaks, stats
 
 
-def check_cost(plan: Plan, policy, head: MTPHead, log) -> tuple[list[Row], dict]:
-    sides = Sides(plan, policy, head)
+def check_cost(plan: Plan, policy, head: MTPHead, log, draft_vocab: int | None = None) -> tuple[list[Row], dict]:
+    """(c); with `draft_vocab` N, also the head update over N ids (`gpu_draft_vocab.draft_vocab_ids`)."""
+    vocab = None
+    if draft_vocab is not None:
+        from benchmarks.gpu_check.gpu_draft_vocab import draft_vocab_ids
+
+        vocab = DraftVocab(draft_vocab_ids(plan.config.vocab_size, draft_vocab, torch.device("cpu")),
+                           plan.config.vocab_size)
+    sides = Sides(plan, policy, head, vocab)
     records = sides.responses_within_budget(log)
     times, peaks, stats = sides.timed(records)
     responses = len(records)
@@ -169,7 +191,17 @@ def check_cost(plan: Plan, policy, head: MTPHead, log) -> tuple[list[Row], dict]
         "path": "eager: bench_common.head_update, the trainer's chunked head update (DCA + VGM), chunks of "
                 f"{plan.chunk_cycles} cycles",
     }
-    return _rows(plan, details), details
+    rows = _rows(plan, details)
+    if vocab is not None:
+        details.update(draft_vocab=vocab.size, subset_over_all=median["head_subset"] / median["head"],
+                       time_ratio_subset=median["head_subset"] / median["policy"])
+        rows += [Row("c", f"time: head update over {vocab.size:,} ids / over every id (eager, same records)",
+                     f"{details['subset_over_all']:.3f}", f"{median['head_subset']:.2f} s / {median['head']:.2f} s",
+                     None, {"ratio": details["subset_over_all"]}),
+                 Row("c", f"time: head update over {vocab.size:,} ids / policy fwd+bwd",
+                     f"{details['time_ratio_subset']:.3f}", f"{median['head_subset']:.2f} s / {median['policy']:.2f} s",
+                     None, {"ratio": details["time_ratio_subset"]})]
+    return rows, details
 
 
 def _rows(plan: Plan, d: dict) -> list[Row]:

@@ -42,10 +42,17 @@ speedup either way: the prediction here is a reading of the formula, not a bound
 from __future__ import annotations
 
 import torch
-from bench_common import fit_line
-from cycle_timing import (cycle_prediction, draft_time, policy_times, rollout_prediction, step_prediction,
-                          training_time)
-from gpu_report import Row
+
+from benchmarks.gpu_check.gpu_report import Row
+from benchmarks.shared.bench_common import fit_line
+from benchmarks.shared.cycle_timing import (
+    cycle_prediction,
+    draft_time,
+    policy_times,
+    rollout_prediction,
+    step_prediction,
+    training_time,
+)
 
 # The paper (Section 4 and Table 1, Qwen3-4B on math): K = 5, tau 2.91, rollouts of up to 8,192 tokens,
 # 64 prompts x 8 responses per RL step on 8 GPUs; the AR run's rollout 523.86 s of a 723.51 s step, the
@@ -110,6 +117,34 @@ def measure_depths(plan, build_policy, build_head, log) -> tuple[dict, dict]:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     return per_depth, head_draft
+
+
+# The rollout loop's times (`gpu_rollout_loop.py`, the draft vocabulary's rows in `gpu_draft_vocab.py`) read where
+# they were not timed: at the policy's real depth, on the line through the two depths the loop ran, and over the
+# paper's whole rollout, linear in the context.
+
+def at_real_layers(measured: dict, contexts, real_layers: int) -> dict:
+    """Per context, decode and cycle seconds read at `real_layers` on the line through the two depths: the
+    per-layer time (the slope) x layers + the non-layer part (the intercept), both measured."""
+    deep, shallow = measured["depths"]
+    out = {}
+    for c in contexts:
+        rows = measured["per"][(deep, c)], measured["per"][(shallow, c)]
+        fits = {name: fit_line([deep, shallow], [r[name] for r in rows], nonnegative_slope=True)
+                for name in ("decode_s", "cycle_s")}
+        decode, cycle = fits["decode_s"].at(real_layers), fits["cycle_s"].at(real_layers)
+        out[c] = {"decode_s": decode, "cycle_s": cycle, "break_even_tau": cycle / decode,
+                  "speedup_at_paper_tau": PAPER["tau"] * decode / cycle,
+                  "per_layer_s": {n: f.b for n, f in fits.items()}, "non_layer_s": {n: f.a for n, f in fits.items()}}
+    return out
+
+
+def rollout_from_loop(at_real: dict, contexts, plan) -> dict:
+    """The paper's rollout (responses of `rollout_response` after `rollout_prompt`) at tau 2.91 from the
+    loop's 36-layer decode and cycle seconds, linear in the context (`cycle_timing.rollout_prediction`)."""
+    return rollout_prediction(list(contexts), [at_real[c]["decode_s"] for c in contexts],
+                              [at_real[c]["cycle_s"] for c in contexts], PAPER["tau"], plan.rollout_prompt,
+                              plan.rollout_response)
 
 
 def _rows(plan, at_real: dict, per_context: dict, rollout: dict) -> list[Row]:

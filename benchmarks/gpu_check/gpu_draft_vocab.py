@@ -14,7 +14,7 @@ outside them. Only values change: every phase has the shape it has without it. T
 for tau 2.91 (`gpu_loop.calibrate`), as for the draft over every id.
 
 What it reports: per context, the cycle at the measured depths, and at 36 layers (the per-layer line through them,
-`gpu_loop_lines.at_real_layers`) the speedup at tau 2.91 with and without the subset; the same over the paper's
+`gpu_cycle.at_real_layers`) the speedup at tau 2.91 with and without the subset; the same over the paper's
 8K-token rollout; the subset's first-draft acceptance against sum min(p_1, q_1) (q restricted) within 5 sigma.
 """
 
@@ -24,11 +24,11 @@ import contextlib
 import math
 
 import torch
-from gpu_cycle import PAPER
-from gpu_loop import acceptance_z
-from gpu_loop_lines import at_real_layers, rollout_from_loop
-from gpu_report import Row
-from gpu_sampler import Z_LIMIT
+
+from benchmarks.gpu_check.gpu_cycle import PAPER, at_real_layers, rollout_from_loop
+from benchmarks.gpu_check.gpu_loop import acceptance_z
+from benchmarks.gpu_check.gpu_report import Row
+from benchmarks.gpu_check.gpu_sampler import Z_LIMIT
 
 OUTSIDE_MASS = 0.05  # a flat p's mass outside the draft vocabulary, in the subset's runs
 IDS_SEED = 0

@@ -24,10 +24,10 @@ import time
 from dataclasses import dataclass
 
 import torch
-from cycle_timing import cached_forward, policy_caches, visible
-from gpu_sampler import rejection_step, sample
 from transformers import Qwen3ForCausalLM
 
+from benchmarks.gpu_check.gpu_sampler import rejection_step, sample
+from benchmarks.shared.cycle_timing import cached_forward, policy_caches, visible
 from openrlhf_growmtp.core import MTPHead, SequenceRecord
 from openrlhf_growmtp.core.head import HeadKVCache, additive_mask
 

@@ -26,6 +26,9 @@ the policy's forward + backward (`bench_common.policy_step`), the eager update a
 one at the same cycles per chunk (the captured time includes copying each chunk into the graph's inputs and
 adding its gradients into .grad). The shares are beside the eager 0.238 (check (c) on the H100, chunk 4096).
 On CUDA, torch's profiler counts the kernels each update runs, per cycle.
+
+With a draft vocabulary (`--draft-vocab N`) each chunk size is also timed over N ids alone, eager and captured
+(logits from the lm_head's N rows, `core/draft_vocab.DraftRows`, sliced once and held by the graph).
 """
 
 from __future__ import annotations
@@ -35,15 +38,16 @@ import time
 from dataclasses import dataclass
 
 import torch
-from bench_common import head_update, median_seconds, policy_hiddens, sync
-from gpu_cost import make_records
-from cycle_timing import MaskedGQA
-from gpu_numerics import _compare_grads, noise_factor, unit_roundoff
-from gpu_numerics import make_records as numerics_records
-from gpu_report import Row, sci
-from gpu_world import head_copy
 
+from benchmarks.gpu_check.gpu_cost import make_records
+from benchmarks.gpu_check.gpu_numerics import _compare_grads, noise_factor, unit_roundoff
+from benchmarks.gpu_check.gpu_numerics import make_records as numerics_records
+from benchmarks.gpu_check.gpu_report import Row, sci
+from benchmarks.gpu_check.gpu_world import head_copy
+from benchmarks.shared.bench_common import head_update, median_seconds, policy_hiddens, sync
+from benchmarks.shared.cycle_timing import MaskedGQA
 from openrlhf_growmtp.core import HeadLossConfig, MTPHead, SequenceRecord, head_loss_backward
+from openrlhf_growmtp.core.draft_vocab import DraftVocab
 from openrlhf_growmtp.core.objectives import chain_lengths, head_loss_per_cycle_at
 from openrlhf_growmtp.core.topk_logq import TopKLogQ
 
@@ -220,6 +224,7 @@ class CapturedUpdate:
 
     def __init__(self, head: MTPHead, packed: Packed):
         self.head, self.caps = head, packed.caps
+        self.rows = head.draft_rows  # a draft vocabulary's rows, which a captured graph reads: kept alive with it
         self.params = [p for p in head.parameters() if p.requires_grad]
         self.graph = None
         if next(head.parameters()).device.type == "cuda":
@@ -324,7 +329,8 @@ def kernels(fn, device) -> dict | None:
     return {"kernels": kernel, "launch_calls": launches}
 
 
-def check_head_update_graph(plan, policy, head: MTPHead, log) -> tuple[list[Row], dict]:
+def check_head_update_graph(plan, policy, head: MTPHead, log, draft_vocab: int | None = None
+                            ) -> tuple[list[Row], dict]:
     sizes = SIZES[plan.name]
     device = policy.device
     rows, numerics = check_numerics(plan, head)
@@ -353,6 +359,20 @@ def check_head_update_graph(plan, policy, head: MTPHead, log) -> tuple[list[Row]
                         {"eager": d["eager_share"], "graph": d["graph_share"]}))
         log(f"  (head_update_graph) chunk {chunk}: eager {d['eager_s']:.3f} s, captured {d['graph_s']:.3f} s, "
             f"policy {policy_s:.3f} s")
+        if draft_vocab is not None:
+            from benchmarks.gpu_check.gpu_draft_vocab import draft_vocab_ids
+
+            vocab = DraftVocab(draft_vocab_ids(plan.config.vocab_size, draft_vocab, torch.device("cpu")),
+                               plan.config.vocab_size)
+            sub = d["draft_vocab"] = time_chunk(head, records, hiddens, chunk, sizes, device, vocab)
+            sub.update(size=vocab.size, eager_share=sub["eager_s"] / policy_s, graph_share=sub["graph_s"] / policy_s)
+            rows.append(Row("head_update_graph", f"share of policy fwd+bwd over {vocab.size:,} ids, chunk {chunk}: "
+                            "eager -> captured", f"{sub['eager_share']:.3f} -> {sub['graph_share']:.3f}",
+                            f"every id: {d['eager_share']:.3f} -> {d['graph_share']:.3f}; grads cos "
+                            f"{sub['min_grad_cosine_graph_vs_eager']:.4f}", None,
+                            {"eager": sub["eager_share"], "graph": sub["graph_share"]}))
+            log(f"  (head_update_graph) chunk {chunk} over {vocab.size} ids: eager {sub['eager_s']:.3f} s, captured "
+                f"{sub['graph_s']:.3f} s")
     details = {"responses": len(records), "tokens": sum(int(r.token_ids.numel()) for r in records),
                "cycles": sum(r.num_cycles for r in records), "policy_s": policy_s,
                "per_chunk": {str(c): v for c, v in per_chunk.items()},
@@ -361,9 +381,20 @@ def check_head_update_graph(plan, policy, head: MTPHead, log) -> tuple[list[Row]
     return rows, details
 
 
-def time_chunk(head: MTPHead, records, hiddens, chunk: int, sizes: dict, device) -> dict:
+def time_chunk(head: MTPHead, records, hiddens, chunk: int, sizes: dict, device,
+               vocab: DraftVocab | None = None) -> dict:
     """The eager update and the captured one at `chunk` cycles a chunk: medians of `repeats`, the gradients'
-    agreement, the captured update's peak and (on CUDA) the kernels each runs."""
+    agreement, the captured update's peak and (on CUDA) the kernels each runs; over `vocab`'s ids alone where
+    given (its rows sliced once for the captured update, as the eager one slices them per update)."""
+    head.draft_vocab = vocab
+    try:
+        with head.sliced_draft_rows():
+            return _time_chunk(head, records, hiddens, chunk, sizes, device)
+    finally:
+        head.draft_vocab = None
+
+
+def _time_chunk(head: MTPHead, records, hiddens, chunk: int, sizes: dict, device) -> dict:
     cycles = sum(r.num_cycles for r in records)
     per_row = min(sizes["cycles_per_row"], chunk)
     packed = Packed(records, hiddens, per_row, max(1, chunk // per_row), device)

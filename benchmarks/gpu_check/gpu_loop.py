@@ -29,10 +29,10 @@ import math
 import time
 
 import torch
-from cycle_timing import KVBuffer, MaskedGQA, cached_forward, visible
-from gpu_sampler import rejection_step, sample
 from transformers import Qwen3ForCausalLM
 
+from benchmarks.gpu_check.gpu_sampler import rejection_step, sample
+from benchmarks.shared.cycle_timing import KVBuffer, MaskedGQA, cached_forward, visible
 from openrlhf_growmtp.core import MTPHead
 
 COUNTERS = ("tokens", "cycles", "first_accepted", "all_accepted", "alpha_sum", "alpha_var")

@@ -28,10 +28,10 @@ from __future__ import annotations
 import math
 
 import torch
-from bench_common import accepted_at_tau, chain_by_chain, head_update
-from gpu_report import Row, sci
-from gpu_world import Plan, head_copy
 
+from benchmarks.gpu_check.gpu_report import Row, sci
+from benchmarks.gpu_check.gpu_world import Plan, head_copy
+from benchmarks.shared.bench_common import accepted_at_tau, chain_by_chain, head_update
 from openrlhf_growmtp.core import MTPHead, SequenceRecord, acceptance_rates, reconstruct_draft_logits
 from openrlhf_growmtp.core.objectives import head_loss_per_cycle
 from openrlhf_growmtp.core.recompute import worth_recomputing

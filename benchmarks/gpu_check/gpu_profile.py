@@ -8,8 +8,8 @@ the follow-up to `make gpu-check` (docs/gpu.md).
 2. Check (a)'s records in fp32: per chunking, ||batched - chain||, ||batched - fp64|| and ||chain - fp64||
    per gradient tensor (check (a) bounds the first by 4 x the third; the second says which path rounds more).
 
-    python benchmarks/gpu_check/gpu_profile.py [--responses 8] [--chunks 256,1024,4096] [--json PATH]
-    python benchmarks/gpu_check/gpu_profile.py --responses 16 --chunks 1024,2048,4096,8192,16384   # the chunk sweep
+    python -m benchmarks.gpu_check.gpu_profile [--responses 8] [--chunks 256,1024,4096] [--json PATH]
+    python -m benchmarks.gpu_check.gpu_profile --responses 16 --chunks 1024,2048,4096,8192,16384   # the chunk sweep
 
 Prints its tables; writes a JSON with the timings and the fp32 distances. CUDA only (exit status 2 without).
 """
@@ -20,18 +20,15 @@ import argparse
 import json
 import statistics
 import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # benchmarks/: bench_common, cycle_timing
-
-from bench_common import head_update, qwen3_4b_config  # noqa: E402
-from gpu_cost import Meter  # noqa: E402
-from gpu_cost import make_records as cost_records  # noqa: E402
-from gpu_numerics import batched_run, chain_run  # noqa: E402
-from gpu_numerics import make_records as numerics_records  # noqa: E402
-from gpu_world import REAL, build_head, build_policy, head_copy  # noqa: E402
+from benchmarks.gpu_check.gpu_cost import Meter
+from benchmarks.gpu_check.gpu_cost import make_records as cost_records
+from benchmarks.gpu_check.gpu_numerics import batched_run, chain_run
+from benchmarks.gpu_check.gpu_numerics import make_records as numerics_records
+from benchmarks.gpu_check.gpu_world import REAL, build_head, build_policy, head_copy
+from benchmarks.shared.bench_common import head_update, qwen3_4b_config
 
 
 def timed_update(head, records, hiddens, chunk: int, repeats: int) -> tuple[float, float | None]:
@@ -51,7 +48,8 @@ def profile_update(head, records, hiddens, chunk: int, rows: int) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     head.zero_grad(set_to_none=False)
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof, Meter(torch.device("cuda")) as meter:
+    activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+    with profile(activities=activities) as prof, Meter(torch.device("cuda")) as meter:
         head_update(head, records, hiddens, chunk)
     wall = meter.seconds
     events = prof.key_averages()

@@ -31,13 +31,13 @@ import time
 from dataclasses import dataclass
 
 import torch
-from cycle_timing import KVBuffer, policy_caches
-from gpu_cycle import PAPER
-from gpu_draft_vocab import draft_vocab_ids, draft_vocab_report, shifted_outside
-from gpu_loop_lines import at_real_layers, rollout_from_loop
-from gpu_loop import Loop, acceptance_z, calibrate
-from gpu_report import Row
-from gpu_sampler import Z_LIMIT
+
+from benchmarks.gpu_check.gpu_cycle import PAPER, at_real_layers, rollout_from_loop
+from benchmarks.gpu_check.gpu_draft_vocab import draft_vocab_ids, draft_vocab_report, shifted_outside
+from benchmarks.gpu_check.gpu_loop import Loop, acceptance_z, calibrate
+from benchmarks.gpu_check.gpu_report import Row
+from benchmarks.gpu_check.gpu_sampler import Z_LIMIT
+from benchmarks.shared.cycle_timing import KVBuffer, policy_caches
 
 
 @dataclass(frozen=True)

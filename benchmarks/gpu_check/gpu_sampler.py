@@ -26,7 +26,8 @@ from __future__ import annotations
 import math
 
 import torch
-from gpu_report import Row
+
+from benchmarks.gpu_check.gpu_report import Row
 
 Z_LIMIT = 5.0
 P_MIN = 1e-6

@@ -1,256 +1,117 @@
-"""Check `trainer_step` of the GPU check: the RL step's training side on one device, in one process, with no
-Ray and no vLLM (`gpu_standins` answers for their names).
+"""Check `trainer_step` of the GPU check: the RL step's training side on one device, with no Ray and no vLLM
+(`gpu_standins` answers for their names), each DeepSpeed run in a process of its own (`gpu_trainer_run.py`).
 
-1. A policy at Qwen3-4B's widths (`trainer_layers` layers; the real plan takes as many as the device's
-   memory holds under ZeRO-3, `layers_that_fit`) and a random K = 5 head bound to it, both bf16.
+1. A policy at Qwen3-4B's widths, at the first of the depths asked (`--trainer-layers`; by default as many
+   layers as the device's memory holds under ZeRO-3, `layers_that_fit`), and a random K = 5 head bound to
+   it, both bf16.
 2. The reference drafter (`gpu_drafter`) rolls out `trainer_responses` responses with that head on the
-   device, its tau set to the paper's 2.91; its records are validated as the trainer validates them.
-3. Upstream's actor-side step twice, each from the same saved policy and the same experience (the
-   drafted sequences, their log-probs, random advantages): upstream's DeepSpeed strategy (ZeRO-3, bf16)
-   and `ActorPPOTrainer`, without the head; then our strategy (`get_strategy`: the head in its own
-   parameter group) and `GrowMTPActorTrainer.ppo_train` (its head step), with the head (detached, the
-   paper's schedule). Each runs `trainer_steps` RL steps; the last one is timed.
+   device, its tau set to the paper's 2.91; its records are validated as the trainer validates them. The
+   sequences, records, policy and head are saved under a work directory and leave the device. A further
+   depth trains on the same sequences and records, from a policy of its own depth (random, seeded) whose
+   log-probs of them are its old policy's (the drafter runs once: it takes most of the check's time).
+3. At each depth, each run in a process of its own, from the same saved policy and the same experience (the
+   drafted sequences, their log-probs, random advantages), `trainer_steps` RL steps, the last one timed:
+   - production (`--trainer-runs production`), as every example script trains: our strategy
+     (`get_strategy`: the head in its own parameter group) and `GrowMTPActorTrainer.ppo_train` with the head
+     (detached, the paper's schedule), then upstream's DeepSpeed strategy (ZeRO-3, bf16) and
+     `ActorPPOTrainer` without it; then the policy's plain forward + backward over the same sequences
+     (`bench_common.policy_step`, micro-batches of `micro_batch`, gradient checkpointing on as in the step;
+     no optimizer), for the steps' cost per token;
+   - strict (`--trainer-runs strict`): the same two steps under torch's deterministic algorithms, strict
+     (upstream's `--train.full_determinism_enable`; an operator without a deterministic implementation
+     raises), so that nothing but the head could make the policies differ. Should they differ all the
+     same, upstream runs a third time, and how far it lands from itself is reported beside.
 It shows:
-- the policy's parameters after the steps: bit-identical with and without the head. Both runs use
-  torch's deterministic algorithms, strict (upstream's `--train.full_determinism_enable`), so nothing but
-  the head could make them differ; an operator without a deterministic implementation raises. Should they
-  differ all the same, upstream runs a second time, and how far it lands from itself is reported beside;
-- the head's parameters moved: every weight matrix differs from where it started;
-- the head's share of the whole step: the head update's seconds (the step's `growmtp/head_update_s`) over
-  the step with it, and the step with the head over the step without, measured one after the other.
-4. The production step: the same two runs again without strict determinism (strict mode fills every new
-   tensor and takes the deterministic kernels: no run trains under it), timed, and per token beside the plain
-   forward + backward of the same policy over the same sequences (`bench_common.policy_step`, micro-batches of
-   `micro_batch`, gradient checkpointing on as in the step; no optimizer).
-DeepSpeed's optimizer is torch's AdamW (`torch_adam`): DeepSpeed's fused Adam is a C++/CUDA build at first
-use, which an offline GPU machine may not be able to make; the update is the same AdamW.
+- no run started with memory an earlier one held (`clean_starts`);
+- strict: the policy's parameters after the steps bit-identical with and without the head;
+- every run with the head: the head moved (every weight matrix differs from where it started);
+- the head's share of the step (the step's `growmtp/head_update_s` over the step with it), the step with the
+  head over the step without, each per token beside the plain forward + backward, and each run's peak memory.
+Every run ends with a verdict, or says why it has none. A run that fails leaves its first traceback in its
+JSON and its log (beside the check's JSON, `<json>_trainer_runs/`); the other runs still run.
+`--launch-blocking-layers` runs the depths named with CUDA_LAUNCH_BLOCKING=1: a kernel's error is reported at
+the call that launched it (slower: those times are not a timing).
+DeepSpeed's optimizer is DeepSpeed's fused Adam where `gpu_fused_adam` built it on the device in time, else
+torch's AdamW (`torch_adam`; the same update); each run's JSON names the one that ran.
 """
 
 from __future__ import annotations
 
-import contextlib
 import gc
+import json
 import os
-import socket
+import shutil
+import subprocess
 import sys
 import tempfile
 import time
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-import gpu_standins
 import torch
-from gpu_drafter import calibrate_head, draft_rollouts, first_accept_z
-from gpu_report import Row
-from gpu_sampler import Z_LIMIT  # the drafter's first acceptance, held as check (d) holds its own
-from gpu_world import build_head, flatten_policy_logits_
 
-# Bytes per parameter (the policy's and the head's) at the peak of the step, measured: on an H100 (2026-11-27)
-# 18 layers, 2.32B parameters with the head, ran out of memory in our run's optimizer step with 75.88 GiB
-# allocated and 3.76 GiB more asked: at least 36.9 bytes per parameter. ZeRO-3's state in bf16 is 20 of them
-# (bf16 weight and gradient, fp32 master, momentum, variance and gradient partition); torch's multi-tensor
-# AdamW adds a temporary of its sub-group's size at the step (the 3.76 GiB); the rest (activations, what the
-# run before left on the device) that run did not separate (`memory_mb` in the JSON now does).
-PEAK_BYTES_PER_PARAM = 37
-# Environment variables upstream's --train.full_determinism_enable sets (transformers' enable_full_determinism)
-DETERMINISM_ENV = ("CUDA_LAUNCH_BLOCKING", "CUBLAS_WORKSPACE_CONFIG", "ASCEND_LAUNCH_BLOCKING", "HCCL_DETERMINISTIC",
-                   "FLASH_ATTENTION_DETERMINISTIC")
+from benchmarks.gpu_check.gpu_drafter import calibrate_head, draft_rollouts, first_accept_z
+from benchmarks.gpu_check.gpu_fused_adam import FusedAdamBuild, no_build
+from benchmarks.gpu_check.gpu_report import Row
+from benchmarks.gpu_check.gpu_sampler import Z_LIMIT  # the drafter's first acceptance, held as check (d) holds its own
+from benchmarks.gpu_check.gpu_trainer_run import held
+from benchmarks.gpu_check.gpu_world import build_head, flatten_policy_logits_
+
+RUN_ARGS = ["-m", "benchmarks.gpu_check.gpu_trainer_run"]  # a run's process: `python -m` from the repository's root
+# Bytes per parameter (the policy's and the head's) at the peak of one run's step, measured on a run that
+# started clean: on an H100 (2026-11-27, docs/data/gpu/trainer_step_head_update_graph_cycle_cost_2026-11-27.json)
+# upstream's step at 13 layers (1.70B parameters) started with 416 MiB allocated and peaked at 36,480 MiB:
+# 22.2 bytes per parameter of its own (ours with the head, 1.82B, rose by 21.8). ZeRO-3 in bf16 holds 20 of
+# them (bf16 weight and gradient, fp32 master, momentum, variance and gradient partition); the rest is a
+# micro-batch's activations and fp32 logits and torch AdamW's temporary at the step, parts that do not grow
+# with the depth, so the figure read at 13 layers errs high at deeper ones. (The 37 this replaced was read
+# off a run that started with 26 GB of the run before it still held: every run now has a process of its own.)
+PEAK_BYTES_PER_PARAM = 22.3
+# What the check's own process may hold on the device while a run starts: the experience stays on the host,
+# so only what torch keeps for itself (cuBLAS's workspaces at CUBLAS_WORKSPACE_CONFIG ":4096:8", 8 x 4 MiB;
+# the generators' states); one decoder layer of Qwen3-4B in bf16 is 192 MiB, a leaked model several GiB.
+PARENT_HELD_MIB = 256
+# How far the device's memory in use at a run's start may rise over the first run's: two CUDA contexts
+# (the check's, the run's own) differ run to run by tens of MiB; a leaked run at 8 layers holds ~19 GB.
+ACCUMULATED_MIB = 1024
+RUN_MODES = ("production", "strict")
+
+
+def parameters(config, layers: int, head: bool = True) -> int:
+    """The policy's parameters at `layers` decoder layers of `config`'s widths (the embedding tied), and with
+    `head` the head's (one decoder layer and its fc of 2H x H)."""
+    h = config.hidden_size
+    attn = h * config.head_dim * (config.num_attention_heads * 2 + config.num_key_value_heads * 2)
+    layer = attn + 3 * h * config.intermediate_size + 2 * h + 2 * config.head_dim  # norms: input, post, q, k
+    policy = config.vocab_size * h + layers * layer + h
+    return policy + (layer + 2 * h * h if head else 0)
 
 
 def layers_that_fit(config, memory_bytes: int, share: float = 0.8) -> int:
-    """Decoder layers of `config`'s widths whose step, with the embedding and a head layer, peaks within `share`
-    of `memory_bytes` (the rest: the allocator's slack, and what the measured lower bound of
-    `PEAK_BYTES_PER_PARAM` may miss); at least 1, at most 36."""
-    h, inter = config.hidden_size, config.intermediate_size
-    attn = h * config.head_dim * (config.num_attention_heads * 2 + config.num_key_value_heads * 2)
-    layer = attn + 3 * h * inter
-    fixed = config.vocab_size * h + layer + 2 * h * h  # embedding (tied), the head's layer and fc
-    fit = (share * memory_bytes / PEAK_BYTES_PER_PARAM - fixed) // layer
+    """Decoder layers of `config`'s widths whose step with the head peaks within `share` of `memory_bytes`
+    (the rest: the allocator's slack, the check's own process, and what `PEAK_BYTES_PER_PARAM`, read at one
+    depth, may miss at another); at least 1, at most 36."""
+    fixed, per_layer = parameters(config, 0), parameters(config, 1) - parameters(config, 0)
+    fit = (share * memory_bytes / PEAK_BYTES_PER_PARAM - fixed) // per_layer
     return int(max(1, min(36, fit)))
 
 
-@contextlib.contextmanager
-def determinism_restored():
-    """Upstream's --train.full_determinism_enable switches torch's deterministic algorithms on for the whole
-    process (strict, with cuDNN's deterministic mode and environment variables): the checks after this one
-    must not be timed under it. (On the H100 on 2026-11-27, `cycle_cost` run after `trainer_step` in one
-    process timed decode steps ~3x as long as in a process of its own: deterministic mode fills every new
-    tensor, a launch more per allocation, and the eager steps there are launch-bound.)"""
-    env = {name: os.environ.get(name) for name in DETERMINISM_ENV}
-    algorithms = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
-    cudnn = torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark
-    try:
-        yield
-    finally:
-        torch.use_deterministic_algorithms(algorithms[0], warn_only=algorithms[1])
-        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = cudnn
-        for name, value in env.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+@dataclass(frozen=True)
+class RunSpec:
+    """One run at one depth, in a process of its own (`gpu_trainer_run.py`)."""
+
+    name: str
+    kind: str  # "step": RL steps; "plain": the policy's forward + backward
+    ours: bool = False  # our strategy and trainer, with the head (else upstream's, without it)
+    strict: bool = False  # under torch's deterministic algorithms (upstream's full determinism)
+    gather_policy: bool = False  # save the policy after the steps, to compare
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("", 0))
-        return sock.getsockname()[1]
-
-
-def _prepare_process(device: torch.device) -> list[str]:
-    """What the actor processes of a run have: torch.distributed's one rank, the CPU layer where there is no
-    CUDA, a flash_attn module for upstream's imports, and the stand-ins for Ray and vLLM (returned: the
-    packages stood in for; none where they were imported already)."""
-    standins = gpu_standins.install(force=True)
-    from openrlhf_growmtp import cpu_support
-    from openrlhf_growmtp.trainer import installer
-
-    if device.type == "cuda":
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS's deterministic mode
-        import importlib.util
-
-        if importlib.util.find_spec("flash_attn") is None:  # upstream imports its padding helpers only
-            sys.path.insert(0, str(cpu_support.SHIM_DIR))
-    else:
-        installer.install_cpu_support()
-    if not torch.distributed.is_initialized():
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1",
-                          LOCAL_RANK="0")
-    return standins
-
-
-def _train_args(policy_dir: Path, work: Path, plan, head_dir: Path | None, strict: bool = True):
-    from openrlhf.utils.config import hierarchize
-
-    from openrlhf_growmtp.trainer.args import parse_train_args
-
-    batch = plan.trainer_responses
-    argv = ["--actor.model_name_or_path", str(policy_dir), "--ds.zero_stage", "3", "--ds.attn_implementation", "sdpa",
-            "--ds.param_dtype", "bf16", "--train.batch_size", str(batch), "--train.micro_batch_size",
-            str(plan.micro_batch), "--rollout.batch_size", str(batch // 2), "--rollout.n_samples_per_prompt", "2",
-            "--algo.advantage.estimator", "group_norm", "--algo.kl.init_coef", "0", "--actor.adam.lr", "1e-3",
-            "--actor.lr_warmup_ratio", "0", "--vllm.num_engines", "1", "--ckpt.path", str(work / "ckpt"),
-            "--train.seed", "1", "--actor.gradient_checkpointing_enable"] + (["--train.full_determinism_enable"]
-                                                                                 if strict else [])
-    if head_dir is not None:
-        argv += ["--growmtp_k", str(plan.k), "--growmtp_mode", "detached", "--growmtp_topk", str(plan.topk),
-                 "--growmtp_chunk_cycles", str(plan.chunk_cycles)]
-    args = hierarchize(parse_train_args(argv))
-    # what upstream's __main__ fills in after parsing (parse_train_args stops before it)
-    args.actor.eps_clip_low_high = (args.actor.eps_clip, args.actor.eps_clip)
-    args.algo.advantage.is_correction_threshold.insert(0, 0.0)
-    if head_dir is not None:
-        args.growmtp.head_dir = str(head_dir)
-    return args
-
-
-def _experience(sequences: torch.Tensor, logp: torch.Tensor, prompt: int, records, seed: int):
-    from openrlhf.trainer.ppo_utils.experience import Experience
-
-    batch, length = sequences.shape
-    response = length - prompt
-    g = torch.Generator().manual_seed(seed)
-    info = {"reward": torch.rand(batch, generator=g)}
-    if records is not None:
-        info["growmtp_record"] = [r.pack() for r in records]
-        info["growmtp_accepted"] = [r.accepted.tolist() for r in records]
-    return Experience(sequences=sequences.clone(), attention_mask=torch.ones_like(sequences),
-                      action_mask=torch.ones(batch, response, dtype=torch.bool), action_log_probs=logp.clone(),
-                      advantages=torch.randn(batch, response, generator=g),
-                      response_length=torch.full((batch,), float(response)),
-                      total_length=torch.full((batch,), float(length)), info=info)
-
-
-def _gathered(module) -> dict[str, torch.Tensor]:
-    import deepspeed
-
-    params = dict(module.named_parameters())
-    with deepspeed.zero.GatheredParameters(list(params.values())):
-        return {name: p.detach().float().cpu().clone() for name, p in params.items()}
-
-
-def _run_steps(args, ours: bool, make_experience, steps: int, device: torch.device, gather: bool = True) -> dict:
-    """Build strategy, actor and actor-side trainer as the policy actor does; `steps` RL steps, each on a
-    fresh copy of the same experience; the steps' times and (where `gather`) the parameters after them."""
-    from openrlhf_growmtp.trainer import strategy as ours_strategy
-
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-        at_start = torch.cuda.memory_allocated(device)
-    trainer, parts = _actor_trainer(args, ours)
-    seconds, status = [], {}
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        for step in range(steps):
-            trainer.replay_buffer.clear()
-            trainer.replay_buffer.append(make_experience(step))
-            _sync(device)
-            t0 = time.perf_counter()
-            status = trainer.ppo_train(0.0)
-            _sync(device)
-            seconds.append(time.perf_counter() - t0)
-    nondeterministic = sorted({str(w.message).split("\n")[0][:160] for w in caught
-                               if "deterministic" in str(w.message)})
-    hf_model = parts[0].model.module
-    head = ours_strategy.head_of(hf_model)
-    policy = None
-    if gather:
-        with ours_strategy.without_head(hf_model):
-            policy = _gathered(hf_model)
-    out = {"seconds": seconds, "status": {k: float(v) for k, v in status.items() if isinstance(v, (int, float))},
-           "policy": policy, "head": _gathered(head) if head is not None and gather else None,
-           "nondeterministic_ops": nondeterministic,
-           "memory_mb": {"at_start": at_start / 2**20, "peak": torch.cuda.max_memory_allocated(device) / 2**20}
-           if device.type == "cuda" else None}
-    with contextlib.suppress(Exception):
-        parts[0].model.destroy()
-    del trainer, parts
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    return out
-
-
-def _actor_trainer(args, ours: bool):
-    """Our strategy and `GrowMTPActorTrainer`, or upstream's strategy and `ActorPPOTrainer`, set up as the policy
-    actor sets them up; the trainer and (actor, optimizer, scheduler, strategy)."""
-    from openrlhf.models import Actor
-    from openrlhf.trainer.ray.ppo_actor import ActorPPOTrainer
-    from openrlhf.utils import get_strategy as upstream_get_strategy
-
-    from openrlhf_growmtp.trainer import ppo_actor, strategy as ours_strategy
-
-    strategy = ours_strategy.get_strategy(args) if ours else upstream_get_strategy(args)
-    # upstream's enable_full_determinism, strict as upstream sets it: an operator without a deterministic kernel
-    # raises (the check's error names it), and attention's backward takes its deterministic kernels (with
-    # warn_only, as the first device run had it, cuDNN's attention ran its non-deterministic backward)
-    strategy.setup_distributed()
-    train_config = strategy.get_ds_train_config
-
-    def torch_adam_config(*a, **kw):
-        config = train_config(*a, **kw)
-        if "optimizer" in config:
-            config["optimizer"].setdefault("params", {})["torch_adam"] = True
-        return config
-
-    strategy.get_ds_train_config = torch_adam_config
-    actor = Actor(args.actor.model_name_or_path, attn_implementation="sdpa", param_dtype="bf16",
-                  ds_config=strategy.get_ds_train_config(), packing_samples=args.ds.packing_samples)
-    actor.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    cfg = dict(optim="adam", muon=vars(args.actor.muon), adam=vars(args.actor.adam),
-               lr_scheduler=args.actor.lr_scheduler, lr_warmup_ratio=args.actor.lr_warmup_ratio,
-               min_lr_ratio=args.actor.min_lr_ratio, max_norm=args.actor.max_norm, scheduler_steps=10)
-    actor, optimizer, scheduler = strategy.prepare((actor, cfg))
-    trainer = (ppo_actor.GrowMTPActorTrainer if ours else ActorPPOTrainer)(
-        strategy, actor, None, optimizer, scheduler, micro_train_batch_size=args.train.micro_batch_size,
-        tokenizer=None, vllm_engines=None)
-    return trainer, (actor, optimizer, scheduler, strategy)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+RUNS = {"production": (RunSpec("production_with_head", "step", ours=True),
+                       RunSpec("production_without_head", "step"), RunSpec("plain", "plain")),
+        "strict": (RunSpec("strict_without_head", "step", strict=True, gather_policy=True),
+                   RunSpec("strict_with_head", "step", ours=True, strict=True, gather_policy=True))}
+UPSTREAM_AGAIN = RunSpec("strict_upstream_again", "step", strict=True, gather_policy=True)
 
 
 def _build_policy(config, device, seed: int = 0):
@@ -266,11 +127,11 @@ def _build_policy(config, device, seed: int = 0):
 
 @dataclass
 class Drafted:
-    """The experience both runs train on: the reference drafter's sequences and records, and the rollout policy's
-    log-probs of their response tokens; the policy and the head as they were saved under the work directory."""
+    """What every run trains on, saved under the work directory: the drafter's sequences and records (in
+    `experience/`), the policy of the first depth and the head; what the checks read back from them."""
 
+    layers: int
     sequences: torch.Tensor
-    logp: torch.Tensor
     rollouts: object  # gpu_drafter.Rollouts
     calibration: dict
     z: float
@@ -279,7 +140,10 @@ class Drafted:
 
 def _draft(plan, config, device: torch.device, work: Path, log) -> Drafted:
     """A policy of `config` and a random head, the head's tau set to the plan's, their rollouts drafted and
-    validated, the old policy's log-probs; both models saved under `work` and released from the device."""
+    validated; the experience, the policy (with its log-probs of the sequences) and the head saved under
+    `work`; both models released from the device."""
+    from safetensors.torch import save_file
+
     from openrlhf_growmtp.core.checkpoint import export_head, load_head
     from openrlhf_growmtp.core.validation import validate_records
 
@@ -295,87 +159,272 @@ def _draft(plan, config, device: torch.device, work: Path, log) -> Drafted:
     log(f"  (trainer_step) drafted {len(records)} x {records[0].token_ids.numel()} tokens, {rollouts.cycles} "
         f"cycles at tau {rollouts.tau:.2f} in {rollouts.seconds:.1f} s")
     sequences = torch.stack([r.token_ids for r in records])
-    with torch.no_grad():  # the rollout policy's log-probs of the sampled tokens (the old policy of the step)
-        logits = policy(input_ids=sequences.to(device)).logits.float()
-        logp = torch.log_softmax(logits[:, :-1], -1).gather(-1, sequences[:, 1:, None].to(device))[..., 0]
-    policy.save_pretrained(work / "policy")
+    (work / "experience" / "records").mkdir(parents=True)
+    for i, record in enumerate(records):
+        (work / "experience" / "records" / f"{i:05d}.rec").write_bytes(record.pack())
+    save_file({"sequences": sequences.contiguous()}, str(work / "experience" / "sequences.safetensors"))
+    _save_policy(policy, sequences, plan.trainer_prompt, work, config.num_hidden_layers)
     export_head(head, work / "head")
-    del policy, head, logits
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    del policy, head
+    _release(device)
     initial_head = {n: p.to(torch.bfloat16).float() for n, p in load_head(work / "head").state_dict().items()}
-    return Drafted(sequences, logp[:, plan.trainer_prompt - 1:].cpu(), rollouts, calibration, first_accept_z(rollouts),
-                   initial_head)
+    return Drafted(config.num_hidden_layers, sequences, rollouts, calibration, first_accept_z(rollouts), initial_head)
 
 
-def _both_runs(plan, work: Path, drafted: Drafted, device: torch.device, log
-               ) -> tuple[dict, dict, dict | None, dict]:
-    """Upstream's steps without the head, ours with it, from the same saved policy and experience, under
-    upstream's full determinism (given back afterwards); upstream once more where the policies differ; then the
-    pair again without it (the production step, its parameters not gathered)."""
-    records = drafted.rollouts.records
+def _save_policy(policy, sequences: torch.Tensor, prompt: int, work: Path, layers: int) -> None:
+    """The policy (`policy_<layers>/`) and its log-probs of the sequences' response tokens, the old policy's of
+    the step (`experience/logp_<layers>.safetensors`)."""
+    from safetensors.torch import save_file
 
-    def experience(with_records: bool):
-        return lambda step: _experience(drafted.sequences, drafted.logp, plan.trainer_prompt,
-                                        records if with_records else None, seed=10 + step)
-
-    def upstream(run: str) -> dict:
-        return _run_steps(_train_args(work / "policy", work / run, plan, None), False, experience(False),
-                          plan.trainer_steps, device)
-
-    with determinism_restored():
-        without = upstream("up")
-        log(f"  (trainer_step) upstream, no head: steps {', '.join(f'{s:.2f}' for s in without['seconds'])} s")
-        with_head = _run_steps(_train_args(work / "policy", work / "ours", plan, work / "head"), True,
-                               experience(True), plan.trainer_steps, device)
-        log(f"  (trainer_step) ours, with the head: steps {', '.join(f'{s:.2f}' for s in with_head['seconds'])} s")
-        control = None
-        if _differences(without["policy"], with_head["policy"])[0]:  # the head's doing, or the device's?
-            again = upstream("up_again")
-            names, largest = _differences(without["policy"], again["policy"])
-            control = {"differing": len(names), "max_abs_diff": largest}
-            log(f"  (trainer_step) upstream against itself: {control['differing']} tensors differ")
-    production = {"without_head": _run_steps(_train_args(work / "policy", work / "up_prod", plan, None, strict=False),
-                                             False, experience(False), plan.trainer_steps, device, gather=False)}
-    log(f"  (trainer_step) production (not strict), no head: steps "
-        f"{', '.join(f'{s:.2f}' for s in production['without_head']['seconds'])} s")
-    production["with_head"] = _run_steps(_train_args(work / "policy", work / "ours_prod", plan, work / "head",
-                                                     strict=False), True, experience(True), plan.trainer_steps,
-                                         device, gather=False)
-    log(f"  (trainer_step) production (not strict), with the head: steps "
-        f"{', '.join(f'{s:.2f}' for s in production['with_head']['seconds'])} s")
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
-    return without, with_head, control, production
+    with torch.no_grad():
+        logits = policy(input_ids=sequences.to(policy.device)).logits.float()
+        logp = torch.log_softmax(logits[:, :-1], -1).gather(-1, sequences[:, 1:, None].to(policy.device))[..., 0]
+    save_file({"logp": logp[:, prompt - 1:].cpu().contiguous()},
+              str(work / "experience" / f"logp_{layers}.safetensors"))
+    policy.save_pretrained(work / f"policy_{layers}")
 
 
-def _plain_forward_backward(config, sequences: torch.Tensor, micro_batch: int, device: torch.device) -> float:
-    """Seconds of the policy's plain forward + backward (`bench_common.policy_step`, gradient checkpointing on)
-    over `sequences` in micro-batches, the second of two passes (the first warms up)."""
-    from bench_common import policy_step
-
-    policy = _build_policy(config, device).train()
-    policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    seconds = []
-    for _ in range(2):
-        policy.zero_grad(set_to_none=False)
-        _sync(device)
-        t0 = time.perf_counter()
-        for lo in range(0, sequences.shape[0], micro_batch):
-            policy_step(policy, sequences[lo:lo + micro_batch].to(device))
-        _sync(device)
-        seconds.append(time.perf_counter() - t0)
-    del policy
+def _release(device: torch.device) -> None:
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return seconds[-1]
 
 
-def _production(plan, runs: dict, plain_s: float, tokens: int) -> dict:
+class Runner:
+    """Launches the runs of one trainer_step, each in a process of its own, and keeps what they left: a JSON
+    and a log per run under `out_dir` (beside the check's JSON), large outputs under `work`."""
+
+    def __init__(self, plan, device: torch.device, work: Path, out_dir: Path, deadline_at: float | None, log,
+                 optimizer: dict, optimizer_env: dict):
+        self.plan, self.device, self.work, self.out_dir = plan, device, work, out_dir
+        self.deadline_at, self.log = deadline_at, log
+        self.optimizer, self.optimizer_env = optimizer, optimizer_env  # gpu_fused_adam's outcome, its env
+        out_dir.mkdir(parents=True, exist_ok=True)
+
+    def past_deadline(self) -> bool:
+        return self.deadline_at is not None and time.perf_counter() > self.deadline_at
+
+    def launch(self, run: RunSpec, layers: int, blocking: bool) -> dict:
+        """One run in a process of its own; its result JSON, with what the check's own process held as it
+        started (`parent_held`), its exit status and its log's name. Nothing here touches CUDA after the run:
+        its log and JSON are on disk whatever happened in it."""
+        name = f"{layers}_layers_{run.name}"
+        if self.past_deadline():
+            self.log(f"  (trainer_step) {name}: not run, past the deadline")
+            return {"name": run.name, "ok": False, "skipped": True, "error": None, "stage": "not run"}
+        result_path, log_path = self.out_dir / f"{name}.json", self.out_dir / f"{name}.log"
+        spec = {"name": run.name, "kind": run.kind, "device": self.device.type, "ours": run.ours, "strict": run.strict,
+                "gather_policy": run.gather_policy, "policy_dir": str(self.work / f"policy_{layers}"),
+                "head_dir": str(self.work / "head") if run.ours else None, "work_dir": str(self.work / str(layers)),
+                "experience_dir": str(self.work / "experience"), "logp_file": f"logp_{layers}.safetensors",
+                "outputs": str(self.work / str(layers) / run.name), "result": str(result_path),
+                "fused_adam": self.optimizer["fused"],
+                "plan": {k: getattr(self.plan, k) for k in ("k", "topk", "chunk_cycles", "micro_batch",
+                                                             "trainer_responses", "trainer_prompt", "trainer_steps")}}
+        spec_path = self.work / f"{name}.spec.json"
+        spec_path.write_text(json.dumps(spec, indent=1))
+        result_path.unlink(missing_ok=True)
+        env = {**os.environ, **self.optimizer_env}
+        if blocking:
+            env.update(CUDA_LAUNCH_BLOCKING="1", TORCH_SHOW_CPP_STACKTRACES="1")
+        parent_held = self.held_here()
+        t0 = time.perf_counter()
+        with open(log_path, "wb") as out:
+            proc = subprocess.Popen([sys.executable, *RUN_ARGS, str(spec_path)], stdout=out,
+                                    stderr=subprocess.STDOUT, env=env, cwd=Path(__file__).resolve().parents[2])
+            try:
+                code = proc.wait()
+            except BaseException:  # cut off: the run goes with the check
+                proc.terminate()
+                try:
+                    proc.wait(15)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                raise
+        result = json.loads(result_path.read_text()) if result_path.exists() else {"name": run.name, "ok": False,
+                                                                                   "stage": "never started"}
+        if not result["ok"] and not result.get("error"):
+            result["error"] = (f"the run's process ended with exit status {code} before it recorded an error "
+                               f"(killed, or it died in C: its log has faulthandler's stacks)")
+        result.update(exit_status=code, wall_s=time.perf_counter() - t0, log=log_path.name, parent_held=parent_held,
+                      launch_blocking=blocking)
+        if result["ok"]:
+            self.log(f"  (trainer_step) {name}: {', '.join(f'{s:.2f}' for s in result['seconds'])} s")
+        else:
+            tail = log_path.read_text(errors="replace").splitlines()[-40:]
+            self.log(f"  (trainer_step) {name} FAILED (exit {code}); the last lines of {log_path}:\n    "
+                     + "\n    ".join(tail))
+        return result
+
+    def held_here(self) -> dict:
+        """What the check's own process holds as a run starts; on CUDA beyond PARENT_HELD_MIB, its largest
+        tensors on the device, named."""
+        found = held(self.device)
+        if self.device.type == "cuda" and found["cuda_allocated_mib"] > PARENT_HELD_MIB:
+            tensors = [o for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.is_cuda]
+            tensors.sort(key=lambda t: t.numel() * t.element_size(), reverse=True)
+            found["largest"] = [f"{t.dtype} {list(t.shape)} {t.numel() * t.element_size() / 2**20:.0f} MiB"
+                                for t in tensors[:5]]
+        return found
+
+
+def check_trainer_step(plan, depths: list[int], device: torch.device, log, out_dir: Path,
+                       modes: tuple[str, ...] = RUN_MODES, blocking: tuple[int, ...] = (),
+                       strict_at: tuple[int, ...] | None = None, deadline_at: float | None = None, progress=None,
+                       fused_adam_s: float = 0.0) -> tuple[list[Row], dict]:
+    """`depths`: the policies' layers, the first drafting; `modes`: the runs at each depth, strict only at
+    `strict_at` (None: every depth); `progress(details)` is told the details so far after
+    each depth (the check's JSON keeps them if a later depth is cut off); `fused_adam_s`: the time box for
+    building DeepSpeed's fused Adam (`gpu_fused_adam`; 0: torch's AdamW)."""
+    work = Path(tempfile.mkdtemp(prefix="gpu_trainer_"))
+    build = None
+    try:
+        if fused_adam_s > 0 and device.type == "cuda":
+            build = FusedAdamBuild(work / "torch_extensions", out_dir, fused_adam_s)  # beside the drafter
+        drafted = _draft(plan, plan.trainer_config(depths[0]), device, work, log)
+        optimizer = (build.outcome() if build is not None else
+                     no_build("not asked (--fused-adam-s)" if device.type == "cuda" else "no CUDA"))
+        log(f"  (trainer_step) optimizer: {optimizer['optimizer']}"
+            + (f" ({optimizer['reason']})" if optimizer["reason"] else f", built in {optimizer['build_s']:.0f} s"))
+        runner = Runner(plan, device, work, out_dir, deadline_at, log, optimizer,
+                        build.env() if optimizer["fused"] else {})
+        base = {"drafted_at_layers": depths[0], "depths": list(depths), "runs_asked": list(modes),
+                "strict_at": list(depths if strict_at is None else strict_at),
+                "drafter": _drafter(drafted), "runs_dir": out_dir.name, "optimizer_choice": optimizer}
+        rows, by_depth, details = [_drafter_row({**base, "cycles": drafted.rollouts.cycles,
+                                                 "tau": drafted.rollouts.tau})], {}, {}
+        for layers in depths:
+            here = tuple(m for m in modes if m != "strict" or strict_at is None or layers in strict_at)
+            found, by_depth[str(layers)] = _depth(plan, layers, drafted, runner, here, layers in blocking)
+            rows += found
+            # the last depth's figures at the top, where the end-to-end prediction reads them
+            details = {**base, **by_depth[str(layers)], "by_depth": by_depth}
+            if progress is not None:
+                progress(details)
+        rows.append(_clean_start_row(by_depth, device))
+        return rows, details
+    finally:
+        if build is not None and build.proc.poll() is None:  # an error before its time box ended
+            build.proc.kill()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _drafter(drafted: Drafted) -> dict:
+    r = drafted.rollouts
+    return {"seconds": r.seconds, "phases": r.phases, "calibration": drafted.calibration, "cycles": r.cycles,
+            "tau": r.tau, "first_accept_rate": r.first_accept_rate, "first_alpha": r.first_alpha, "z": drafted.z}
+
+
+def _depth(plan, layers: int, drafted: Drafted, runner: Runner, modes, blocking: bool) -> tuple[list[Row], dict]:
+    """Every run asked at one depth, then its verdicts and figures."""
+    config = plan.trainer_config(layers)
+    if not (runner.work / f"policy_{layers}").exists():
+        if runner.past_deadline():
+            return [Row("trainer_step", f"{layers} layers: not run, past the deadline", "-", "-", False,
+                        skipped=True)], {"layers": layers, "runs": {}}
+        policy = _build_policy(config, runner.device)
+        _save_policy(policy, drafted.sequences, plan.trainer_prompt, runner.work, layers)
+        del policy
+        _release(runner.device)
+    runs = {}
+    for mode in modes:
+        for run in RUNS[mode]:
+            runs[run.name] = runner.launch(run, layers, blocking)
+    outputs = runner.work / str(layers)
+    strict_ok = runs.get("strict_without_head", {}).get("ok") and runs.get("strict_with_head", {}).get("ok")
+    comparison = control = None
+    if strict_ok:
+        comparison = _differences(outputs / "strict_without_head" / "policy.safetensors",
+                                  outputs / "strict_with_head" / "policy.safetensors")
+        if comparison["differing"]:  # the head's doing, or the device's?
+            runs[UPSTREAM_AGAIN.name] = runner.launch(UPSTREAM_AGAIN, layers, blocking)
+            if runs[UPSTREAM_AGAIN.name]["ok"]:
+                again = _differences(outputs / "strict_without_head" / "policy.safetensors",
+                                     outputs / UPSTREAM_AGAIN.name / "policy.safetensors")
+                control = {"differing": len(again["differing"]), "max_abs_diff": again["max_abs_diff"]}
+    details = _details(plan, layers, config, drafted, runs, comparison, control, runner.work, blocking)
+    shutil.rmtree(outputs, ignore_errors=True)
+    shutil.rmtree(runner.work / f"policy_{layers}", ignore_errors=True)
+    return _rows(plan, details), details
+
+
+def _details(plan, layers, config, drafted: Drafted, runs: dict, comparison, control, work: Path,
+             blocking: bool) -> dict:
+    sequences = drafted.sequences
+    d = {"layers": layers, "hidden_size": config.hidden_size, "vocab_size": config.vocab_size,
+         "responses": plan.trainer_responses, "prompt_tokens": plan.trainer_prompt,
+         "sequence_tokens": int(sequences.shape[1]), "tokens": int(sequences.numel()),
+         "cycles": drafted.rollouts.cycles, "tau": drafted.rollouts.tau, "micro_batch": plan.micro_batch,
+         "steps": plan.trainer_steps, "launch_blocking": blocking, "runs": runs}
+    steps = [r for r in runs.values() if r.get("kind") == "step" and r.get("ok")]
+    if steps:
+        d.update(optimizer=sorted({r["optimizer"] for r in steps}), standins=steps[0]["standins"])
+    for name, run in runs.items():  # the head moved, in every run with the head that ran
+        if run.get("ok") and run.get("head_file"):
+            matrices, moved = _head_moved(Path(run["head_file"]), drafted.initial_head)
+            run.update(head_matrices=matrices, head_matrices_moved=moved)
+    without, with_head = runs.get("strict_without_head"), runs.get("strict_with_head")
+    if comparison is not None:
+        trained = _count_trained(work / f"policy_{layers}", Path(without["policy_file"]))
+        step_without, step_with = without["seconds"][-1], with_head["seconds"][-1]
+        head_s = with_head["status"].get("growmtp/head_update_s", float("nan"))
+        d.update({
+            "seconds_without_head": without["seconds"], "seconds_with_head": with_head["seconds"],
+            "step_s_without_head": step_without, "step_s_with_head": step_with, "head_update_s": head_s,
+            "head_share_of_step": head_s / step_with, "step_ratio_with_over_without": step_with / step_without,
+            "policy_tensors": comparison["tensors"], "policy_tensors_differing": comparison["differing"],
+            "policy_max_abs_diff": comparison["max_abs_diff"], "policy_tensors_trained": trained,
+            "head_matrices": with_head["head_matrices"], "head_matrices_moved": with_head["head_matrices_moved"],
+            "status_with_head": with_head["status"], "status_without_head": without["status"],
+            "upstream_against_itself": control, "deterministic_algorithms": "strict",
+            "memory_mb": {"without_head": without["memory_mb"], "with_head": with_head["memory_mb"]},
+            "nondeterministic_ops": sorted(set(without["nondeterministic_ops"] + with_head["nondeterministic_ops"]))})
+    production = {n: runs.get(f"production_{n}") for n in ("with_head", "without_head")}
+    if all(r and r["ok"] for r in production.values()) and runs.get("plain", {}).get("ok"):
+        d["production"] = _production(plan, production, runs["plain"], d["tokens"])
+        if comparison is not None:
+            d["strict_over_production"] = {n: d[f"step_s_{n}"] / d["production"]["step_s"][n]
+                                           for n in ("without_head", "with_head")}
+    for run in runs.values():
+        run["verdict"] = _verdict(run, d)
+    return d
+
+
+def _verdict(run: dict, d: dict) -> str:
+    """What the run showed, or why it shows nothing."""
+    if run.get("skipped"):
+        return "none: not run, past the deadline"
+    if not run.get("ok"):
+        return f"none: the run failed ({_last_line(run.get('error'))[:200]}); its log: {run.get('log')}"
+    said = []
+    if run["name"] == "strict_with_head":
+        differing, n = d.get("policy_tensors_differing"), d.get("policy_tensors")
+        said.append("policy bit-identical to upstream's (strict_without_head)" if differing == [] else
+                    f"policy NOT bit-identical to upstream's: {len(differing)} of {n} tensors differ"
+                    if differing else "policy not compared: strict_without_head did not run")
+    if run["name"] == "strict_without_head":
+        said.append("the reference policy; " + (f"{d['policy_tensors_trained']} of {d['policy_tensors']} tensors "
+                                                "trained" if "policy_tensors_trained" in d else "not compared"))
+    if run["name"] in ("production_without_head", "strict_upstream_again"):
+        said.append("policy not judged: without deterministic algorithms upstream's step differs from itself"
+                    if run["name"].startswith("production") else "upstream against itself (the control)")
+    if "head_matrices" in run:
+        said.append(f"head moved: {len(run['head_matrices_moved'])} of {len(run['head_matrices'])} weight matrices")
+    if run["name"] == "plain":
+        said.append("timed only (the policy's plain forward + backward: nothing to judge)")
+    return "; ".join(said)
+
+
+def _last_line(error: str | None) -> str:
+    """An error's last line (a traceback's: the exception)."""
+    lines = (error or "").strip().splitlines()
+    return lines[-1] if lines else "no error recorded"
+
+
+def _production(plan, runs: dict, plain: dict, tokens: int) -> dict:
     """The production steps' times (the last of each run), per token, over the plain forward + backward's."""
     step = {name: run["seconds"][-1] for name, run in runs.items()}
+    plain_s = plain["seconds"][-1]
     head_s = runs["with_head"]["status"].get("growmtp/head_update_s", float("nan"))
     return {"deterministic_algorithms": "off", "steps": plan.trainer_steps, "tokens": tokens,
             "seconds": {name: run["seconds"] for name, run in runs.items()},
@@ -385,106 +434,156 @@ def _production(plan, runs: dict, plain_s: float, tokens: int) -> dict:
             "per_token_s": {**{name: s / tokens for name, s in step.items()},
                             "plain_forward_backward": plain_s / tokens},
             "step_over_plain_forward_backward": {name: s / plain_s for name, s in step.items()},
-            "memory_mb": {name: run["memory_mb"] for name, run in runs.items()}}
+            "memory_mb": {name: run["memory_mb"] for name, run in runs.items()},
+            "head_matrices_moved": len(runs["with_head"].get("head_matrices_moved", [])),
+            "head_matrices": len(runs["with_head"].get("head_matrices", []))}
 
 
-def check_trainer_step(plan, config, device: torch.device, log) -> tuple[list[Row], dict]:
-    """`config`: the policy's (its depth chosen by the caller)."""
-    standins = _prepare_process(device)
-    work = Path(tempfile.mkdtemp(prefix="gpu_trainer_"))
-    drafted = _draft(plan, config, device, work, log)
-    without, with_head, control, production = _both_runs(plan, work, drafted, device, log)
-    plain_s = _plain_forward_backward(config, drafted.sequences, plan.micro_batch, device)
-    rollouts, status = drafted.rollouts, with_head["status"]
-    differing, worst = _differences(without["policy"], with_head["policy"])
-    matrices = [n for n, p in with_head["head"].items() if p.ndim == 2]
-    step_without, step_with = without["seconds"][-1], with_head["seconds"][-1]
-    head_s = status.get("growmtp/head_update_s", float("nan"))
-    details = {
-        "layers": config.num_hidden_layers, "hidden_size": config.hidden_size, "vocab_size": config.vocab_size,
-        "responses": plan.trainer_responses, "prompt_tokens": plan.trainer_prompt,
-        "sequence_tokens": int(drafted.sequences.shape[1]), "tokens": int(drafted.sequences.numel()),
-        "cycles": rollouts.cycles, "tau": rollouts.tau, "micro_batch": plan.micro_batch, "steps": plan.trainer_steps,
-        "drafter": {"seconds": rollouts.seconds, "phases": rollouts.phases, "calibration": drafted.calibration,
-                    "first_accept_rate": rollouts.first_accept_rate, "first_alpha": rollouts.first_alpha,
-                    "z": drafted.z},
-        "seconds_without_head": without["seconds"], "seconds_with_head": with_head["seconds"],
-        "step_s_without_head": step_without, "step_s_with_head": step_with, "head_update_s": head_s,
-        "head_share_of_step": head_s / step_with, "step_ratio_with_over_without": step_with / step_without,
-        "policy_tensors": len(without["policy"]), "policy_tensors_differing": differing,
-        "policy_max_abs_diff": worst, "policy_tensors_trained": _count_trained(work / "policy", without["policy"]),
-        "head_matrices": matrices,
-        "head_matrices_moved": [n for n in matrices if not torch.equal(with_head["head"][n], drafted.initial_head[n])],
-        "status_with_head": status, "status_without_head": without["status"], "upstream_against_itself": control,
-        "memory_mb": {"without_head": without["memory_mb"], "with_head": with_head["memory_mb"]},
-        "nondeterministic_ops": sorted(set(without["nondeterministic_ops"] + with_head["nondeterministic_ops"])),
-        "optimizer": "torch AdamW through DeepSpeed (torch_adam)", "deterministic_algorithms": "strict",
-        "standins": standins,
-        "production": _production(plan, production, plain_s, int(drafted.sequences.numel())),
-    }
-    details["strict_over_production"] = {"without_head": step_without / details["production"]["step_s"]["without_head"],
-                                         "with_head": step_with / details["production"]["step_s"]["with_head"]}
-    return _rows(plan, details) + _production_rows(details), details
+def _drafter_row(d: dict) -> Row:
+    z, drafter = d["drafter"]["z"], d["drafter"]
+    return Row("trainer_step", f"reference drafter: first-draft acceptance vs sum min(p, q), {d['cycles']} cycles "
+               f"({d['drafted_at_layers']} layers)",
+               f"z {z:.2f} ({drafter['first_accept_rate']:.3f} vs {drafter['first_alpha']:.3f}); tau {d['tau']:.2f}",
+               f"|z| <= {Z_LIMIT:g}", abs(z) <= Z_LIMIT, {"z": z, "tau": d["tau"]})
 
 
 def _rows(plan, d: dict) -> list[Row]:
-    n, differing, control = d["policy_tensors"], d["policy_tensors_differing"], d["upstream_against_itself"]
-    z, tau, cycles = d["drafter"]["z"], d["tau"], d["cycles"]
-    head_s, step_with, step_without = d["head_update_s"], d["step_s_with_head"], d["step_s_without_head"]
-    moved, matrices = d["head_matrices_moved"], d["head_matrices"]
-    return [
-        Row("trainer_step", f"reference drafter: first-draft acceptance vs sum min(p, q), {cycles} cycles",
-            f"z {z:.2f} ({d['drafter']['first_accept_rate']:.3f} vs {d['drafter']['first_alpha']:.3f}); tau {tau:.2f}",
-            f"|z| <= {Z_LIMIT:g}", abs(z) <= Z_LIMIT, {"z": z, "tau": tau}),
-        Row("trainer_step", f"policy after {plan.trainer_steps} ZeRO-3 bf16 steps, {d['layers']} "
-            f"layers: ours with the head vs upstream without", f"{n - len(differing)} of {n} tensors identical"
+    layers, runs, rows = d["layers"], d["runs"], []
+    for name, run in runs.items():
+        if run.get("skipped"):
+            rows.append(Row("trainer_step", f"{layers} layers, {name}: not run, past the deadline", "-", "-", False,
+                            skipped=True))
+        elif not run.get("ok"):
+            rows.append(Row("trainer_step", f"{layers} layers, {name}: FAILED (log {run['log']})",
+                            _last_line(run.get("error"))[:100], "runs to its end", False))
+    if "policy_tensors_differing" in d:
+        n, differing, control = d["policy_tensors"], d["policy_tensors_differing"], d["upstream_against_itself"]
+        rows.append(Row(
+            "trainer_step", f"policy after {plan.trainer_steps} ZeRO-3 bf16 steps (strict), {layers} layers: ours "
+            "with the head vs upstream without", f"{n - len(differing)} of {n} tensors identical"
             + (f", max|d| {d['policy_max_abs_diff']:.1e}" if differing else "")
             + (f"; upstream vs itself: {n - control['differing']} identical, max|d| {control['max_abs_diff']:.1e}"
                if control else ""), f"bit-identical; {d['policy_tensors_trained']} of {n} trained",
             not differing and d["policy_tensors_trained"] > 0
             and d["status_with_head"].get("growmtp/head_finite") == 1.0,
-            {"differing": len(differing), "max_abs_diff": d["policy_max_abs_diff"]}),
-        Row("trainer_step", "head's weight matrices moved", f"{len(moved)} of {len(matrices)}", "all",
-            bool(matrices) and len(moved) == len(matrices), {"moved": len(moved)}),
-        Row("trainer_step", f"head update / whole step with it, {d['tokens']} tokens, {cycles} cycles",
-            f"{head_s / step_with:.3f}", f"{head_s:.2f} s / {step_with:.2f} s (last of {plan.trainer_steps} steps)",
-            None, {"ratio": head_s / step_with}),
-        Row("trainer_step", "step with the head / step without (upstream)", f"{step_with / step_without:.3f}",
-            f"{step_with:.2f} s / {step_without:.2f} s", None, {"ratio": step_with / step_without}),
-    ]
+            {"differing": len(differing), "max_abs_diff": d["policy_max_abs_diff"]}))
+        head_s, step_with, step_without = d["head_update_s"], d["step_s_with_head"], d["step_s_without_head"]
+        rows += [Row("trainer_step", f"strict, {layers} layers: head update / whole step with it, {d['tokens']} "
+                     f"tokens, {d['cycles']} cycles", f"{head_s / step_with:.3f}",
+                     f"{head_s:.2f} s / {step_with:.2f} s (last of {plan.trainer_steps} steps)", None,
+                     {"ratio": head_s / step_with}),
+                 Row("trainer_step", f"strict, {layers} layers: step with the head / step without (upstream)",
+                     f"{step_with / step_without:.3f}", f"{step_with:.2f} s / {step_without:.2f} s", None,
+                     {"ratio": step_with / step_without})]
+    for name, run in runs.items():
+        if "head_matrices" in run:
+            moved, matrices = run["head_matrices_moved"], run["head_matrices"]
+            rows.append(Row("trainer_step", f"{layers} layers, {name}: head's weight matrices moved",
+                            f"{len(moved)} of {len(matrices)}", "all", bool(matrices) and len(moved) == len(matrices),
+                            {"moved": len(moved)}))
+    if "production" in d:
+        rows += _production_rows(d)
+    peaks = {n: r["memory_mb"]["peak"] for n, r in runs.items() if r.get("ok") and r.get("memory_mb")}
+    if peaks:
+        rows.append(Row("trainer_step", f"{layers} layers: peak memory allocated per run, MiB",
+                        ", ".join(f"{n} {p:,.0f}" for n, p in peaks.items()), "each run in a process of its own",
+                        None, peaks))
+    return rows
 
 
 def _production_rows(d: dict) -> list[Row]:
     prod, layers = d["production"], d["layers"]
     per_token, over = prod["per_token_s"], prod["step_over_plain_forward_backward"]
+    note = " (CUDA_LAUNCH_BLOCKING: not a timing)" if d["launch_blocking"] else ""
+    strict = (f"; strict / production {d['strict_over_production']['with_head']:.2f}x with the head, "
+              f"{d['strict_over_production']['without_head']:.2f}x without" if "strict_over_production" in d else "")
     return [
         Row("trainer_step", f"production step (not strict), {layers} layers, {prod['tokens']} tokens: per token "
-            "with the head / without / plain fwd+bwd", f"{per_token['with_head'] * 1e6:.1f} / "
+            f"with the head / without / plain fwd+bwd{note}", f"{per_token['with_head'] * 1e6:.1f} / "
             f"{per_token['without_head'] * 1e6:.1f} / {per_token['plain_forward_backward'] * 1e6:.1f} us",
-            f"over plain fwd+bwd: {over['with_head']:.2f}x with, {over['without_head']:.2f}x without; strict / "
-            f"production {d['strict_over_production']['without_head']:.2f}x", None,
+            f"over plain fwd+bwd: {over['with_head']:.2f}x with, {over['without_head']:.2f}x without{strict}", None,
             {"with_head": over["with_head"], "without_head": over["without_head"]}),
-        Row("trainer_step", "production step (not strict): with the head / without; head update / step",
-            f"{prod['step_ratio_with_over_without']:.3f}; {prod['head_share_of_step']:.3f}",
+        Row("trainer_step", f"production step (not strict), {layers} layers: with the head / without; head "
+            f"update / step{note}", f"{prod['step_ratio_with_over_without']:.3f}; {prod['head_share_of_step']:.3f}",
             f"{prod['step_s']['with_head']:.2f} s / {prod['step_s']['without_head']:.2f} s", None,
             {"ratio": prod["step_ratio_with_over_without"], "head_share": prod["head_share_of_step"]}),
     ]
 
 
-def _differences(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> tuple[list[str], float]:
-    """The names whose tensors differ, and the largest absolute difference among them."""
-    differing = [n for n in a if not torch.equal(a[n], b[n])]
-    return differing, max((float((a[n] - b[n]).abs().max()) for n in differing), default=0.0)
+def clean_starts(by_depth: dict, device: torch.device) -> list[str]:
+    """What any run started with that an earlier one held, named (empty: every run started clean): a DeepSpeed
+    engine alive in its process or the check's, CUDA memory allocated in its process, more than PARENT_HELD_MIB
+    held by the check's own process, or the device's memory in use above the first run's by ACCUMULATED_MIB."""
+    problems, first_used = [], None
+    for layers, depth in by_depth.items():
+        for name, run in depth["runs"].items():
+            mine, parent = run.get("held_at_start"), run.get("parent_held")
+            if mine is None:
+                continue
+            where = f"{layers} layers, {name}"
+            if mine["deepspeed_engines"] or parent["deepspeed_engines"]:
+                problems.append(f"{where}: {mine['deepspeed_engines']} DeepSpeed engine(s) alive in its process and "
+                                f"{parent['deepspeed_engines']} in the check's as it started")
+            if device.type != "cuda":
+                continue
+            if mine["cuda_allocated_mib"] > 0:
+                problems.append(f"{where}: {mine['cuda_allocated_mib']:.0f} MiB allocated in its process as it started")
+            if parent["cuda_allocated_mib"] > PARENT_HELD_MIB:
+                problems.append(f"{where}: the check's own process held {parent['cuda_allocated_mib']:,.0f} MiB on the "
+                                f"device (largest: {'; '.join(parent.get('largest', []))})")
+            first_used = mine["device_used_mib"] if first_used is None else first_used
+            if mine["device_used_mib"] > first_used + ACCUMULATED_MIB:
+                problems.append(f"{where}: the device had {mine['device_used_mib']:,.0f} MiB in use as it started, "
+                                f"{mine['device_used_mib'] - first_used:,.0f} MiB more than at the first run's start")
+    return problems
 
 
-def _count_trained(policy_dir: Path, params: dict[str, torch.Tensor]) -> int:
-    """How many of `params` differ from the saved policy's tensors of the same name."""
+def _clean_start_row(by_depth: dict, device: torch.device) -> Row:
+    runs = [r for d in by_depth.values() for r in d["runs"].values() if r.get("held_at_start")]
+    problems = clean_starts(by_depth, device)
+    used = [r["held_at_start"].get("device_used_mib") for r in runs if device.type == "cuda"]
+    measured = (f"{len(runs)} runs, none with an engine alive" + (f"; device in use at their starts "
+                f"{min(used):,.0f}-{max(used):,.0f} MiB" if used else "")) if not problems else "; ".join(problems)
+    return Row("trainer_step", "no run started with memory an earlier run held", measured,
+               f"0 engines; on CUDA the check's own process <= {PARENT_HELD_MIB} MiB and no rise over the first run "
+               f"> {ACCUMULATED_MIB} MiB", bool(runs) and not problems, {"problems": problems})
+
+
+def _differences(file_a: Path, file_b: Path) -> dict:
+    """The tensors of two saved policies that differ, and the largest absolute difference among them."""
+    from safetensors import safe_open
+
+    differing, largest = [], 0.0
+    with safe_open(str(file_a), "pt") as a, safe_open(str(file_b), "pt") as b:
+        names = sorted(a.keys())
+        for name in names:
+            x, y = a.get_tensor(name), b.get_tensor(name)
+            if not torch.equal(x, y):
+                differing.append(name)
+                largest = max(largest, float((x.float() - y.float()).abs().max()))
+    return {"tensors": len(names), "differing": differing, "max_abs_diff": largest}
+
+
+def _count_trained(policy_dir: Path, after: Path) -> int:
+    """How many of the tensors saved in `after` differ from the saved policy's tensors of the same name."""
     from safetensors import safe_open
 
     changed = 0
-    for path in sorted(policy_dir.glob("*.safetensors")):
-        with safe_open(str(path), "pt") as f:
-            for name in f.keys():
-                if name in params:
-                    changed += not torch.equal(params[name], f.get_tensor(name).float())
+    with safe_open(str(after), "pt") as trained:
+        names = set(trained.keys())
+        for path in sorted(policy_dir.glob("*.safetensors")):
+            with safe_open(str(path), "pt") as f:
+                for name in f.keys():
+                    if name in names:
+                        changed += not torch.equal(trained.get_tensor(name).float(), f.get_tensor(name).float())
     return changed
+
+
+def _head_moved(head_file: Path, initial: dict[str, torch.Tensor]) -> tuple[list[str], list[str]]:
+    """The head's weight matrices, and those that differ from where they started."""
+    from safetensors.torch import load_file
+
+    after = {n: p.float() for n, p in load_file(str(head_file)).items()}
+    matrices = [n for n, p in after.items() if p.ndim == 2]
+    return matrices, [n for n in matrices if n in initial and not torch.equal(after[n], initial[n])]
+

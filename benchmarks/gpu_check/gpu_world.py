@@ -7,10 +7,10 @@ import math
 from dataclasses import dataclass
 
 import torch
-from bench_common import qwen3_4b_config
 from torch import nn
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
+from benchmarks.shared.bench_common import qwen3_4b_config
 from openrlhf_growmtp.core import MTPHead, init_random_head_, make_head_config
 from openrlhf_growmtp.core.families import get_family
 from openrlhf_growmtp.core.reconstruction import CHUNK_CYCLES

@@ -12,8 +12,10 @@
 #      GPU_SMOKE=1 first runs the check at tiny shapes on CUDA (about 45 s on an H100);
 #      with --tiny: runs only that, with the arguments given.
 # Everything lands in $OUT (the device tool's folder that comes back), else runs/gpu/: the JSONs, a log per
-# run, environment.txt and timing.txt. Exit status: the last run's (0 passed, 1 a check failed, 2 could not
-# run, 3 passed what ran but the deadline skipped some checks, 124 cut off by the budget).
+# run (trainer_step's runs: gpu_check_trainer_runs/), environment.txt and timing.txt. GPU_HOST_COMMIT (the
+# host's `git rev-parse HEAD`, written into the command) is the commit the JSON records. Exit status: the last
+# run's (0 passed, 1 a check failed, 2 could not run, 3 passed what ran but the deadline skipped some checks, 124
+# cut off by the budget).
 set -uo pipefail
 started=$SECONDS
 cd "$(dirname "$0")/../.."
@@ -49,6 +51,7 @@ export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:Tr
 
 {
   date -u +%Y-%m-%dT%H:%M:%SZ
+  echo "GPU_HOST_COMMIT=${GPU_HOST_COMMIT:-(not set: the JSON records the git HEAD of this copy)}"
   nvidia-smi 2>&1 || echo "(no nvidia-smi)"
   "$PYTHON" -c "import sys, torch, transformers; print(sys.version); \
 print('torch', torch.__version__, 'cuda', torch.version.cuda, 'available', torch.cuda.is_available()); \
@@ -61,7 +64,7 @@ for arg in "$@"; do
   [[ "$arg" == --tiny ]] && tiny=1
 done
 if [[ $tiny == 1 ]]; then
-  "$PYTHON" benchmarks/gpu_check/gpu_check.py --json "$OUT/gpu_check_tiny.json" "$@" 2>&1 | tee "$OUT/gpu_check_tiny.log"
+  "$PYTHON" -m benchmarks.gpu_check.gpu_check --json "$OUT/gpu_check_tiny.json" "$@" 2>&1 | tee "$OUT/gpu_check_tiny.log"
   exit "${PIPESTATUS[0]}"
 fi
 if ! "$PYTHON" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
@@ -70,7 +73,7 @@ if ! "$PYTHON" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() el
   exit 2
 fi
 if [[ ${GPU_SMOKE:-0} == 1 ]]; then
-  "$PYTHON" benchmarks/gpu_check/gpu_check.py --tiny --device cuda --json "$OUT/gpu_check_tiny_cuda.json" 2>&1 \
+  "$PYTHON" -m benchmarks.gpu_check.gpu_check --tiny --device cuda --json "$OUT/gpu_check_tiny_cuda.json" 2>&1 \
     | tee "$OUT/gpu_check_tiny_cuda.log"
   echo "smoke: $((SECONDS - started)) s" >> "$OUT/timing.txt"
 fi
@@ -80,7 +83,7 @@ if (( left < RESERVE )); then
   exit 124
 fi
 timeout --signal=TERM --kill-after=15 "$((left - 5))" \
-  "$PYTHON" benchmarks/gpu_check/gpu_check.py --json "$OUT/gpu_check.json" --deadline-s "$((left - RESERVE))" "$@" 2>&1 \
+  "$PYTHON" -m benchmarks.gpu_check.gpu_check --json "$OUT/gpu_check.json" --deadline-s "$((left - RESERVE))" "$@" 2>&1 \
   | tee "$OUT/gpu_check.log"
 status=${PIPESTATUS[0]}
 echo "check: $((SECONDS - started)) s (exit $status)" >> "$OUT/timing.txt"

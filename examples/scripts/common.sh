@@ -15,7 +15,8 @@
 #                                            it alike for a run and its baseline_ar.sh
 #   OUTPUT_ROOT                              where every run writes (default ./runs); on a cluster a directory
 #                                            of the shared filesystem that every node mounts at the same path
-#   RUN_ROOT                                 one run's checkpoints, logs and exports (default OUTPUT_ROOT/<run>)
+#   RUN_ROOT                                 one run's checkpoints, logs and exports (default OUTPUT_ROOT/<run>);
+#                                            under GROWMTP_SMOKE=1 the smoke writes to RUN_ROOT_smoke instead
 #   DATA_ROOT                                the prepared prompt files (default ./data; shared on a cluster)
 #   PYTHON                                   interpreter (default python)
 #   GROWMTP_DRY_RUN=1                        build the command, run every startup check, exit 0 before Ray
@@ -52,16 +53,18 @@ REHEARSAL_SIZES=(--rollout.batch_size 2 --rollout.n_samples_per_prompt 4 --train
 # engines' head compared with the trainer's after every sync (--growmtp_check_sync), then a verdict
 # (`python -m openrlhf_growmtp.cli.smoke`): records equal vLLM's own counters, the heads equal, tau and the head
 # loss finite, memory per device, seconds per phase. Before it starts it lists the paths no GPU has run yet and
-# the fallback for each. Where torch sees CUDA it runs on this node's GPUs at the script's layout and model:
-# SMOKE_STEPS RL steps (default 3) of 8 prompts x 4 samples, SMOKE_TOKENS-token responses (default 512). Where
-# it does not (or with GROWMTP_REHEARSAL=1) it runs the rehearsal below on the CPU instead (vLLM's CPU build).
+# the fallback for each. A GPU run (below) runs on the GPUs at the script's layout and model: SMOKE_STEPS RL
+# steps (default 3) of 8 prompts x 4 samples, SMOKE_TOKENS-token responses (default 512). A CPU run (or
+# GROWMTP_REHEARSAL=1) runs the rehearsal below on the CPU instead (vLLM's CPU build).
 SMOKE=${GROWMTP_SMOKE:-0}
 SMOKE_STEPS=${SMOKE_STEPS:-3}
 SMOKE_TOKENS=${SMOKE_TOKENS:-512}
 SMOKE_PROMPTS=8
+# CPU or GPU as the launcher decides it (cpu_support.decide_run): the Ray cluster's GPUs where RAY_ADDRESS names
+# one, else this machine's CUDA; GROWMTP_CPU=1 or 0 decides instead
 if [[ "$SMOKE" == 1 && "$REHEARSAL" != 1 && "${GROWMTP_DRY_RUN:-0}" != 1 ]] &&
-   ! "$PYTHON" -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then
-  echo "GROWMTP_SMOKE=1: torch sees no CUDA here; the smoke runs on this CPU, as a rehearsal (docs/rehearsal.md)"
+   why=$("$PYTHON" -c "from openrlhf_growmtp import cpu_support as c; why = c.decide_run(); print(why); exit(not c.needed())"); then
+  echo "GROWMTP_SMOKE=1: a CPU run ($why); the smoke runs on this CPU, as a rehearsal (docs/rehearsal.md)"
   REHEARSAL=1 SMOKE_STEPS=3
 fi
 if [[ "$REHEARSAL" == 1 ]]; then
@@ -90,15 +93,20 @@ CLUSTER=(
   --ref.num_nodes "$ACTOR_NODES" --ref.num_gpus_per_node "$ACTOR_GPUS" --train.colocate_actor_ref
   --vllm.num_engines "$VLLM_ENGINES" --vllm.tensor_parallel_size "$VLLM_TP" --vllm.gpu_memory_utilization 0.8
   --ds.zero_stage 3 --ds.param_dtype bf16 --actor.gradient_checkpointing_enable
-  --train.micro_batch_size 4 --rollout.micro_batch_size 8
 )
 
-# preset <model>: MODEL_PATH, the head, its depth K and the response cap, as in the paper
+# preset <model>: MODEL_PATH, the head, its depth K and the response cap, as in the paper; the micro-batches of
+# training and of the experience forward (MICRO, ROLLOUT_MICRO): the largest whose estimate per training GPU fits
+# an 80 GiB card less a tenth (docs/guide.md, the envelope: one micro-batch's logits alone are 7.8 GiB a sequence
+# at Qwen3-4B's and MiMo's 9,216 tokens, 24.2 at Qwen3.5's 17,408); the dry run warns when a run's does not
 preset() {
   case "$1" in
-    qwen3_4b)        MODEL_PATH=${QWEN3_4B:-Qwen/Qwen3-4B};              PRESET_HEAD=random; PRESET_K=5; MAX_NEW=8192 ;;
-    qwen3_5_4b_base) MODEL_PATH=${QWEN3_5_4B_BASE:-Qwen/Qwen3.5-4B-Base}; PRESET_HEAD=native; PRESET_K=3; MAX_NEW=16384 ;;
-    mimo_7b_sft)     MODEL_PATH=${MIMO_7B_SFT:-XiaomiMiMo/MiMo-7B-SFT};   PRESET_HEAD=native; PRESET_K=5; MAX_NEW=8192 ;;
+    qwen3_4b)        MODEL_PATH=${QWEN3_4B:-Qwen/Qwen3-4B};              PRESET_HEAD=random; PRESET_K=5; MAX_NEW=8192
+                     MICRO=4 ROLLOUT_MICRO=4 ;;
+    qwen3_5_4b_base) MODEL_PATH=${QWEN3_5_4B_BASE:-Qwen/Qwen3.5-4B-Base}; PRESET_HEAD=native; PRESET_K=3; MAX_NEW=16384
+                     MICRO=1 ROLLOUT_MICRO=2 ;;
+    mimo_7b_sft)     MODEL_PATH=${MIMO_7B_SFT:-XiaomiMiMo/MiMo-7B-SFT};   PRESET_HEAD=native; PRESET_K=5; MAX_NEW=8192
+                     MICRO=2 ROLLOUT_MICRO=4 ;;
     *) echo "unknown model preset '$1' (qwen3_4b, qwen3_5_4b_base, mimo_7b_sft)" >&2; return 2 ;;
   esac
 }
@@ -142,6 +150,9 @@ run_growmtp() {
   fi
   local root
   root=$(realpath -m "${RUN_ROOT:-$OUTPUT_ROOT/$run}")
+  if [[ "$SMOKE" == 1 && -n "${RUN_ROOT:-}" ]]; then
+    root=${root%_smoke}_smoke  # RUN_ROOT names the real run: the smoke writes beside it, never into it
+  fi
   if [[ "$REHEARSAL" == 1 ]]; then
     # a CPU run on any machine (GROWMTP_REHEARSAL=1 in the launcher's environment decides it, CUDA or not);
     # its engines need vLLM's CPU build
@@ -156,7 +167,7 @@ sys.exit(m and 'GROWMTP_REHEARSAL=1: ' + m)"
   data "$domain" "$model"
   local cmd=("$PYTHON" -m openrlhf_growmtp.cli.train_ppo_ray
     --actor.model_name_or_path "$MODEL_PATH"
-    "${CLUSTER[@]}" "${GRPO[@]}"
+    "${CLUSTER[@]}" --train.micro_batch_size "$MICRO" --rollout.micro_batch_size "$ROLLOUT_MICRO" "${GRPO[@]}"
     --data.prompt_dataset "$PROMPT_DATA" --data.input_key prompt --data.label_key label --data.apply_chat_template
     --data.max_len $((PROMPT_TOKENS + MAX_NEW)) --rollout.max_new_tokens "$MAX_NEW"
     --reward.remote_url "$REWARD"
@@ -184,7 +195,8 @@ sys.exit(m and 'GROWMTP_REHEARSAL=1: ' + m)"
   fi
   if [[ "$SMOKE" == 1 ]]; then
     cmd+=(--growmtp_check_sync)
-    [[ "${GROWMTP_DRY_RUN:-0}" == 1 ]] || rm -rf "$root"  # <run>_smoke: the verdict reads this run's steps only
+    # <run>_smoke starts empty (the verdict reads this run's steps only); emptied only if an earlier smoke made it
+    [[ "${GROWMTP_DRY_RUN:-0}" == 1 ]] || fresh_smoke_dir "$root"
   fi
   cmd+=("$@")
   if [[ "$SMOKE" == 1 ]]; then
@@ -212,6 +224,21 @@ sys.exit(m and 'GROWMTP_REHEARSAL=1: ' + m)"
     fi
     "${report[@]}"
   fi
+}
+
+# fresh_smoke_dir <dir>: make <dir> an empty directory marked as the smoke's own. A directory the smoke did not
+# make (no marker) is never deleted: the smoke stops and names it.
+SMOKE_MARKER=.growmtp_smoke
+fresh_smoke_dir() {
+  local dir=$1
+  if [[ -e "$dir" && ! -f "$dir/$SMOKE_MARKER" ]] && [[ ! -d "$dir" || -n "$(ls -A "$dir")" ]]; then
+    echo "GROWMTP_SMOKE=1: $dir exists and was not made by a smoke (no $SMOKE_MARKER in it); the smoke deletes" \
+         "its own directory before it runs, so it stops here: move that directory or set RUN_ROOT elsewhere" >&2
+    return 2
+  fi
+  rm -rf "$dir"
+  mkdir -p "$dir"
+  touch "$dir/$SMOKE_MARKER"
 }
 
 # frozen <command...>: whether the command's last --growmtp_mode / --growmtp.mode is "frozen"

@@ -5,9 +5,10 @@
 # usage: evaluate.sh <run dir, e.g. runs/qwen3_4b_math_k5> [math|code|all] [extra evaluate flags]
 # Reads <run>/final (the policy) and <run>/final/growmtp_head; writes <run>/eval (EVAL_OUT).
 #
-# Benchmarks are prepared once into data/ from AIME24_SOURCE, AIME25_SOURCE, AMC23_SOURCE (hub ids by
-# default) and LCB_SOURCE (LiveCodeBench's test6.jsonl, downloaded from livecodebench/code_generation_lite:
-# its hub loader is a script, which `datasets` no longer runs). AIME24_DATA, AIME25_DATA, AMC23_DATA,
+# Benchmarks are prepared once into DATA_ROOT (default ./data, as for the training scripts) from AIME24_SOURCE,
+# AIME25_SOURCE, AMC23_SOURCE (hub ids by default) and LCB_SOURCE (default DATA_ROOT/livecodebench/test6.jsonl:
+# LiveCodeBench's test6.jsonl, downloaded from livecodebench/code_generation_lite: its hub loader is a script,
+# which `datasets` no longer runs). AIME24_DATA, AIME25_DATA, AMC23_DATA,
 # LCB_ATCODER_DATA and LCB_LEETCODE_DATA name prepared files instead.
 source "$(dirname "$0")/common.sh"
 run=${1:?run directory}
@@ -20,21 +21,21 @@ esac
 
 benchmarks=()
 if [[ "$domains" != code ]]; then
-  AIME24_DATA=${AIME24_DATA:-data/aime24.jsonl}
-  AIME25_DATA=${AIME25_DATA:-data/aime25.jsonl}
-  AMC23_DATA=${AMC23_DATA:-data/amc23.jsonl}
+  AIME24_DATA=${AIME24_DATA:-$DATA_ROOT/aime24.jsonl}
+  AIME25_DATA=${AIME25_DATA:-$DATA_ROOT/aime25.jsonl}
+  AMC23_DATA=${AMC23_DATA:-$DATA_ROOT/amc23.jsonl}
   prepare aime24 "${AIME24_SOURCE:-HuggingFaceH4/aime_2024}" "$AIME24_DATA" --split train
   prepare aime25 "${AIME25_SOURCE:-math-ai/aime25}" "$AIME25_DATA" --split test
   prepare amc23 "${AMC23_SOURCE:-math-ai/amc23}" "$AMC23_DATA" --split test
   benchmarks+=(--math "aime24=$AIME24_DATA" --math "aime25=$AIME25_DATA" --math "amc23=$AMC23_DATA")
 fi
 if [[ "$domains" != math ]]; then
-  LCB_ATCODER_DATA=${LCB_ATCODER_DATA:-data/lcb_v6_atcoder.jsonl}
-  LCB_LEETCODE_DATA=${LCB_LEETCODE_DATA:-data/lcb_v6_leetcode.jsonl}
+  LCB_ATCODER_DATA=${LCB_ATCODER_DATA:-$DATA_ROOT/lcb_v6_atcoder.jsonl}
+  LCB_LEETCODE_DATA=${LCB_LEETCODE_DATA:-$DATA_ROOT/lcb_v6_leetcode.jsonl}
   # the private tests ship pickled: --read-pickled-tests reads them as opcodes and never unpickles
   for platform in atcoder leetcode; do
     out_var=LCB_${platform^^}_DATA
-    prepare livecodebench "${LCB_SOURCE:-data/livecodebench/test6.jsonl}" "${!out_var}" \
+    prepare livecodebench "${LCB_SOURCE:-$DATA_ROOT/livecodebench/test6.jsonl}" "${!out_var}" \
       --platform "$platform" --read-pickled-tests
     benchmarks+=(--code "lcb_$platform=${!out_var}")
   done

@@ -89,7 +89,8 @@ def server_env(export_dir: Path, cpu: bool) -> dict:
 def start_server(export_dir: Path, host: str, port: int, cpu: bool, log=None) -> subprocess.Popen:
     argv = server_argv(engine_settings(export_dir, cpu), host, port)
     print("starting: " + shlex.join(argv), flush=True)
-    return subprocess.Popen(argv, env=server_env(export_dir, cpu), stdout=log, stderr=subprocess.STDOUT if log else None)
+    return subprocess.Popen(argv, env=server_env(export_dir, cpu), stdout=log,
+                            stderr=subprocess.STDOUT if log else None)
 
 
 def wait_ready(process: subprocess.Popen, base_url: str, timeout_s: float = READY_TIMEOUT_S) -> None:

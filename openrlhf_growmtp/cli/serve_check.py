@@ -27,7 +27,8 @@ from pathlib import Path
 
 from openrlhf_growmtp.core.model_export import RUN_HEAD_DIR, ExportError, read_serve_config
 
-from .serve import ARM, CPU_ENV, FINAL, SERVED_MODEL_NAME, cpu_only, export_run, newest_run, start_server, stop_server, wait_ready
+from .serve import (ARM, CPU_ENV, FINAL, SERVED_MODEL_NAME, cpu_only, export_run, newest_run, start_server, stop_server,
+                    wait_ready)
 
 SPEC_COUNTERS = ("vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_draft_tokens_total",
                  "vllm:spec_decode_num_accepted_tokens_total")

@@ -39,45 +39,101 @@ MEMORY = (("growmtp/mem_trainer_peak_gib", "trainer, peak allocated by the polic
 
 @dataclass(frozen=True)
 class UntriedPath:
-    """A path of a GrowMTP run that no GPU has run yet."""
+    """A path of a GrowMTP run that no GPU has run yet, the fallback that avoids it and what the fallback costs."""
 
     name: str
     taken: bool
     fallback: str
+    cost: str
 
 
-def untried_paths(argv: list[str]) -> list[UntriedPath]:
-    """The untried paths of the launcher command `argv` (its flags; the last occurrence of a flag counts)."""
+def installed_torch() -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("torch")
+    except PackageNotFoundError:
+        return None
+
+
+def untried_paths(argv: list[str], torch_version: str | None = None) -> list[UntriedPath]:
+    """The untried paths of the launcher command `argv` (its flags; the last occurrence of a flag counts), with
+    the torch it runs on (default: the installed one)."""
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("--growmtp_k", "--growmtp.k", dest="k", type=int, default=0)
+    parser.add_argument("--growmtp_mode", "--growmtp.mode", dest="mode", default="detached")
     parser.add_argument("--vllm.runner", dest="runner", default=None)
     parser.add_argument("--vllm.sync_backend", dest="sync", default="nccl")
     parser.add_argument("--vllm.enforce_eager", dest="eager", action="store_true")
     parser.add_argument("--vllm.tensor_parallel_size", dest="tp", type=int, default=1)
     parser.add_argument("--vllm.enable_sleep", dest="sleep", action="store_true")
+    parser.add_argument("--ds.attn_implementation", dest="attn", default="flash_attention_2")  # upstream's default
+    parser.add_argument("--ds.packing_samples", dest="packing", action="store_true")
+    parser.add_argument("--ds.adam_offload", dest="offload", action="store_true")
+    parser.add_argument("--train.full_determinism_enable", dest="strict", action="store_true")
+    parser.add_argument("--actor.num_nodes", dest="actor_nodes", type=int, default=1)
+    parser.add_argument("--ref.num_nodes", dest="ref_nodes", type=int, default=1)
     a, _ = parser.parse_known_args(argv)
+    torch_version = installed_torch() if torch_version is None else torch_version
     v1 = a.k > 0 or a.runner == "growmtp"
+    trains_head = a.k > 0 and a.mode != "frozen"
+    unmeasured = "not measured on a GPU"
     return [
         UntriedPath("vLLM's V1 model runner, forced (record capture hooks it)", v1,
-                    "none for K > 0; a K = 0 run on vLLM's default runner (no --vllm.runner growmtp) avoids it"),
+                    "none for K > 0; a K = 0 run on vLLM's default runner (no --vllm.runner growmtp) avoids it",
+                    f"no head at all; the runner's own cost is {unmeasured} (the two baselines measure it)"),
         UntriedPath("synchronous scheduling (records need it)", v1,
-                    "none for K > 0; a K = 0 run on vLLM's defaults schedules asynchronously"),
+                    "none for K > 0; a K = 0 run on vLLM's defaults schedules asynchronously",
+                    f"no head at all; what synchronous scheduling costs is {unmeasured}"),
         UntriedPath("the policy's NCCL weight sync with the head hidden from it", a.k > 0 and a.sync == "nccl",
                     "--vllm.sync_backend ray: the policy's weights through Ray's object store, as every CPU run sends "
-                    "them (tested on CPU only; a full bf16 copy of the policy in host memory on the first rank)"),
+                    "them (tested on CPU only)",
+                    f"a full bf16 copy of the policy in host memory on the first rank; the sync's time {unmeasured}"),
         UntriedPath("CUDA graphs with record capture", a.k > 0 and not a.eager,
-                    "--vllm.enforce_eager (slower decoding, the capture hooks unchanged)"),
+                    "--vllm.enforce_eager (the capture hooks unchanged)",
+                    f"slower decoding without CUDA graphs, by how much in vLLM {unmeasured}"),
         UntriedPath("tensor-parallel engines over Ray", a.tp > 1,
                     "--vllm.tensor_parallel_size 1 (VLLM_TP=1; a CPU run's TP engines use vLLM's multiprocess "
-                    "executor, not Ray's)"),
-        UntriedPath("vLLM's sleep mode", a.sleep, "leave --vllm.enable_sleep off (the example scripts do)"),
+                    "executor, not Ray's)",
+                    "each engine's model and KV cache on one GPU (every preset's model fits one)"),
+        UntriedPath("vLLM's sleep mode", a.sleep, "leave --vllm.enable_sleep off (the example scripts do)",
+                    "the engines keep their GPU memory while the policy trains (the scripts give them their own GPUs)"),
+        UntriedPath("flash_attention_2 in the trainer (every GPU check ran sdpa, and a pure-torch stand-in of "
+                    "flash_attn's padding helpers)", a.attn.startswith("flash_attention") or a.packing,
+                    "--ds.attn_implementation sdpa, without --ds.packing_samples (upstream sets flash_attention_2 "
+                    "whenever it packs)",
+                    "no sample packing: padded micro-batches; speed and memory against flash_attention_2 "
+                    f"{unmeasured}"),
+        UntriedPath("DeepSpeed's FusedAdam with the head's parameter group (every GPU check stepped torch's Adam)",
+                    trains_head and not a.offload,
+                    "none tested: --ds.adam_offload swaps in DeepSpeed's CPU Adam, which has not stepped the head's "
+                    "group either (CPU runs step torch's AdamW); not with --growmtp_mode joint; the GPU check's "
+                    "--fused-adam-s builds and steps the fused one on a card",
+                    "with --ds.adam_offload: Adam's state in host memory and its step on the CPU, slower by an amount "
+                    f"{unmeasured}"),
+        UntriedPath("torch 2.13 on CUDA (the GPU checks ran torch 2.11)",
+                    (torch_version or "").startswith("2.13"),
+                    "none within the pins (vLLM 0.29.0's wheel pins torch 2.13.0): `make gpu-check` (step 2 of "
+                    "docs/guide.md) runs the head's math and the trainer's step on it before any run",
+                    "the check's budget: 480 s of one GPU by default"),
+        UntriedPath("more than one node", a.actor_nodes > 1 or a.ref_nodes > 1,
+                    "ACTOR_NODES=1 and as many engines as the node has GPUs left (Ray places engines on any node "
+                    "with free GPUs, so with more engines than that they land on other nodes)",
+                    "one node's GPUs: fewer training ranks or engines, longer steps"),
+        UntriedPath("the production trainer step with the head (without strict determinism; on an H200 it hit a "
+                    "CUDA device-side assert at 18 layers, not yet explained)", trains_head and not a.strict,
+                    "--train.full_determinism_enable: upstream's strict mode, the trainer step the GPU check ran "
+                    "with the head (13 and 27 layers)",
+                    "that strict step ran 4.5x the plain forward and backward per token (13 layers, H100; "
+                    "docs/gpu_results.md)"),
     ]
 
 
 def describe_paths(argv: list[str], on_gpu: bool) -> str:
-    lines = ["Paths of this run that have never run on a GPU (the fallback for each):"]
+    lines = ["Paths of this run that have never run on a GPU (the fallback for each, and its cost):"]
     for path in untried_paths(argv):
-        lines.append(f"  [{'taken' if path.taken else 'not taken'}] {path.name}; fallback: {path.fallback}")
+        lines.append(f"  [{'taken' if path.taken else 'not taken'}] {path.name}\n      fallback: {path.fallback}"
+                     f"\n      its cost: {path.cost}")
     if not on_gpu:
         lines.append("  (this smoke run is on the CPU, with vLLM's CPU build: none of them runs here)")
     return "\n".join(lines)

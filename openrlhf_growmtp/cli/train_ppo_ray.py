@@ -16,8 +16,9 @@ dotted aliases `--growmtp.*`) are added to upstream's own parser. Upstream's mod
 With GROWMTP_DRY_RUN=1 every check (ours, then upstream's) runs and the process exits 0 before Ray,
 head materialisation or any file is touched: example scripts are validated this way.
 
-On a machine without CUDA the CPU support layer is switched on and Ray is started here with logical
-GPUs (upstream's `train()` then reuses it).
+A CPU run (`cpu_support.decide_run`: the Ray cluster's GPUs where $RAY_ADDRESS names one, else whether this
+machine has CUDA; $GROWMTP_CPU=1 or 0 overrides) switches the CPU support layer on and, without a cluster,
+starts Ray here with logical GPUs (upstream's `train()` then reuses it).
 """
 
 from __future__ import annotations
@@ -147,8 +148,11 @@ def prepare(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> None:
 
         if not ray.is_initialized():
             hook = f"{installer.__name__}.setup_cpu_worker"
-            ray.init(**cpu_support.ray_init_kwargs(logical_gpus(flat), setup_hook=hook,
-                                                  temp_dir=os.environ.get("GROWMTP_RAY_TMP")))
+            kwargs = cpu_support.ray_init_kwargs(logical_gpus(flat), setup_hook=hook,
+                                                 temp_dir=os.environ.get("GROWMTP_RAY_TMP"))
+            if os.environ.get(cpu_support.RAY_ADDRESS_ENV):  # a running cluster (GROWMTP_CPU=1): its own resources
+                kwargs = {"runtime_env": kwargs["runtime_env"]}
+            ray.init(**kwargs)
 
 
 def dry_run_report(args) -> None:
@@ -162,9 +166,27 @@ def dry_run_report(args) -> None:
           f"negative-advantage weight {g.neg_adv_weight}; "
           f"rollout {args.rollout.batch_size} prompts x {args.rollout.n_samples_per_prompt} samples, "
           f"max {args.rollout.max_new_tokens} new tokens")
+    print("\n".join(memory_lines(args)), flush=True)
+
+
+def memory_lines(args) -> list[str]:
+    """The dry run's memory estimate per training GPU against the card, with a warning where it does not fit."""
+    from openrlhf_growmtp import memory_estimate
+    from openrlhf_growmtp.hub import local_dir
+
+    try:
+        card = memory_estimate.card_gib()
+    except ValueError as err:
+        raise SystemExit(f"GrowMTP: {err}") from None
+    shape = memory_estimate.model_shape(local_dir(args.actor.model_name_or_path))
+    terms = memory_estimate.training_gpu(shape, memory_estimate.run_layout(args))
+    return memory_estimate.describe(terms, card, from_env=bool(os.environ.get(memory_estimate.CARD_ENV)))
 
 
 def main() -> None:
+    why = cpu_support.decide_run()  # the cluster's GPUs where one is addressed, not this machine's
+    print(f"GrowMTP: a {'CPU' if cpu_support.needed() else 'GPU'} run: {why} "
+          f"(${cpu_support.CPU_DECISION_ENV}=1 or 0 decides instead)", flush=True)
     cpu_support.activate()  # before anything imports openrlhf.models (flash_attn shim)
     from openrlhf_growmtp.trainer.args import add_growmtp_args
 

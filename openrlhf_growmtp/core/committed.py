@@ -121,7 +121,8 @@ def policy_topk(head, hidden: torch.Tensor, temperature: torch.Tensor, width: in
     bounds = [hidden.shape[0] * g // groups for g in range(groups + 1)]
     ids, logp = [], []
     for lo, hi in zip(bounds[:-1], bounds[1:]):
-        logits = head.logits(hidden[lo:hi] if hi > lo else hidden.new_zeros(1, hidden.shape[1]))
+        # the policy's p: over every id, whatever the head drafts over
+        logits = head.policy_logits(hidden[lo:hi] if hi > lo else hidden.new_zeros(1, hidden.shape[1]))
         for b in range(lo, hi, rows):
             block = logits[b - lo:min(hi, b + rows) - lo].float() / temperature[b:min(hi, b + rows), None].to(
                 logits.device)

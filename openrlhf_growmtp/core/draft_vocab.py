@@ -9,14 +9,22 @@ N rows of the lm_head: at Qwen3-4B's shapes the lm_head is most of a draft step'
 The ids are ranked by how often they occur in the run's own committed tokens (`TokenCounts`): at first the
 prompts', then every rollout's prompts and responses added. Ties go to the smaller id, so a ranking depends
 on the counts alone. A `DraftVocab`'s `tag` names its ids; every record says which one drafted it.
+
+Training reads the same q without the other ids: `DraftRows` holds the lm_head's N rows, sliced once per head
+update (the policy steps the lm_head between updates, and under ZeRO-3 it is gathered to be sliced), and the
+head's logits over the vocabulary are those rows' [..., N] alone (`topk_logq.py`). A recorded top-k id outside
+the vocabulary has no position among them: log q = -inf there, as in the masked [..., V] logits.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 from dataclasses import dataclass
+from typing import Callable, ContextManager, Sequence
 
 import torch
+from torch import nn
 
 DRAFT_VOCAB_META = "draft_vocab"  # a record's meta key: the tag of the draft vocabulary that drafted it
 
@@ -56,6 +64,16 @@ class DraftVocab:
             cache[device] = mask
         return cache[device]
 
+    def positions(self, device: torch.device | str = "cpu") -> torch.Tensor:
+        """[vocab_size] int64: each id's position among `ids`, -1 outside (made once per device)."""
+        device = torch.device(device)
+        cache = self.__dict__.setdefault("_positions", {})
+        if device not in cache:
+            ids = self.ids.to(device)
+            cache[device] = torch.full((self.vocab_size,), -1, dtype=torch.int64, device=device).index_put_(
+                (ids,), torch.arange(ids.numel(), device=device))
+        return cache[device]
+
     def coverage(self, tokens: torch.Tensor) -> float:
         """The share of `tokens` (any shape of ids) inside this vocabulary (0 for no tokens)."""
         tokens = tokens.reshape(-1).long()
@@ -92,6 +110,56 @@ def masked_logits(logits: torch.Tensor, vocab: DraftVocab | None) -> torch.Tenso
     if vocab is None:
         return logits
     return logits.masked_fill(vocab.outside(logits.device), float("-inf"))
+
+
+def no_gather(params: Sequence[nn.Parameter]) -> ContextManager:
+    """Parameters that are whole already (a module alone, not partitioned): nothing to do."""
+    return contextlib.nullcontext()
+
+
+@dataclass(eq=False)
+class DraftRows:
+    """The lm_head's rows of a draft vocabulary: logits over its N ids alone, q's support."""
+
+    vocab: DraftVocab
+    weight: torch.Tensor  # [N, H], a copy: no gradient reaches the lm_head
+    bias: torch.Tensor | None  # [N]
+
+    @classmethod
+    def slice(cls, lm_head: nn.Module, vocab: DraftVocab,
+              gathered: Callable[[Sequence[nn.Parameter]], ContextManager] = no_gather) -> "DraftRows":
+        """Copy `vocab`'s rows of the lm_head (a Linear over the vocabulary) as it is now. `gathered`: what
+        makes partitioned parameters whole inside a `with` (ZeRO-3's gather, a collective every rank enters)."""
+        weight, bias = getattr(lm_head, "weight", None), getattr(lm_head, "bias", None)
+        if not isinstance(weight, torch.Tensor):
+            raise TypeError(f"a draft vocabulary reads the lm_head's rows: {type(lm_head).__name__} has no weight")
+        with gathered([p for p in (weight, bias) if p is not None]), torch.no_grad():
+            if weight.shape[0] != vocab.vocab_size:
+                raise ValueError(f"the lm_head has {weight.shape[0]} rows, the draft vocabulary's vocabulary "
+                                 f"{vocab.vocab_size}")
+            ids = vocab.ids.to(weight.device)
+            return cls(vocab, weight.index_select(0, ids), None if bias is None else bias.index_select(0, ids))
+
+    @property
+    def size(self) -> int:
+        return int(self.weight.shape[0])
+
+    def logits(self, normed: torch.Tensor) -> torch.Tensor:
+        """lm_head(normed) at the vocabulary's ids: [..., N] from normed [..., H], in the rows' dtype."""
+        return nn.functional.linear(normed, self.weight, self.bias)
+
+
+class MaskedLMHead(nn.Module):
+    """An lm_head over every id with -inf outside `vocab`: the logits the head scored before `DraftRows`, kept as
+    the reference the tests and `benchmarks/bench_head_vocab.py` check the rows against (bind it to a head
+    without a draft vocabulary)."""
+
+    def __init__(self, lm_head: nn.Module, vocab: DraftVocab):
+        super().__init__()
+        self.lm_head, self.vocab = lm_head, vocab
+
+    def forward(self, normed: torch.Tensor) -> torch.Tensor:
+        return masked_logits(self.lm_head(normed), self.vocab)
 
 
 def check_drafted_over(records, vocab: DraftVocab | None) -> None:

@@ -25,7 +25,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from .draft_attention import ATTENTION_NAME
-from .draft_vocab import DraftVocab, masked_logits
+from .draft_vocab import DraftRows, DraftVocab, masked_logits, no_gather
 from .families import CONCAT_EH, FEED_PRE_NORM, HeadFamily, get_family
 from .rms_norm import family_norm, replace_norms
 
@@ -132,6 +132,8 @@ class MTPHead(nn.Module):
         self.bind(embed_tokens, lm_head)
         # drafting over these ids only (q zero elsewhere; core/draft_vocab.py), None: every id; not a weight
         self.draft_vocab: DraftVocab | None = None
+        # their lm_head rows, during a head update only (`sliced_draft_rows`): what its scoring reads
+        self.draft_rows: DraftRows | None = None
 
     # ---- the backbone's modules -------------------------------------------------------------
     def bind(self, embed_tokens: nn.Module | None, lm_head: nn.Module | None) -> None:
@@ -151,12 +153,36 @@ class MTPHead(nn.Module):
             return self._shared("embed_tokens")(input_ids)
 
     def logits(self, normed: torch.Tensor, train_lm_head: bool = False) -> torch.Tensor:
-        """lm_head(norm(o)), -inf outside the draft vocabulary; unless `train_lm_head`, no gradient reaches
-        the backbone's lm_head."""
+        """lm_head(norm(o)) [..., V], -inf outside the draft vocabulary; unless `train_lm_head`, no gradient
+        reaches the backbone's lm_head."""
+        return masked_logits(self.policy_logits(normed, train_lm_head), self.draft_vocab)
+
+    def policy_logits(self, hidden: torch.Tensor, train_lm_head: bool = False) -> torch.Tensor:
+        """The backbone's lm_head over every id, whatever the draft vocabulary: the policy's logits where
+        `hidden` is its final-norm H_p."""
         lm_head = self._shared("lm_head")
         context = contextlib.nullcontext() if train_lm_head else _frozen(lm_head)
         with context:
-            return masked_logits(lm_head(normed), self.draft_vocab)
+            return lm_head(hidden)
+
+    @property
+    def scored_vocab_size(self) -> int:
+        """How many ids a head update's logits span: the draft vocabulary's, else the whole vocabulary."""
+        return self.config.vocab_size if self.draft_vocab is None else self.draft_vocab.size
+
+    @contextlib.contextmanager
+    def sliced_draft_rows(self, gathered=no_gather):
+        """Inside: `draft_rows` holds the draft vocabulary's lm_head rows as they are now (nothing without a
+        draft vocabulary). Enter it once per head update: the policy's step changes the lm_head between
+        updates. `gathered` (`Lockstep.gathered`) makes a partitioned lm_head whole to slice it."""
+        if self.draft_vocab is None:
+            yield
+            return
+        outer, self.draft_rows = self.draft_rows, DraftRows.slice(self._shared("lm_head"), self.draft_vocab, gathered)
+        try:
+            yield
+        finally:
+            self.draft_rows = outer  # an enclosing context's rows again (None outside any)
 
     # ---- the head's computation -------------------------------------------------------------
     def fuse(self, hidden: torch.Tensor, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:

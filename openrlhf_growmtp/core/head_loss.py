@@ -27,6 +27,7 @@ ranks agree on (every chunk's work, padding chunks, records that fit) is the pla
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field, replace
 from typing import Sequence
 
@@ -130,14 +131,17 @@ def _over_chunks(head, records: Sequence[SequenceRecord], hiddens: Sequence[torc
     """The draft paths' chunks, then (where cycles were drafted shallower than `cfg.max_depth`) the committed
     chains' (`committed.py`), weighed per drafted cycle. Every rank takes the same branch: the depth is agreed."""
     plan = ChunkPlan(head, records, hiddens, cfg, lockstep)  # this rank's chunks, then padding
-    stats = _run(plan, head, cfg, train)
-    depth = plan.depth
-    if stats.finite and cfg.max_depth is not None and not cfg.teacher_forcing and 0 < depth < cfg.max_depth:
-        chains, chain_hiddens = committed_chains(head, records, hiddens, depth, cfg.max_depth, lockstep)
-        chain_cfg = replace(cfg, vgm=True)  # a chain's length is where its targets end (committed.py)
-        chain_plan = ChunkPlan(head, chains, chain_hiddens, chain_cfg, lockstep, per_cycle=plan.num_cycles)
-        stats.committed = _run(chain_plan, head, chain_cfg, train, first_position=depth)
-        stats.finite = stats.committed.finite
+    # a draft vocabulary's lm_head rows, sliced once for all chunks, where any rank has one (agreed: plan.work)
+    rows = head.sliced_draft_rows(lockstep.gathered) if plan.work else contextlib.nullcontext()
+    with rows:
+        stats = _run(plan, head, cfg, train)
+        depth = plan.depth
+        if stats.finite and cfg.max_depth is not None and not cfg.teacher_forcing and 0 < depth < cfg.max_depth:
+            chains, chain_hiddens = committed_chains(head, records, hiddens, depth, cfg.max_depth, lockstep)
+            chain_cfg = replace(cfg, vgm=True)  # a chain's length is where its targets end (committed.py)
+            chain_plan = ChunkPlan(head, chains, chain_hiddens, chain_cfg, lockstep, per_cycle=plan.num_cycles)
+            stats.committed = _run(chain_plan, head, chain_cfg, train, first_position=depth)
+            stats.finite = stats.committed.finite
     return stats
 
 
@@ -184,8 +188,8 @@ def score(head, chunk: Chunk, cfg: HeadLossConfig, groups: int, train: bool = Tr
         cycle, position = states.cycle[rows], states.position[rows]
         scores = TopKLogQ(head, states.normed[rows], chunk.topk_ids[cycle, position], states.temperature[cycle])
         with torch.enable_grad():
-            if pad:
-                loss = scores.logq.sum() * 0.0
+            if pad:  # weight 0, finite where a draft vocabulary leaves some log q at -inf
+                loss = scores.logq.nan_to_num(neginf=0.0).sum() * 0.0
             else:
                 target = chunk.topk_logprobs[lo:hi, first:].float()
                 accepted = chunk.accepted[lo:hi] - first if chunk.vgm else None  # the chain from `first` on
@@ -196,10 +200,25 @@ def score(head, chunk: Chunk, cfg: HeadLossConfig, groups: int, train: bool = Tr
             if train:
                 (grad_logq,) = torch.autograd.grad(loss * (0.0 if pad else chunk.weight), scores.logq)
                 # added, not assigned: a padding row is some group's real slot, and its gradient here is 0
-                grad_normed.index_add_(0, rows, scores.input_grad(grad_logq))
+                add_rows_(grad_normed, rows, scores.input_grad(grad_logq))
         loss_sum = loss_sum + loss.detach()
     positions = torch.arange(depth, device=device)[None, :]
     lengths = chain_lengths(chunk.accepted, num_cycles, depth, device=device)
     reached = (positions < lengths[:, None]) & (positions >= first)
     passed = (positions < chunk.accepted.long()[:, None]) & (positions >= first)
     return Scored(loss_sum, grad_normed, alpha, reached, passed)
+
+
+def add_rows_(dest: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """dest[rows[i]] += values[i] for every i, repeated rows summed (dest [M, H], rows [n], values [n, H]).
+
+    One kernel whether or not torch's deterministic algorithms are on, so that a strict run vouches for a
+    production one. `index_add_` would not be: on CUDA it takes atomic adds (`index_add_cuda_impl`,
+    aten/src/ATen/native/cuda/Indexing.cu), and under deterministic algorithms it calls
+    `index_put_(..., accumulate=True)` instead. `index_put_` with accumulate takes the sort-based kernel on
+    CUDA in both modes (`_index_put_impl_`, aten/src/ATen/native/TensorAdvancedIndexing.cpp: `accumulate ||
+    deterministicAlgorithms()` -> `index_put_with_sort_kernel`), and checks the rows' range on the host first
+    (`wrapIndexOnce`): a row out of range raises an error naming it and the size, not a device-side assert.
+    """
+    return dest.index_put_((rows,), values, accumulate=True)
+

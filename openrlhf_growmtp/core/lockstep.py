@@ -3,9 +3,10 @@
 Under ZeRO-3 every call of a partitioned module gathers its parameters and every backward reduces its
 gradients: both are collectives, so every rank must make the same module calls and the same backwards,
 whatever its share of the records. A `Lockstep` is the one place where ranks meet: the work shape they
-agree to pad to (`most`), a decision they take together (`every`), the sums they report (`total`), and
-the backward they share (the trainer's DeepSpeed backward). `ONE_RANK` is a process alone: its own
-counts, its own decisions, `loss.backward()`.
+agree to pad to (`most`), a decision they take together (`every`), the sums they report (`total`), the
+backward they share (the trainer's DeepSpeed backward), and the gather that makes partitioned parameters
+whole (`gathered`: DeepSpeed's under ZeRO-3). `ONE_RANK` is a process alone: its own counts, its own
+decisions, `loss.backward()`, its parameters whole.
 
 The core never asks a rank's records what to do about another rank: it computes its own work shape
 (`chunks.ChunkWork`), pads it here once, and runs exactly that work, with zero-weighted padding where
@@ -15,10 +16,13 @@ it has less.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, ContextManager, Sequence
 
 import torch
 import torch.distributed as dist
+from torch import nn
+
+from .draft_vocab import no_gather
 
 
 def _plain_backward(loss: torch.Tensor) -> None:
@@ -28,10 +32,12 @@ def _plain_backward(loss: torch.Tensor) -> None:
 @dataclass(frozen=True)
 class Lockstep:
     """The ranks of torch.distributed's default group when `distributed` (and it is initialised), or this
-    process alone; `backward` runs every backward of the head update (default: `loss.backward()`)."""
+    process alone; `backward` runs every backward of the head update (default: `loss.backward()`);
+    `gathered(params)` is a context inside which those parameters are whole (default: they are)."""
 
     distributed: bool = False
     backward: Callable[[torch.Tensor], None] = _plain_backward
+    gathered: Callable[[Sequence[nn.Parameter]], ContextManager] = no_gather
 
     @property
     def size(self) -> int:

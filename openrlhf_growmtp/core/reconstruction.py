@@ -199,7 +199,7 @@ class DraftPaths:
         slots = slots_per_chunk(self._lengths(i), self.records[0].depth)
         return ChunkWork(prefix_open=self.prefix.count_pieces(self._opens(i)),
                          prefix_close=self.prefix.count_pieces(self._closes(i), closing=True),
-                         score_groups=score_groups(slots, self.head.config.vocab_size,
+                         score_groups=score_groups(slots, self.head.scored_vocab_size,
                                                    next(self.head.parameters()).device.type))
 
     def chunk(self, i: int, work: ChunkWork, weight: float) -> Chunk:

@@ -162,7 +162,7 @@ class TeacherForcedChains:
 
     def work(self, i: int) -> ChunkWork:
         slots = sum(int(self.targets[seq][2].sum()) for seq in self.chunks[i])
-        return ChunkWork(score_groups=score_groups(slots, self.head.config.vocab_size,
+        return ChunkWork(score_groups=score_groups(slots, self.head.scored_vocab_size,
                                                    next(self.head.parameters()).device.type))
 
     def chunk(self, i: int, work: ChunkWork, weight: float) -> Chunk:

@@ -99,7 +99,8 @@ def compare(per_seed: dict[str, dict[int, dict]]) -> dict:
         out[arm] = {key: {"mean": mean(r[key] for r in rows), "min": min(r[key] for r in rows),
                           "max": max(r[key] for r in rows)} for key in scalars}
         if "alpha_final" in rows[0]:
-            out[arm]["alpha_final"] = [mean(r["alpha_final"][i] for r in rows) for i in range(len(rows[0]["alpha_final"]))]
+            depths = range(len(rows[0]["alpha_final"]))
+            out[arm]["alpha_final"] = [mean(r["alpha_final"][i] for r in rows) for i in depths]
     reference = out.get(REFERENCE, {}).get("tau_final")
     for arm, stats in out.items():
         if arm == REFERENCE or reference is None or "tau_final" not in stats:

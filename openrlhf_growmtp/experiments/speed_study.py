@@ -12,18 +12,28 @@ The design, fixed before any of its runs:
 - order: the arms of one run back to back, their order reversed from one run to the next (ABC, CBA, ...), so a
   slow drift of the machine weighs on every arm alike;
 - checkpoints: every arm saves one every `CHECKPOINT_EVERY` steps; after a GrowMTP arm finishes, its checkpoints
-  at `PAIRED_STEPS` get the paired rollout measurement (`experiments/paired.py`), then are deleted.
+  at `PAIRED_STEPS` get the paired rollout measurement (`experiments/paired.py`, 3 fresh measurement
+  processes each), then are deleted;
+- the machine: calibrated before every arm and after its measurements (`measure/calibration.py`).
 
 Per run and arm, against the same run's `ar` arm: the net wall ratio (the whole arm: start-up, every step, the
 final export), the same per generated token (each arm's wall over the tokens its rollouts generated: the arms'
 policies diverge, and with them their response lengths), the per-step and per-token rollout ratios over the
 first 30% and the last 30% of the steps, the cumulative crossover, τ final, and the paired speedups. Across runs:
 each figure's mean over the evaluation seeds (a seed run twice counts once, as the mean of its runs) with its
-Student-t 95% interval, the spread between the two runs of the repeated seed, and the smallest difference the
-design detects (`intervals.detectable_difference`): a difference below it is a tie.
+Student-t 95% interval, the spread between the two runs of the repeated seed, the smallest difference the
+design detects (`intervals.detectable_difference`: how large a difference a tie may hide), and the verdict
+(`intervals.verdict`: below or above 1 where the interval excludes it, else a tie). Per run: the cumulative
+wall of the RL steps, GrowMTP / autoregressive at every step (`cumulative.png`), its value at the end with a
+batch-means interval over the steps (`intervals.batch_ratio_interval`), and the crossover.
 
-An arm whose directory already holds `arm.json` is kept, so the study resumes where it stopped. `--keep DIR`
-copies what the docs quote (every arm's per-step rows and paired results, the summary, the provenance) to DIR.
+The same module runs a single long run (`--steps 150 --seeds 42 --repeat none --arms ar fixed
+--checkpoint-every 25 --paired-steps 25,50,75,100,125,150`): the design's numbers are its defaults.
+
+An arm whose directory already holds `arm.json` is kept, so the study resumes where it stopped; a trained arm
+(`trained.json`) is not trained again, and a measured checkpoint not measured again. `--stop-after-training`
+ends after the next arm's training (a study cut into pieces). `--keep DIR` copies what the docs quote (every
+arm's per-step rows and paired results, the summary, the provenance) to DIR.
 """
 
 from __future__ import annotations
@@ -33,14 +43,15 @@ import json
 import math
 import shutil
 import sys
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from statistics import mean
 
 from openrlhf_growmtp.experiments import paired, report
 from openrlhf_growmtp.experiments.demo import run_arm
 from openrlhf_growmtp.experiments.recipes import WORLDS, train_command
-from openrlhf_growmtp.measure.intervals import detectable_difference, mean_interval, sample_sd
+from openrlhf_growmtp.measure.calibration import calibrate
+from openrlhf_growmtp.measure.intervals import detectable_difference, mean_interval, sample_sd, verdict
 from openrlhf_growmtp.measure.provenance import provenance
 
 ARMS = ("ar", "fixed", "auto")
@@ -51,6 +62,14 @@ PAIRED_STEPS = (10, 50)  # as make demo's: early and final (fixed before the run
 PAIRS = 6
 WINDOW_SHARE = 0.3  # "the first 30%" and "the last 30%" of the steps
 ARM_FILE = "arm.json"
+TRAINED_FILE = "trained.json"  # an arm trained, its checkpoints not all measured yet
+
+
+@dataclass(frozen=True)
+class Design:
+    checkpoint_every: int = CHECKPOINT_EVERY
+    paired_steps: tuple[int, ...] = PAIRED_STEPS
+    pairs: int = PAIRS
 
 
 def schedule(seeds: list[int], repeat: int | None, arms: list[str]) -> list[tuple[str, int, list[str]]]:
@@ -61,9 +80,10 @@ def schedule(seeds: list[int], repeat: int | None, arms: list[str]) -> list[tupl
     return [(name, seed, list(arms) if i % 2 == 0 else list(arms)[::-1]) for i, (name, seed) in enumerate(runs)]
 
 
-def arm_command(world, arm_dir: Path, preset, arm: str, reward: Path, seed: int) -> list[str]:
+def arm_command(world, arm_dir: Path, preset, arm: str, reward: Path, seed: int,
+                design: Design = Design()) -> list[str]:
     cmd = train_command(world, arm_dir, preset, 0 if arm == "ar" else preset.k, reward, seed=seed)
-    cmd += paired.checkpoint_flags(CHECKPOINT_EVERY)
+    cmd += paired.checkpoint_flags(design.checkpoint_every)
     return cmd + (["--growmtp_depth", "auto"] if arm == "auto" else [])
 
 
@@ -101,6 +121,9 @@ def compare(arm: dict, ar: dict, samples: int) -> dict:
         out["depths"] = [int(r["depth"]) for r in rows]
     out["paired"] = {str(p["step"]): p["speedup"] for p in arm.get("paired", [])}
     out["paired_tau"] = {str(p["step"]): p["tau"] for p in arm.get("paired", [])}
+    out["paired_per_process"] = {str(p["step"]): p["speedup_per_process"] for p in arm.get("paired", [])
+                                 if "speedup_per_process" in p}
+    out["cumulative"] = report.cumulative(rows, ar_rows)
     return out
 
 
@@ -108,11 +131,11 @@ FIGURES = ("net_wall_ratio", "net_wall_per_token_ratio", "step_ratio_early", "st
            "rollout_per_token_ratio_early", "rollout_per_token_ratio_late", "tau_final", "reward_final")
 
 
-def across_runs(runs: dict[str, dict], seeds: dict[str, int], arm: str) -> dict:
+def across_runs(runs: dict[str, dict], seeds: dict[str, int], arm: str, design: Design = Design()) -> dict:
     """Each figure of `arm` over the evaluation seeds: per seed the mean of its runs, then the mean with its
     t interval, the detectable difference, and the repeated seed's two runs' difference."""
     out = {}
-    figures = list(FIGURES) + [f"paired_{step}" for step in PAIRED_STEPS]
+    figures = list(FIGURES) + [f"paired_{step}" for step in design.paired_steps]
     for figure in figures:
         per_seed: dict[int, list[float]] = {}
         for name, arms in runs.items():
@@ -134,7 +157,7 @@ def across_runs(runs: dict[str, dict], seeds: dict[str, int], arm: str) -> dict:
     return out
 
 
-def summarize(out: Path, plan: list, preset) -> dict:
+def summarize(out: Path, plan: list, preset, design: Design = Design()) -> dict:
     samples = preset.prompts_per_step * preset.samples_per_prompt
     runs, seeds = {}, {}
     for name, seed, arms in plan:
@@ -148,12 +171,14 @@ def summarize(out: Path, plan: list, preset) -> dict:
         runs[name]["_wall_s"] = {arm: kept[arm]["wall_s"] for arm in kept}
     arms = sorted({arm for r in runs.values() for arm in r if not arm.startswith("_")}, key=ARMS.index)
     summary = {"design": {"seeds": sorted(set(seeds.values())), "runs": list(runs), "arms": list(ARMS),
-                          "steps": preset.steps, "k": preset.k, "checkpoint_every": CHECKPOINT_EVERY,
-                          "paired_steps": list(PAIRED_STEPS), "pairs": PAIRS,
+                          "steps": preset.steps, "k": preset.k, "checkpoint_every": design.checkpoint_every,
+                          "paired_steps": list(design.paired_steps), "pairs": design.pairs,
+                          "paired_processes": paired.PROCESSES,
                           "paired_prompts": paired.PROMPTS, "paired_samples": paired.SAMPLES,
                           "recipe": asdict(preset)},
                "runs": runs, "across": {arm: across_runs({n: {a: c for a, c in r.items() if not a.startswith("_")}
-                                                          for n, r in runs.items()}, seeds, arm) for arm in arms}}
+                                                          for n, r in runs.items()}, seeds, arm, design)
+                                        for arm in arms}}
     if {"fixed", "auto"} <= set(arms):
         ratios = {}
         for name, r in runs.items():
@@ -165,17 +190,6 @@ def summarize(out: Path, plan: list, preset) -> dict:
                 **mean_interval(values).as_dict(),
                 "detectable": detectable_difference(sample_sd(values), len(values)) if len(values) > 1 else None}
     return summary
-
-
-def verdict(figure: dict, reference: float = 1.0) -> str:
-    """"below", "above" or "tie": whether the interval excludes `reference`."""
-    if figure["n"] < 2:
-        return "one seed"
-    if figure["high"] < reference:
-        return "below"
-    if figure["low"] > reference:
-        return "above"
-    return "tie"
 
 
 def table(summary: dict) -> str:
@@ -229,35 +243,84 @@ def plot(out: Path, summary: dict, rows: dict) -> Path:
     return path
 
 
-def run_study(out: Path, plan: list, preset, demo, world, log=print) -> None:
+def plot_cumulative(out: Path, summary: dict, rows: dict) -> Path:
+    """cumulative.png: per run, each arm's cumulative RL-step wall (left) and GrowMTP / autoregressive of it at
+    every step (right; below 1 the GrowMTP arm is ahead)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    styles = {run: style for run, style in zip(summary["runs"], ("-", "--", ":", "-."))}
+    for run, arms in summary["runs"].items():
+        for j, arm in enumerate(a for a in ARMS if a in rows.get(run, {})):
+            steps = [r["step"] for r in rows[run][arm]]
+            totals = [sum(r["step_s"] for r in rows[run][arm][:i + 1]) for i in range(len(steps))]
+            left.plot(steps, totals, color=f"C{j}", ls=styles.get(run, "-"), lw=0.9, label=f"{run} {arm}")
+        for j, arm in enumerate(a for a in ARMS if a in arms and a != "ar" and not a.startswith("_")):
+            c = arms[arm]["cumulative"]
+            right.plot(c["steps"], c["ratio"], color=f"C{j + 1}", ls=styles.get(run, "-"), lw=0.9,
+                       label=f"{run} {arm}")
+            if c["crossover_step"] is not None:
+                right.axvline(c["crossover_step"], color=f"C{j + 1}", lw=0.6, ls=":")
+    right.axhline(1.0, color="grey", lw=0.8)
+    left.set(title="cumulative wall of the RL steps", xlabel="RL step", ylabel="seconds")
+    right.set(title="cumulative wall, GrowMTP / autoregressive (dotted: the crossover)", xlabel="RL step",
+              ylabel="ratio")
+    left.legend(fontsize="small")
+    right.legend(fontsize="small")
+    fig.tight_layout()
+    path = out / "cumulative.png"
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
+def run_study(out: Path, plan: list, preset, demo, world, design: Design = Design(), stop_after_training: bool = False,
+              log=print) -> bool:
+    """Every arm of `plan` not kept yet; returns False where it stopped after a training (`stop_after_training`)."""
     for name, seed, arms in plan:
         for arm in arms:
             arm_dir = out / name / arm
             if (arm_dir / ARM_FILE).exists():
                 continue
-            if arm_dir.exists():
-                shutil.rmtree(arm_dir)
-            cmd = arm_command(world, arm_dir, preset, arm, demo.reward, seed)
-            wall = run_arm(cmd, arm_dir, f"{name} {arm}", preset.steps)
-            rows = report.read_arm(arm_dir / "tensorboard", arm, 0 if arm == "ar" else preset.k)
-            if len(rows) != preset.steps:
-                raise RuntimeError(f"{name} {arm} logged {len(rows)} steps, expected {preset.steps}")
+            if not (arm_dir / TRAINED_FILE).exists():
+                if arm_dir.exists():
+                    shutil.rmtree(arm_dir)
+                calibration = calibrate()
+                cmd = arm_command(world, arm_dir, preset, arm, demo.reward, seed, design)
+                wall = run_arm(cmd, arm_dir, f"{name} {arm}", preset.steps)
+                rows = report.read_arm(arm_dir / "tensorboard", arm, 0 if arm == "ar" else preset.k)
+                if len(rows) != preset.steps:
+                    raise RuntimeError(f"{name} {arm} logged {len(rows)} steps, expected {preset.steps}")
+                (arm_dir / TRAINED_FILE).write_text(json.dumps({
+                    "wall_s": wall, "rows": rows, "calibration_before": calibration,
+                    "engines": report.engine_facts(arm_dir / "train.log")}) + "\n")
+                if stop_after_training:
+                    log(f"{name} {arm}: trained; stopping here (--stop-after-training)")
+                    return False
+            trained = json.loads((arm_dir / TRAINED_FILE).read_text())
             results = []
             if arm != "ar":
-                log(f"{name} {arm}: paired rollout measurement at steps {', '.join(map(str, PAIRED_STEPS))}")
-                plan_paired = paired.PairedPlan(steps=PAIRED_STEPS, pairs=PAIRS, every=CHECKPOINT_EVERY)
-                results = paired.measure_run(arm_dir, rows, world.prompts, preset, plan_paired, preset.k, log=log)
+                log(f"{name} {arm}: paired rollout measurement at steps {', '.join(map(str, design.paired_steps))}")
+                plan_paired = paired.PairedPlan(steps=design.paired_steps, pairs=design.pairs,
+                                                every=design.checkpoint_every)
+                results = paired.measure_run(arm_dir, trained["rows"], world.prompts, preset, plan_paired, preset.k,
+                                             log=log)
             shutil.rmtree(arm_dir / "ckpt", ignore_errors=True)  # the checkpoints: measured, and large
             (arm_dir / ARM_FILE).write_text(json.dumps(
-                {"run": name, "seed": seed, "arm": arm, "order": arms.index(arm), "wall_s": wall, "rows": rows,
-                 "paired": results, "command": (arm_dir / "command.txt").read_text().strip(),
-                 "provenance": provenance()}, indent=1) + "\n")
+                {"run": name, "seed": seed, "arm": arm, "order": arms.index(arm), "wall_s": trained["wall_s"],
+                 "rows": trained["rows"], "paired": results, "command": (arm_dir / "command.txt").read_text().strip(),
+                 "calibration_before": trained["calibration_before"], "engines": trained.get("engines"),
+                 "provenance": provenance(calibrate=True)}, indent=1) + "\n")
+    return True
 
 
 def keep(out: Path, dest: Path, plan: list) -> None:
     """What the docs quote, into `dest`: the summary, the table, and every arm's file (its per-step rows)."""
     dest.mkdir(parents=True, exist_ok=True)
-    for name in ("summary.json", "table.md", "paired.png"):
+    for name in ("summary.json", "table.md", "paired.png", "cumulative.png"):
         if (out / name).exists():
             shutil.copyfile(out / name, dest / name)
     for run, _, arms in plan:
@@ -277,6 +340,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--name", default="speed-study")
     parser.add_argument("--runs-dir", default="runs")
     parser.add_argument("--steps", type=int, help="RL steps per arm (default: the speed world's full recipe)")
+    parser.add_argument("--checkpoint-every", type=int, default=CHECKPOINT_EVERY,
+                        help="both arms save a checkpoint every N RL steps (default: %(default)s)")
+    parser.add_argument("--paired-steps", default=",".join(map(str, PAIRED_STEPS)),
+                        help="the checkpoints measured paired (default: %(default)s)")
+    parser.add_argument("--stop-after-training", action="store_true",
+                        help="stop after the next arm's training (its measurement resumes on the next call)")
     parser.add_argument("--summarize-only", action="store_true", help="no runs: the summary of those there are")
     parser.add_argument("--keep", type=Path, help="copy the summary and every arm's rows there (docs/data/...)")
     args = parser.parse_args(argv)
@@ -285,25 +354,34 @@ def main(argv: list[str] | None = None) -> int:
     repeat = None if args.repeat == "none" else int(args.repeat)
     if repeat is not None and repeat not in args.seeds:
         parser.error(f"--repeat {repeat} is not one of --seeds")
+    try:
+        design = Design(checkpoint_every=args.checkpoint_every, pairs=PAIRS,
+                        paired_steps=tuple(sorted({int(v) for v in args.paired_steps.split(",") if v.strip()})))
+    except ValueError:
+        parser.error(f"--paired-steps {args.paired_steps}: comma-separated RL steps")
 
     demo = WORLDS["speed"]
     preset = demo.recipes["full"]
     if args.steps is not None:
         preset = replace(preset, steps=args.steps)
-    if any(step > preset.steps or step % CHECKPOINT_EVERY and step != preset.steps for step in PAIRED_STEPS):
-        parser.error(f"the paired checkpoints {PAIRED_STEPS} need {max(PAIRED_STEPS)} steps saved every "
-                     f"{CHECKPOINT_EVERY}")
+    if args.checkpoint_every < 1 or not design.paired_steps or any(
+            step < 1 or step > preset.steps or step % design.checkpoint_every and step != preset.steps
+            for step in design.paired_steps):
+        parser.error(f"the paired checkpoints {design.paired_steps} need steps of at most {preset.steps}, each a "
+                     f"multiple of --checkpoint-every {design.checkpoint_every} or the last")
     out = Path(args.runs_dir) / args.name
     plan = schedule(args.seeds, repeat, args.arms)
     if not args.summarize_only:
         world = demo.build(Path(args.runs_dir) / ".cache")
-        run_study(out, plan, preset, demo, world)
-    summary = summarize(out, plan, preset)
+        if not run_study(out, plan, preset, demo, world, design, args.stop_after_training):
+            return 0
+    summary = summarize(out, plan, preset, design)
     summary["provenance"] = provenance()
     rows = {run: {arm: json.loads((out / run / arm / ARM_FILE).read_text())["rows"] for arm in arms
                   if (out / run / arm / ARM_FILE).exists()} for run, _, arms in plan}
     if summary["runs"]:
         plot(out, summary, rows)
+        plot_cumulative(out, summary, rows)
     (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     (out / "table.md").write_text(table(summary) + "\n")
     print(table(summary))

@@ -2,11 +2,22 @@
 
 Two marks, both invisible in rendered markdown:
 
-- after a number, `<!-- fig: PATH KEY -->`: the number is the JSON file PATH's value at KEY (dots between keys
-  and list indices, e.g. `paired.0.speedup.low`; a key may hold dots itself), rounded to as many decimals as the text shows; ` pct` after
-  KEY reads a share as a percentage, ` ms` seconds as milliseconds. PATH is relative to the markdown file.
+- after a number, `<!-- fig: PATH KEY -->`: the number is the JSON file PATH's value at KEY (dots between keys and list
+  indices, e.g. `paired.0.speedup.low`; a key may hold dots itself), rounded to as many decimals as the text shows;
+  ` pct` after KEY reads a share as a percentage, ` ms` seconds as milliseconds. PATH is relative to the markdown file.
 - `<!-- table: PATH -->` ... `<!-- /table -->` around a block: the block is the file PATH's text (a table a
   study wrote, e.g. `table.md`).
+
+Every other number with a speed or time unit (×, x, s, ms, min, %, tokens/s, GB/s, ...) or a τ value, outside code,
+stands inside a labelled block, `<!-- KIND: why -->` ... `<!-- /KIND -->`, KIND one of
+- `history`: from a run that was not kept (quoted from its output at the time), or a figure withdrawn;
+- `example`: not a measurement: an illustration, a target, a setting, a spec sheet's value, worked arithmetic;
+- `derived`: arithmetic on figures quoted with marks nearby (its inputs named in the text);
+- `kept: PATH [PATH ...]`: read from those kept files (a folder: its JSON files) without a mark each; every such number
+  must be one of the files' values (any key) at the precision shown, as a value, a share in percent or seconds in
+  milliseconds (a weaker check than a mark's: it catches a number the files do not hold, not one that matches another
+  value by chance). The other labels may stand inside a kept block, for what is not read from its files.
+`untied(markdown_path)` lists the numbers that stand in none (`tests/test_figures.py`: none may).
 
 `check(markdown_path)` lists every mark that no longer matches its file; `refresh(markdown_path)` rewrites the
 table blocks from their files (a quoted number is never rewritten: its sentence may need to change with it).
@@ -30,9 +41,14 @@ MARK = re.compile(r"<!-- (fig|table): ")
 CODE = re.compile(r"^(```|~~~).*?^\1[^\n]*$|(`+)[^\n]*?\2", re.DOTALL | re.MULTILINE)  # fenced blocks, code spans
 
 
+def _blank(match: re.Match) -> str:
+    """A match's text as spaces, its line breaks kept (line numbers stay true)."""
+    return re.sub(r"[^\n]", " ", match.group(0))
+
+
 def _outside_code(text: str) -> str:
     """`text` with its code blocks and code spans blanked (a mark quoted as an example is no mark)."""
-    return CODE.sub(lambda m: re.sub(r"[^\n]", " ", m.group(0)), text)
+    return CODE.sub(_blank, text)
 
 
 def lookup(document: dict | list, key: str):
@@ -88,6 +104,86 @@ def check(path: Path) -> list[str]:
     if matched != marks:
         problems.append(f"{path.name}: {marks - matched} mark(s) not after a number or not closed by <!-- /table -->")
     return problems
+
+
+NUMBER = r"\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d+)?"
+# a number, or a range of two, with a speed or time unit after it ("1.18×", "516 s", "9-12%", "1,292 tokens/s"; a
+# ratio's × right after the number, "2 × hidden" being arithmetic)
+# (an interval's level, "95% interval", "[95%]", is no figure)
+UNIT_FIGURE = re.compile(rf"(?<![\w.\-/])({NUMBER})(?:\s?[-–]\s?({NUMBER}))?(?:\*\*)?"
+                         r"(?:×(?!\s?\d)|x(?![\w])|\s?ms\b|\s?s\b|\s?min\b|"
+                         r"\s?minutes?\b|\s?seconds?\b|\s?hours?\b|%(?!\s(?:interval|confidence|bootstrap|percentile)|\])|"
+                         r"\s?tokens?/s\b|\s?tok/s\b|\s?[GT]B/s\b|\s?[GT]FLOP/s\b)")
+# a τ value: "τ 2.26", "τ = 2.91", "τ ≈ 2.9", "at τ 3.01-3.04", "τ 1.04 → 2.23" (not "τ = 1", the floor, nor a
+# formula, "τ = 1 + ...")
+TAU_FIGURE = re.compile(rf"τ\s?(?:=|≈|of|at|to|from|near|about|:)?\s?(?!1(?!\d|[.,]\d))({NUMBER})(?![\d.])"
+                        rf"(?!\s?[+×*/≤]|\s?<(?!!--))(?:\s?[-–→]\s?({NUMBER}))?")
+MARK_AFTER = re.compile(r"^(?:\*\*|[×x%]|\s)*<!-- fig: ")
+LABEL_INNER = re.compile(r"<!-- (history|example|derived)(?::[^>]*?)? -->.*?<!-- /\1 -->", re.DOTALL)
+LABEL_KEPT = re.compile(r"<!-- kept: ([^>]*?) -->(.*?)<!-- /kept -->", re.DOTALL)
+
+
+def _numbers(document) -> set[float]:
+    """Every number in a JSON document, as it is, times 100 and times 1000 (a share in percent, seconds in ms)."""
+    found = set()
+    stack = [document]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, dict):
+            stack.extend(value.values())
+        elif isinstance(value, list):
+            stack.extend(value)
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            found.update((value, 100 * value, 1000 * value))
+    return found
+
+
+def _kept_in(shown: str, values: set[float]) -> bool:
+    digits = len(shown.split(".")[1]) if "." in shown else 0
+    target = float(shown.replace(",", ""))
+    return any(round(v, digits) == target for v in values)
+
+
+def untied(path: Path) -> list[str]:
+    """Every number with a speed or time unit, or τ value, outside code, that carries no mark and stands in no
+    labelled block; and every number of a `kept` block that none of its files holds."""
+    text = _outside_code(path.read_text(encoding="utf-8"))
+    text = TABLE.sub(_blank, text)  # a table block is its file
+    problems = []
+    text = LABEL_INNER.sub(_blank, text)  # history, example, derived: inside a kept block too
+    for label in LABEL_KEPT.finditer(text):
+        values = set()
+        for source in (label.group(1) or "").split():
+            where = path.parent / source
+            for file in sorted(where.rglob("*.json")) if where.is_dir() else [where]:
+                try:
+                    values |= _numbers(json.loads(file.read_text()))
+                except (OSError, ValueError) as err:
+                    problems.append(f"{path.name}: kept block's file {file}: {err}")
+        for shown, at in _figures(label.group(2)):
+            if not _kept_in(shown, values):
+                line = text.count(chr(10), 0, label.start(2) + at) + 1
+                problems.append(f"{path.name}:{line}: {shown} is in a kept block whose files hold no such value")
+    outside = LABEL_KEPT.sub(_blank, text)
+    for shown, at in _figures(outside):
+        problems.append(f"{path.name}:{outside.count(chr(10), 0, at) + 1}: {shown} has no <!-- fig: --> mark and "
+                        "stands in no labelled block")
+    return problems
+
+
+def _figures(text: str) -> list[tuple[str, int]]:
+    """The figures of `text` that carry no mark, with their offsets: each number of a unit or τ figure (both
+    ends of a range), in the order they stand."""
+    found = {}
+    for pattern in (UNIT_FIGURE, TAU_FIGURE):
+        for match in pattern.finditer(text):
+            for i in (1, 2):
+                if match.group(i) is None or MARK_AFTER.match(text[match.end(i):]):
+                    continue
+                if i == 1 and match.group(2) is None and MARK_AFTER.match(text[match.end(1):]):
+                    continue
+                found[match.start(i)] = match.group(i)
+    return [(shown, at) for at, shown in sorted(found.items())]
 
 
 def refresh(path: Path) -> int:

@@ -1,7 +1,9 @@
 """Where a kept figure came from: the commit, the command, the machine and the date, written beside the data.
 
 Every figure the README and docs quote comes from a file under docs/data/ that carries this block
-(`provenance()`), so that anyone can tell what produced it and run it again.
+(`provenance()`), so that anyone can tell what produced it and run it again. A speed figure's block also holds
+a calibration of its machine (`provenance(calibrate=True)`, `calibration.py`): the CPU's name does not tell two
+machines apart that decode at twice each other's speed.
 """
 
 from __future__ import annotations
@@ -55,10 +57,16 @@ def machine() -> dict:
     return info
 
 
-def provenance(command: list[str] | None = None, **extra) -> dict:
-    """The provenance block of a kept file: commit, command (default: this process's), machine, UTC date."""
+def provenance(command: list[str] | None = None, calibrate: bool = False, **extra) -> dict:
+    """The provenance block of a kept file: commit, command (default: this process's), machine, UTC date; with
+    `calibrate`, the machine's calibration measured now (about 2 s)."""
+    info = machine()
+    if calibrate:
+        from .calibration import calibrate as measure
+
+        info["calibration"] = measure()
     return {"commit": git_commit(),
             "command": shlex.join(command if command is not None else [Path(sys.executable).name, *sys.argv]),
-            "machine": machine(),
+            "machine": info,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             **extra}

@@ -232,8 +232,8 @@ def _check_head(flat: dict, g: dict, k: int) -> list[str]:
             return [f"--growmtp_head: {err}"]
         max_depth = int(getattr(config, "max_draft_depth", MAX_DRAFT_DEPTH))
         if k > max_depth:
-            return [f"--growmtp_k {k} is deeper than the head at --growmtp_head {source} drafts ({head_dir}/config.json: "
-                    f"max_draft_depth {max_depth})"]
+            return [f"--growmtp_k {k} is deeper than the head at --growmtp_head {source} drafts "
+                    f"({head_dir}/config.json: max_draft_depth {max_depth})"]
     if k > max_depth:
         return [f"--growmtp_k {k} is deeper than this head supports (max {max_depth})"]
     return []

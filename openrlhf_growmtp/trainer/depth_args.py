@@ -11,7 +11,8 @@ DEPTH_MODES = ("fixed", "auto")
 def add_depth_args(group, flag) -> None:
     """Register the depth flags on `group` (`flag(name, **kwargs)` registers both spellings of a valued flag)."""
     flag("depth", type=str, default="fixed", choices=DEPTH_MODES,
-         help="fixed: every cycle drafts K tokens; auto: before each rollout the depth (0..K, K the most) with the "
+         help="fixed: every cycle drafts K tokens; auto: before each rollout the depth (1..K for a training head, "
+              "0..K under --growmtp_mode frozen) with the "
               "highest predicted tokens per second, from the last rollout's acceptance and the engines' step times "
               "per depth (measured at the start, then the medians of recent rollouts' own steps; core/depth.py "
               "states the rule). Default: %(default)s")
@@ -24,7 +25,8 @@ def add_depth_args(group, flag) -> None:
                             "positions d+1..K along the committed sequence (core/committed.py). Off by default: on "
                             "one seed it lowered the head's held-out acceptance at depth K (docs/depth.md)")
     group.add_argument("--growmtp_no_committed_loss", "--growmtp.no_committed_loss", dest="growmtp.committed_loss",
-                       action="store_false", help="positions past a rollout's depth learn only when drafted (the default)")
+                       action="store_false",
+                       help="positions past a rollout's depth learn only when drafted (the default)")
 
 
 def cycle_costs(text: str | None) -> list[float] | None:

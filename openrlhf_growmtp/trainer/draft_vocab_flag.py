@@ -1,8 +1,9 @@
 """`--growmtp_draft_vocab N`: the head drafts over the run's N most frequent token ids (`core/draft_vocab.py`).
 
-Its flag and its startup checks, which `args.py` registers and runs with the others. Where it works: a GrowMTP head drafting in engines of one tensor-parallel rank, trained
-on its draft paths by an objective that reads only α (DCA or TV), under the synchronous controller (the
-vocabulary is re-ranked between rollouts and every record must be drafted over the one the trainer holds).
+Its flag and its startup checks, which `args.py` registers and runs with the others. Where it works: a GrowMTP head
+drafting in engines of one tensor-parallel rank, trained on its draft paths by an objective that reads only α (DCA or
+TV), under the synchronous controller (the vocabulary is re-ranked between rollouts and every record must be drafted
+over the one the trainer holds).
 """
 
 from __future__ import annotations

@@ -5,8 +5,8 @@ Before the first rollout the ranking counts the prompt set's tokens; after every
 committed tokens (prompts and responses) and ranks again, after the step's weight sync: an engine gathers the
 vocabulary's lm_head rows when it is set, so they are the synced policy's. The next rollout drafts over the
 new vocabulary; before the step that trains on it, the policy actors receive that same vocabulary
-(`GrowMTPActorTrainer` checks each record's tag against it). `growmtp/draft_vocab_coverage` is the share of a rollout's response tokens inside the
-vocabulary that drafted them.
+(`GrowMTPActorTrainer` checks each record's tag against it). `growmtp/draft_vocab_coverage` is the share of a rollout's
+response tokens inside the vocabulary that drafted them.
 """
 
 from __future__ import annotations

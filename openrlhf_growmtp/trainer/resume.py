@@ -95,8 +95,8 @@ def resume_problem(flat: dict) -> str | None:
     if problems:
         saved = sorted(d.name for d in checkpoint.parent.iterdir() if d.is_dir() and d != checkpoint)
         return (f"--ckpt.load_enable: the checkpoint {checkpoint.name} would not load: {'; '.join(problems)}. Resume "
-                f"from an earlier checkpoint (write its tag into {checkpoint.parent / LATEST}; there: {saved or 'none'}), "
-                "or drop --ckpt.load_enable to start afresh")
+                f"from an earlier checkpoint (write its tag into {checkpoint.parent / LATEST}; there: "
+                f"{saved or 'none'}), or drop --ckpt.load_enable to start afresh")
     return None
 
 
@@ -109,11 +109,13 @@ def unloadable_files(checkpoint: Path) -> list[str]:
             ranks.setdefault(match.group(2), set()).add(int(match.group(1)))
     problems = []
     if not (checkpoint / MODEL_STATES).is_file() and "model" not in ranks:
-        problems.append(f"{checkpoint} holds no DeepSpeed model states ({MODEL_STATES} or zero_pp_rank_*_model_states.pt)")
+        problems.append(f"{checkpoint} holds no DeepSpeed model states ({MODEL_STATES} or "
+                        "zero_pp_rank_*_model_states.pt)")
     saved_by = max((max(found) + 1 for found in ranks.values()), default=0)  # the ranks that saved it
     for kind, found in sorted(ranks.items()):
         if missing := sorted(set(range(saved_by)) - found):
-            problems.append(f"{checkpoint} lacks the {kind} states of rank(s) {missing} of the {saved_by} that saved it")
+            problems.append(f"{checkpoint} lacks the {kind} states of rank(s) {missing} of the {saved_by} that "
+                            "saved it")
     return problems + [problem for path in files if (problem := _unloadable(path))]
 
 

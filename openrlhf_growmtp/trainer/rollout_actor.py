@@ -23,6 +23,7 @@ import asyncio
 import contextlib
 import functools
 import itertools
+import json
 import logging
 import os
 import time
@@ -90,6 +91,10 @@ class RolloutActor(RolloutRayActor.__ray_actor_class__):
         if ordered:
             kwargs["scheduling_policy"] = "priority"  # a request's priority is its dispatch number
         await super().__init__(*args, **kwargs)
+        from vllm_patches.engine import ENGINE_FACTS_LINE, engine_facts_async
+
+        # the engine's runner, scheduling and concurrency as vLLM resolved them, for the run's record (one line)
+        print(ENGINE_FACTS_LINE + json.dumps(await engine_facts_async(self.llm)), flush=True)
         if ordered:
             self.llm = rollout_order.PrioritizedLLM(self.llm)
 

@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
+
+from benchmarks import bench_memory
 from helpers.tiny import tiny_backbone_config
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks"))  # the benchmarks' modules, as the script itself sees them
-
-import bench_memory  # noqa: E402
 
 
 @pytest.mark.parametrize("k,topk,tau", [(3, 8, 1.0), (5, 64, 3.0), (7, 16, 2.2)])
@@ -24,7 +22,8 @@ def test_record_bytes_are_the_record_tensors_bytes_counted_from_their_shapes(k, 
     assert r["packed_bytes"] == packed
     assert r["exact_bytes"] == packed + 2 * t * hidden  # + bf16 hidden [T, H]
     # unpacked: every integer tensor back to int64, the log-probs stay bf16
-    assert r["unpacked_bytes"] == 8 * t + 8 * cycles + 8 * cycles * k + 8 * cycles * k * topk + 2 * cycles * k * topk + 8 * cycles
+    assert r["unpacked_bytes"] == (8 * t + 8 * cycles + 8 * cycles * k + 8 * cycles * k * topk
+                                   + 2 * cycles * k * topk + 8 * cycles)
     assert r["generated"] == t - 20
     assert r["packed_bytes_per_token"] == pytest.approx(packed / (t - 20))
     # the draw's mean accepted count: an accepted count lies in 0..K, so its standard deviation is at most K / 2;

@@ -15,18 +15,14 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "benchmarks" / "gpu_check" / "gpu_check.py"
-sys.path[:0] = [str(ROOT / "benchmarks" / "gpu_check"), str(ROOT / "benchmarks")]  # as the scripts see them
+from benchmarks import bench_cycle_formula
+from benchmarks.gpu_check import gpu_cycle, gpu_drafter, gpu_rollout_loop, gpu_sampler
+from benchmarks.gpu_check.gpu_world import TINY, tiny_config
+from benchmarks.shared import cycle_timing
+from benchmarks.shared.bench_common import fit_line, qwen3_4b_config
 
-import bench_cycle_formula  # noqa: E402
-import cycle_timing  # noqa: E402
-import gpu_cycle  # noqa: E402
-import gpu_drafter  # noqa: E402
-import gpu_rollout_loop  # noqa: E402
-import gpu_sampler  # noqa: E402
-from bench_common import fit_line, qwen3_4b_config  # noqa: E402
-from gpu_world import TINY, tiny_config  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
+CHECK = ["-m", "benchmarks.gpu_check.gpu_check"]
 
 SECTIONS = {"environment", "shapes", "rows", "errors", "complete", "cut_off", "checks", "all_passed", "seconds",
             "reconstruction", "alpha", "rejection_sampler", "head_update_cost", "trainer_step", "cycle_cost",
@@ -41,13 +37,15 @@ def _env():
 
 
 def _run(*args, timeout=300):
-    return subprocess.run([sys.executable, str(SCRIPT), *args], cwd=ROOT, env=_env(), capture_output=True, text=True,
+    return subprocess.run([sys.executable, *CHECK, *args], cwd=ROOT, env=_env(), capture_output=True, text=True,
                           timeout=timeout)
 
 
 def test_tiny_gpu_check_passes_on_cpu_and_writes_every_field(tmp_path):
+    # trainer_step's strict runs only (two processes of their own): its production runs and a second depth are
+    # the slow test's, below
     out = tmp_path / "sub" / "gpu_check.json"
-    proc = _run("--tiny", "--json", str(out))
+    proc = _run("--tiny", "--trainer-runs", "strict", "--json", str(out))
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert "every check passed" in proc.stdout
     result = json.loads(out.read_text())
@@ -76,7 +74,7 @@ def test_tiny_gpu_check_passes_on_cpu_and_writes_every_field(tmp_path):
     cost = result["head_update_cost"]
     assert COST_FIELDS <= set(cost), COST_FIELDS - set(cost)
     assert cost["time_ratio"] > 0 and cost["memory_ratio"] is None  # peak memory is read on CUDA only
-    _check_trainer_step(result["trainer_step"])
+    _check_trainer_step(result["trainer_step"], out.parent, modes=("strict",))
     _check_cycle_cost(result["cycle_cost"], trainer=result["trainer_step"])
     _check_rollout_loop(result["rollout_loop"])
     _check_head_update_graph(result["head_update_graph"])
@@ -113,10 +111,32 @@ def _check_head_update_graph(graph):
         assert entry["kernels"] == {"eager": None, "graph": None}  # the profiler counts kernels on CUDA only
 
 
-def _check_trainer_step(trainer):
+def _check_trainer_step(trainer, out_dir, modes=("production", "strict"), layers=TINY.trainer_layers):
     # the GPU machine's environment, rehearsed: Ray and vLLM were never imported, only stood in for
     assert trainer["standins"] == ["ray", "vllm"]
-    assert trainer["layers"] == TINY.trainer_layers and trainer["steps"] == TINY.trainer_steps
+    assert trainer["optimizer"] == ["torch AdamW through DeepSpeed (torch_adam)"]
+    assert trainer["layers"] == layers and trainer["steps"] == TINY.trainer_steps
+    assert trainer["optimizer_choice"]["reason"] == "no CUDA"
+    # every run in a process of its own, each started with no DeepSpeed engine alive in it or in the check's
+    # process, while its own engine was counted (the counter is not blind); its JSON and log kept
+    runs = trainer["runs"]
+    expected = {"strict": {"strict_without_head", "strict_with_head"},
+                "production": {"production_with_head", "production_without_head", "plain"}}
+    assert set(runs) == set().union(*(expected[m] for m in modes))
+    pids = {run["held_at_start"]["pid"] for run in runs.values()} | {runs[n]["parent_held"]["pid"] for n in runs}
+    assert len(pids) == len(runs) + 1
+    for name, run in runs.items():
+        assert run["ok"] and run["exit_status"] == 0 and run["verdict"] and not run["verdict"].startswith("none")
+        assert run["held_at_start"]["deepspeed_engines"] == 0 and run["parent_held"]["deepspeed_engines"] == 0
+        assert (run["kind"] == "plain") != (run.get("engines_while_running", 0) >= 1), name
+        kept = json.loads((out_dir / trainer["runs_dir"] / f"{layers}_layers_{name}.json").read_text())
+        assert kept["ok"] and kept["seconds"] == run["seconds"]
+        assert (out_dir / trainer["runs_dir"] / run["log"]).stat().st_size > 0
+    clean = [r for r in trainer_rows(out_dir) if r["name"] == "no run started with memory an earlier run held"]
+    assert len(clean) == 1 and clean[0]["passed"] and not clean[0]["values"]["problems"]
+    if "strict" not in modes:
+        return
+    assert runs["strict_with_head"]["verdict"].startswith("policy bit-identical")
     assert trainer["policy_tensors_differing"] == [] and trainer["policy_tensors_trained"] > 0
     assert trainer["head_matrices_moved"] == trainer["head_matrices"] and len(trainer["head_matrices"]) == 8
     status = trainer["status_with_head"]
@@ -132,7 +152,11 @@ def _check_trainer_step(trainer):
     # the policy's loss and gradient norm are upstream's too (the head's gradients are not in the norm)
     for key in ("policy_loss", "actor_grad_norm"):
         assert status[key] == trainer["status_without_head"][key], key
+    if "production" not in modes:
+        assert "production" not in trainer
+        return
     # the production step: the pair again, not strict, timed per token beside the plain forward + backward
+    assert runs["production_with_head"]["head_matrices_moved"] == runs["production_with_head"]["head_matrices"]
     prod = trainer["production"]
     assert prod["deterministic_algorithms"] == "off" and prod["tokens"] == trainer["tokens"]
     assert set(prod["step_s"]) == {"with_head", "without_head"} and all(s > 0 for s in prod["step_s"].values())
@@ -143,6 +167,10 @@ def _check_trainer_step(trainer):
         over = prod["step_over_plain_forward_backward"][name]
         assert over == pytest.approx(seconds / prod["plain_forward_backward_s"])
     assert all(r > 0 for r in trainer["strict_over_production"].values())
+
+
+def trainer_rows(out_dir):
+    return [r for r in json.loads((out_dir / "gpu_check.json").read_text())["rows"] if r["check"] == "trainer_step"]
 
 
 def _check_cycle_cost(cycle, trainer=None):
@@ -180,7 +208,7 @@ def test_only_refuses_an_unknown_check():
 
 
 def test_the_exit_status_tells_a_failed_check_from_one_the_deadline_skipped():
-    from gpu_report import Row, exit_status
+    from benchmarks.gpu_check.gpu_report import Row, exit_status
 
     passed, measured = Row("a", "x", "", "", True), Row("c", "cost", "", "", None)
     skipped = Row("d", "not run", "-", "-", False, skipped=True)
@@ -199,7 +227,7 @@ def test_a_run_past_its_deadline_records_what_it_skipped(tmp_path):
 
 def test_sigterm_leaves_the_json_of_what_was_done(tmp_path):
     out = tmp_path / "term.json"
-    proc = subprocess.Popen([sys.executable, str(SCRIPT), "--tiny", "--only", "a,b,d,c,cycle_cost", "--json", str(out)],
+    proc = subprocess.Popen([sys.executable, *CHECK, "--tiny", "--only", "a,b,d,c,cycle_cost", "--json", str(out)],
                             cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
     while not out.exists() and proc.poll() is None and time.monotonic() < deadline:
@@ -247,6 +275,26 @@ def test_the_loop_times_the_draft_vocabulary_beside_every_id(tmp_path):
     assert subset["rollout_speedup_all_ids"] == loop["rollout"]["speedup"] and subset["rollout_speedup"] > 0
     assert abs(subset["acceptance"]["z"]) <= 5 and subset["acceptance"]["cycles"] > 0
     assert "draft over 512 ids" in proc.stdout
+
+
+def test_the_head_update_checks_time_the_draft_vocabulary_beside_every_id(tmp_path):
+    """(c) and head_update_graph with --draft-vocab: the eager update, and the fixed-shape one (captured on CUDA),
+    also over 512 ids alone; on a CPU the fixed-shape path runs eagerly over the same rows and its gradients
+    point where the eager update's do."""
+    out = tmp_path / "subset.json"
+    proc = _run("--tiny", "--only", "c,head_update_graph", "--draft-vocab", "--json", str(out))
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    result = json.loads(out.read_text())
+    cost = result["head_update_cost"]
+    assert cost["draft_vocab"] == 512 and len(cost["seconds"]["head_subset"]) == cost["repeats"]
+    assert cost["subset_over_all"] == pytest.approx(cost["median_s"]["head_subset"] / cost["median_s"]["head"])
+    assert any("over 512 ids / over every id" in r["name"] for r in result["rows"])
+    graph = result["head_update_graph"]
+    _check_head_update_graph(graph)  # every id's entries as they are without it
+    for entry in graph["per_chunk"].values():
+        sub = entry["draft_vocab"]
+        assert sub["size"] == 512 and sub["eager_s"] > 0 and sub["graph_s"] > 0
+        assert sub["min_grad_cosine_graph_vs_eager"] > 0.99  # bf16, as over every id
 
 
 def _pair(vocab=400, seed=0):
@@ -428,7 +476,7 @@ def test_alpha_for_tau_inverts_the_acceptance_length():
 
 
 def test_trainer_layers_follow_the_devices_memory():
-    from gpu_trainer import layers_that_fit
+    from benchmarks.gpu_check.gpu_trainer import layers_that_fit
 
     config = qwen3_4b_config(36)
     h100, h200 = layers_that_fit(config, 80 * 10**9), layers_that_fit(config, 141 * 10**9)
@@ -436,35 +484,197 @@ def test_trainer_layers_follow_the_devices_memory():
     assert layers_that_fit(config, 10**12) == 36 and layers_that_fit(config, 10**9) == 1
 
 
-def test_trainer_step_gives_back_the_determinism_it_switched_on(monkeypatch):
-    """Upstream's --train.full_determinism_enable switches deterministic algorithms on for the whole process;
-    the checks run after trainer_step must find the process as it was (they are timed)."""
-    import random
+def test_trainer_depth_follows_a_clean_runs_own_peak():
+    # PEAK_BYTES_PER_PARAM is read off the kept H100 run whose first DeepSpeed run started clean (416 MiB
+    # allocated by the check before it): its own rise over its parameters, with and without the head, must not
+    # exceed it, and it must not sit far above it (the 37 it replaced was read off a run that started with an
+    # earlier run's 26 GB still held)
+    from benchmarks.gpu_check.gpu_trainer import PEAK_BYTES_PER_PARAM, parameters
 
-    import numpy as np
-    from gpu_trainer import DETERMINISM_ENV, determinism_restored
-    from transformers.trainer_utils import enable_full_determinism
+    kept = json.loads((ROOT / "docs/data/gpu/trainer_step_head_update_graph_cycle_cost_2026-11-27.json").read_text())
+    trainer, config = kept["trainer_step"], qwen3_4b_config(36)
+    assert trainer["memory_mb"]["without_head"]["at_start"] < 1024  # the first run: nothing of another run held
+    own = {side: (m["peak"] - m["at_start"]) * 2**20 / parameters(config, trainer["layers"], head=side == "with_head")
+           for side, m in trainer["memory_mb"].items()}
+    assert max(own.values()) <= PEAK_BYTES_PER_PARAM <= 1.05 * max(own.values()), own
+    assert parameters(config, 36, head=False) == pytest.approx(4.02e9, rel=0.01)  # Qwen3-4B's 4.02 B
 
-    for name in DETERMINISM_ENV:
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # what gpu_check sets before any check
-    before = (torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.deterministic,
-              torch.backends.cudnn.benchmark)
-    rng = random.getstate(), np.random.get_state(), torch.get_rng_state()
-    try:
-        with determinism_restored():
-            enable_full_determinism(1)
-            assert torch.are_deterministic_algorithms_enabled() and os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":16:8"
-    finally:
-        random.setstate(rng[0]), np.random.set_state(rng[1]), torch.set_rng_state(rng[2])
-    assert (torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.deterministic,
-            torch.backends.cudnn.benchmark) == before
-    assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
-    assert not {"CUDA_LAUNCH_BLOCKING", "FLASH_ATTENTION_DETERMINISTIC"} & set(os.environ)
+
+def test_clean_starts_name_what_a_run_started_with():
+    from benchmarks.gpu_check.gpu_trainer import ACCUMULATED_MIB, PARENT_HELD_MIB, clean_starts
+
+    def run(engines=0, allocated=0.0, used=1000.0, parent_engines=0, parent_allocated=10.0):
+        return {"held_at_start": {"deepspeed_engines": engines, "cuda_allocated_mib": allocated,
+                                  "device_used_mib": used, "pid": 2},
+                "parent_held": {"deepspeed_engines": parent_engines, "cuda_allocated_mib": parent_allocated,
+                                "largest": ["torch.bfloat16 [151936, 2560] 742 MiB"], "pid": 1}}
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    clean = {"8": {"runs": {"a": run(), "b": run(used=1000.0 + ACCUMULATED_MIB), "skipped": {"skipped": True}}}}
+    assert clean_starts(clean, cuda) == [] and clean_starts(clean, cpu) == []
+    for bad, said in ((run(engines=1), "1 DeepSpeed engine(s) alive in its process"),
+                      (run(parent_engines=3), "and 3 in the check's"),
+                      (run(allocated=5.0), "5 MiB allocated in its process"),
+                      (run(parent_allocated=PARENT_HELD_MIB + 800), "[151936, 2560]"),
+                      (run(used=1001.0 + ACCUMULATED_MIB), "more than at the first run's start")):
+        problems = clean_starts({"8": {"runs": {"first": run(), "second": bad}}}, cuda)
+        assert len(problems) == 1 and problems[0].startswith("8 layers, second") and said in problems[0], problems
+    # without CUDA only the engines are counted: an engine alive is named there too
+    assert clean_starts({"2": {"runs": {"first": run(engines=2, allocated=5.0)}}}, cpu)[0].startswith("2 layers, first")
+
+
+def test_a_failed_run_leaves_its_error_and_log_and_a_verdict_that_says_so(tmp_path, monkeypatch):
+    # the runs' process stood in for by scripts: one that fails as a run fails (its JSON with the traceback),
+    # one that dies before recording anything (as a device-side assert or a kill ends a process)
+    from benchmarks.gpu_check import gpu_trainer
+
+    failing = tmp_path / "failing.py"
+    failing.write_text("import json, sys\nspec = json.load(open(sys.argv[1]))\n"
+                       "print('the kernel said: Assertion `dstIndex < dstAddDimSize` failed.')\n"
+                       "json.dump({'name': spec['name'], 'ok': False, 'stage': 'failed', "
+                       "'error': 'Traceback (most recent call last):\\nRuntimeError: CUDA error: device-side assert "
+                       "triggered'}, open(spec['result'], 'w'))\nsys.exit(1)\n")
+    dying = tmp_path / "dying.py"
+    dying.write_text("import os\nprint('started')\nos._exit(134)\n")
+    said = []
+    runner = gpu_trainer.Runner(TINY, torch.device("cpu"), tmp_path / "work", tmp_path / "runs", None, said.append,
+                                {"fused": False}, {})
+    (tmp_path / "work").mkdir()
+    results = {}
+    for script, run in ((failing, gpu_trainer.RUNS["production"][0]), (dying, gpu_trainer.RUNS["production"][1])):
+        monkeypatch.setattr(gpu_trainer, "RUN_ARGS", [str(script)])
+        results[run.name] = runner.launch(run, 2, blocking=False)
+    failed, died = results["production_with_head"], results["production_without_head"]
+    assert not failed["ok"] and failed["exit_status"] == 1 and "device-side assert" in failed["error"]
+    assert "dstIndex < dstAddDimSize" in (tmp_path / "runs" / failed["log"]).read_text()
+    assert any("dstIndex < dstAddDimSize" in line for line in said)  # the log's tail is printed too
+    assert not died["ok"] and died["exit_status"] == 134 and "before it recorded an error" in died["error"]
+    details = {"layers": 2, "runs": results, "launch_blocking": False}
+    for run in results.values():
+        run["verdict"] = gpu_trainer._verdict(run, details)
+    assert failed["verdict"].startswith("none: the run failed (RuntimeError: CUDA error: device-side assert")
+    rows = gpu_trainer._rows(TINY, details)
+    assert [r.passed for r in rows if "FAILED" in r.name] == [False, False]
+    # past the deadline a run is not started, and says so
+    late = gpu_trainer.Runner(TINY, torch.device("cpu"), tmp_path / "work", tmp_path / "runs", 0.0, said.append,
+                              {"fused": False}, {})
+    skipped = late.launch(gpu_trainer.RUNS["strict"][0], 2, blocking=False)
+    assert skipped["skipped"] and gpu_trainer._verdict(skipped, details) == "none: not run, past the deadline"
+
+
+def test_a_run_with_a_bad_spec_records_its_traceback_before_any_model_work(tmp_path):
+    from benchmarks.gpu_check import gpu_trainer_run
+
+    result, log = tmp_path / "run.json", tmp_path / "run.log"
+    spec = {"name": "strict_with_head", "kind": "step", "device": "cpu", "ours": True, "strict": True,
+            "gather_policy": True, "fused_adam": False, "policy_dir": str(tmp_path / "policy"),
+            "head_dir": str(tmp_path / "head"), "work_dir": str(tmp_path), "experience_dir": str(tmp_path / "none"),
+            "logp_file": "logp_2.safetensors", "outputs": str(tmp_path / "out"), "result": str(result),
+            "plan": {"k": 5, "topk": 64, "chunk_cycles": 64, "micro_batch": 2, "trainer_responses": 4,
+                     "trainer_prompt": 8, "trainer_steps": 2}}
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    with open(log, "wb") as out:
+        code = subprocess.run([sys.executable, "-m", gpu_trainer_run.__name__, str(tmp_path / "spec.json")],
+                              stdout=out, stderr=subprocess.STDOUT, env=_env(), cwd=ROOT, timeout=120).returncode
+    recorded = json.loads(result.read_text())
+    assert code == 1 and not recorded["ok"] and recorded["stage"] == "failed"
+    assert "sequences.safetensors" in recorded["error"] and recorded["error"] in log.read_text()
+    assert recorded["held_at_start"]["deepspeed_engines"] == 0
+    assert "deepspeed" not in log.read_text().lower()  # it failed on the spec, before importing DeepSpeed
+
+
+def test_a_checks_error_is_saved_before_any_cuda_call_and_a_cuda_error_stops_the_rest(tmp_path, monkeypatch, capsys):
+    from benchmarks.gpu_check import gpu_check
+
+    args = gpu_check.parse_args(["--tiny", "--only", "cycle_cost,c", "--json", str(tmp_path / "gpu_check.json")])
+    run = gpu_check.Run(args, torch.device("cpu"))
+    run.device = torch.device("cuda")  # as on a GPU, where an error must not be followed by a CUDA call
+    calls = []
+
+    def cuda_call(*a, **kw):  # what torch.cuda.empty_cache does after a device-side assert: raise again
+        errors = json.loads(args.json.read_text())["errors"] if args.json.exists() else {}
+        if errors:
+            calls.append(errors)
+            raise RuntimeError("CUDA error: device-side assert triggered (again)")
+
+    def first_error(self):
+        raise RuntimeError("CUDA error: device-side assert triggered\nthe first one")
+
+    monkeypatch.setattr(torch.cuda, "empty_cache", cuda_call)
+    monkeypatch.setattr(gpu_check.Run, "cycle", first_error)
+    run.all_checks()
+    saved = json.loads(args.json.read_text())
+    assert "the first one" in saved["errors"]["cycle_cost"] and "Traceback" in saved["errors"]["cycle_cost"]
+    assert calls == []  # no CUDA call after the error: not even releasing the models at the end
+    assert "the first one" in capsys.readouterr().err  # the traceback in the log too
+    rows = {r.check: r for r in run.rows}
+    assert not rows["c"].passed and "left the device unusable" in rows["c"].name
+
+
+def test_fused_adam_not_built_within_its_time_box_leaves_torch_adam_and_says_why(tmp_path):
+    # 0.2 s: the build's process is still importing torch when its time box ends, and is stopped
+    from benchmarks.gpu_check.gpu_fused_adam import TORCH_ADAM, FusedAdamBuild
+
+    build = FusedAdamBuild(tmp_path / "extensions", tmp_path / "runs", budget_s=0.2)
+    outcome = build.outcome()
+    assert outcome == {"optimizer": TORCH_ADAM, "fused": False, "build_s": None,
+                       "reason": "not built within 0.2 s (log: fused_adam_build.log)"}
+    assert build.proc.poll() is not None and (tmp_path / "runs" / "fused_adam_build.log").exists()
+    assert build.env()["TORCH_EXTENSIONS_DIR"] == str(tmp_path / "extensions")
+
+
+def test_the_commit_recorded_is_the_hosts_where_given(monkeypatch):
+    from benchmarks.gpu_check import gpu_check
+
+    monkeypatch.delenv("GPU_HOST_COMMIT", raising=False)
+    here = gpu_check.commits()
+    assert here["git_commit"] == here["git_commit_of_this_copy"] and not here["git_commit_disagrees"]
+    monkeypatch.setenv("GPU_HOST_COMMIT", "0123456789abcdef0123456789abcdef01234567")
+    host = gpu_check.commits()
+    assert host["git_commit"] == "0123456789abcdef0123456789abcdef01234567"
+    assert host["git_commit_from"] == "GPU_HOST_COMMIT"
+    assert host["git_commit_disagrees"] == (here["git_commit_of_this_copy"] is not None)
+    monkeypatch.setenv("GPU_HOST_COMMIT", (here["git_commit_of_this_copy"] or "x")[:7])  # a short form agrees
+    assert not gpu_check.commits()["git_commit_disagrees"]
+
+
+def test_trainer_arguments_are_refused_by_name(capsys):
+    from benchmarks.gpu_check import gpu_check
+
+    for argv, said in ((["--trainer-layers", "8,0"], "--trainer-layers must be in 1..36 or auto, got 0"),
+                       (["--trainer-layers", "eight"], "--trainer-layers must be in 1..36 or auto, got eight"),
+                       (["--launch-blocking-layers", "40"], "--launch-blocking-layers must be in 1..36 or auto"),
+                       (["--trainer-runs", "strict,fast"], "--trainer-runs takes runs among production,strict")):
+        with pytest.raises(SystemExit):
+            gpu_check.parse_args(["--tiny", *argv])
+        assert said in capsys.readouterr().err
+    args = gpu_check.parse_args(["--trainer-layers", "8,auto", "--launch-blocking-layers", "8"])
+    assert args.trainer_layers == [8, "auto"] and args.launch_blocking_layers == [8]
+    assert args.trainer_runs == ("production", "strict")
+
+
+@pytest.mark.slow
+def test_trainer_step_at_two_depths_runs_production_and_strict_each_in_a_process_of_its_own(tmp_path):
+    # about 70 s on 2 cores: 2 depths x 5 runs, each a Python process importing DeepSpeed and OpenRLHF
+    out = tmp_path / "gpu_check.json"
+    proc = _run("--tiny", "--only", "trainer_step", "--trainer-layers", "1,2", "--launch-blocking-layers", "1",
+                "--json", str(out), timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    trainer = json.loads(out.read_text())["trainer_step"]
+    assert trainer["depths"] == [1, 2] and trainer["drafted_at_layers"] == 1 and set(trainer["by_depth"]) == {"1", "2"}
+    _check_trainer_step(trainer, tmp_path)  # the last depth's, at the top
+    first = trainer["by_depth"]["1"]
+    _check_trainer_step({**trainer, **first}, tmp_path, layers=1)
+    assert first["launch_blocking"] and all(r["launch_blocking"] for r in first["runs"].values())
+    assert not trainer["launch_blocking"] and "CUDA_LAUNCH_BLOCKING" in " ".join(
+        r["name"] for r in trainer_rows(tmp_path) if "1 layers" in r["name"] and "per token" in r["name"])
+    # the second depth trained on the first's records, from a policy of its own
+    assert first["tokens"] == trainer["tokens"] and first["cycles"] == trainer["cycles"]
+    assert first["policy_tensors"] < trainer["policy_tensors"]
 
 
 def _loop_world(batch=64, context=24, cycles=30, dtype=torch.float32):
-    from gpu_world import build_head, build_policy
+    from benchmarks.gpu_check.gpu_world import build_head, build_policy
 
     config = TINY.trainer_config(2)
     policy = build_policy(config, torch.device("cpu"), dtype).eval()
@@ -504,7 +714,7 @@ def test_target_as_its_own_drafter_has_every_draft_accepted():
 
 
 def _fp64_policy(layers, dtype):
-    from gpu_world import build_policy
+    from benchmarks.gpu_check.gpu_world import build_policy
 
     policy = build_policy(TINY.trainer_config(layers), torch.device("cpu"), dtype)
     policy.gradient_checkpointing_disable()
@@ -512,7 +722,7 @@ def _fp64_policy(layers, dtype):
 
 
 def test_loop_first_acceptance_matches_sum_min_p_q():
-    import gpu_loop
+    from benchmarks.gpu_check import gpu_loop
 
     policy, head, caches, capacity = _loop_world()
     with torch.no_grad():  # a flatter q than the random head's: acceptance near one half, where a bias shows most
@@ -547,8 +757,7 @@ def test_rejection_step_over_draft_ids_is_the_step_over_q_scattered_to_every_id(
 
 
 def test_loop_over_draft_ids_drafts_inside_them_and_accepts_as_sum_min_p_q():
-    import gpu_draft_vocab
-    import gpu_loop
+    from benchmarks.gpu_check import gpu_draft_vocab, gpu_loop
 
     policy, head, caches, capacity = _loop_world()
     ids = gpu_draft_vocab.draft_vocab_ids(policy.config.vocab_size, 512, torch.device("cpu"))
@@ -567,7 +776,7 @@ def test_loop_over_draft_ids_drafts_inside_them_and_accepts_as_sum_min_p_q():
 
 
 def test_the_outside_shift_leaves_the_mass_asked_for_outside_the_ids():
-    import gpu_draft_vocab
+    from benchmarks.gpu_check import gpu_draft_vocab
 
     vocab, size = 151936, 32768
     d = gpu_draft_vocab.outside_shift(vocab, size)
@@ -602,7 +811,7 @@ def test_the_drafters_records_hold_the_policys_own_log_probs_on_the_committed_pa
     # positions 1..accepted + 1) its top-k log-probs must be those of a plain forward over the committed tokens.
     # fp32 on CPU: the two forwards differ by rounding in other reduction orders, ~1e-6 on log-probs of magnitude
     # ~log V = 7.6; 1e-4 leaves room, and a wrong slot or position moves them by the logits' spread (~1)
-    from gpu_world import build_head, build_policy
+    from benchmarks.gpu_check.gpu_world import build_head, build_policy
 
     policy = build_policy(TINY.trainer_config(2), torch.device("cpu"), torch.float32).eval()
     policy.gradient_checkpointing_disable()
@@ -624,9 +833,8 @@ def test_the_drafters_records_hold_the_policys_own_log_probs_on_the_committed_pa
 
 
 def test_fixed_shape_head_update_is_head_loss_backward():
-    import gpu_head_graph
-    from gpu_world import build_head, build_policy
-
+    from benchmarks.gpu_check import gpu_head_graph
+    from benchmarks.gpu_check.gpu_world import build_head, build_policy
     from openrlhf_growmtp.experiments.worlds.toy import synthetic_record
 
     policy = build_policy(TINY.config, torch.device("cpu"), torch.float64)

@@ -4,15 +4,13 @@ session's JSONs, and the whole step's figure is the one the GPU check's own form
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path[:0] = [str(ROOT / "benchmarks" / "gpu_check"), str(ROOT / "benchmarks")]
+from benchmarks.gpu_check import derived_figures as gpu_derived_figures
 
-import derived_figures as gpu_derived_figures  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 KEPT = ROOT / "docs" / "data" / "gpu" / "derived_2026-11-27.json"
 

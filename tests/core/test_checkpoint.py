@@ -125,8 +125,8 @@ def test_mimo_native_head_computes_what_the_native_layout_computes(tmp_path):
         v = F.linear(a, native["self_attn.v_proj.weight"], native["self_attn.v_proj.bias"])
         x = x + F.linear(v.repeat(1, 1, 2), native["self_attn.o_proj.weight"])  # 2 heads share 1 kv head
         m = _rms(x, native["post_attention_layernorm.weight"])
-        x = x + F.linear(F.silu(F.linear(m, native["mlp.gate_proj.weight"])) * F.linear(m, native["mlp.up_proj.weight"]),
-                         native["mlp.down_proj.weight"])
+        gated = F.silu(F.linear(m, native["mlp.gate_proj.weight"])) * F.linear(m, native["mlp.up_proj.weight"])
+        x = x + F.linear(gated, native["mlp.down_proj.weight"])
         expected = _rms(x, native["final_layernorm.weight"])
         with torch.no_grad():
             out = head(hidden, token, torch.tensor([[position]]), cache=HeadKVCache())

@@ -73,7 +73,8 @@ def test_embedding_at_position_0_is_zeroed_only_where_the_native_head_does(famil
 def test_fed_back_state_is_pre_or_post_norm_per_family(family, pre_norm):
     head = make_head(family)
     with torch.no_grad():
-        out = head(torch.randn(1, 4, HIDDEN), torch.randint(0, VOCAB, (1, 4)), torch.arange(4)[None], cache=HeadKVCache())
+        out = head(torch.randn(1, 4, HIDDEN), torch.randint(0, VOCAB, (1, 4)), torch.arange(4)[None],
+                   cache=HeadKVCache())
     assert torch.equal(out.feed_back, out.hidden if pre_norm else out.normed)
     assert not torch.equal(out.hidden, out.normed)
 

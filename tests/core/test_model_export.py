@@ -46,7 +46,8 @@ def run_checkpoint(root, family, *, stale_native_head=False, sharded=False, wrap
         shipped = make_head(family, seed=7)
         prefix = get_family(family).native_prefix
         tensors.update({prefix + n: t.detach().clone() for n, t in shipped.state_dict().items()})
-        tensors[NATIVE_ROOT[family] + ("1.extra.weight" if family == "mimo" else "layers.1.extra.weight")] = torch.ones(3)
+        extra = "1.extra.weight" if family == "mimo" else "layers.1.extra.weight"
+        tensors[NATIVE_ROOT[family] + extra] = torch.ones(3)
     if sharded:
         names = sorted(tensors)
         shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
@@ -69,7 +70,8 @@ def run_checkpoint(root, family, *, stale_native_head=False, sharded=False, wrap
 def all_tensors(model_dir):
     """Every tensor of a model directory, through its index when it has one (file name kept per tensor)."""
     index = model_dir / "model.safetensors.index.json"
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else ["model.safetensors"]
+    files = (sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file()
+             else ["model.safetensors"])
     out = {}
     for file in files:
         with safe_open(str(model_dir / file), framework="pt") as f:
@@ -118,7 +120,8 @@ def test_native_export_reads_back_exactly_the_grown_head(tmp_path, family, shard
     # the layout, written out by hand: MiMo's fc input is [hidden, embedding] (ours is [embedding, hidden])
     fc = grown["input_proj.weight" if family == "mimo" else "fc.weight"]
     if family == "mimo":
-        assert torch.equal(native["model.mtp_layers.0.input_proj.weight"], torch.cat([fc[:, HIDDEN:], fc[:, :HIDDEN]], 1))
+        assert torch.equal(native["model.mtp_layers.0.input_proj.weight"],
+                           torch.cat([fc[:, HIDDEN:], fc[:, :HIDDEN]], 1))
         assert torch.equal(native["model.mtp_layers.0.self_attn.q_proj.weight"], grown["self_attn.q_proj.weight"])
     else:
         assert torch.equal(native["mtp.fc.weight"], fc)
@@ -355,3 +358,27 @@ def test_the_package_declares_the_console_script_and_the_vllm_plugin():
     assert importlib.import_module("openrlhf_growmtp.cli.export").main is export_main
     plugins = {ep.value for ep in entry_points(group="vllm.general_plugins")}
     assert "vllm_patches.plugin:register" in plugins, plugins
+
+
+@pytest.mark.skipif(shutil.which("jq") is None, reason="the README's line reads the export's config with jq")
+def test_the_readmes_serve_line_names_the_head_by_an_absolute_path(tmp_path):
+    """README's `vllm serve` line for a Qwen3 export, run from another directory with `vllm` replaced by a stand-in
+    that prints its arguments: the speculative config it passes names the export's head wherever vLLM starts."""
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
+    line = next(line for line in readme.splitlines() if "vllm serve" in line and "growmtp_serve.json" in line)
+    documented = line.split("=", 1)[1].split(";", 1)[0]  # the export directory the line names
+    final, _ = run_checkpoint(tmp_path / "run", "qwen3")
+    out = export_model(final, tmp_path / "served")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    script = 'vllm() { printf "%s\\n" "$@"; }\n' + line.replace(documented, str(out))
+    done = subprocess.run(["bash", "-c", script], capture_output=True, text=True, cwd=elsewhere, timeout=60)
+    assert done.returncode == 0, done.stderr
+    args = done.stdout.splitlines()
+    assert args[:2] == ["serve", str(out)] and args[2] == "--speculative-config"
+    config = json.loads(args[3])
+    assert config == {**json.loads((out / SERVE_FILE).read_text())["speculative_config"],
+                      "model": f"{out}/{RUN_HEAD_DIR}"}
+    assert Path(config["model"]).is_absolute() and (Path(config["model"]) / "config.json").is_file()

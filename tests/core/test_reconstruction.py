@@ -270,7 +270,8 @@ def test_every_rank_makes_the_same_module_calls_whatever_its_records(monkeypatch
     # records differ (cycle counts, accepted lengths) must still call every module the same number of times.
     from openrlhf_growmtp.core import topk_logq
 
-    monkeypatch.setattr(topk_logq, "GROUP_LOGITS", {"cpu": 2 * 97, "cuda": 2 * 97})  # two slots' logits per group: 14 groups for 27 slots
+    # two slots' logits per group: 14 groups for 27 slots
+    monkeypatch.setattr(topk_logq, "GROUP_LOGITS", {"cpu": 2 * 97, "cuda": 2 * 97})
     mixed = make_records(k=4)  # full accepts and early rejections
     rejected = make_records(k=4, seed=5)[1:2]  # two cycles, both rejected at once: no chain reaches position 2
     assert int(rejected[0].accepted.max()) == 0
@@ -357,3 +358,33 @@ def test_the_default_chunk_is_the_devices():
     assert chunk_cycles_for("cpu") == DEFAULT_CHUNK_CYCLES == CHUNK_CYCLES["cpu"]
     assert chunk_cycles_for(torch.device("cuda", 3)) == CHUNK_CYCLES["cuda"] > CHUNK_CYCLES["cpu"]
     assert chunk_cycles_for("xpu") == CHUNK_CYCLES["cuda"]  # another accelerator is launch-bound alike
+
+
+def test_the_head_gradients_rows_are_added_as_index_add_adds_them(monkeypatch):
+    # add_rows_ (index_put_ with accumulate: CUDA's one kernel in both modes) against index_add_, which the
+    # update used before. With 27 groups for 27 slots most groups are padding, whose row is another group's
+    # real slot: the same row is added to in several calls. Exactly equal: each call adds one term per row.
+    from openrlhf_growmtp.core import head_loss, topk_logq
+
+    monkeypatch.setattr(topk_logq, "GROUP_LOGITS", {"cpu": 97, "cuda": 97})
+    records = make_records(k=4)
+    grads = {}
+    for name, add in (("index_put", head_loss.add_rows_),
+                      ("index_add", lambda dest, rows, values: dest.index_add_(0, rows, values))):
+        monkeypatch.setattr(head_loss, "add_rows_", add)
+        head = make_head("qwen3")
+        update(head, records, chunk_cycles=64)
+        grads[name] = _grads(head)
+    assert grads["index_put"].keys() == grads["index_add"].keys() and grads["index_put"]
+    for name, grad in grads["index_put"].items():
+        assert torch.equal(grad, grads["index_add"][name]), name
+    # within one call, rows repeated: summed as index_add_ sums them. The values are multiples of 1/8 below
+    # 64, so every partial sum is exact in fp32 and the order of the adds cannot show
+    g = torch.Generator().manual_seed(0)
+    rows = torch.tensor([3, 0, 3, 5, 3, 0])
+    values = torch.randint(-512, 512, (6, 7), generator=g).float() / 8
+    dest = torch.randn(6, 7, generator=g)
+    assert torch.equal(head_loss.add_rows_(dest.clone(), rows, values), dest.clone().index_add_(0, rows, values))
+    # a row out of range: an error naming it (RuntimeError on CPU, IndexError from CUDA's host-side check)
+    with pytest.raises((IndexError, RuntimeError), match="index 6 is out of bounds for dimension 0 with size 6"):
+        head_loss.add_rows_(dest.clone(), torch.tensor([6]), values[:1])

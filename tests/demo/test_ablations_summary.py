@@ -70,7 +70,8 @@ def test_a_kept_result_is_restored_into_a_fresh_runs_directory_only_when_made_un
     restore(kept, "ce-s42.json", fresh, made_under)
     assert fresh.read_bytes() == first.read_bytes()
 
-    for changed in ({**made_under, "flags": ["--growmtp_loss", "kl"]}, {**made_under, "settings": {"steps": 41, "k": 5}}):
+    for changed in ({**made_under, "flags": ["--growmtp_loss", "kl"]},
+                    {**made_under, "settings": {"steps": 41, "k": 5}}):
         other = tmp_path / "sitting3" / "ce-s42" / "result.json"
         restore(kept, "ce-s42.json", other, changed)
         assert not other.exists()  # that run goes again
@@ -214,7 +215,8 @@ def test_every_kept_run_says_how_it_was_made():
         assert made["seed"] == int(path.stem.rsplit("-s", 1)[1]), path
         assert made["commit"] is None or len(made["commit"]) >= 40, path
         assert made["full_determinism"] is True, path
-        assert made["alpha_estimate"] == ("residual" if made["k"] else None) or "--growmtp_alpha_estimate" in made["flags"]
+        assert (made["alpha_estimate"] == ("residual" if made["k"] else None)
+                or "--growmtp_alpha_estimate" in made["flags"])
         builds = json.loads((path.parent / "builds.json").read_text())
         assert made["world_digest"] in [b["digest"] for b in builds], path
         assert all(b["vocab_size"] > 0 and b["policy_layers"] > 0 for b in builds), path

@@ -24,7 +24,8 @@ def test_hybrid_becomes_the_default_only_if_never_behind_and_ahead_on_every_seed
     mixed = world(growmtp={42: 1.80, 43: 1.85}, hybrid={42: 1.90, 43: 1.87})  # +0.02 on one seed only
     assert decide({"paper/unbiased-alpha": mixed}) == "dca"
     # one world's settings together: ahead on its 40-step seeds but not on its held-out one
-    assert decide({"paper/unbiased-alpha": ahead, "paper/held-out": world(growmtp={45: 2.0}, hybrid={45: 2.03})}) == "dca"
+    held_out = world(growmtp={45: 2.0}, hybrid={45: 2.03})
+    assert decide({"paper/unbiased-alpha": ahead, "paper/held-out": held_out}) == "dca"
     assert decide({"reasoning": world(growmtp={42: 2.0}, ce={42: 2.5})}) == "dca"  # no hybrid ran
 
 

@@ -8,9 +8,10 @@ import json
 
 import pytest
 
-from openrlhf_growmtp.experiments import speed_study
+from openrlhf_growmtp.experiments import paired, report, speed_study
 from openrlhf_growmtp.experiments.paired import PairedPlan, checkpoint_dir, checkpoint_flags, depth_at
 from openrlhf_growmtp.experiments.demo import paired_plan
+from openrlhf_growmtp.measure.intervals import verdict
 
 SAMPLES = 16
 
@@ -69,11 +70,28 @@ def test_a_seed_run_twice_counts_once_and_its_spread_is_kept(tmp_path):
     assert net["n"] == 3 and net["estimate"] == pytest.approx((0.92 + 0.80 + 0.85) / 3)
     assert net["repeat_difference"] == pytest.approx(0.04)
     assert net["low"] < net["estimate"] < net["high"] and net["detectable"] > 0
-    assert speed_study.verdict(net) == ("below" if net["high"] < 1 else "tie")
+    assert f"| {verdict(net)} |" in speed_study.table(summary).splitlines()[2]
     assert "| fixed | net_wall_ratio |" in speed_study.table(summary)
     rows = {name: {arm: json.loads((out / name / arm / speed_study.ARM_FILE).read_text())["rows"] for arm in arms}
             for name, _, arms in plan}
     assert speed_study.plot(tmp_path, summary, rows).stat().st_size > 10_000
+    assert speed_study.plot_cumulative(tmp_path, summary, rows).stat().st_size > 10_000
+
+
+def test_the_cumulative_wall_ratio_at_every_step_and_at_the_end_with_its_interval():
+    # GrowMTP's steps cost 6 s for the first 10 steps, then 2 s; the autoregressive arm's 3 s throughout: the
+    # cumulative ratio is 2 until step 10, then falls, and crosses 1 at step 41 (60 + 2 (s - 10) < 3 s: s > 40)
+    ar = arm_rows(3.0, 2.0, 30.0, steps=60)
+    mine = arm_rows(2.0, 1.0, 30.0, steps=60, tau=2.0)
+    for row in mine[:10]:
+        row["step_s"] = 6.0
+    c = report.cumulative(mine, ar)
+    assert c["ratio"][9] == pytest.approx(2.0) and c["ratio"][-1] == pytest.approx((60 + 100) / 180)
+    assert c["crossover_step"] == 41 and c["steps"] == list(range(1, 61))
+    end = c["end"]
+    assert end["estimate"] == pytest.approx(c["ratio"][-1]) and end["method"].startswith("batch means")
+    assert end["low"] < end["estimate"] < end["high"]  # the first batch's 6 s steps are spread
+    assert report.cumulative(mine[:20], ar[:20])["end"] is None  # too few steps for batches
 
 
 def test_paired_checkpoints_the_flags_the_places_and_the_depth_they_draft_at(tmp_path):
@@ -85,6 +103,22 @@ def test_paired_checkpoints_the_flags_the_places_and_the_depth_they_draft_at(tmp
     assert depth_at(auto, 1, 3) == 3 and depth_at(auto, 3, 3) == 2  # the next step's depth, else its own
     assert depth_at([{"step": 1}], 1, 3) == 3  # a fixed-depth arm drafts at K
     full = PairedPlan(steps=(10, 50), pairs=6, every=10)
-    assert paired_plan(full, 50) == full
+    assert paired_plan(full, 50) == full and full.processes == 3
     assert paired_plan(full, 25) == PairedPlan(steps=(10, 25), pairs=6, every=10)
     assert paired_plan(full, 8) == PairedPlan(steps=(8,), pairs=6, every=None)  # only the final export
+    cmd = paired.command(tmp_path, 3, tmp_path / "p.jsonl", speed_study.WORLDS["speed"].recipes["full"], 6,
+                         tmp_path / "o.json", processes=3)
+    assert cmd[cmd.index("--processes") + 1] == "3" and cmd[cmd.index("--pairs") + 1] == "6"
+
+
+def test_a_measured_checkpoint_is_not_measured_again(tmp_path, monkeypatch):
+    (tmp_path / "paired").mkdir()
+    (tmp_path / "paired" / "step10.json").write_text(json.dumps(
+        {"speedup": {"estimate": 1.2, "low": 1.1, "high": 1.3, "n": 3}, "speedup_per_process": [1.1, 1.2, 1.3],
+         "tau": 2.0, "depth": 3, "processes": 3, "rows": []}))
+    monkeypatch.setattr(paired.subprocess, "run", lambda *a, **k: pytest.fail("measured again"))
+    plan = PairedPlan(steps=(10,), pairs=6, every=10)
+    found = paired.measure_run(tmp_path, [], tmp_path / "p.jsonl", speed_study.WORLDS["speed"].recipes["full"], plan,
+                               3, log=lambda line: None)
+    assert found == [{"step": 10, "speedup": {"estimate": 1.2, "low": 1.1, "high": 1.3, "n": 3},
+                      "speedup_per_process": [1.1, 1.2, 1.3], "tau": 2.0, "depth": 3, "processes": 3}]

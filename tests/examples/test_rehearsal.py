@@ -73,8 +73,8 @@ def test_qwen3_5_preset_is_the_text_model_with_its_native_head_at_the_real_vocab
 
 
 def test_unknown_preset_is_refused_before_anything_is_written(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "openrlhf_growmtp.experiments.rehearse", "world", str(tmp_path / "w"),
-                             "qwen4_base"], capture_output=True, text=True, timeout=120)
+    result = subprocess.run([sys.executable, "-m", "openrlhf_growmtp.experiments.rehearse", "world",
+                             str(tmp_path / "w"), "qwen4_base"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and "unknown model preset 'qwen4_base'" in result.stderr
     assert not (tmp_path / "w").exists()
 
@@ -120,7 +120,8 @@ def test_report_verdicts():
     assert "non-finite" in " ".join(check(steps(1.1, 1.1, 1.1, **{"growmtp/head_loss": math.nan}), 3, 5, True, False))
     assert "head update was skipped" in " ".join(check(steps(1.1, 1.1, 1.1, **{"growmtp/head_finite": 0.0}),
                                                        3, 5, True, False))
-    frozen = [Step(s.step, {k: v for k, v in s.values.items() if k != "growmtp/head_finite"}) for s in steps(1.2, 1.2, 1.2)]
+    frozen = [Step(s.step, {k: v for k, v in s.values.items() if k != "growmtp/head_finite"})
+              for s in steps(1.2, 1.2, 1.2)]
     assert check(frozen, 3, 1, trains_head=False, random_head=False) == []
     assert "head update was skipped" in " ".join(check(frozen, 3, 1, trains_head=True, random_head=False))
     ar = [Step(i, {"rollout/reward_mean": 0.5}) for i in (1, 2, 3)]

@@ -128,7 +128,8 @@ def check_dry_run(out: dict, cwd: Path, name: str) -> None:
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     assert "passed every startup check; not starting Ray" in result.stdout
     command = next(line for line in result.stdout.splitlines() if line.startswith("+ "))
-    expected = CASES[name][3] + ([ABLATION_FLAGS[name.removeprefix("ablation_")]] if name.startswith("ablation") else [])
+    expected = CASES[name][3] + ([ABLATION_FLAGS[name.removeprefix("ablation_")]]
+                                 if name.startswith("ablation") else [])
     for flag in expected + PAPER_GRPO:
         assert flag in command, (flag, command)
     assert "Started a local Ray instance" not in result.stdout + result.stderr
@@ -224,3 +225,75 @@ def test_evaluate_script_refuses_a_bad_benchmark_or_head(env, finished_run, tmp_
     assert result.returncode != 0 and "not a head directory" in result.stderr
     result = run_script("evaluate.sh", [str(run), "vision"], {**env, **data}, tmp_path)
     assert result.returncode == 2 and "unknown domain 'vision'" in result.stderr
+
+
+def test_evaluate_script_reads_its_benchmarks_under_data_root(env, finished_run, tmp_path):
+    """Without AIME24_DATA and the like, the prepared files are DATA_ROOT's, as for the training scripts."""
+    run, data = finished_run
+    root = tmp_path / "shared" / "data"
+    root.mkdir(parents=True)
+    names = {"AIME24_DATA": "aime24", "AIME25_DATA": "aime25", "AMC23_DATA": "amc23",
+             "LCB_ATCODER_DATA": "lcb_v6_atcoder", "LCB_LEETCODE_DATA": "lcb_v6_leetcode"}
+    for variable, name in names.items():
+        (root / f"{name}.jsonl").write_text(Path(data[variable]).read_text())
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    result = run_script("evaluate.sh", [str(run)], {**env, "DATA_ROOT": str(root)}, cwd)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    command = next(line for line in result.stdout.splitlines() if line.startswith("+ "))
+    for name in names.values():
+        assert f"={root}/{name}.jsonl" in command, (name, command)
+    assert "lcb_v6_leetcode (2 code problems)" in result.stdout or "lcb_leetcode (2 code problems)" in result.stdout
+    assert not list(cwd.iterdir())  # nothing under the working directory's data/
+
+
+# ----------------------------------------------------------------------------- memory per training GPU
+
+@pytest.fixture(scope="module")
+def qwen3_4b_full_size(tmp_path_factory):
+    """Qwen3-4B's released config fields, config only: the dry run counts its parameters on the meta device."""
+    from transformers import Qwen3Config
+
+    model = tmp_path_factory.mktemp("qwen3_4b")
+    Qwen3Config(hidden_size=2560, num_attention_heads=32, num_key_value_heads=8, head_dim=128, intermediate_size=9728,
+                num_hidden_layers=36, vocab_size=151936, tie_word_embeddings=True,
+                max_position_embeddings=40960).save_pretrained(model)
+    return model
+
+
+def test_the_dry_run_estimates_memory_and_warns_when_a_run_exceeds_the_card(env, qwen3_4b_full_size, tmp_path):
+    from benchmarks import envelope  # the same arithmetic, tabulated for the presets (docs/guide.md, the envelope)
+
+    preset = envelope.recipe_training_gpu(envelope.RECIPES[0])["estimate_gib"]
+    cases = {"preset": ([], {}), "micro8": (["--train.micro_batch_size", "8"], {"GROWMTP_CARD_GIB": "100"}),
+             "small_card": ([], {"GROWMTP_CARD_GIB": "40"})}
+    with ThreadPoolExecutor(2) as pool:
+        futures = {name: pool.submit(run_script, "qwen3_4b_math.sh", args,
+                                     {**env, "QWEN3_4B": str(qwen3_4b_full_size), **extra}, tmp_path)
+                   for name, (args, extra) in cases.items()}
+        out = {name: future.result() for name, future in futures.items()}
+    for result in out.values():
+        assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    fits = out["preset"].stdout
+    assert f"memory per training GPU, by arithmetic (docs/guide.md, the envelope): {preset:.1f} GiB" in fits
+    assert "of a 80 GiB card (the default; $GROWMTP_CARD_GIB sets it: the dry run sees no GPU)" in fits
+    assert "WARNING" not in fits
+    assert "micro-batch logits 62.6" in out["micro8"].stdout  # 8 x 9,216 tokens x 151,936 ids x 6 bytes
+    assert "exceeds the 90 GiB it allows of a 100 GiB card" in out["micro8"].stdout
+    assert f"this run's estimate, {preset:.1f} GiB per training GPU, exceeds the 36 GiB" in out["small_card"].stdout
+    bad = run_script("qwen3_4b_math.sh", [], {**env, "QWEN3_4B": str(qwen3_4b_full_size), "GROWMTP_CARD_GIB": "80GB"},
+                     tmp_path)
+    assert bad.returncode != 0 and "$GROWMTP_CARD_GIB='80GB': not a number of GiB" in bad.stderr
+
+
+def test_each_presets_micro_batches_are_the_envelopes(results):
+    """The scripts' command lines carry the micro-batches the envelope's arithmetic chose (tests/benchmarks/
+    test_envelope.py holds those to the card), and the checkpoint interval its expectations read."""
+    from benchmarks import envelope
+
+    out, _ = results
+    for case, recipe in zip(("qwen3_4b_math", "qwen3_5_math", "mimo_math"), envelope.RECIPES):
+        command = next(line for line in out[case].stdout.splitlines() if line.startswith("+ "))
+        assert (f"--train.micro_batch_size {recipe.micro_batch} "
+                f"--rollout.micro_batch_size {recipe.rollout_micro_batch} ") in command, (case, command)
+        assert f"--ckpt.save_steps {envelope.SAVE_STEPS} " in command

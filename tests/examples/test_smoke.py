@@ -75,19 +75,44 @@ def test_the_verdict_reads_the_runs_metrics_file_and_exits_1_on_a_failure(tmp_pa
 
 
 def test_the_untried_paths_are_marked_by_the_commands_flags():
-    def taken(*argv):
-        return {p.name.split(" (")[0]: p.taken for p in smoke.untried_paths(list(argv))}
+    def taken(*argv, torch="2.13.0"):
+        return {p.name.split(" (")[0]: p.taken for p in smoke.untried_paths(list(argv), torch_version=torch)}
 
     growmtp = taken("--growmtp_k", "5", "--vllm.num_engines", "4")
     assert growmtp == {"vLLM's V1 model runner, forced": True, "synchronous scheduling": True,
                        "the policy's NCCL weight sync with the head hidden from it": True,
                        "CUDA graphs with record capture": True, "tensor-parallel engines over Ray": False,
-                       "vLLM's sleep mode": False}
+                       "vLLM's sleep mode": False, "flash_attention_2 in the trainer": True,
+                       "DeepSpeed's FusedAdam with the head's parameter group": True, "torch 2.13 on CUDA": True,
+                       "more than one node": False, "the production trainer step with the head": True}
     fallbacks = taken("--growmtp_k", "5", "--vllm.sync_backend", "ray", "--vllm.enforce_eager",
-                      "--vllm.tensor_parallel_size", "2", "--vllm.enable_sleep")
+                      "--vllm.tensor_parallel_size", "2", "--vllm.enable_sleep", "--ds.attn_implementation", "sdpa",
+                      "--ds.adam_offload", "--train.full_determinism_enable", "--actor.num_nodes", "2")
     assert not fallbacks["the policy's NCCL weight sync with the head hidden from it"]
     assert not fallbacks["CUDA graphs with record capture"] and fallbacks["tensor-parallel engines over Ray"]
-    assert not any(taken("--growmtp_k", "0").values())  # the autoregressive arm on vLLM's defaults
+    assert not fallbacks["flash_attention_2 in the trainer"]
+    assert not fallbacks["DeepSpeed's FusedAdam with the head's parameter group"]
+    assert not fallbacks["the production trainer step with the head"] and fallbacks["more than one node"]
+    # packing brings flash_attention_2 back (upstream sets it); another torch is not the untried one
+    assert taken("--growmtp_k", "5", "--ds.attn_implementation", "sdpa", "--ds.packing_samples")[
+        "flash_attention_2 in the trainer"]
+    assert not taken("--growmtp_k", "5", torch="2.11.0")["torch 2.13 on CUDA"]
+    frozen = taken("--growmtp_k", "1", "--growmtp_mode", "frozen")  # drafts, never trains: no head step at all
+    assert not frozen["DeepSpeed's FusedAdam with the head's parameter group"]
+    assert not frozen["the production trainer step with the head"] and frozen["CUDA graphs with record capture"]
+    autoregressive = taken("--growmtp_k", "0")  # the autoregressive arm on vLLM's defaults
+    assert {name for name, on in autoregressive.items() if on} == {"flash_attention_2 in the trainer",
+                                                                   "torch 2.13 on CUDA"}
     matched = taken("--growmtp_k", "0", "--vllm.runner", "growmtp")
     assert matched["vLLM's V1 model runner, forced"] and not matched["CUDA graphs with record capture"]
-    assert all(p.fallback for p in smoke.untried_paths([]))
+    assert all(p.fallback and p.cost for p in smoke.untried_paths([]))
+
+
+def test_the_guide_lists_every_untried_path_with_its_fallback():
+    """docs/guide.md's table of paths never run on a GPU is the smoke's list (step 4 of the first run)."""
+    from pathlib import Path
+
+    guide = (Path(__file__).resolve().parents[2] / "docs" / "guide.md").read_text(encoding="utf-8")
+    table = guide.split("| never run on a GPU |", 1)[1].split("\n\n", 1)[0]
+    rows = [line.split("|")[1].strip() for line in table.splitlines()[2:]]
+    assert rows == [p.name.split(" (")[0] for p in smoke.untried_paths([])]

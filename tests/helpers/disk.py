@@ -18,7 +18,8 @@ from pathlib import Path
 import safetensors.torch
 
 # modules that bound safetensors' save_file to a name of their own at import (patched there too)
-SAVE_FILE_NAMES = (("openrlhf_growmtp.core.checkpoint", "save_file"), ("openrlhf_growmtp.core.model_export", "save_file"),
+SAVE_FILE_NAMES = (("openrlhf_growmtp.core.checkpoint", "save_file"),
+                   ("openrlhf_growmtp.core.model_export", "save_file"),
                    ("transformers.modeling_utils", "safe_save_file"))
 
 

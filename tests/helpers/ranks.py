@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import operator
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -14,6 +15,7 @@ class TwoRanks:
 
     def __init__(self, pair: dict, rank: int):
         self.pair, self.rank = pair, rank
+        self.gathers = 0  # `gathered` entered (a collective: the other rank enters it too, with as many params)
 
     @staticmethod
     def run(work, first, second):
@@ -35,6 +37,11 @@ class TwoRanks:
         barrier.wait()
         assert len(mine) == len(other), f"the ranks made different collectives: {mine} vs {other}"
         return [op(a, b) for a, b in zip(mine, other)]
+
+    def gathered(self, params):
+        self._exchange([len(list(params))], max)
+        self.gathers += 1
+        return contextlib.nullcontext()
 
     def most(self, counts) -> list[int]:
         return [int(v) for v in self._exchange(counts, max)]

@@ -27,7 +27,8 @@ def train_args(policy_dir, tmp_path, *extra: str):
         "--actor.model_name_or_path", str(policy_dir), "--ds.zero_stage", "3", "--ds.attn_implementation", "sdpa",
         "--ds.param_dtype", "bf16", "--train.batch_size", "4", "--train.micro_batch_size", "2",
         "--rollout.batch_size", "2", "--rollout.n_samples_per_prompt", "2", "--algo.advantage.estimator",
-        "group_norm", "--algo.kl.init_coef", "0", "--actor.adam.lr", "1e-3", "--actor.lr_warmup_ratio", "0", "--vllm.num_engines", "1",
+        "group_norm", "--algo.kl.init_coef", "0", "--actor.adam.lr", "1e-3", "--actor.lr_warmup_ratio", "0",
+        "--vllm.num_engines", "1",
         "--ckpt.path", str(tmp_path / "ckpt"), "--train.seed", "1", *extra])
     args = hierarchize(ns)
     # what upstream's __main__ fills in after parsing (parse_train_args stops before it)

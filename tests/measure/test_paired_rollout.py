@@ -1,12 +1,17 @@
 """The paired design without an engine: the order alternates, the warm-up is not timed, per-token seconds and
-the speedup follow from the rows, and alternation cancels a machine that slows down steadily."""
+the speedup follow from the rows, alternation cancels a machine that slows down steadily, several processes
+combine into one figure, and the default baseline's engine lives in a process of its own (refused on a CPU)."""
 
 from __future__ import annotations
 
+import os
+
+import numpy as np
 import pytest
+from scipy import stats
 
 from openrlhf_growmtp.cli.paired_rollout import parse_regimes, read_prompts, tokenize_prompts
-from openrlhf_growmtp.measure.paired_rollout import PairedDesign, run_pairs, summarize
+from openrlhf_growmtp.measure.paired_rollout import PairedDesign, combine, run_pairs, summarize
 
 
 class FakeMachine:
@@ -61,7 +66,7 @@ def test_alternation_cancels_a_steady_slowdown_that_a_fixed_order_would_not():
     alternated = summarize(run_pairs({"ar": machine.arm("ar"), "spec": machine.arm("spec")},
                                      PairedDesign(pairs=6), machine.clock))
     assert alternated["speedup"]["estimate"] == pytest.approx(1.5, rel=0.02)
-    assert alternated["speedup"]["low"] < 1.5 < alternated["speedup"]["high"]
+    assert alternated["speedup"]["low"] <= 1.5 <= alternated["speedup"]["high"]
 
     class FixedOrder(PairedDesign):
         @staticmethod
@@ -109,3 +114,61 @@ def test_prompts_are_tokenized_as_the_rollout_does_and_repeated_per_sample():
     assert tokenize_prompts(Words(), ["a bb", "ccc"], samples=2) == [[1, 2], [1, 2], [3], [3]]
     with pytest.raises(ValueError, match="no tokens"):
         tokenize_prompts(Words(), [""], samples=1)
+
+
+def test_combine_takes_the_mean_of_the_processes_medians_with_a_t_interval_over_processes():
+    # three processes of 3 pairs each; the second runs 10% slower in both arms (the machine's state), which
+    # moves its per-token seconds but not its speedup
+    results = []
+    for process, (slow, speedups) in enumerate(((1.0, [1.1, 1.2, 1.3]), (1.1, [1.0, 1.05, 1.4]),
+                                                (1.0, [1.2, 1.25, 1.3]))):
+        machine = FakeMachine({"ar": 0.003 * slow, "spec": 0.002 * slow}, {"ar": [100], "spec": [100]})
+        rows = run_pairs({"ar": machine.arm("ar"), "spec": machine.arm("spec")}, PairedDesign(pairs=3),
+                         machine.clock)
+        for row, speedup in zip([r for r in rows if r["arm"] == "spec"], speedups):
+            row["wall_s"] = row["tokens"] * 0.003 * slow / speedup  # the pair's own speedup
+        results.append({"rows": rows, **summarize(rows)})  # a process's result: its rows and summary
+    combined = combine(results)
+    assert combined["speedup_per_process"] == pytest.approx([1.2, 1.05, 1.25])
+    half = stats.t.ppf(0.975, 2) * np.std([1.2, 1.05, 1.25], ddof=1) / np.sqrt(3)
+    assert combined["speedup"]["estimate"] == pytest.approx(np.mean([1.2, 1.05, 1.25]))
+    assert combined["speedup"]["high"] - combined["speedup"]["estimate"] == pytest.approx(half)
+    assert combined["speedup"]["n"] == 3 and combined["processes"] == 3 and combined["pairs"] == 9
+    assert combined["ar_s_per_token_per_process"] == pytest.approx([0.003, 0.0033, 0.003])
+    assert combined["cycles"] == sum(r["cycles"] for r in results)
+    with pytest.raises(ValueError, match="at least 2"):
+        combine(results[:1])
+
+
+def test_the_default_baseline_engine_runs_in_a_process_of_its_own_without_the_runner_choice(monkeypatch):
+    from functools import partial
+
+    from helpers.plain_engine import FakePlainEngine
+    from openrlhf_growmtp.measure.engine_process import RUNNER_ENV, EngineProcess
+
+    monkeypatch.setenv(RUNNER_ENV, "0")  # what a GrowMTP engine sets in this process
+    with EngineProcess(FakePlainEngine) as engine:
+        assert engine.facts["pid"] != os.getpid() and engine.facts[RUNNER_ENV] is None
+        assert engine.generate_tokens([{"prompt_token_ids": [1, 2]}] * 3, {"max_tokens": 5}) == 15
+    with pytest.raises(RuntimeError, match="failed while building the engine: ValueError: no such model"):
+        EngineProcess(partial(FakePlainEngine, "build"))
+    engine = EngineProcess(partial(FakePlainEngine, "generate"))
+    with pytest.raises(RuntimeError, match="failed while generating: RuntimeError: out of memory"):
+        engine.generate_tokens([{"prompt_token_ids": [1]}], {"max_tokens": 1})
+    assert not engine._process.is_alive()
+
+
+def test_the_default_baseline_is_refused_on_a_cpu_before_any_engine(tmp_path, monkeypatch, capsys):
+    from openrlhf_growmtp.cli import paired_rollout as cli
+    from openrlhf_growmtp.core.checkpoint import materialize_random_head
+    from openrlhf_growmtp.experiments.worlds.toy import make_policy
+
+    policy = make_policy(tmp_path / "policy")
+    materialize_random_head(policy, policy / "growmtp_head", seed=0)
+    (tmp_path / "p.jsonl").write_text('{"input": "a b"}\n')
+    monkeypatch.setenv("GROWMTP_CPU", "1")
+    monkeypatch.setattr(cli, "measure_checkpoint", lambda *a, **k: pytest.fail("an engine was started"))
+    with pytest.raises(SystemExit):
+        cli.main(["--model", str(policy), "--depth", "2", "--prompts", str(tmp_path / "p.jsonl"), "--prompt-count",
+                  "1", "--baseline", "default"])
+    assert "--baseline default on a CPU" in capsys.readouterr().err

@@ -29,13 +29,21 @@ def cuda_hidden(monkeypatch):
 
 @pytest.fixture
 def upstream_kwargs(monkeypatch):
-    """The kwargs our rollout actors hand to upstream's __init__ (which would start vLLM)."""
+    """The kwargs our rollout actors hand to upstream's __init__ (which would start vLLM); no engine, so no
+    engine facts to read either."""
+    import vllm_patches.engine
+
     seen = {}
 
     async def record(self, *args, **kwargs):
         seen.update(kwargs)
+        self.llm = None
+
+    async def no_facts(llm):
+        return {}
 
     monkeypatch.setattr(UPSTREAM_ACTOR, "__init__", record)
+    monkeypatch.setattr(vllm_patches.engine, "engine_facts_async", no_facts)
     return seen
 
 
@@ -144,3 +152,79 @@ def test_sdpa_keeps_packed_samples_apart(policy_dir):
     # the same fp32 computation per sample, up to the kernel's blocking over a longer row: a few ulps of
     # logits of magnitude ~10
     assert torch.allclose(packed, alone, rtol=0, atol=1e-4), float((packed - alone).abs().max())
+
+
+# ----------------------------------------------------------------------------- the run's decision: the cluster's
+
+@pytest.fixture
+def undecided(monkeypatch):
+    """No decision inherited, no rehearsal, no cluster addressed: what a fresh launcher sees."""
+    for name in (cpu_support.CPU_DECISION_ENV, cpu_support.REHEARSAL_ENV, cpu_support.RAY_ADDRESS_ENV):
+        monkeypatch.setenv(name, "")  # so that monkeypatch restores whatever decide_run exports
+        monkeypatch.delenv(name)
+
+
+def no_cluster(address):
+    pytest.fail(f"asked the cluster at {address} although the decision was already made")
+
+
+@pytest.mark.parametrize("driver_has_cuda", [False, True])
+def test_an_addressed_clusters_gpus_decide_not_the_drivers_machine(undecided, monkeypatch, driver_has_cuda):
+    """`ray job submit` runs the launcher on the head node, which may have no GPU while its workers do."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: driver_has_cuda)
+    monkeypatch.setenv(cpu_support.RAY_ADDRESS_ENV, "10.0.0.1:6379")
+    why = cpu_support.decide_run(cluster_gpus=lambda address: 16.0)
+    assert not cpu_support.needed() and os.environ[cpu_support.CPU_DECISION_ENV] == "0"
+    assert why == "the Ray cluster at $RAY_ADDRESS=10.0.0.1:6379 has 16 GPUs"
+
+
+def test_a_cluster_without_gpus_is_refused_before_anything_starts(undecided, monkeypatch):
+    monkeypatch.setenv(cpu_support.RAY_ADDRESS_ENV, "auto")
+    with pytest.raises(SystemExit, match=r"has no GPUs, and every actor of the run asks for one.*unset \$RAY_ADDRESS"):
+        cpu_support.decide_run(cluster_gpus=lambda address: 0.0)
+    assert cpu_support.CPU_DECISION_ENV not in os.environ
+
+
+@pytest.mark.parametrize("override, cpu", [("1", True), ("0", False)])
+def test_growmtp_cpu_overrides_the_cluster_and_the_machine(undecided, monkeypatch, override, cpu):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: not cpu)
+    monkeypatch.setenv(cpu_support.RAY_ADDRESS_ENV, "auto")
+    monkeypatch.setenv(cpu_support.CPU_DECISION_ENV, override)
+    assert cpu_support.decide_run(cluster_gpus=no_cluster) == f"$GROWMTP_CPU={override}"
+    assert cpu_support.needed() is cpu
+
+
+@pytest.mark.parametrize("has_cuda", [False, True])
+def test_without_a_cluster_this_machines_cuda_decides(undecided, monkeypatch, has_cuda):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: has_cuda)
+    why = cpu_support.decide_run(cluster_gpus=no_cluster)
+    assert cpu_support.needed() is (not has_cuda) and cpu_support.CPU_DECISION_ENV not in os.environ
+    assert why.startswith("torch sees CUDA here" if has_cuda else "torch sees no CUDA here")
+
+
+def test_a_real_clusters_gpus_are_counted_from_a_driver_without_cuda(tmp_path):
+    """A running Ray cluster (started here with 2 logical GPUs) counted from another process, as the launcher
+    counts it: joined through $RAY_ADDRESS and left again."""
+    import subprocess
+    import sys
+    import tempfile
+
+    ray_tmp = tempfile.mkdtemp(prefix="gr", dir="/tmp")  # short: Ray's socket paths have a length limit
+    head = subprocess.Popen(
+        [sys.executable, "-c", "import sys, ray; ray.init(num_gpus=2, num_cpus=1, include_dashboard=False, "
+         f"_temp_dir={ray_tmp!r}); print(ray.get_runtime_context().gcs_address, flush=True); sys.stdin.read()"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        address = head.stdout.readline().strip()
+        assert address, "the cluster did not start"
+        env = {**os.environ, cpu_support.RAY_ADDRESS_ENV: address, "CUDA_VISIBLE_DEVICES": ""}
+        env.pop(cpu_support.CPU_DECISION_ENV, None)
+        env.pop(cpu_support.REHEARSAL_ENV, None)
+        done = subprocess.run([sys.executable, "-c", "from openrlhf_growmtp import cpu_support as c; "
+                               "print(c.decide_run()); print(c.needed())"],
+                              capture_output=True, text=True, env=env, timeout=120)
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert done.stdout.split("\n")[:2] == [f"the Ray cluster at $RAY_ADDRESS={address} has 2 GPUs", "False"]
+    finally:
+        head.stdin.close()  # the head's process shuts its cluster down as it exits
+        head.wait(timeout=60)

@@ -25,7 +25,8 @@ REWARD = token_parity_reward(0)  # the share of response tokens with an even id
 def launch(tmp: Path, samples: int, *extra: str, ckpt: str = "ckpt", final: str = "final", lag: bool = True,
            hybrid: bool = False) -> str:
     cmd = [sys.executable, "-m", "openrlhf_growmtp.cli.train_ppo_ray",
-           "--actor.model_name_or_path", str(tmp / "policy"), "--actor.num_nodes", "1", "--actor.num_gpus_per_node", "2",
+           "--actor.model_name_or_path", str(tmp / "policy"), "--actor.num_nodes", "1",
+           "--actor.num_gpus_per_node", "2",
            "--vllm.num_engines", "1", "--vllm.enforce_eager", "--ds.zero_stage", "3",
            "--data.prompt_dataset", str(tmp / "prompts.jsonl"), "--data.input_key", "input", "--data.label_key",
            "label", "--data.max_samples", str(samples), "--data.max_len", "64", "--rollout.max_new_tokens", "24",
@@ -183,14 +184,14 @@ def test_depth_auto_chooses_each_rollouts_depth_from_the_last_ones_acceptance(wo
     """`--growmtp_depth auto`: the engine measures its own step seconds per depth before the first rollout,
     the first rollout drafts at depth 1, later costs are medians of the rollouts' own steps, and every later
     depth is what `core.depth.DepthRule` makes of the logged acceptance and of the costs logged with it
-    (replayed here from the metrics file); records of every depth are trained on, a rollout drafted below K
-    trains the deeper positions on its committed chains (`--growmtp_committed_loss`), and the engine's per-position acceptance is logged
-    up to the depth drafted only."""
+    (replayed here from the metrics file); records of every depth are trained on, a rollout drafted below K trains the
+    deeper positions on its committed chains (`--growmtp_committed_loss`), and the engine's per-position acceptance is
+    logged up to the depth drafted only."""
     from openrlhf_growmtp.core.depth import CycleCosts, DepthRule
 
     tmp, _ = world
-    launch(tmp, 8, "--growmtp_depth", "auto", "--growmtp_committed_loss", "--vllm.max_num_seqs", "4", "--ckpt.save_steps", "-1",
-           ckpt="ckpt_auto", final="final_auto", lag=False)
+    launch(tmp, 8, "--growmtp_depth", "auto", "--growmtp_committed_loss", "--vllm.max_num_seqs", "4",
+           "--ckpt.save_steps", "-1", ckpt="ckpt_auto", final="final_auto", lag=False)
     steps = rows(tmp, "ckpt_auto")
     assert [r["step"] for r in steps] == [1, 2, 3, 4]
     rule = DepthRule(3)

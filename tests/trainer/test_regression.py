@@ -9,6 +9,7 @@ frozen: no head in the step, the policy identical to upstream's, the head export
 
 from __future__ import annotations
 
+import contextlib
 import json
 from types import SimpleNamespace
 
@@ -18,7 +19,7 @@ import torch
 from safetensors.torch import load_file
 
 from openrlhf_growmtp.experiments.worlds import toy
-from openrlhf_growmtp.core.checkpoint import load_head
+from openrlhf_growmtp.core.checkpoint import load_head, materialize_random_head
 from openrlhf_growmtp.core.records import SequenceRecord
 from openrlhf_growmtp.core.schedule import DEFAULT_HEAD_LR
 from openrlhf_growmtp.trainer.head_step.deepspeed_patches import head_optimizer_state
@@ -62,9 +63,10 @@ def gathered(module) -> dict[str, torch.Tensor]:
         return {name: p.detach().float().clone() for name, p in params.items()}
 
 
-def one_step(args, policy_dir, ours: bool, records=None, sequences=None, save_to=None):
+def one_step(args, policy_dir, ours: bool, records=None, sequences=None, save_to=None, draft_vocab=None):
     """Build strategy, actor and actor trainer as PolicyModelActor does, append one experience, train (and
-    export the model as the final save does, to `save_to`)."""
+    export the model as the final save does, to `save_to`). `draft_vocab`: the head's, as the controller sets it
+    (`growmtp_set_draft_vocab`) before the step."""
     from openrlhf.trainer.ray.ppo_actor import ActorPPOTrainer
 
     from openrlhf_growmtp.trainer import ppo_actor, strategy as growmtp_strategy
@@ -73,6 +75,8 @@ def one_step(args, policy_dir, ours: bool, records=None, sequences=None, save_to
     trainer = (ppo_actor.GrowMTPActorTrainer if ours else ActorPPOTrainer)(
         strategy, actor, None, optimizer, scheduler, micro_train_batch_size=args.train.micro_batch_size,
         tokenizer=None, vllm_engines=None)
+    if draft_vocab is not None:
+        growmtp_strategy.head_of(actor.model.module).draft_vocab = draft_vocab
     trainer.replay_buffer.append(make_experience(policy_dir, records, sequences))
     status = trainer.ppo_train(0.0)
     if save_to is not None:
@@ -471,6 +475,78 @@ def test_zero2_and_zero3_step_the_head_with_the_same_gradient(single_rank, polic
     # norms together may exceed the sum's where they partly cancel (counted as twice): 2 x 2 x 2^-8 x 2 = 2^-5
     # of the gradient's norm at worst. A micro-batch lost from the window would differ by tens of percent.
     assert float((zero2 - zero3).norm()) <= 2 ** -5 * float(zero3.norm())
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_a_draft_vocabulary_trains_over_its_rows_gathered_once_from_zero3(tied, single_rank, policy_dir, head_dir,
+                                                                         tmp_path, monkeypatch):
+    """`--growmtp_draft_vocab 32` under ZeRO-3, the lm_head partitioned (tied to the embedding as Qwen3-4B's, or
+    not): the head update gathers it once, slices the vocabulary's 32 rows exactly as the gathered lm_head holds
+    them, and scores logits of 32 columns (the lm_head module is not called for them). Its head loss is the
+    masked full-vocabulary path's, and the policy's step is the same either way."""
+    from openrlhf_growmtp.core.draft_vocab import DRAFT_VOCAB_META, DraftRows, DraftVocab
+    from openrlhf_growmtp.core.head import MTPHead
+    from openrlhf_growmtp.trainer.head_step import head_update
+
+    if tied:  # the tiny policy with its lm_head the embedding (written by transformers, which ties on load)
+        from transformers import AutoTokenizer, Qwen3ForCausalLM
+
+        Qwen3ForCausalLM.from_pretrained(policy_dir, tie_word_embeddings=True).save_pretrained(tmp_path / "tied")
+        AutoTokenizer.from_pretrained(policy_dir).save_pretrained(tmp_path / "tied")
+        policy_dir = tmp_path / "tied"
+        head_dir = materialize_random_head(policy_dir, tmp_path / "tied_head", seed=0)
+    vocab = DraftVocab(torch.arange(2, 128, 4), 128)  # 32 ids
+    records = make_records()
+    for rec in records:
+        rec.meta[DRAFT_VOCAB_META] = vocab.tag
+    assert vocab.outside()[torch.cat([r.topk_ids for r in records])].any()
+    slices, widths = [], []
+
+    def slice_spy(cls, lm_head, vocab, gathered, real=DraftRows.slice.__func__):
+        rows = real(cls, lm_head, vocab, gathered)
+        assert lm_head.weight.numel() == 0  # partitioned outside the gather
+        with deepspeed.zero.GatheredParameters([lm_head.weight]):
+            slices.append(torch.equal(rows.weight, lm_head.weight.detach()[vocab.ids]))
+        return rows
+
+    def logits_spy(self, normed, real=DraftRows.logits):
+        out = real(self, normed)
+        widths.append(int(out.shape[-1]))
+        return out
+
+    def run(name):
+        args = train_args(policy_dir, tmp_path / name, "--growmtp_k", str(K), "--growmtp_topk", str(TOPK),
+                          "--growmtp_draft_vocab", "32")
+        args.growmtp.head_dir = str(head_dir)
+        return one_step(args, policy_dir, ours=True, records=records, draft_vocab=vocab)
+
+    updates = []
+
+    def update_spy(*args, real=head_update.head_loss_backward, **kwargs):
+        updates.append(len(slices))
+        return real(*args, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(DraftRows, "slice", classmethod(slice_spy))
+        patch.setattr(DraftRows, "logits", logits_spy)
+        patch.setattr(head_update, "head_loss_backward", update_spy)
+        status, policy, head, _, model = run("rows")
+    # one slice per head update (here one per micro-batch of the window), each the gathered lm_head's rows
+    assert updates == list(range(len(updates))) and len(updates) >= 1 and slices == [True] * len(updates)
+    assert widths and set(widths) == {32}
+    if tied:  # Qwen3-4B's layout: the rows were sliced from the embedding's own parameter
+        assert model.lm_head.weight is model.model.embed_tokens.weight
+    with monkeypatch.context() as patch:  # today's path: the lm_head over every id, -inf outside the 32
+        patch.setattr(MTPHead, "sliced_draft_rows", lambda self, gathered=None: contextlib.nullcontext())
+        patch.setattr(MTPHead, "scored_vocab_size", property(lambda self: self.config.vocab_size))
+        masked_status, masked_policy, _, _, _ = run("masked")
+    assert status["growmtp/head_finite"] == masked_status["growmtp/head_finite"] == 1.0
+    assert_identical(policy, masked_policy)
+    # bf16 logits: each the same 64-term dot product rounded once to bf16 (2^-8 relative), whichever columns
+    # are computed beside it; log q and the loss (a few units) move by at most a few of those roundings
+    assert status["growmtp/head_loss"] == pytest.approx(masked_status["growmtp/head_loss"], rel=2 ** -6)
+    initial = {n: p.to(torch.bfloat16).float() for n, p in load_head(head_dir).state_dict().items()}
+    assert any(not torch.equal(head[n], initial[n]) for n in head if head[n].ndim == 2)
 
 
 def test_deepspeed_reads_only_what_it_wrote_into_its_gradient_bucket(single_rank, policy_dir, tmp_path, monkeypatch):

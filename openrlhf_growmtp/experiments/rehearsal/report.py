@@ -107,7 +107,8 @@ def check(steps: list[Step], expected_steps: int, k: int, trains_head: bool, ran
             floor = measured.tau - measured.margin(s.get("growmtp/cycles"))
             if not s.get("growmtp/tau") >= floor:
                 problems.append(f"step {s.step}: tau {s.get('growmtp/tau'):.3f} is below {floor:.3f}, the world's "
-                                f"measured tau {measured.tau:.3f} at K={k} less {measured.margin(s.get('growmtp/cycles')):.3f} "
+                                f"measured tau {measured.tau:.3f} at K={k} less "
+                                f"{measured.margin(s.get('growmtp/cycles')):.3f} "
                                 f"({MARGIN_STANDARD_ERRORS:g} standard errors at {s.get('growmtp/cycles'):.0f} cycles)")
     elif k and not random_head and steps and not steps[-1].get("growmtp/tau") > 1.0:
         problems.append(f"tau {steps[-1].get('growmtp/tau'):.3f} in the last step: no draft was ever accepted")

@@ -255,7 +255,8 @@ MEASURE_ROWS = 8  # responses per held-out prompt: 32 of 64 tokens, about 1,000 
 def rehearsal_prompts(tokenizer) -> tuple[list[list[int]], list[list[int]]]:
     """(training, held-out) token ids of the rehearsal's prompts, chat-formatted as `--data.apply_chat_template`
     renders them for the run."""
-    domains = (loaders.dapo_math_rows(dapo_math_source_rows()), loaders.taco_verified_rows(taco_verified_source_rows())[0])
+    domains = (loaders.dapo_math_rows(dapo_math_source_rows()),
+               loaders.taco_verified_rows(taco_verified_source_rows())[0])
     training, held_out = [], []
     for rows in domains:
         ids = [tokenizer(tokenizer.apply_chat_template(row["prompt"], tokenize=False, add_generation_prompt=True),
@@ -275,7 +276,8 @@ def train_native_head(model, spec: Preset, tokenizer, seed: int) -> tuple[MTPHea
     head = MTPHead(make_head_config(config, family_for_backbone(config)))
     head = native_head.distill(model, head, pool, seed=seed, **DISTILL)
     head = head.to(torch.bfloat16).float().eval()
-    tau = {str(k): native_head.measure_tau(model, head, held_out, MEASURE_ROWS, k, seed=seed) for k in spec.rehearsed_depths}
+    tau = {str(k): native_head.measure_tau(model, head, held_out, MEASURE_ROWS, k, seed=seed)
+           for k in spec.rehearsed_depths}
     first = spec.rehearsed_depths[0]
     if spec.min_native_tau is not None and tau[str(first)]["tau"] < spec.min_native_tau:
         raise WeakNativeHeadError(

@@ -29,7 +29,8 @@ def sampled_text_statistics(model, tokenizer, prompts: list[str], topk: int, max
     mass = logp.topk(min(topk, logp.shape[-1]), -1).values.exp().sum(-1)
     tokens = int(alive.sum())
     return {"sampled_responses": len(prompts), "mean_response_tokens": round(tokens / len(prompts), 1),
-            "entropy_nats": round(float(entropy[alive].mean()), 4), f"top{topk}_mass": round(float(mass[alive].mean()), 4)}
+            "entropy_nats": round(float(entropy[alive].mean()), 4),
+            f"top{topk}_mass": round(float(mass[alive].mean()), 4)}
 
 
 def world_text_statistics(policy_dir: Path, prompts_file: Path, topk: int, count: int = 64,

@@ -89,7 +89,8 @@ def unshare(flags):
 
 def become_pid_one():
     """Fork; the child (PID 1 of the new pid namespace) returns, the parent ends the way it ends."""
-    import os, signal
+    import os
+    import signal
     child = os.fork()
     if child == 0:
         return
@@ -146,7 +147,8 @@ def make_judge(root, read_roots=()):
     read under `read_roots` (trusted install directories): None allows the event, a string refuses an import
     with that ImportError message, and any exception (PermissionError for a violation) ends the process.
     Returns decide and every function it uses."""
-    import os, posix
+    import os
+    import posix
 
     def resolve(path, dir_fd, _type=type, _str=str, _bytes=bytes, _int=int,
                 _getcwd=posix.getcwd, _readlink=posix.readlink):
@@ -308,7 +310,10 @@ def run_program(config):
     does not run), call config["call"] with the JSON argument list read from stdin before the program
     starts (the program sees an empty stdin), and write the return value as JSON to the original
     stdout, while the program's own prints go to stderr."""
-    import builtins, json, os, types
+    import builtins
+    import json
+    import os
+    import types
     root = os.getcwd()
     name, call = config["program"], config["call"]
     with open(name, "rb") as handle:

@@ -149,6 +149,14 @@ def _clip_per_group_zero2(optimizer, group: int, norms: dict) -> None:
     optimizer.unscale_and_clip_grads = clip_per_group
 
 
+def gathered_parameters(params):
+    """A context inside which ZeRO-3's partitioned `params` are whole (DeepSpeed's gather, a collective every
+    rank enters); a no-op for parameters ZeRO-3 did not partition. The core's `Lockstep.gathered`."""
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(list(params))
+
+
 def head_lr(engine) -> float:
     """The head group's LR now."""
     optimizer, _ = zero_optimizer(engine)

@@ -32,6 +32,7 @@ from ...core.objectives import HYBRID, hybrid_lambda
 from ...core.reconstruction import chunk_cycles_for
 from ...core.records import SequenceRecord
 from ..args import policy_steps_per_rl_step
+from .deepspeed_patches import gathered_parameters
 from .head_optimizer import HeadOptimizer
 from .head_update import HeadUpdateConfig, HeadUpdateTotals, head_alpha_on, update_head
 from .hidden_states import HiddenStateSource, OwnForward, TrainingForward, training_forward_mismatch
@@ -78,7 +79,7 @@ class HeadRLStep:
         self.upstream = UpstreamActorTrainer(trainer)
         self.engine, self.head, self.optimizer = self.upstream.engine, head, optimizer
         self.records, self.cfg = records, cfg
-        self.lockstep = Lockstep(distributed=True, backward=optimizer.backward)
+        self.lockstep = Lockstep(distributed=True, backward=optimizer.backward, gathered=gathered_parameters)
         self.schedule: FirstWindow | OwnRecords | None = None  # chosen in start()
         self.hidden_states: HiddenStateSource | None = None  # chosen in start()
         self.cycles, self.lr = 0, 0.0

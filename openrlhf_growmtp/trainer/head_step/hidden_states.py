@@ -202,7 +202,8 @@ def training_forward_mismatch(items, records: Sequence[SequenceRecord]) -> str |
         tokens = item.sequences.reshape(-1)[item.attention_mask.reshape(-1).bool()].cpu()
         recorded = records[int(index)].token_ids.cpu()
         if tokens.shape != recorded.shape:
-            return f"a sample whose tokens are not its record's: {tokens.shape[0]} valid tokens, {recorded.shape[0]} recorded"
+            return (f"a sample whose tokens are not its record's: {tokens.shape[0]} valid tokens, "
+                    f"{recorded.shape[0]} recorded")
         if not torch.equal(tokens, recorded):
             return ("a sample whose tokens are not its record's: first difference at position "
                     f"{int((tokens != recorded).nonzero()[0])}")

@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from bench_common import fit_line, median_seconds, policy_step
 from transformers import Qwen3ForCausalLM
 from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
 
+from benchmarks.shared.bench_common import fit_line, median_seconds, policy_step
 from openrlhf_growmtp.core import MTPHead
 
 

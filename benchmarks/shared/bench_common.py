@@ -1,8 +1,8 @@
 """What the benchmarks share: Qwen3-4B's shapes, records drawn at a given τ, the chain-by-chain reference,
 the policy's training step, and the one place they call the core's head update.
 
-Imported by the scripts next to it (run as `python benchmarks/<script>.py`, so this directory is on the
-path); nothing here imports from tests/.
+Imported as `benchmarks.shared.bench_common` by the benchmarks (each run from the repository's root as
+`python -m benchmarks.<script>`); nothing here imports from tests/.
 """
 
 from __future__ import annotations

@@ -1,0 +1,33 @@
+"""Every benchmark script (benchmarks/, gpu_check/ included) and every runnable experiment module answers `--help`
+with a usage and exit status 0 on this CPU machine, started as its docs start it (`python -m ...`), so none of them
+rots unseen between the runs that use it (a GPU-only script at least parses its flags here). A script is a module
+with a `__main__` block; the modules without one (the scripts' shared pieces) are imported by the scripts that
+start. All of them start in one process (tests/helpers/start_scripts.py): each process pays seconds of imports."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+MAIN = 'if __name__ == "__main__":'
+
+
+def runnable(folder: Path) -> list[str]:
+    return [".".join(p.relative_to(ROOT).with_suffix("").parts)
+            for p in sorted(folder.rglob("*.py")) if MAIN in p.read_text()]
+
+
+def test_every_script_answers_help():
+    names = runnable(ROOT / "benchmarks") + runnable(ROOT / "openrlhf_growmtp" / "experiments")
+    # the discovery itself could find nothing and pass: the folders hold at least these
+    assert {"benchmarks.bench_draft_vocab", "benchmarks.gpu_check.gpu_check",
+            "openrlhf_growmtp.experiments.demo"} <= set(names)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "helpers" / "start_scripts.py"), *names], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=300)
+    results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert proc.returncode == 0 and [r["module"] for r in results] == names, proc.stderr[-3000:]
+    failed = {r["module"]: f"{r['error']}\n{r['printed']}" for r in results if not r["ok"]}
+    assert not failed, "\n\n".join(f"{name}: {why}" for name, why in failed.items())

@@ -1,0 +1,72 @@
+"""GROWMTP_SMOKE=1 never deletes a directory it did not make (`fresh_smoke_dir` in common.sh).
+
+The script runs under a stand-in python (a shell script that logs its arguments, decides a GPU run and
+succeeds), so only the shell's own file handling is exercised: which directory the smoke writes to, and what
+it removes before it starts."""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "scripts" / "qwen3_4b_math.sh"
+
+STAND_IN = """#!/usr/bin/env bash
+printf '%s\\n' "$*" >> "$STAND_IN_LOG"
+case "$*" in
+  *pathlib*) echo /nowhere/math_reward.py ;;  # the reward's path, printed by python -c
+  *decide_run*) echo "a GPU run"; exit 1 ;;  # cpu_support's decision: exit 1 is "no CPU run needed", a GPU run
+esac
+exit 0  # every other call succeeds
+"""
+
+
+def run_smoke(tmp_path: Path, run_root: Path) -> tuple[subprocess.CompletedProcess, str]:
+    python = tmp_path / "python"
+    python.write_text(STAND_IN)
+    python.chmod(python.stat().st_mode | stat.S_IXUSR)
+    log = tmp_path / "calls.log"
+    log.write_text("")
+    env = {key: value for key, value in os.environ.items() if key not in ("OUTPUT_ROOT", "GROWMTP_REHEARSAL")}
+    env.update(PYTHON=str(python), STAND_IN_LOG=str(log), GROWMTP_SMOKE="1", RUN_ROOT=str(run_root),
+               DATA_ROOT=str(tmp_path / "data"))
+    result = subprocess.run(["bash", str(SCRIPT)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                            timeout=60)
+    return result, log.read_text()
+
+
+def test_smoke_writes_beside_run_root_and_keeps_its_files(tmp_path):
+    real = tmp_path / "my_run"
+    (real / "ckpt").mkdir(parents=True)
+    (real / "ckpt" / "weights.pt").write_text("a real run's checkpoint")
+    result, calls = run_smoke(tmp_path, real)
+    assert result.returncode == 0, result.stderr
+    assert (real / "ckpt" / "weights.pt").read_text() == "a real run's checkpoint"
+    train = next(line for line in calls.splitlines() if "openrlhf_growmtp.cli.train_ppo_ray" in line)
+    assert f"--ckpt.path {tmp_path}/my_run_smoke/ckpt " in train
+    assert (tmp_path / "my_run_smoke" / ".growmtp_smoke").is_file()
+
+
+def test_smoke_refuses_a_directory_it_did_not_make(tmp_path):
+    taken = tmp_path / "other_smoke"  # a RUN_ROOT already ending in _smoke is used as it is
+    taken.mkdir()
+    (taken / "notes.txt").write_text("keep me")
+    result, calls = run_smoke(tmp_path, taken)
+    assert result.returncode == 2
+    assert f"{taken} exists and was not made by a smoke" in result.stderr
+    assert (taken / "notes.txt").read_text() == "keep me"
+    assert "train_ppo_ray" not in calls  # stopped before the run
+
+
+def test_smoke_empties_its_own_directory_from_an_earlier_smoke(tmp_path):
+    real = tmp_path / "my_run"
+    first, _ = run_smoke(tmp_path, real)
+    assert first.returncode == 0, first.stderr
+    leftover = tmp_path / "my_run_smoke" / "ckpt" / "step_3"
+    leftover.mkdir(parents=True)
+    second, _ = run_smoke(tmp_path, real)
+    assert second.returncode == 0, second.stderr
+    assert not leftover.exists() and (tmp_path / "my_run_smoke" / ".growmtp_smoke").is_file()
+    assert not real.exists()  # the real run's directory was never made
