@@ -234,10 +234,16 @@ def plot(out: Path, summary: dict, rows: dict) -> Path:
     left.set(title="paired rollout speedup per generated token (median, 95% interval)", xlabel="checkpoint (RL step)",
              ylabel="autoregressive / speculative s per token")
     right.set(title="τ per RL step, every run", xlabel="RL step", ylabel="τ")
+    return save_two_panels(fig, left, right, out / "paired.png")
+
+
+def save_two_panels(fig, left, right, path: Path) -> Path:
+    """A two-panel figure's legends, layout and file (closed after)."""
+    import matplotlib.pyplot as plt
+
     left.legend(fontsize="small")
     right.legend(fontsize="small")
     fig.tight_layout()
-    path = out / "paired.png"
     fig.savefig(path, dpi=90)
     plt.close(fig)
     return path
@@ -268,13 +274,7 @@ def plot_cumulative(out: Path, summary: dict, rows: dict) -> Path:
     left.set(title="cumulative wall of the RL steps", xlabel="RL step", ylabel="seconds")
     right.set(title="cumulative wall, GrowMTP / autoregressive (dotted: the crossover)", xlabel="RL step",
               ylabel="ratio")
-    left.legend(fontsize="small")
-    right.legend(fontsize="small")
-    fig.tight_layout()
-    path = out / "cumulative.png"
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    return path
+    return save_two_panels(fig, left, right, out / "cumulative.png")
 
 
 def run_study(out: Path, plan: list, preset, demo, world, design: Design = Design(), stop_after_training: bool = False,
