@@ -17,7 +17,10 @@ setup(
     name="openrlhf-growmtp",
     version="0.1.0",
     description="OpenRLHF extended so that an RL run grows its own speculative-decoding draft head (GrowMTP).",
-    packages=find_packages(include=["openrlhf_growmtp", "openrlhf_growmtp.*", "vllm_patches", "vllm_patches.*"]),
+    # benchmarks/ too: its scripts import one another as `benchmarks.*`, so `python benchmarks/X.py` starts from any
+    # directory of an installed checkout, as `python -m benchmarks.X` does from its root
+    packages=find_packages(include=["openrlhf_growmtp", "openrlhf_growmtp.*", "vllm_patches", "vllm_patches.*",
+                                    "benchmarks", "benchmarks.*"]),
     python_requires=">=3.10",
     install_requires=[STACK["torch"], STACK["transformers"], "safetensors>=0.4", "numpy"],
     extras_require={

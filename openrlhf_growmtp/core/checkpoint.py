@@ -12,27 +12,22 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import struct
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
+from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 from transformers import PretrainedConfig
 
+from .head_files import (HEAD_CONFIG, HEAD_WEIGHTS, HeadCheckpointError, check_shapes,  # noqa: F401 (names
+                         naming_errors, nonfinite_tensors, read_safetensors_header)  # checkpoint's callers read)
 from .families import HeadFamily, family_for_backbone, family_for_model_type, get_family
 from .head import HEAD_CONFIG_FIELD, MTPHead, make_head_config, native_fc_to_ours, ours_fc_to_native
 
-HEAD_WEIGHTS = "model.safetensors"
-HEAD_CONFIG = "config.json"
 # what must agree between a head's config and the one its policy implies (the named shapes of the head)
 HEAD_SHAPE_FIELDS = ("hidden_size", "vocab_size", "num_attention_heads", "num_key_value_heads", "head_dim",
                      "intermediate_size")
-
-
-class HeadCheckpointError(ValueError):
-    """A head or backbone checkpoint that cannot serve as asked (the message says which file and why)."""
 
 
 # ---- backbone configs --------------------------------------------------------------------------------
@@ -150,52 +145,6 @@ def _replacing(path: Path):
 
 
 
-def nonfinite_tensors(head_dir: str | Path) -> list[str]:
-    """The names of a head directory's tensors that hold an infinite or NaN value (read one at a time)."""
-    path = Path(head_dir) / HEAD_WEIGHTS
-    read_safetensors_header(path)  # whole, or a sentence saying why not
-    with _naming_errors(path), safe_open(str(path), framework="pt") as f:
-        return [name for name in f.keys() if not bool(torch.isfinite(f.get_tensor(name)).all())]
-
-
-def read_safetensors_header(path: str | Path) -> dict:
-    """A safetensors file's header (tensor name -> dtype, shape, data_offsets; "__metadata__"), read without its
-    data, once the file is known whole: HeadCheckpointError naming the file where it is missing, cut short (its
-    tensors end past its last byte), or not safetensors at all."""
-    path = Path(path)
-    if not path.is_file():
-        raise HeadCheckpointError(f"{path}: missing")
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        head = f.read(8)
-        (length,) = struct.unpack("<Q", head) if len(head) == 8 else (size,)
-        try:
-            header = json.loads(f.read(length)) if 8 + length <= size else None
-        except (ValueError, UnicodeDecodeError):
-            header = None
-    try:
-        end = 8 + length + max((int(meta["data_offsets"][1]) for name, meta in header.items()
-                                if name != "__metadata__"), default=0)
-    except (AttributeError, KeyError, TypeError, ValueError, IndexError):  # not a header, or a JSON of another kind
-        header = None
-    if not isinstance(header, dict):
-        raise HeadCheckpointError(f"{path}: not a whole safetensors file ({size} bytes; its header does not read): "
-                                  "cut short by a full disk or a copy, or another format")
-    if end != size:
-        raise HeadCheckpointError(f"{path}: {'cut short' if end > size else 'has bytes past its tensors'}: its header "
-                                  f"places its tensors up to byte {end:,}, the file holds {size:,}; write it again")
-    return header
-
-
-@contextlib.contextmanager
-def _naming_errors(path: Path):
-    """safetensors' own errors (a file changed under us) as HeadCheckpointError naming the file."""
-    try:
-        yield
-    except SafetensorError as err:
-        raise HeadCheckpointError(f"{path}: does not read as safetensors ({err})") from None
-
-
 def check_head_dir(head_dir: str | Path, policy: tuple[HeadFamily, PretrainedConfig, str] | None = None,
                    ) -> PretrainedConfig:
     """A head directory checked whole before anything loads it; returns its config. With `policy` (family, text
@@ -207,7 +156,7 @@ def check_head_dir(head_dir: str | Path, policy: tuple[HeadFamily, PretrainedCon
         check_head_fits(config, Path(head_dir), *policy)
     weights = Path(head_dir) / HEAD_WEIGHTS
     header = read_safetensors_header(weights)
-    _check_shapes(_shapes_of(config, Path(head_dir) / HEAD_CONFIG), {
+    check_shapes(_shapes_of(config, Path(head_dir) / HEAD_CONFIG), {
         name: tuple(meta["shape"]) for name, meta in header.items() if name != "__metadata__"}, weights, config)
     if bad := nonfinite_tensors(head_dir):
         raise HeadCheckpointError(f"{weights} holds non-finite values in {bad}: a diverged head would draft in every "
@@ -230,7 +179,7 @@ def check_head_fits(config: PretrainedConfig, head_dir: Path, family: HeadFamily
             raise HeadCheckpointError(f"{head_dir / HEAD_CONFIG}: {name} = {have}, but the policy at {where} needs "
                                       f"{want}: this head was not grown for this policy")
     source = head_dir / HEAD_CONFIG
-    _check_shapes(_shapes_of(expected, source), _shapes_of(config, source), source, expected)
+    check_shapes(_shapes_of(expected, source), _shapes_of(config, source), source, expected)
 
 
 def _shapes_of(config: PretrainedConfig, source: Path) -> dict[str, tuple[int, ...]]:
@@ -240,17 +189,6 @@ def _shapes_of(config: PretrainedConfig, source: Path) -> dict[str, tuple[int, .
             return {name: tuple(t.shape) for name, t in MTPHead(config).state_dict().items()}
     except Exception as err:  # any config the layer classes refuse, in their words
         raise HeadCheckpointError(f"{source}: builds no head ({type(err).__name__}: {err})") from None
-
-
-def _check_shapes(expected: dict[str, tuple], found: dict[str, tuple], source: Path, config) -> None:
-    missing = sorted(set(expected) - set(found))
-    unexpected = sorted(set(found) - set(expected))
-    if missing or unexpected:
-        raise HeadCheckpointError(f"{source}: head parameters do not match the {getattr(config, HEAD_CONFIG_FIELD)} "
-                                  f"head: missing {missing[:5]}, unexpected {unexpected[:5]}")
-    for name, shape in sorted(found.items()):
-        if shape != expected[name]:
-            raise HeadCheckpointError(f"{source}: {name} has shape {shape}, the head expects {expected[name]}")
 
 
 def read_head_config(head_dir: str | Path) -> PretrainedConfig:
@@ -283,14 +221,14 @@ def load_head(head_dir: str | Path, embed_tokens: nn.Module | None = None, lm_he
 
 
 def _load_exact(head: MTPHead, state: dict[str, torch.Tensor], source: Path) -> None:
-    _check_shapes({name: tuple(t.shape) for name, t in head.state_dict().items()},
+    check_shapes({name: tuple(t.shape) for name, t in head.state_dict().items()},
                   {name: tuple(t.shape) for name, t in state.items()}, source, head.config)
     head.load_state_dict(state)
 
 
 def _read_safetensors(path: Path, prefix: str = "") -> dict[str, torch.Tensor]:
     read_safetensors_header(path)  # whole, or a sentence saying why not
-    with _naming_errors(path), safe_open(str(path), framework="pt") as f:
+    with naming_errors(path), safe_open(str(path), framework="pt") as f:
         return {name: f.get_tensor(name) for name in f.keys() if name.startswith(prefix)}
 
 

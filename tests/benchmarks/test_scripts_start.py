@@ -1,8 +1,10 @@
 """Every benchmark script (benchmarks/, gpu_check/ included) and every runnable experiment module answers `--help`
-with a usage and exit status 0 on this CPU machine, started as its docs start it (`python -m ...`), so none of them
+with a usage and exit status 0 on this CPU machine, so none of them
 rots unseen between the runs that use it (a GPU-only script at least parses its flags here). A script is a module
 with a `__main__` block; the modules without one (the scripts' shared pieces) are imported by the scripts that
-start. All of them start in one process (tests/helpers/start_scripts.py): each process pays seconds of imports."""
+start. A benchmark starts by its path (`python benchmarks/X.py`, from another directory than the checkout's root, with
+nothing added to PYTHONPATH: as on a fresh clone after `make venv`), an experiment as a module. All of them start in
+one process (tests/helpers/start_scripts.py): each process pays seconds of imports."""
 
 import json
 import os
@@ -19,14 +21,15 @@ def runnable(folder: Path) -> list[str]:
             for p in sorted(folder.rglob("*.py")) if MAIN in p.read_text()]
 
 
-def test_every_script_answers_help():
-    names = runnable(ROOT / "benchmarks") + runnable(ROOT / "openrlhf_growmtp" / "experiments")
+def test_every_script_answers_help(tmp_path):
+    scripts = [str(ROOT / (name.replace(".", os.sep) + ".py")) for name in runnable(ROOT / "benchmarks")]
+    names = scripts + runnable(ROOT / "openrlhf_growmtp" / "experiments")
     # the discovery itself could find nothing and pass: the folders hold at least these
-    assert {"benchmarks.bench_draft_vocab", "benchmarks.gpu_check.gpu_check",
+    assert {str(ROOT / "benchmarks" / "bench_draft_vocab.py"), str(ROOT / "benchmarks" / "gpu_check" / "gpu_check.py"),
             "openrlhf_growmtp.experiments.demo"} <= set(names)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "helpers" / "start_scripts.py"), *names], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=300)
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "helpers" / "start_scripts.py"), *names],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert proc.returncode == 0 and [r["module"] for r in results] == names, proc.stderr[-3000:]
     failed = {r["module"]: f"{r['error']}\n{r['printed']}" for r in results if not r["ok"]}

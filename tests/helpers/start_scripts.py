@@ -1,14 +1,16 @@
-"""Starts modules with `--help` inside this one process, as `python -m MODULE --help` would, and prints one JSON line
-per module: its name, whether it ended with exit status 0 having printed a usage, and otherwise what it printed or
+"""Starts modules with `--help` inside this one process, as `python -m MODULE --help` would (or, for a path ending in
+`.py`, as `python PATH --help` would: the script's folder first on the path), and prints one JSON line per module:
+its name, whether it ended with exit status 0 having printed a usage, and otherwise what it printed or
 raised. One process for all: each module's imports (torch, transformers, vLLM) cost seconds, paid here once
 (tests/benchmarks/test_scripts_start.py).
 
-    python tests/helpers/start_scripts.py benchmarks.bench_topk openrlhf_growmtp.experiments.demo ...
+    python tests/helpers/start_scripts.py benchmarks/bench_topk.py openrlhf_growmtp.experiments.demo ...
 """
 
 import contextlib
 import io
 import json
+import os
 import runpy
 import sys
 import traceback
@@ -16,12 +18,16 @@ import traceback
 
 def start(module: str) -> dict:
     out = io.StringIO()
-    saved_argv = sys.argv[:]
+    saved_argv, saved_path = sys.argv[:], sys.path[:]
     code, error = None, ""
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
             sys.argv = [module, "--help"]
-            runpy.run_module(module, run_name="__main__", alter_sys=True)
+            if module.endswith(".py"):  # `python PATH`: the script's own folder, not the working directory, on the path
+                sys.path[0] = os.path.dirname(os.path.abspath(module))
+                runpy.run_path(module, run_name="__main__")
+            else:
+                runpy.run_module(module, run_name="__main__", alter_sys=True)
         error = "ended without exiting (no argument parser answered --help)"
     except SystemExit as exit_:
         code = exit_.code
@@ -30,7 +36,7 @@ def start(module: str) -> dict:
     except BaseException:  # any failure to start is the finding, reported by name
         error = traceback.format_exc(limit=-3)
     finally:
-        sys.argv = saved_argv
+        sys.argv, sys.path[:] = saved_argv, saved_path
     printed = out.getvalue()
     if not error and "usage:" not in printed:
         error = "no usage text printed"
