@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from openrlhf_growmtp.core.families import FEED_PRE_NORM, HeadFamily, get_family
-from openrlhf_growmtp.core.head import HEAD_CONFIG_FIELD
+from openrlhf_growmtp.core.head_config import HEAD_CONFIG_FIELD
 
 from . import check_vllm_version, draft_sampling
 

@@ -29,7 +29,7 @@ from transformers import Qwen3ForCausalLM
 from benchmarks.gpu_check.gpu_sampler import rejection_step, sample
 from benchmarks.shared.cycle_timing import cached_forward, policy_caches, visible
 from openrlhf_growmtp.core import MTPHead, SequenceRecord
-from openrlhf_growmtp.core.head import HeadKVCache, additive_mask
+from openrlhf_growmtp.core.head_cache import HeadKVCache, additive_mask
 
 
 @dataclass

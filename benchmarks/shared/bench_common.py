@@ -14,7 +14,7 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from openrlhf_growmtp.core import HeadLossConfig, MTPHead, SequenceRecord, head_loss_backward
-from openrlhf_growmtp.core.head import HeadKVCache
+from openrlhf_growmtp.core.head_cache import HeadKVCache
 from openrlhf_growmtp.experiments.worlds.toy import synthetic_record
 
 

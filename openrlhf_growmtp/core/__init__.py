@@ -2,7 +2,9 @@
 
 from .checkpoint import export_head, init_random_head_, load_head, load_native_head, materialize_random_head
 from .families import FAMILIES, HeadFamily, family_for_backbone, get_family
-from .head import HeadKVCache, HeadOutput, MTPHead, make_head_config
+from .head import HeadOutput, MTPHead
+from .head_cache import HeadKVCache
+from .head_config import make_head_config
 from .head_loss import HeadLossConfig, HeadLossStats, head_loss_backward, measure_head_loss
 from .lockstep import ONE_RANK, Lockstep
 from .metrics import AcceptanceSummary, acceptance_summary

@@ -23,7 +23,8 @@ from transformers import PretrainedConfig
 from .head_files import (HEAD_CONFIG, HEAD_WEIGHTS, HeadCheckpointError, check_shapes,  # noqa: F401 (names
                          naming_errors, nonfinite_tensors, read_safetensors_header)  # checkpoint's callers read)
 from .families import HeadFamily, family_for_backbone, family_for_model_type, get_family
-from .head import HEAD_CONFIG_FIELD, MTPHead, make_head_config, native_fc_to_ours, ours_fc_to_native
+from .head import MTPHead
+from .head_config import HEAD_CONFIG_FIELD, make_head_config, native_fc_to_ours, ours_fc_to_native
 
 # what must agree between a head's config and the one its policy implies (the named shapes of the head)
 HEAD_SHAPE_FIELDS = ("hidden_size", "vocab_size", "num_attention_heads", "num_key_value_heads", "head_dim",

@@ -26,51 +26,10 @@ from transformers import PretrainedConfig
 
 from .draft_attention import ATTENTION_NAME
 from .draft_vocab import DraftRows, DraftVocab, masked_logits, no_gather
-from .families import CONCAT_EH, FEED_PRE_NORM, HeadFamily, get_family
+from .families import FEED_PRE_NORM, get_family
+from .head_cache import HeadKVCache, prefix_extension_mask
+from .head_config import HEAD_CONFIG_FIELD
 from .rms_norm import family_norm, replace_norms
-
-HEAD_CONFIG_FIELD = "growmtp_family"
-
-
-def make_head_config(backbone_config: PretrainedConfig, family: HeadFamily) -> PretrainedConfig:
-    """The config of the head's single decoder layer: the backbone's text config, one full-attention layer."""
-    text = backbone_config.get_text_config() if hasattr(backbone_config, "get_text_config") else backbone_config
-    fields = text.to_dict()
-    for key in ("num_hidden_layers", "layer_types", "architectures", "model_type", "transformers_version",
-                "auto_map", "torch_dtype", "dtype", "sliding_window", "use_sliding_window", "max_window_layers"):
-        fields.pop(key, None)
-    config = family.config_class(**fields, num_hidden_layers=1, layer_types=["full_attention"])
-    setattr(config, HEAD_CONFIG_FIELD, family.name)
-    config.architectures = ["GrowMTPHead"]
-    return config
-
-
-class HeadKVCache:
-    """Keys and values of the head's one attention layer, [B, kv_heads, L, head_dim].
-
-    Duck-types the `update` of transformers' Cache, which is all the decoder layers call.
-    """
-
-    def __init__(self, key: torch.Tensor | None = None, value: torch.Tensor | None = None):
-        self.key = key
-        self.value = value
-
-    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int = 0, cache_kwargs=None):
-        if self.key is None:
-            self.key, self.value = key, value
-        else:
-            self.key = torch.cat([self.key, key], dim=2)
-            self.value = torch.cat([self.value, value], dim=2)
-        return self.key, self.value
-
-    def __len__(self) -> int:
-        return 0 if self.key is None else self.key.shape[2]
-
-    def crop(self, length: int) -> None:
-        """Keep the first `length` entries (drop a finished cycle's chain entries)."""
-        if self.key is not None:
-            self.key = self.key[:, :, :length]
-            self.value = self.value[:, :, :length]
 
 
 @dataclass
@@ -286,19 +245,6 @@ class MTPHead(nn.Module):
         return torch.stack(drafts, dim=1), torch.stack(logits, dim=1)
 
 
-def prefix_extension_mask(num_cached: int, num_new: int, dtype: torch.dtype, device) -> torch.Tensor:
-    """Additive [1, 1, num_new, num_cached + num_new]: all cached entries visible, causal among new ones."""
-    visible = torch.ones(num_new, num_cached + num_new, dtype=torch.bool, device=device)
-    visible[:, num_cached:] = torch.tril(visible[:, num_cached:])
-    return additive_mask(visible, dtype)[None, None]
-
-
-def additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """bool visibility -> additive float mask (0 where visible, the dtype's min elsewhere)."""
-    return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill(
-        ~visible, torch.finfo(dtype).min)
-
-
 @contextlib.contextmanager
 def _frozen(module: nn.Module):
     """Run `module` without recording gradients for its parameters (but still for its inputs).
@@ -313,14 +259,3 @@ def _frozen(module: nn.Module):
     finally:
         for p in params:
             p.requires_grad_(True)
-
-
-def native_fc_to_ours(weight: torch.Tensor, family: HeadFamily) -> torch.Tensor:
-    """A native fc weight [H, 2H] in our [e, h] input order (swap halves for [h, e] checkpoints)."""
-    if family.native_concat == CONCAT_EH:
-        return weight
-    first, second = weight.chunk(2, dim=1)
-    return torch.cat([second, first], dim=1).contiguous()
-
-
-ours_fc_to_native = native_fc_to_ours  # swapping the two halves is its own inverse

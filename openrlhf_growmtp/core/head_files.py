@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from .head import HEAD_CONFIG_FIELD
+from .head_config import HEAD_CONFIG_FIELD
 
 HEAD_WEIGHTS = "model.safetensors"
 HEAD_CONFIG = "config.json"

@@ -15,7 +15,8 @@ from typing import Callable, Sequence
 import torch
 
 from .chunks import Chunk, ChunkWork, DraftStates
-from .head import HeadKVCache, MTPHead
+from .head import MTPHead
+from .head_cache import HeadKVCache
 from .prefix import hidden_of
 from .records import SequenceRecord
 from .topk_logq import score_groups

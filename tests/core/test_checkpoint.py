@@ -10,7 +10,7 @@ from safetensors.torch import load_file, save_file
 from openrlhf_growmtp.cli.make_head import main as make_head_main
 from openrlhf_growmtp.core import export_head, load_head, load_native_head, materialize_random_head
 from openrlhf_growmtp.core.checkpoint import HeadCheckpointError, init_random_head_
-from openrlhf_growmtp.core.head import HeadKVCache
+from openrlhf_growmtp.core.head_cache import HeadKVCache
 from helpers.tiny import FAMILY_NAMES, HIDDEN, VOCAB, backbone_modules, make_head, tiny_backbone_config
 
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from openrlhf_growmtp.core import HeadLRSchedule, acceptance_summary, head_loss_backward
-from openrlhf_growmtp.core.head import HeadKVCache
+from openrlhf_growmtp.core.head_cache import HeadKVCache
 from helpers.tiny import FAMILY_NAMES, HIDDEN, VOCAB, make_head, make_records
 
 NATIVE_NAMES = {

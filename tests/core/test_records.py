@@ -151,9 +151,9 @@ def _without_cycles(rec: SequenceRecord) -> SequenceRecord:
 
 
 def test_records_side_by_side_read_no_token_of_the_next_record():
-    # The side-by-side checks themselves (validation._check_values over _Cycles.of) must pass valid records:
+    # The side-by-side checks themselves (record_values.check_values over Cycles.of) must pass valid records:
     # a false alarm would only send validate_records to the one-at-a-time path, so test them directly.
-    from openrlhf_growmtp.core.validation import _check_values, _Cycles
+    from openrlhf_growmtp.core.record_values import Cycles, check_values
 
     first, second = _cut_short(0), _cut_short(1, prompt_len=1)
     # side by side, the first record's uncommitted drafts sit on the second record's first tokens
@@ -165,8 +165,8 @@ def test_records_side_by_side_read_no_token_of_the_next_record():
     # the second record's first cycle starts (at 0) before the first's cut-short cycle would end, and
     # before the empty record's prompt ends
     assert int(second.start[0]) == 0
-    _check_values(_Cycles.of([first, second]), VOCAB)
-    _check_values(_Cycles.of([first, empty, second]), VOCAB)
+    check_values(Cycles.of([first, second]), VOCAB)
+    check_values(Cycles.of([first, empty, second]), VOCAB)
     validate_records([first, empty, second], vocab_size=VOCAB)
 
 

@@ -454,7 +454,8 @@ def _qwen3_5_checkpoint(out, *, vision: bool = False, mtp: bool = True):
 
     from openrlhf_growmtp.core.checkpoint import init_random_head_, to_native_state_dict
     from openrlhf_growmtp.core.families import get_family
-    from openrlhf_growmtp.core.head import MTPHead, make_head_config
+    from openrlhf_growmtp.core.head import MTPHead
+    from openrlhf_growmtp.core.head_config import make_head_config
     from helpers.tiny import tiny_backbone_config
 
     text = tiny_backbone_config("qwen3_5", layer_types=["linear_attention", "full_attention"])

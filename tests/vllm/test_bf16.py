@@ -1,5 +1,5 @@
 """The engine in bf16, as users run it (this CPU has AMX): records are stored with bf16 log-probs and must
-validate under the mass bound bf16 rounding allows (`core.validation.mass_tolerance`), rebuild every response
+validate under the mass bound bf16 rounding allows (`core.record_values.mass_tolerance`), rebuild every response
 and agree with vLLM's own counters, exactly as in fp32."""
 
 import pytest

@@ -16,7 +16,7 @@ from vllm.sampling_params import RequestOutputKind
 from vllm.v1.metrics.stats import RequestSpecDecodeMetrics
 from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
 
-from openrlhf_growmtp.core import validation
+from openrlhf_growmtp.core import record_values
 from openrlhf_growmtp.core.records import SequenceRecord
 from openrlhf_growmtp.core.validation import validate_record
 from openrlhf_growmtp.experiments.worlds.toy import policy_hidden_states, random_prompts
@@ -350,9 +350,9 @@ def test_each_record_is_validated_exactly_once_per_generate(engine, monkeypatch)
         return original(records, *args, **kwargs)
 
     cycle_checks = []
-    check_cycles = validation._check_cycles
+    check_cycles = record_values.check_cycles
     monkeypatch.setattr(collector_module, "validate_records", counting)
-    monkeypatch.setattr(validation, "_check_cycles", lambda c: cycle_checks.append(c) or check_cycles(c))
+    monkeypatch.setattr(record_values, "check_cycles", lambda c: cycle_checks.append(c) or check_cycles(c))
     prompts = random_prompts(5, 128, seed=31)
     result = engine.generate(prompts, SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True))
     assert sum(r.num_cycles for r in result.records) > 0

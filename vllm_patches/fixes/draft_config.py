@@ -13,7 +13,7 @@ processes it spawns, which import this module by name.
 
 from __future__ import annotations
 
-from openrlhf_growmtp.core.head import HEAD_CONFIG_FIELD
+from openrlhf_growmtp.core.head_config import HEAD_CONFIG_FIELD
 
 from .. import check_vllm_version
 

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 import torch
 
 from openrlhf_growmtp.core.checkpoint import init_random_head_
-from openrlhf_growmtp.core.head import HeadKVCache, MTPHead
+from openrlhf_growmtp.core.head import MTPHead
+from openrlhf_growmtp.core.head_cache import HeadKVCache
 
 NEW_TOKENS = 64  # the rehearsal's response cap (common.sh, MAX_NEW under GROWMTP_REHEARSAL=1)
 

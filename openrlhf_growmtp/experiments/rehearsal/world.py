@@ -31,7 +31,8 @@ from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5ForCausalLM
 
 from openrlhf_growmtp.core.checkpoint import to_native_state_dict
 from openrlhf_growmtp.core.families import family_for_backbone
-from openrlhf_growmtp.core.head import MTPHead, make_head_config
+from openrlhf_growmtp.core.head import MTPHead
+from openrlhf_growmtp.core.head_config import make_head_config
 from openrlhf_growmtp.data import loaders
 from openrlhf_growmtp.experiments.rehearsal import native_head
 
