@@ -40,16 +40,13 @@ CPU_ENV = {
     "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "0",
 }
 CPU_DECISION_ENV = "GROWMTP_CPU"  # "1"/"0": the launcher's decision, inherited by the processes it starts
-REHEARSAL_ENV = "GROWMTP_REHEARSAL"  # "1": an example script's rehearsal, which runs on the CPU on any machine
 _active = False
 
 
 def needed() -> bool:
     """True on a machine without CUDA, unless $GROWMTP_CPU says otherwise (the launcher exports its own
     decision there, so a process that merely cannot see a GPU does not switch the layer on). A rehearsal
-    ($GROWMTP_REHEARSAL=1) is a CPU run wherever it runs, CUDA or not: its launcher then exports 1."""
-    if os.environ.get(REHEARSAL_ENV) == "1":
-        return True
+    (`GROWMTP_REHEARSAL=1 bash examples/scripts/...`) is a CPU run wherever it runs: common.sh exports 1."""
     forced = os.environ.get(CPU_DECISION_ENV, "")
     if forced in ("0", "1"):
         return forced == "1"
@@ -61,14 +58,12 @@ RAY_ADDRESS_ENV = "RAY_ADDRESS"  # the cluster a driver joins; `ray job submit` 
 
 def decide_run(cluster_gpus=None) -> str:
     """The launcher's decision, CPU run or GPU run, made once before anything else and left in $GROWMTP_CPU
-    where the cluster made it (`needed()` reads it); returns why, for the log. In order: a rehearsal is a CPU
-    run; $GROWMTP_CPU=1 or 0, the user's override (1 on CPU machines whose Ray offers logical GPUs); with
+    where the cluster made it (`needed()` reads it); returns why, for the log. In order: $GROWMTP_CPU=1 or 0,
+    the user's override (1 on CPU machines whose Ray offers logical GPUs; a rehearsal's launcher exports 1); with
     $RAY_ADDRESS, the Ray cluster the run joins decides: GPUs in it, a GPU run, whatever the driver's machine
     has (under `ray job submit` the head node, which may have none); a cluster without GPUs is refused, since
     no actor of the run could be placed; otherwise whether torch sees CUDA here. `cluster_gpus(address)`
     counts the cluster's GPUs."""
-    if os.environ.get(REHEARSAL_ENV) == "1":
-        return f"${REHEARSAL_ENV}=1: a rehearsal runs on the CPU"
     forced = os.environ.get(CPU_DECISION_ENV, "")
     if forced in ("0", "1"):
         return f"${CPU_DECISION_ENV}={forced}"

@@ -68,7 +68,9 @@ if [[ "$SMOKE" == 1 && "$REHEARSAL" != 1 && "${GROWMTP_DRY_RUN:-0}" != 1 ]] &&
   REHEARSAL=1 SMOKE_STEPS=3
 fi
 if [[ "$REHEARSAL" == 1 ]]; then
-  export GROWMTP_REHEARSAL=1  # the launcher's CPU decision, whichever switch asked for it
+  # a rehearsal is a CPU run on any machine, CUDA or not: the launcher's decision (cpu_support reads GROWMTP_CPU),
+  # whichever switch asked for the rehearsal
+  export GROWMTP_REHEARSAL=1 GROWMTP_CPU=1
   ACTOR_NODES=1 ACTOR_GPUS=1 VLLM_ENGINES=1 VLLM_TP=1
 fi
 
@@ -154,8 +156,8 @@ run_growmtp() {
     root=${root%_smoke}_smoke  # RUN_ROOT names the real run: the smoke writes beside it, never into it
   fi
   if [[ "$REHEARSAL" == 1 ]]; then
-    # a CPU run on any machine (GROWMTP_REHEARSAL=1 in the launcher's environment decides it, CUDA or not);
-    # its engines need vLLM's CPU build
+    # a CPU run on any machine (GROWMTP_CPU=1, exported above, decides it, CUDA or not); its engines need vLLM's
+    # CPU build
     "$PYTHON" -c "import sys; from openrlhf_growmtp.cpu_support import rehearsal_install_problem as p; m = p()
 sys.exit(m and 'GROWMTP_REHEARSAL=1: ' + m)"
     "$PYTHON" -m openrlhf_growmtp.experiments.rehearse world "$REHEARSAL_DIR/world" "$model"

@@ -38,9 +38,6 @@ class Interval:
     method: str  # "order-statistic median" | "t mean" | "t mean of process medians" | "batch means (...)"
     coverage: float | None = None  # the order-statistic interval's exact level (at least LEVEL from 6 values on)
 
-    def contains(self, value: float) -> bool:
-        return self.low <= value <= self.high
-
     def as_dict(self) -> dict:
         return asdict(self)
 

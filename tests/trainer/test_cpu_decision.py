@@ -158,8 +158,8 @@ def test_sdpa_keeps_packed_samples_apart(policy_dir):
 
 @pytest.fixture
 def undecided(monkeypatch):
-    """No decision inherited, no rehearsal, no cluster addressed: what a fresh launcher sees."""
-    for name in (cpu_support.CPU_DECISION_ENV, cpu_support.REHEARSAL_ENV, cpu_support.RAY_ADDRESS_ENV):
+    """No decision inherited, no cluster addressed: what a fresh launcher sees."""
+    for name in (cpu_support.CPU_DECISION_ENV, cpu_support.RAY_ADDRESS_ENV):
         monkeypatch.setenv(name, "")  # so that monkeypatch restores whatever decide_run exports
         monkeypatch.delenv(name)
 
@@ -219,7 +219,6 @@ def test_a_real_clusters_gpus_are_counted_from_a_driver_without_cuda(tmp_path):
         assert address, "the cluster did not start"
         env = {**os.environ, cpu_support.RAY_ADDRESS_ENV: address, "CUDA_VISIBLE_DEVICES": ""}
         env.pop(cpu_support.CPU_DECISION_ENV, None)
-        env.pop(cpu_support.REHEARSAL_ENV, None)
         done = subprocess.run([sys.executable, "-c", "from openrlhf_growmtp import cpu_support as c; "
                                "print(c.decide_run()); print(c.needed())"],
                               capture_output=True, text=True, env=env, timeout=120)

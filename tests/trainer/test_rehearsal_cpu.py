@@ -1,10 +1,13 @@
-"""GROWMTP_REHEARSAL=1 is a CPU run on any machine: where CUDA is reported available, the launcher still
-takes the CPU path (the CPU layer, CPU rollout actors, the decision exported to every process it starts)."""
+"""GROWMTP_REHEARSAL=1 is a CPU run on any machine: common.sh exports the CPU decision (GROWMTP_CPU=1), over
+any inherited one, and where CUDA is reported available the launcher still takes the CPU path under it (the CPU
+layer, CPU rollout actors, the decision exported to every process it starts)."""
 
 from __future__ import annotations
 
 import argparse
 import os
+import subprocess
+from pathlib import Path
 
 import pytest
 import ray
@@ -21,10 +24,9 @@ PLAIN = ["--vllm.num_engines", "1", "--rollout.batch_size", "2", "--rollout.n_sa
 
 @pytest.fixture
 def machine_with_cuda(monkeypatch):
-    """torch reports CUDA; no decision inherited; no rehearsal; the driver's installs recorded, Ray not started."""
-    for name in (cpu_support.CPU_DECISION_ENV, cpu_support.REHEARSAL_ENV):
-        monkeypatch.setenv(name, "")  # so that monkeypatch restores whatever prepare() exports
-        monkeypatch.delenv(name)
+    """torch reports CUDA; no decision inherited; the driver's installs recorded, Ray not started."""
+    monkeypatch.setenv(cpu_support.CPU_DECISION_ENV, "")  # so that monkeypatch restores whatever prepare() exports
+    monkeypatch.delenv(cpu_support.CPU_DECISION_ENV)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(ray, "is_initialized", lambda: True)
     installed = []
@@ -44,7 +46,7 @@ def test_a_plain_rehearsal_takes_the_cpu_path_where_cuda_is_available(machine_wi
     (gpu_run,) = machine_with_cuda
     assert gpu_run.rollout_actor.kwargs["cpu"] is False  # upstream's GPU engines (with our worker extension)
 
-    monkeypatch.setenv(cpu_support.REHEARSAL_ENV, "1")
+    monkeypatch.setenv(cpu_support.CPU_DECISION_ENV, "1")  # what common.sh exports for a rehearsal
     assert cpu_support.needed()
     launch(argv)
     assert os.environ[cpu_support.CPU_DECISION_ENV] == "1"  # every process it starts inherits the CPU decision
@@ -55,13 +57,24 @@ def test_a_plain_rehearsal_takes_the_cpu_path_where_cuda_is_available(machine_wi
 
 def test_a_growmtp_rehearsal_drafts_on_cpu_engines_where_cuda_is_available(machine_with_cuda, policy_dir,
                                                                            tmp_path, monkeypatch):
-    monkeypatch.setenv(cpu_support.REHEARSAL_ENV, "1")
-    monkeypatch.setenv(cpu_support.CPU_DECISION_ENV, "0")  # even a GPU decision inherited from elsewhere yields
+    monkeypatch.setenv(cpu_support.CPU_DECISION_ENV, "1")  # what common.sh exports for a rehearsal
     launch(["--actor.model_name_or_path", str(policy_dir), *PLAIN, "--growmtp_k", "3",
             "--ckpt.path", str(tmp_path / "ckpt")])
     assert os.environ[cpu_support.CPU_DECISION_ENV] == "1"
     (classes,) = machine_with_cuda
     assert classes.rollout_actor.kwargs["growmtp"].cpu is True
+
+
+COMMON_SH = Path(__file__).resolve().parents[2] / "examples" / "scripts" / "common.sh"
+
+
+@pytest.mark.parametrize("inherited", ["", "0", "1"])
+def test_common_sh_exports_the_cpu_decision_for_a_rehearsal_over_an_inherited_one(inherited):
+    env = {"PATH": os.environ["PATH"], "GROWMTP_REHEARSAL": "1", "GROWMTP_CPU": inherited}
+    done = subprocess.run(["bash", "-c", f'source "{COMMON_SH}"; echo "$GROWMTP_CPU"'], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "1"
 
 
 def test_a_rehearsal_needs_vllms_cpu_build(monkeypatch):

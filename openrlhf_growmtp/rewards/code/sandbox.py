@@ -108,11 +108,6 @@ def namespace_flags() -> int:
     return 0
 
 
-def network_isolation_available() -> bool:
-    """Whether sandboxes get a fresh network namespace on this machine."""
-    return bool(namespace_flags() & CLONE_NEWNET)
-
-
 def _leader_exited(pid: int) -> bool:
     """Whether the child has exited, without reaping it (its pid, hence its group id, stays reserved)."""
     try:
