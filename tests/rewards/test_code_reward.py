@@ -589,9 +589,9 @@ def test_time_limit_from_env_and_label(monkeypatch):
     program = "import time\ntime.sleep(0.7)\nprint('late')"
     query = "p```python\n" + program + "\n```"
     monkeypatch.setenv(TIME_LIMIT_ENV, "0.3")
-    started = time.monotonic()
+    # 0.0: cut at the limit (run to its end, the program prints what the label expects and scores 1.0, as below);
+    # no wall-clock bound here, which a loaded machine's process start-up alone can exceed
     assert reward_func([query], ["p"], [_label([""], ["late"])])["rewards"].tolist() == [0.0]
-    assert time.monotonic() - started < 0.7 + 0.5
     assert reward_func([query], ["p"], [_label([""], ["late"], time_limit_s=3)])["rewards"].tolist() == [1.0]
     monkeypatch.setenv(TIME_LIMIT_ENV, "3")
     assert reward_func([query], ["p"], [_label([""], ["late"])])["rewards"].tolist() == [1.0]
