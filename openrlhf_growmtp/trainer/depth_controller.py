@@ -17,7 +17,7 @@ import torch
 from ..core.depth import CycleCosts, DepthChoice, DepthRule
 from ..core.metrics import acceptance_summary
 from ..core.step_costs import RecentCosts
-from .depth_args import cycle_costs
+from .args.depth import cycle_costs
 from .keys import ACCEPTED_KEY
 
 DEFAULT_CALIBRATION_REQUESTS = 16  # the running batch measured where --vllm.max_num_seqs is not set
