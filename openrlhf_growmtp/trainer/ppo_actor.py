@@ -32,7 +32,7 @@ from .engine_sync import loaded_all, nonfinite_head, send_to_engines
 from .head_step.deepspeed_patches import head_lr, head_optimizer_state
 from .head_step.head_rl_step import HeadRLStep, HeadRLStepConfig
 from .keys import ACCEPTED_KEY, CHECKED_KEY, DROPPED_KEY, RECORD_INDEX_KEY, RECORD_KEY, REQUEST_KEY
-from .loss import NegativeAdvantageWeightedLoss
+from .negative_advantage_loss import NegativeAdvantageWeightedLoss
 from .resume import ACTOR_DIR, SNAPSHOT_FILE, publish_latest
 from .strategy import gathered_head_state, head_of, without_head
 

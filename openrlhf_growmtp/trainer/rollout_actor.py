@@ -210,20 +210,20 @@ class GrowMTPRolloutActor(RolloutActor):
         return responses
 
     async def growmtp_set_depth(self, depth: int) -> int:
-        """Draft `depth` tokens per cycle from the next rollout on (`vllm_patches.depth_control`); the records
+        """Draft `depth` tokens per cycle from the next rollout on (`vllm_patches.engine_depth`); the records
         then hold `depth` positions."""
         self.collector.depth = await self.llm.engine_core.call_utility_async("growmtp_set_depth", int(depth))
         return self.collector.depth
 
     async def growmtp_step_times(self) -> list[tuple[int, int, float]]:
         """This engine's clean steps since the last read, (depth, running requests, seconds)
-        (`vllm_patches.depth_control`)."""
+        (`vllm_patches.engine_depth`)."""
         return await self.llm.engine_core.call_utility_async("growmtp_step_times")
 
     async def growmtp_cycle_costs(self, requests: int) -> list[float]:
         """This engine's seconds per step at every depth 0..K, timed on its own generates with capture off
-        (`depth_control.calibration`); leaves the depth as it was."""
-        from vllm_patches.depth_control import calibration
+        (`engine_depth.calibration`); leaves the depth as it was."""
+        from vllm_patches.engine_depth import calibration
         from vllm_patches.settings import CaptureConfig
 
         plan = calibration(self._k, self.llm.model_config.get_vocab_size(), requests)
