@@ -38,7 +38,7 @@ from .. import reproducibility
 from ..core.records import REQUEST_ID_META
 from ..cpu_support import VLLM_THREADS_BIND_ENV, omp_threads_bind
 from . import rollout_order
-from .keys import ACCEPTED_KEY, CHECKED_KEY, DROPPED_KEY, RECORD_KEY, RECORD_SECONDS_KEY, REQUEST_KEY
+from .keys import RECORD_KEY, RECORD_SECONDS_KEY, PackedRecord
 
 logger = logging.getLogger("growmtp")
 
@@ -196,11 +196,9 @@ class GrowMTPRolloutActor(RolloutActor):
             self.collector.add_drained((await self.llm.collective_rpc("growmtp_drain_records"))[0])
             for response in responses:
                 record = self.collector.pop_by_tokens(response["observation_tokens"])
-                response[RECORD_KEY] = record.pack()
-                response[ACCEPTED_KEY] = record.accepted.tolist()
-                response[DROPPED_KEY] = record.meta[DROPPED_META]
-                response[CHECKED_KEY] = int(record.meta[CHECKED_META])
-                response[REQUEST_KEY] = str(record.meta[REQUEST_ID_META])
+                response[RECORD_KEY] = PackedRecord.of(record, request=str(record.meta[REQUEST_ID_META]),
+                                                       dropped=int(record.meta[DROPPED_META]),
+                                                       checked=bool(record.meta[CHECKED_META]))
             for response in responses:
                 response[RECORD_SECONDS_KEY] = (time.perf_counter() - began) / len(responses)
         if self._in_flight == 0 and (orphans := self.collector.discard_unclaimed()):
