@@ -34,7 +34,7 @@ from openrlhf_growmtp.core.records import DEFAULT_TOPK, SequenceRecord
 
 from . import check_vllm_version
 from .collector import DROPPED_META, RecordCollector
-from .depth_control import awaitable, calibration, run_now
+from .engine_depth import awaitable, calibration, run_now
 from .settings import RUNNER_ENV, CaptureConfig, SpecConfigError, check_sampling_params, spec_engine_kwargs
 from .transport import dump_blob
 
@@ -186,16 +186,16 @@ class SpecEngine:
     # ---- drafting depth ------------------------------------------------------------------------------
     def set_depth(self, depth: int) -> None:
         """Draft `depth` (0..K) tokens per cycle from the next generate on (an engine built with
-        dynamic_depth=True; `depth_control`). Records and metrics then hold `depth` positions."""
+        dynamic_depth=True; `engine_depth`). Records and metrics then hold `depth` positions."""
         self.depth = self._core_call("growmtp_set_depth", int(depth))
 
     def step_times(self) -> list[tuple[int, int, float]]:
-        """The engine's clean steps since the last call: (depth, running requests, seconds) (`depth_control`)."""
+        """The engine's clean steps since the last call: (depth, running requests, seconds) (`engine_depth`)."""
         return [tuple(step) for step in self._core_call("growmtp_step_times")]
 
     def cycle_costs(self, requests: int) -> CycleCosts:
         """The engine's seconds per step at every depth 0..K, timed on its own generates with capture off: at
-        depths 0, 1 and K, `requests` prompts together (`depth_control.calibration`). Leaves the depth as it was."""
+        depths 0, 1 and K, `requests` prompts together (`engine_depth.calibration`). Leaves the depth as it was."""
         plan = calibration(self.k, self.vocab_size, requests)
         depth, capture = self.depth, self.capture
         if capture:
@@ -209,7 +209,7 @@ class SpecEngine:
                 self.set_capture(True)
 
     def _core_call(self, method: str, *args):
-        """An engine-core utility (`depth_control`): called directly in-process, else through vLLM's client."""
+        """An engine-core utility (`engine_depth`): called directly in-process, else through vLLM's client."""
         core = _in_process_core(self.llm)
         if core is not None:
             return getattr(core, method)(*args)

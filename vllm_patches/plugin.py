@@ -13,7 +13,7 @@ def register() -> None:
     from vllm.platforms import current_platform
 
     from .capture.v1 import install_hooks
-    from .depth_control import install_depth_control
+    from .engine_depth import install_engine_depth
     from .draft_sampling import install_draft_sampling
     from .fixes.draft_config import install_draft_config_hook
     from .fixes.expand_kernel import install_expand_kernel
@@ -28,7 +28,7 @@ def register() -> None:
 
         install_gdn_core()  # before a Qwen3.5 model is built (its first GDN layer registers the op)
     install_hooks()
-    install_depth_control()
+    install_engine_depth()
     install_draft_sampling()  # inside the seeded drafts' wrapper
     from openrlhf_growmtp.reproducibility import ingredient
 

@@ -97,7 +97,7 @@ def speculative_config(head_dir: str | Path | None, depth: int, dynamic_depth: b
     """vLLM's speculative_config for drafting K = depth tokens per cycle by sampling from the head: a GrowMTP
     head directory, or with head_dir None the model's own native MTP layer (vLLM's "mtp" method).
     `dynamic_depth`: K is the most, and the depth of each generate is set while the engine runs
-    (`depth_control`): vLLM's dynamic speculative decoding, its batch-size table starting at K for every size."""
+    (`engine_depth`): vLLM's dynamic speculative decoding, its batch-size table starting at K for every size."""
     head = {"method": "mtp"} if head_dir is None else {"method": "eagle", "model": str(head_dir)}
     config = {**head, "num_speculative_tokens": int(depth), "draft_sample_method": "probabilistic",
               "rejection_sample_method": "standard"}

@@ -74,7 +74,7 @@ def logical_gpus(flat: dict) -> int:
 
 def growmtp_classes(flat: dict):
     """What upstream's `train()` builds in a GrowMTP run (K > 0)."""
-    from openrlhf_growmtp.trainer.engine_args import engine_kwargs
+    from openrlhf_growmtp.trainer.args.engine import engine_kwargs
     from openrlhf_growmtp.trainer.installer import RunClasses
     from openrlhf_growmtp.trainer.ppo_actor import GrowMTPPolicyActor
     from openrlhf_growmtp.trainer.ppo_trainer import GrowMTPPPOTrainer
@@ -92,10 +92,10 @@ def growmtp_classes(flat: dict):
 
 def plain_classes(cpu: bool, flat: dict):
     """A plain run (K = 0): the actor-side trainer applies the negative-advantage weight and reports its
-    memory; the engines take `engine_args`' settings and report theirs; the controller logs the step's times
+    memory; the engines take `args.engine`'s settings and report theirs; the controller logs the step's times
     and can make rollouts reproducible; without CUDA the engines take weights through Ray (upstream's weight
     sync is NCCL/CUDA only). `--train.async_enable` keeps upstream's async controller."""
-    from openrlhf_growmtp.trainer.engine_args import engine_kwargs, runner
+    from openrlhf_growmtp.trainer.args.engine import engine_kwargs, runner
     from openrlhf_growmtp.trainer.installer import RunClasses
     from openrlhf_growmtp.trainer.ppo_actor import PolicyActor
     from openrlhf_growmtp.trainer.ppo_trainer import OrderedPPOTrainer

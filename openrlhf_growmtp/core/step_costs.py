@@ -1,6 +1,6 @@
 """The cycle costs `--growmtp_depth auto` chooses with: medians of the run's own engine steps at each depth.
 
-Each engine times its steps (`vllm_patches.depth_control`): (depth, running requests, seconds) of every step
+Each engine times its steps (`vllm_patches.engine_depth`): (depth, running requests, seconds) of every step
 whose requests all verify and draft at the step's depth. After each rollout the controller hands the
 rollout's steps here (`RecentCosts.add_rollout`), and a depth's cost is:
 - *measured*: the median seconds of its steps at the reference batch over the last `window` rollouts that
@@ -8,7 +8,7 @@ rollout's steps here (`RecentCosts.add_rollout`), and a depth's cost is:
   batch among the kept steps of every depth: a rollout with more samples than the engine runs at once spends
   most of its steps there, and steps at smaller batches (a rollout's draining tail) are left out, so that every
   depth is compared at one batch;
-- *from the start-up measurement* (`prior`, `depth_control.calibration`) otherwise (a depth not drafted
+- *from the start-up measurement* (`prior`, `engine_depth.calibration`) otherwise (a depth not drafted
   lately, or depth 0, which a learning head never drafts), scaled by the median over measured depths of
   measured / prior: the start-up generates are short and random, the rollouts run at their own context lengths,
   and the scale keeps a measured depth and an unmeasured one comparable.

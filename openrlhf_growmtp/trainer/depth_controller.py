@@ -12,13 +12,12 @@ the depth it drafted; evaluation's rollouts never reach it (`samples_generator.g
 from __future__ import annotations
 
 import ray
-import torch
 
 from ..core.depth import CycleCosts, DepthChoice, DepthRule
 from ..core.metrics import acceptance_summary
 from ..core.step_costs import RecentCosts
-from .depth_args import cycle_costs
-from .keys import ACCEPTED_KEY
+from .args.depth import cycle_costs
+from .keys import accepted_counts
 
 DEFAULT_CALIBRATION_REQUESTS = 16  # the running batch measured where --vllm.max_num_seqs is not set
 
@@ -52,8 +51,7 @@ class DepthController:
 
     def after_rollout(self, experiences) -> None:
         """The rollout's realised acceptance, α_1..α_depth (none at depth 0), and its engines' step seconds."""
-        accepted = [torch.tensor(a, dtype=torch.long) for e in experiences for a in e.info.get(ACCEPTED_KEY, [])]
-        summary = acceptance_summary(torch.cat(accepted) if accepted else torch.zeros(0, dtype=torch.long), self.depth)
+        summary = acceptance_summary(accepted_counts(experiences), self.depth)
         self.rule.observe(summary.alpha if summary.cycles else [])
         if self.recent is not None:
             steps = ray.get([engine.growmtp_step_times.remote() for engine in self.engines])

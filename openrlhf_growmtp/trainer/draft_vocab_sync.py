@@ -15,7 +15,7 @@ import ray
 import torch
 
 from ..core.draft_vocab import DraftVocab, TokenCounts
-from .draft_vocab_flag import model_vocab_size
+from .args.draft_vocab import model_vocab_size
 
 
 class DraftVocabRanking:

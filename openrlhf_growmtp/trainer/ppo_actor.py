@@ -31,8 +31,8 @@ from .draft_vocab_sync import actor_draft_vocab
 from .engine_sync import loaded_all, nonfinite_head, send_to_engines
 from .head_step.deepspeed_patches import head_lr, head_optimizer_state
 from .head_step.head_rl_step import HeadRLStep, HeadRLStepConfig
-from .keys import ACCEPTED_KEY, CHECKED_KEY, DROPPED_KEY, RECORD_INDEX_KEY, RECORD_KEY, REQUEST_KEY
-from .loss import NegativeAdvantageWeightedLoss
+from .keys import RECORD_INDEX_KEY, RECORD_KEY
+from .negative_advantage_loss import NegativeAdvantageWeightedLoss
 from .resume import ACTOR_DIR, SNAPSHOT_FILE, publish_latest
 from .strategy import gathered_head_state, head_of, without_head
 
@@ -166,15 +166,13 @@ def take_records(items, lockstep: Lockstep) -> list[SequenceRecord]:
     # into the returned list stays, and training_step takes it out of its micro-batch.
     records, error = [], ""
     for item in items:
-        for key in (ACCEPTED_KEY, DROPPED_KEY, CHECKED_KEY):
-            item.info.pop(key, None)
-        request = item.info.pop(REQUEST_KEY, None)
-        blob = item.info.pop(RECORD_KEY, None)
-        if blob is not None and not error:
+        packed = item.info.pop(RECORD_KEY, None)  # a PackedRecord (keys.py)
+        if packed is not None and not error:
             item.info[RECORD_INDEX_KEY] = len(records)
+            request = packed.request
             name = f"request {request!r}" if request is not None else f"record {len(records)} of this rank"
             try:
-                records.append(decode_record(blob, name))
+                records.append(decode_record(packed.blob, name))
             except RecordError as err:
                 error = f"GrowMTP: a record of this RL step refused before any loss: {err}"
     if not lockstep.every(not error):

@@ -18,13 +18,12 @@ import time
 from pathlib import Path
 
 import ray
-import torch
 import transformers
 from openrlhf.trainer.ppo_trainer import PPOTrainer
 
 from ..core.metrics import acceptance_summary
 from .draft_vocab_sync import DraftVocabRanking
-from .keys import ACCEPTED_KEY, CHECKED_KEY, DROPPED_KEY, RECORD_KEY
+from .keys import accepted_counts, packed_records
 from .samples_generator import GrowMTPSamplesGenerator, OrderedSamplesGenerator
 
 logger = logging.getLogger("growmtp")
@@ -145,10 +144,9 @@ class GrowMTPStepMetrics(StepMetrics):
     def _rollout_metrics(self, samples) -> dict[str, float]:
         generator = getattr(self, "samples_generator", None)
         depth = generator.depth if generator is not None else self.args.growmtp.k  # drafted at (auto: per rollout)
-        accepted = [torch.tensor(acc, dtype=torch.long) for s in samples for acc in s.info.get(ACCEPTED_KEY, [])]
-        accepted = torch.cat(accepted) if accepted else torch.zeros(0, dtype=torch.long)
+        records, accepted = packed_records(samples), accepted_counts(samples)
         summary = acceptance_summary(accepted, depth)
-        record_bytes = sum(len(blob) for s in samples for blob in s.info.get(RECORD_KEY, []))
+        record_bytes = sum(len(record.blob) for record in records)
         generated = float(sum(s.response_length.sum().item() for s in samples))
         metrics = summary.as_dict("growmtp/")
         # the share of generated tokens that came out of drafting cycles (records come only from those)
@@ -158,8 +156,8 @@ class GrowMTPStepMetrics(StepMetrics):
         metrics["growmtp/record_bytes_per_token"] = record_bytes / max(generated, 1.0)
         if generator is not None:
             metrics["growmtp/time/record_rollout_s"] = generator.record_s
-        metrics["growmtp/dropped_cycles"] = float(sum(n for s in samples for n in s.info.get(DROPPED_KEY, [])))
-        checked = [flag for s in samples for flag in s.info.get(CHECKED_KEY, [])]
+        metrics["growmtp/dropped_cycles"] = float(sum(record.dropped for record in records))
+        checked = [record.checked for record in records]
         metrics["growmtp/records"] = float(len(checked))
         metrics["growmtp/records_checked"] = float(sum(bool(flag) for flag in checked))
         if metrics["growmtp/records_checked"] < len(checked):  # settings.spec_engine_kwargs asks vLLM for them

@@ -38,7 +38,7 @@ from .. import reproducibility
 from ..core.records import REQUEST_ID_META
 from ..cpu_support import VLLM_THREADS_BIND_ENV, omp_threads_bind
 from . import rollout_order
-from .keys import ACCEPTED_KEY, CHECKED_KEY, DROPPED_KEY, RECORD_KEY, RECORD_SECONDS_KEY, REQUEST_KEY
+from .keys import RECORD_KEY, RECORD_SECONDS_KEY, PackedRecord
 
 logger = logging.getLogger("growmtp")
 
@@ -196,11 +196,9 @@ class GrowMTPRolloutActor(RolloutActor):
             self.collector.add_drained((await self.llm.collective_rpc("growmtp_drain_records"))[0])
             for response in responses:
                 record = self.collector.pop_by_tokens(response["observation_tokens"])
-                response[RECORD_KEY] = record.pack()
-                response[ACCEPTED_KEY] = record.accepted.tolist()
-                response[DROPPED_KEY] = record.meta[DROPPED_META]
-                response[CHECKED_KEY] = int(record.meta[CHECKED_META])
-                response[REQUEST_KEY] = str(record.meta[REQUEST_ID_META])
+                response[RECORD_KEY] = PackedRecord.of(record, request=str(record.meta[REQUEST_ID_META]),
+                                                       dropped=int(record.meta[DROPPED_META]),
+                                                       checked=bool(record.meta[CHECKED_META]))
             for response in responses:
                 response[RECORD_SECONDS_KEY] = (time.perf_counter() - began) / len(responses)
         if self._in_flight == 0 and (orphans := self.collector.discard_unclaimed()):
@@ -210,20 +208,20 @@ class GrowMTPRolloutActor(RolloutActor):
         return responses
 
     async def growmtp_set_depth(self, depth: int) -> int:
-        """Draft `depth` tokens per cycle from the next rollout on (`vllm_patches.depth_control`); the records
+        """Draft `depth` tokens per cycle from the next rollout on (`vllm_patches.engine_depth`); the records
         then hold `depth` positions."""
         self.collector.depth = await self.llm.engine_core.call_utility_async("growmtp_set_depth", int(depth))
         return self.collector.depth
 
     async def growmtp_step_times(self) -> list[tuple[int, int, float]]:
         """This engine's clean steps since the last read, (depth, running requests, seconds)
-        (`vllm_patches.depth_control`)."""
+        (`vllm_patches.engine_depth`)."""
         return await self.llm.engine_core.call_utility_async("growmtp_step_times")
 
     async def growmtp_cycle_costs(self, requests: int) -> list[float]:
         """This engine's seconds per step at every depth 0..K, timed on its own generates with capture off
-        (`depth_control.calibration`); leaves the depth as it was."""
-        from vllm_patches.depth_control import calibration
+        (`engine_depth.calibration`); leaves the depth as it was."""
+        from vllm_patches.engine_depth import calibration
         from vllm_patches.settings import CaptureConfig
 
         plan = calibration(self._k, self.llm.model_config.get_vocab_size(), requests)

@@ -14,13 +14,12 @@ import itertools
 import time
 
 import ray
-import torch
 from openrlhf.trainer.ppo_utils.samples_generator import SamplesGenerator
 
 from .. import reproducibility
 from ..core.metrics import acceptance_summary
 from .depth_controller import DepthController
-from .keys import ACCEPTED_KEY, CHECKED_KEY, DROPPED_KEY, RECORD_KEY, RECORD_SECONDS_KEY, REQUEST_KEY
+from .keys import RECORD_KEY, RECORD_SECONDS_KEY, accepted_counts
 from .rollout_order import ORDER_KEY, NumberedEngines
 
 
@@ -93,8 +92,7 @@ class GrowMTPSamplesGenerator(OrderedSamplesGenerator):
             self.evaluating = False
             if self.depth_controller is not None:
                 self.depth_controller.drop_engine_steps()
-        accepted = [torch.tensor(a, dtype=torch.long) for e in experiences for a in e.info.get(ACCEPTED_KEY, [])]
-        summary = acceptance_summary(torch.cat(accepted) if accepted else torch.zeros(0, dtype=torch.long), self.depth)
+        summary = acceptance_summary(accepted_counts(experiences), self.depth)
         self.eval_metrics = {**summary.as_dict("eval_growmtp/"), "eval_growmtp/depth": float(self.depth)}
         return experiences
 
@@ -118,9 +116,5 @@ class GrowMTPSamplesGenerator(OrderedSamplesGenerator):
     def _process_response_into_experience(self, response, **generate_kwargs):
         self.record_s += response.pop(RECORD_SECONDS_KEY, 0.0)
         experience = super()._process_response_into_experience(response, **generate_kwargs)
-        experience.info[RECORD_KEY] = [response[RECORD_KEY]]
-        experience.info[ACCEPTED_KEY] = [response[ACCEPTED_KEY]]
-        experience.info[DROPPED_KEY] = [response[DROPPED_KEY]]
-        experience.info[CHECKED_KEY] = [response[CHECKED_KEY]]
-        experience.info[REQUEST_KEY] = [response[REQUEST_KEY]]
+        experience.info[RECORD_KEY] = [response[RECORD_KEY]]  # a PackedRecord
         return experience

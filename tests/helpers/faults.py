@@ -4,6 +4,7 @@ sitecustomize). $GROWMTP_FAULT_DIR holds the files the run's processes agree thr
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.abc
 import importlib.util
 import os
@@ -129,8 +130,8 @@ def record_cut_short(module) -> None:
         responses = await original(self, *args, **kwargs)
         calls[0] += 1
         if calls[0] == cut_at:
-            blob = responses[0][module.RECORD_KEY]
-            responses[0][module.RECORD_KEY] = blob[:len(blob) // 2]
+            record = responses[0][module.RECORD_KEY]
+            responses[0][module.RECORD_KEY] = dataclasses.replace(record, blob=record.blob[:len(record.blob) // 2])
         return responses
 
     cls.generate_responses = generate_responses

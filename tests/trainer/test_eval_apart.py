@@ -12,7 +12,7 @@ from helpers.trainer import cpu_support  # noqa: F401  (the CPU layer before ope
 
 from openrlhf_growmtp.core.metrics import acceptance_summary
 from openrlhf_growmtp.trainer import samples_generator
-from openrlhf_growmtp.trainer.keys import ACCEPTED_KEY
+from openrlhf_growmtp.trainer.keys import RECORD_KEY, PackedRecord
 
 EVALUATED = [[0, 1, 3, 2], [0, 0, 1]]  # accepted per cycle of each evaluation sample
 TRAINED = [[3, 3, 2], [2, 3]]
@@ -30,7 +30,7 @@ class Controller:
         self.calls.append("before_rollout")
 
     def after_rollout(self, experiences):
-        self.calls.append(("after_rollout", [e.info[ACCEPTED_KEY] for e in experiences]))
+        self.calls.append(("after_rollout", [[r.accepted for r in e.info[RECORD_KEY]] for e in experiences]))
 
     def drop_engine_steps(self):
         self.calls.append("drop_engine_steps")
@@ -38,7 +38,7 @@ class Controller:
 
 def test_evaluation_never_reaches_the_depth_controller_and_reports_its_own_acceptance(monkeypatch):
     def experiences(rows):
-        return [SimpleNamespace(info={ACCEPTED_KEY: [row]}) for row in rows]
+        return [SimpleNamespace(info={RECORD_KEY: [PackedRecord(b"", row)]}) for row in rows]
 
     served = {"eval": experiences(EVALUATED), "train": experiences(TRAINED)}
     monkeypatch.setattr(samples_generator.OrderedSamplesGenerator, "_generate_vllm",

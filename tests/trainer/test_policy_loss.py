@@ -24,7 +24,7 @@ from helpers.trainer import cpu_support  # noqa: F401  (the CPU layer before ope
 
 from openrlhf.models.loss import PolicyLoss  # noqa: E402
 
-from openrlhf_growmtp.trainer.loss import NegativeAdvantageWeightedLoss  # noqa: E402
+from openrlhf_growmtp.trainer.negative_advantage_loss import NegativeAdvantageWeightedLoss  # noqa: E402
 
 RATIOS = [1.5, 0.5, 1.5, 4.0, 0.5, 2.0]
 ADVANTAGES = [1.0, 1.0, -1.0, -1.0, -1.0, 0.0]

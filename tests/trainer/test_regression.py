@@ -23,7 +23,7 @@ from openrlhf_growmtp.core.checkpoint import load_head, materialize_random_head
 from openrlhf_growmtp.core.records import SequenceRecord
 from openrlhf_growmtp.core.schedule import DEFAULT_HEAD_LR
 from openrlhf_growmtp.trainer.head_step.deepspeed_patches import head_optimizer_state
-from openrlhf_growmtp.trainer.keys import ACCEPTED_KEY, RECORD_KEY
+from openrlhf_growmtp.trainer.keys import RECORD_KEY, PackedRecord
 
 from helpers import tiny
 from helpers.faults import NaNGradient
@@ -43,8 +43,7 @@ def make_experience(policy_dir, records, sequences=None):
     logp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, sequences[:, 1:, None])[..., 0][:, -RESPONSE:]
     info = {"reward": torch.tensor([1.0, 0.0, 0.5, 0.2])}
     if records is not None:
-        info[RECORD_KEY] = [r.pack() for r in records]
-        info[ACCEPTED_KEY] = [r.accepted.tolist() for r in records]
+        info[RECORD_KEY] = [PackedRecord.of(r) for r in records]
     return Experience(sequences=sequences, attention_mask=torch.ones_like(sequences),
                       action_mask=torch.ones(BATCH, RESPONSE, dtype=torch.long), action_log_probs=logp,
                       advantages=torch.randn(BATCH, RESPONSE, generator=g),

@@ -411,7 +411,7 @@ def test_every_ablation_arm_command_passes_the_startup_checks(policy_dir, head_d
 
 def test_max_num_seqs_reaches_the_rollout_actors_of_both_arms_and_is_left_to_vllm_unset(policy_dir, head_dir):
     from openrlhf_growmtp.cli.train_ppo_ray import growmtp_classes, plain_classes
-    from openrlhf_growmtp.trainer.engine_args import engine_kwargs
+    from openrlhf_growmtp.trainer.args.engine import engine_kwargs
 
     args = ["--actor.model_name_or_path", str(policy_dir), *GOOD, "--growmtp_k", "3"]
     flat = vars(parse_train_args([*args, "--vllm.max_num_seqs", "2"]))

@@ -80,10 +80,10 @@ def test_a_resumed_run_sets_aside_the_rows_of_the_steps_it_logs_again(tmp_path):
 
 
 def test_records_that_were_not_compared_with_vllms_counts_are_counted_and_warned_about(caplog):
-    from openrlhf_growmtp.trainer.keys import ACCEPTED_KEY, CHECKED_KEY
+    from openrlhf_growmtp.trainer.keys import RECORD_KEY, PackedRecord
 
     def sample(checked: int):
-        return SimpleNamespace(info={ACCEPTED_KEY: [[1, 0, 3]], CHECKED_KEY: [checked]},
+        return SimpleNamespace(info={RECORD_KEY: [PackedRecord(b"", [1, 0, 3], checked=bool(checked))]},
                                response_length=torch.tensor([7.0]))
 
     metrics = GrowMTPStepMetrics()

@@ -13,7 +13,7 @@ from helpers.trainer import cpu_support  # noqa: F401  (the CPU layer before ope
 
 from openrlhf_growmtp.core.lockstep import ONE_RANK
 from openrlhf_growmtp.core.records import RecordError
-from openrlhf_growmtp.trainer.keys import ACCEPTED_KEY, RECORD_INDEX_KEY, RECORD_KEY, REQUEST_KEY
+from openrlhf_growmtp.trainer.keys import RECORD_INDEX_KEY, RECORD_KEY, PackedRecord
 from openrlhf_growmtp.trainer.ppo_actor import take_records
 
 
@@ -22,8 +22,8 @@ def samples(records, requests, spoil=None):
     out = []
     for i, (rec, request) in enumerate(zip(records, requests)):
         blob = rec.pack()
-        out.append(SimpleNamespace(info={RECORD_KEY: spoil(i, blob) if spoil else blob, REQUEST_KEY: request,
-                                         ACCEPTED_KEY: rec.accepted.tolist()}))
+        out.append(SimpleNamespace(info={RECORD_KEY: PackedRecord(spoil(i, blob) if spoil else blob,
+                                                                  rec.accepted.tolist(), request=request)}))
     return out
 
 

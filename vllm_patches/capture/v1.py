@@ -42,7 +42,7 @@ class _Pending:
     verified: dict | None = None  # rejection_sample -> _sample: core.read_verification's fields
     proposal: tuple | None = None  # propose -> propose_draft_token_ids: (query_start, sampled_index, positions, hidden)
     # propose -> the next step's _sample: the depth the drafts that step verifies were drafted at (the
-    # scheduler's per-step depth under dynamic speculative decoding, `depth_control`; else always K)
+    # scheduler's per-step depth under dynamic speculative decoding, `engine_depth`; else always K)
     drafted_depth: int | None = None
 
 

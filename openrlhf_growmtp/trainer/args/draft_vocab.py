@@ -1,20 +1,20 @@
 """`--growmtp_draft_vocab N`: the head drafts over the run's N most frequent token ids (`core/draft_vocab.py`).
 
-Its flag and its startup checks, which `args.py` registers and runs with the others. Where it works: a GrowMTP head
-drafting in engines of one tensor-parallel rank, trained on its draft paths by an objective that reads only α (DCA or
-TV), under the synchronous controller (the vocabulary is re-ranked between rollouts and every record must be drafted
-over the one the trainer holds).
+Its flag and its startup checks, which the package (`args/__init__.py`) registers and runs with the others.
+Where it works: a GrowMTP head drafting in engines of one tensor-parallel rank, trained on its draft paths by an
+objective that reads only α (DCA or TV), under the synchronous controller (the vocabulary is re-ranked between
+rollouts and every record must be drafted over the one the trainer holds).
 """
 
 from __future__ import annotations
 
-from ..core.checkpoint import HeadCheckpointError, resolve_backbone
-from ..core.objectives import CHAIN_OBJECTIVES
-from ..hub import ModelLocationError, local_dir
+from ...core.checkpoint import HeadCheckpointError, resolve_backbone
+from ...core.objectives import CHAIN_OBJECTIVES
+from ...hub import ModelLocationError, local_dir
 
 
 def add_draft_vocab_flag(flag) -> None:
-    """Register the flag through args.py's `flag` (both spellings)."""
+    """Register the flag through the package's `flag` (both spellings)."""
     flag("draft_vocab", type=int, default=None,
          help="draft over the N token ids most frequent in the run's committed tokens (its prompts, then every "
               "rollout's), re-ranked each RL step; q is zero outside them and rejection sampling stays exact. "
@@ -46,7 +46,7 @@ def check_draft_vocab(flat: dict) -> list[str]:
 
 
 def model_vocab_size(model: str | None) -> int | None:
-    """The model's vocabulary size, None where its config cannot be read (args.py reports that)."""
+    """The model's vocabulary size, None where its config cannot be read (`check_args` reports that)."""
     try:
         return None if not model else int(resolve_backbone(local_dir(model))[1].vocab_size)
     except (HeadCheckpointError, ModelLocationError, KeyError, ValueError, OSError):

@@ -1,4 +1,4 @@
-"""The drafting depth set while the engine runs (`vllm_patches/depth_control.py`, `--growmtp_depth auto`):
+"""The drafting depth set while the engine runs (`vllm_patches/engine_depth.py`, `--growmtp_depth auto`):
 at every depth the records rebuild the responses, agree with vLLM's own counters and with the core's
 reconstruction of q; the engine's step times and cycle costs; what is refused."""
 
@@ -107,7 +107,7 @@ def test_one_calibration_procedure_runs_on_a_sync_engine_and_an_async_one():
     # Calibration.measure, so both warm up first, drop the warm-up's steps and time every depth of the plan
     import asyncio
 
-    from vllm_patches.depth_control import awaitable, calibration, run_now
+    from vllm_patches.engine_depth import awaitable, calibration, run_now
 
     plan = calibration(3, 128, requests=2)
 

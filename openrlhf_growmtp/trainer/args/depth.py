@@ -1,5 +1,5 @@
-"""The drafting-depth flags (`--growmtp_depth` and what goes with it) and their startup checks; `args.py`
-registers them with the other `--growmtp_*` flags and runs the checks with its own."""
+"""The drafting-depth flags (`--growmtp_depth` and what goes with it) and their startup checks; the package
+(`args/__init__.py`) registers them with the other `--growmtp_*` flags and runs the checks with its own."""
 
 from __future__ import annotations
 

@@ -160,7 +160,7 @@ def growmtp_step_times(self) -> list[tuple[int, int, float]]:
     return steps
 
 
-def install_depth_control() -> None:
+def install_engine_depth() -> None:
     """Time EngineCore's steps and add the two utilities (idempotent; inert for an engine that never asks)."""
     global _INSTALLED
     if _INSTALLED:

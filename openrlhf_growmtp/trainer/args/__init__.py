@@ -1,6 +1,13 @@
-"""The `--growmtp_*` flags, their dotted aliases, and the startup checks that run before Ray starts.
+"""Every flag this launcher adds to upstream's `train_ppo_ray`, and the startup checks that run before Ray starts.
 
-Every flag is registered under both spellings (`--growmtp_k` and upstream's grouped style
+One room, one file per concern; each file registers its flags and checks them:
+- here: the `--growmtp_*` group (K, the head and its schedule, the objective, VGM, mode, records,
+  `--growmtp_neg_adv_weight`, the debugging logs) and `check_args`, which runs every file's checks;
+- `depth.py`: `--growmtp_depth`, `--growmtp_cycle_costs`, `--growmtp_(no_)committed_loss`;
+- `draft_vocab.py`: `--growmtp_draft_vocab`;
+- `engine.py`: the `--vllm.*` engine settings GrowMTP adds (`--vllm.max_num_seqs`, `--vllm.runner`).
+
+Every `--growmtp_*` flag is registered under both spellings (`--growmtp_k` and upstream's grouped style
 `--growmtp.k`) with the dotted destination, so OpenRLHF's `hierarchize` turns it into `args.growmtp.k`.
 `check_args` works on the flat namespace right after parsing: a bad combination stops the launch with
 one message naming every problem, before any actor, engine or checkpoint is touched.
@@ -12,16 +19,16 @@ from __future__ import annotations
 import argparse
 import json
 
-from ..core.checkpoint import (HeadCheckpointError, check_head_dir, check_text_only, native_head_layers,
+from ...core.checkpoint import (HeadCheckpointError, check_head_dir, check_text_only, native_head_layers,
                                native_head_tensor_names, resolve_backbone)
-from ..core.objectives import ALPHA_ESTIMATES, OBJECTIVES
-from ..core.reconstruction import CHUNK_CYCLES
-from ..core.records import DEFAULT_TOPK
-from ..core.schedule import DEFAULT_HEAD_LR, DEFAULT_MIN_LR_RATIO, DEFAULT_WARMUP_STEPS
-from ..hub import ModelLocationError, local_dir
-from .depth_args import add_depth_args, check_depth
-from .draft_vocab_flag import add_draft_vocab_flag, check_draft_vocab
-from .engine_args import add_engine_args, check_engine_args
+from ...core.objectives import ALPHA_ESTIMATES, OBJECTIVES
+from ...core.reconstruction import CHUNK_CYCLES
+from ...core.records import DEFAULT_TOPK
+from ...core.schedule import DEFAULT_HEAD_LR, DEFAULT_MIN_LR_RATIO, DEFAULT_WARMUP_STEPS
+from ...hub import ModelLocationError, local_dir
+from .depth import add_depth_args, check_depth
+from .draft_vocab import add_draft_vocab_flag, check_draft_vocab
+from .engine import add_engine_args, check_engine_args
 
 SUPPORTED_STAGES = (2, 3)  # DeepSpeed ZeRO stages whose optimizer trainer/head_step/ knows
 
