@@ -194,13 +194,14 @@ def _load_experience(experience_dir: Path, logp_file: str, with_records: bool):
 def _experience(sequences: torch.Tensor, logp: torch.Tensor, prompt: int, records, seed: int):
     from openrlhf.trainer.ppo_utils.experience import Experience
 
+    from openrlhf_growmtp.trainer.keys import RECORD_KEY, PackedRecord
+
     batch, length = sequences.shape
     response = length - prompt
     g = torch.Generator().manual_seed(seed)
     info = {"reward": torch.rand(batch, generator=g)}
     if records is not None:
-        info["growmtp_record"] = [r.pack() for r in records]
-        info["growmtp_accepted"] = [r.accepted.tolist() for r in records]
+        info[RECORD_KEY] = [PackedRecord.of(r) for r in records]
     return Experience(sequences=sequences.clone(), attention_mask=torch.ones_like(sequences),
                       action_mask=torch.ones(batch, response, dtype=torch.bool), action_log_probs=logp.clone(),
                       advantages=torch.randn(batch, response, generator=g),
