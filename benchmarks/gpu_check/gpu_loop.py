@@ -1,39 +1,50 @@
-"""A minimal generation loop in place of vLLM (which the GPU check does not need on the GPU machine), timed
-autoregressive and speculative side by side by check `rollout_loop` (`gpu_rollout_loop.py`).
+"""The GPU check's one drafting loop in place of vLLM (which the GPU check does not need on the GPU machine): the
+rollout loop's timing, autoregressive and speculative side by side (check `rollout_loop`, `gpu_rollout_loop.py`),
+and, with a record tap, the reference drafter whose records the trainer check trains on (`gpu_trainer.py`).
 
 The loop. `batch` sequences (64) decode in lockstep over static KV caches (the policy's, one per layer, and
 the head's), preallocated for `capacity` positions (`cycle_timing.KVBuffer`): a forward writes its new keys and
 values at their absolute positions (a scatter per sequence) and attends over the whole buffer with a mask, key
-<= query position (`cycle_timing.cached_forward`). Slots a rejected draft or a finished chain wrote are never
-read: the next forward writes over them before any query can see them. Each phase has one shape, so on CUDA
-each is captured once in a CUDA graph (`torch.cuda.CUDAGraph`, one per shape and context; a context's graphs
-share one memory pool, freed with them before the next context's are captured: a pool whose graphs are all gone
-cannot take new ones) and replayed; on a CPU the same functions run eagerly. Nothing in a phase reads a value
-back to the host.
+<= query position (`cycle_timing.cached_forward`). Each sequence stands at its own position; slots a rejected
+draft or a finished chain wrote are never read: the next forward writes over them before any query can see
+them. Each phase has one shape, so on CUDA each is captured once in a CUDA graph (`torch.cuda.CUDAGraph`, one
+per shape and context; a context's graphs share one memory pool, freed with them before the next context's are
+captured: a pool whose graphs are all gone cannot take new ones) and replayed; on a CPU, or with a tap, the same
+functions run eagerly. Nothing in a phase reads a value back to the host (but the tap).
 - decode: one token per sequence through the policy, p = softmax (fp32), a token sampled from p;
 - first: the head writes its entries for the K + 1 positions the previous verify committed or rejected,
   (H_p, x_{p+1}) at p (masked by position, so the rejected ones are never read) and drafts d_1 from q_1 at
   the cycle's start s;
 - step (K - 1 replays of one graph): the chain's next position, (h'_{j-1}, d_{j-1}) at s + j - 1;
-- verify: the policy over [x_{s+1}, d_1..d_K] at s + 1..s + K + 1, then `gpu_sampler.rejection_step`.
-Tokens are sampled by `gpu_sampler.sample` (the exponential race: no host synchronisation).
+- verify: the policy over [x_{s+1}, d_1..d_K] at s + 1..s + K + 1, then `rejection_step`
+  (`experiments/reference_drafting.py`, as every token here is drawn: `sample`, no host synchronisation), and
+  the commit the next cycle's first phase reads.
+A reset starts every sequence from `context` random committed positions, or, given `prompts`, from the
+prompts' prefill (their whole forward, the head's entries for them, and x_P sampled from p as a decoding step
+does: the first cycle starts at the last prompt position).
+
+The record tap (`Records`): called by verify with the cycle's start, drafts, the target's logits, accepted and
+emitted, it keeps each sequence's committed tokens and its cycles as the engine records them (`core/records.py`:
+the target's full-vocabulary top-k log-probs at each draft position); `draft_rollouts` runs a prompts loop with
+one until every sequence has its tokens, and cuts the records to one common length.
 
 tau. The head's tau is set by the scale of its logits (its final norm's weight, `calibrate`): a bisection on
 log2 of the scale against the tau the loop measures (flatter q overlaps a random policy's p more). Cycles cost
 the same at every tau (every phase has one shape), so tokens per second at tau = tau x batch / cycle seconds.
+The first drafts' acceptance is held to sum min(p_1, q_1) by the counters and `acceptance_z`.
 """
 
 from __future__ import annotations
 
-import math
 import time
+from dataclasses import dataclass
 
 import torch
 from transformers import Qwen3ForCausalLM
 
-from benchmarks.gpu_check.gpu_sampler import rejection_step, sample
-from benchmarks.shared.cycle_timing import KVBuffer, MaskedGQA, cached_forward, visible
-from openrlhf_growmtp.core import MTPHead
+from benchmarks.shared.cycle_timing import KVBuffer, MaskedGQA, cached_forward, policy_caches, visible
+from openrlhf_growmtp.core import MTPHead, SequenceRecord
+from openrlhf_growmtp.experiments.reference_drafting import rejection_step, sample
 
 COUNTERS = ("tokens", "cycles", "first_accepted", "all_accepted", "alpha_sum", "alpha_var")
 
@@ -42,19 +53,25 @@ class Loop:
     """One context's loop at one depth: views of the caches, the state (device tensors only), its phases, and
     their CUDA graphs. `drafter` is "head" (the MTP head) or "target" (the policy drafts for itself: q = p).
     `draft_ids` [N] (int64, ascending, on the device): the head drafts over these ids alone, from their lm_head
-    rows (sliced once); q is kept over them ([B, K, N]) and is zero at every other id (`core/draft_vocab.py`)."""
+    rows (sliced once); q is kept over them ([B, K, N]) and is zero at every other id (`core/draft_vocab.py`).
+    `prompts` [B, P]: a reset prefills them (P = `context`) in place of random committed positions; `tap`: a
+    `Records` (or anything with its `started` and `verified`), called by every reset and verify."""
 
     PHASES = ("decode", "first", "step", "verify")
 
     def __init__(self, policy: Qwen3ForCausalLM, layers: int, head: MTPHead | None, policy_kv: list[KVBuffer],
                  head_kv: KVBuffer | None, context: int, capacity: int, k: int, seed: int = 0,
-                 drafter: str = "head", draft_ids: torch.Tensor | None = None):
+                 drafter: str = "head", draft_ids: torch.Tensor | None = None, prompts: torch.Tensor | None = None,
+                 tap: Records | None = None):
         if drafter not in ("head", "target") or (drafter == "head") != (head is not None):
             raise ValueError(f"drafter must be 'head' with a head or 'target' without, got {drafter!r}")
         if draft_ids is not None and drafter != "head":
             raise ValueError("a draft vocabulary is the head's: the target drafts over every id")
+        if prompts is not None and tuple(prompts.shape) != (policy_kv[0].keys.shape[0], context):
+            raise ValueError(f"prompts must be [batch, context] = [{policy_kv[0].keys.shape[0]}, {context}], "
+                             f"got {list(prompts.shape)}")
         self.policy, self.layers, self.head, self.k, self.drafter = policy, layers, head, k, drafter
-        self.context, self.capacity = context, capacity
+        self.context, self.capacity, self.prompts, self.tap = context, capacity, prompts, tap
         self.caches = [kv.view(capacity) for kv in policy_kv[:layers]]
         self.head_cache = head_kv.view(capacity) if head is not None else None
         weight = policy.model.embed_tokens.weight
@@ -64,7 +81,7 @@ class Loop:
         # the lm_head's rows of the draft vocabulary, sliced once (the product gathers them once per ranking)
         self.draft_weight = None if draft_ids is None else policy.lm_head.weight.detach()[draft_ids].contiguous()
         self.batch = policy_kv[0].keys.shape[0]
-        self.generator = None if self.device.type == "cuda" else torch.Generator().manual_seed(seed)
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)  # `capture` drops it on CUDA
         self.init_generator = torch.Generator(device=self.device).manual_seed(seed + 1)
         self._allocate_state(weight.shape[1])
         self.graphs: dict[str, torch.cuda.CUDAGraph] = {}
@@ -127,7 +144,8 @@ class Loop:
         ids = torch.cat([self.last[:, None], self.drafts], dim=1)
         positions = (self.start + 1)[:, None] + torch.arange(k + 1, device=self.device)
         hidden = self._policy(ids, positions)
-        p = torch.softmax(self.policy.lm_head(hidden).float(), dim=-1)  # [B, K+1, V]
+        logits = self.policy.lm_head(hidden).float()
+        p = torch.softmax(logits, dim=-1)  # [B, K+1, V]
         ids = self.draft_ids
         if ids is None:
             accepted, emitted = rejection_step(p, self.q, self.drafts, self.generator)
@@ -135,6 +153,8 @@ class Loop:
         else:  # q is zero outside the ids: sum min(p, q) runs over them
             accepted, emitted = rejection_step(p, self.q, self.places, self.generator, ids)
             alpha = torch.minimum(p[:, 0].index_select(-1, ids), self.q[:, 0]).sum(-1).double()
+        if self.tap is not None:
+            self.tap.verified(self.start, self.drafts, logits[:, :k], accepted, emitted)
         c = self.counts
         c["tokens"].add_((accepted + 1).sum())
         c["cycles"].add_(self.batch)
@@ -181,7 +201,8 @@ class Loop:
     # ---- running -----------------------------------------------------------------------------------------
     def reset(self) -> None:
         """Every sequence at `context` committed positions: decode's next token at `context`; the previous
-        verify (random hidden states and tokens) at context - 1, none of its drafts accepted."""
+        verify (random hidden states and tokens, or the prompts' prefill) at context - 1, none of its drafts
+        accepted."""
         g = self.init_generator
         self.token.random_(0, self.vocab, generator=g)
         self.position.fill_(self.context)
@@ -191,12 +212,32 @@ class Loop:
         self.accepted.zero_()
         for t in self.counts.values():
             t.zero_()
+        if self.prompts is not None:
+            with torch.no_grad():
+                self._prefill()
+
+    def _prefill(self) -> None:
+        """The prompts through the policy (causal, into its caches) and the head (its entries for positions
+        0..P-2); x_P sampled from p at P - 1 stands as the previous verify's token there, with H_{P-1}."""
+        prompts, length = self.prompts, self.context
+        positions = torch.arange(length, device=self.device).expand(self.batch, -1)
+        hidden = self._policy(prompts, positions)
+        token = sample(torch.softmax(self.policy.lm_head(hidden[:, -1]).float(), dim=-1), self.generator)
+        if self.head is not None and length > 1:
+            self._head(hidden[:, :-1], prompts[:, 1:], positions[:, :-1])
+        self.verify_hidden[:, 0] = hidden[:, -1]
+        self.next_tokens[:, 0] = token
+        if self.tap is not None:
+            self.tap.started(prompts, token)
 
     def capture(self) -> None:
         """One CUDA graph per phase, all in one new memory pool (warm-up runs first, on a side stream, as
         torch.cuda.graphs asks)."""
         if self.device.type != "cuda":
             return
+        if self.tap is not None:
+            raise ValueError("a loop with a tap reads back to the host at every verify: it runs eagerly")
+        self.generator = None  # a graph draws from the device's default generator, which capture registers
         pool = torch.cuda.graph_pool_handle()
         self.reset()
         side = torch.cuda.Stream()
@@ -272,8 +313,96 @@ def calibrate(loop: Loop, tau: float, cycles: int, probes: int) -> dict:
             "base": base}
 
 
-def acceptance_z(counts: dict) -> float:
-    """The first drafts' acceptance rate against its expectation, the mean of sum min(p_1, q_1) over the
-    cycles, in standard errors: sqrt(sum alpha (1 - alpha)) / cycles (independent Bernoulli trials)."""
-    n = counts["cycles"]
-    return (counts["first_accepted"] - counts["alpha_sum"]) / math.sqrt(max(counts["alpha_var"], 1e-30)) if n else 0.0
+
+class Records:
+    """The record tap: each sequence's committed tokens and its cycles (start s, drafts, the target's top-k
+    ids and log-probs at the K draft positions, accepted), kept on the host."""
+
+    def __init__(self, topk: int):
+        self.topk, self.prompt = topk, 0
+        self.tokens: list[list[int]] = []
+        self.cycles: list[list[tuple]] = []
+
+    def started(self, prompts: torch.Tensor, first: torch.Tensor) -> None:
+        self.prompt = prompts.shape[1]
+        self.tokens = [row + [t] for row, t in zip(prompts.tolist(), first.tolist())]
+        self.cycles = [[] for _ in self.tokens]
+
+    def verified(self, start, drafts, logits, accepted, emitted) -> None:
+        """One cycle of every sequence: logits [B, K, V] the target's at the draft positions (fp32)."""
+        top = torch.log_softmax(logits, dim=-1).topk(self.topk, dim=-1)
+        # a copy of the drafts: on a CPU .cpu() would hand back the loop's own tensor, which the next cycle rewrites
+        ids, values, drafts = top.indices.cpu(), top.values.cpu(), drafts.to("cpu", copy=True)
+        for b, (s, a, e) in enumerate(zip(start.tolist(), accepted.tolist(), emitted.tolist())):
+            self.tokens[b] += drafts[b, :a].tolist() + [e]
+            self.cycles[b].append((s, drafts[b], ids[b], values[b], a))
+
+    def committed(self) -> int:
+        """The fewest response tokens a sequence has committed."""
+        return min(len(t) for t in self.tokens) - self.prompt
+
+    def records(self) -> tuple[list[SequenceRecord], list[int]]:
+        """The records cut to one common length (trailing cycles that pass it dropped), and the kept cycles'
+        accepted counts."""
+        length = min(len(t) for t in self.tokens)
+        records, kept = [], []
+        for tokens, cycles in zip(self.tokens, self.cycles):
+            mine = [c for c in cycles if c[0] + c[4] + 2 <= length - 1]
+            kept.extend(c[4] for c in mine)
+            records.append(SequenceRecord(
+                token_ids=torch.tensor(tokens[:length]), prompt_len=self.prompt,
+                start=torch.tensor([c[0] for c in mine]), drafts=torch.stack([c[1] for c in mine]),
+                topk_ids=torch.stack([c[2] for c in mine]), topk_logprobs=torch.stack([c[3] for c in mine]),
+                accepted=torch.tensor([c[4] for c in mine]), hidden=None, temperature=1.0))
+        return records, kept
+
+
+@dataclass
+class Rollouts:
+    records: list[SequenceRecord]
+    tau: float  # 1 + mean accepted, over the kept cycles
+    cycles: int  # the kept cycles
+    seconds: float
+    phases: dict[str, float]  # seconds: "prefill", "head" (first and steps), "verify" (sampling, commit, record)
+    counts: dict[str, float]  # the loop's counters over every cycle run (`acceptance_z`)
+
+
+def drafting_loop(policy: Qwen3ForCausalLM, head: MTPHead, prompts: torch.Tensor, response_tokens: int, k: int,
+                  topk: int, seed: int = 0) -> Loop:
+    """The reference drafter: a loop over `prompts` [B, P] (equal lengths) with a `Records` tap, every policy
+    layer, its caches sized for `response_tokens` cycles (a cycle commits 1..K + 1 tokens of each sequence)."""
+    batch, length = prompts.shape
+    capacity = length + (response_tokens + 1) * (k + 1)
+    config, weight = head.config, head.embed_tokens.weight
+    head_kv = KVBuffer.empty(batch, config.num_key_value_heads, capacity, config.head_dim, weight.device,
+                             weight.dtype)
+    return Loop(policy, policy.config.num_hidden_layers, head, policy_caches(policy, batch, capacity), head_kv,
+                length, capacity, k, seed, prompts=prompts, tap=Records(topk))
+
+
+def draft_rollouts(loop: Loop, response_tokens: int) -> Rollouts:
+    """A `drafting_loop` run from its prompts until every sequence has `response_tokens` new tokens; the
+    records cut to one common length, the seconds of each phase."""
+    phases = dict.fromkeys(("prefill", "head", "verify"), 0.0)
+    _sync(loop.device)
+    started = mark = time.perf_counter()
+
+    def lap(phase: str) -> None:
+        nonlocal mark
+        _sync(loop.device)
+        now = time.perf_counter()
+        phases[phase] += now - mark
+        mark = now
+
+    loop.reset()
+    lap("prefill")
+    while loop.tap.committed() < response_tokens:
+        loop.run("first")
+        for _ in range(loop.k - 1):
+            loop.run("step")
+        lap("head")
+        loop.run("verify")
+        lap("verify")
+    records, kept = loop.tap.records()
+    return Rollouts(records=records, tau=1.0 + sum(kept) / max(1, len(kept)), cycles=len(kept),
+                    seconds=mark - started, phases=phases, counts={n: float(t) for n, t in loop.counts.items()})
