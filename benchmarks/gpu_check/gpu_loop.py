@@ -1,6 +1,6 @@
 """The GPU check's one drafting loop in place of vLLM (which the GPU check does not need on the GPU machine): the
 rollout loop's timing, autoregressive and speculative side by side (check `rollout_loop`, `gpu_rollout_loop.py`),
-and, with a record tap, the reference drafter whose records the trainer check trains on (`gpu_trainer.py`).
+and, with a record tap, the reference drafter whose records the trainer check trains on (`gpu_drafter.py`).
 
 The loop. `batch` sequences (64) decode in lockstep over static KV caches (the policy's, one per layer, and
 the head's), preallocated for `capacity` positions (`cycle_timing.KVBuffer`): a forward writes its new keys and
@@ -23,10 +23,8 @@ A reset starts every sequence from `context` random committed positions, or, giv
 prompts' prefill (their whole forward, the head's entries for them, and x_P sampled from p as a decoding step
 does: the first cycle starts at the last prompt position).
 
-The record tap (`Records`): called by verify with the cycle's start, drafts, the target's logits, accepted and
-emitted, it keeps each sequence's committed tokens and its cycles as the engine records them (`core/records.py`:
-the target's full-vocabulary top-k log-probs at each draft position); `draft_rollouts` runs a prompts loop with
-one until every sequence has its tokens, and cuts the records to one common length.
+A tap (`gpu_drafter.Records`) is called by every reset with the prompts and x_P, and by every verify with the
+cycle's start, drafts, the target's logits at the draft positions, accepted and emitted.
 
 tau. The head's tau is set by the scale of its logits (its final norm's weight, `calibrate`): a bisection on
 log2 of the scale against the tau the loop measures (flatter q overlaps a random policy's p more). Cycles cost
@@ -37,13 +35,13 @@ The first drafts' acceptance is held to sum min(p_1, q_1) by the counters and `a
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 
 import torch
 from transformers import Qwen3ForCausalLM
 
-from benchmarks.shared.cycle_timing import KVBuffer, MaskedGQA, cached_forward, policy_caches, visible
-from openrlhf_growmtp.core import MTPHead, SequenceRecord
+from benchmarks.shared.bench_common import sync
+from benchmarks.shared.cycle_timing import KVBuffer, MaskedGQA, cached_forward, visible
+from openrlhf_growmtp.core import MTPHead
 from openrlhf_growmtp.experiments.reference_drafting import rejection_step, sample
 
 COUNTERS = ("tokens", "cycles", "first_accepted", "all_accepted", "alpha_sum", "alpha_var")
@@ -55,14 +53,14 @@ class Loop:
     `draft_ids` [N] (int64, ascending, on the device): the head drafts over these ids alone, from their lm_head
     rows (sliced once); q is kept over them ([B, K, N]) and is zero at every other id (`core/draft_vocab.py`).
     `prompts` [B, P]: a reset prefills them (P = `context`) in place of random committed positions; `tap`: a
-    `Records` (or anything with its `started` and `verified`), called by every reset and verify."""
+    `gpu_drafter.Records` (anything with its `started` and `verified`), called by every reset and verify."""
 
     PHASES = ("decode", "first", "step", "verify")
 
     def __init__(self, policy: Qwen3ForCausalLM, layers: int, head: MTPHead | None, policy_kv: list[KVBuffer],
                  head_kv: KVBuffer | None, context: int, capacity: int, k: int, seed: int = 0,
                  drafter: str = "head", draft_ids: torch.Tensor | None = None, prompts: torch.Tensor | None = None,
-                 tap: Records | None = None):
+                 tap=None):
         if drafter not in ("head", "target") or (drafter == "head") != (head is not None):
             raise ValueError(f"drafter must be 'head' with a head or 'target' without, got {drafter!r}")
         if draft_ids is not None and drafter != "head":
@@ -269,18 +267,13 @@ class Loop:
     def timed(self, what: str, count: int) -> tuple[float, dict]:
         """Seconds of `count` decode steps or cycles from a reset, and the counters after them."""
         self.reset()
-        _sync(self.device)
+        sync(self.device)
         t0 = time.perf_counter()
         for _ in range(count):
             self.run("decode") if what == "decode" else self.cycle()
-        _sync(self.device)
+        sync(self.device)
         seconds = time.perf_counter() - t0
         return seconds, {name: float(t) for name, t in self.counts.items()}
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def calibrate(loop: Loop, tau: float, cycles: int, probes: int) -> dict:
@@ -313,96 +306,3 @@ def calibrate(loop: Loop, tau: float, cycles: int, probes: int) -> dict:
             "base": base}
 
 
-
-class Records:
-    """The record tap: each sequence's committed tokens and its cycles (start s, drafts, the target's top-k
-    ids and log-probs at the K draft positions, accepted), kept on the host."""
-
-    def __init__(self, topk: int):
-        self.topk, self.prompt = topk, 0
-        self.tokens: list[list[int]] = []
-        self.cycles: list[list[tuple]] = []
-
-    def started(self, prompts: torch.Tensor, first: torch.Tensor) -> None:
-        self.prompt = prompts.shape[1]
-        self.tokens = [row + [t] for row, t in zip(prompts.tolist(), first.tolist())]
-        self.cycles = [[] for _ in self.tokens]
-
-    def verified(self, start, drafts, logits, accepted, emitted) -> None:
-        """One cycle of every sequence: logits [B, K, V] the target's at the draft positions (fp32)."""
-        top = torch.log_softmax(logits, dim=-1).topk(self.topk, dim=-1)
-        # a copy of the drafts: on a CPU .cpu() would hand back the loop's own tensor, which the next cycle rewrites
-        ids, values, drafts = top.indices.cpu(), top.values.cpu(), drafts.to("cpu", copy=True)
-        for b, (s, a, e) in enumerate(zip(start.tolist(), accepted.tolist(), emitted.tolist())):
-            self.tokens[b] += drafts[b, :a].tolist() + [e]
-            self.cycles[b].append((s, drafts[b], ids[b], values[b], a))
-
-    def committed(self) -> int:
-        """The fewest response tokens a sequence has committed."""
-        return min(len(t) for t in self.tokens) - self.prompt
-
-    def records(self) -> tuple[list[SequenceRecord], list[int]]:
-        """The records cut to one common length (trailing cycles that pass it dropped), and the kept cycles'
-        accepted counts."""
-        length = min(len(t) for t in self.tokens)
-        records, kept = [], []
-        for tokens, cycles in zip(self.tokens, self.cycles):
-            mine = [c for c in cycles if c[0] + c[4] + 2 <= length - 1]
-            kept.extend(c[4] for c in mine)
-            records.append(SequenceRecord(
-                token_ids=torch.tensor(tokens[:length]), prompt_len=self.prompt,
-                start=torch.tensor([c[0] for c in mine]), drafts=torch.stack([c[1] for c in mine]),
-                topk_ids=torch.stack([c[2] for c in mine]), topk_logprobs=torch.stack([c[3] for c in mine]),
-                accepted=torch.tensor([c[4] for c in mine]), hidden=None, temperature=1.0))
-        return records, kept
-
-
-@dataclass
-class Rollouts:
-    records: list[SequenceRecord]
-    tau: float  # 1 + mean accepted, over the kept cycles
-    cycles: int  # the kept cycles
-    seconds: float
-    phases: dict[str, float]  # seconds: "prefill", "head" (first and steps), "verify" (sampling, commit, record)
-    counts: dict[str, float]  # the loop's counters over every cycle run (`acceptance_z`)
-
-
-def drafting_loop(policy: Qwen3ForCausalLM, head: MTPHead, prompts: torch.Tensor, response_tokens: int, k: int,
-                  topk: int, seed: int = 0) -> Loop:
-    """The reference drafter: a loop over `prompts` [B, P] (equal lengths) with a `Records` tap, every policy
-    layer, its caches sized for `response_tokens` cycles (a cycle commits 1..K + 1 tokens of each sequence)."""
-    batch, length = prompts.shape
-    capacity = length + (response_tokens + 1) * (k + 1)
-    config, weight = head.config, head.embed_tokens.weight
-    head_kv = KVBuffer.empty(batch, config.num_key_value_heads, capacity, config.head_dim, weight.device,
-                             weight.dtype)
-    return Loop(policy, policy.config.num_hidden_layers, head, policy_caches(policy, batch, capacity), head_kv,
-                length, capacity, k, seed, prompts=prompts, tap=Records(topk))
-
-
-def draft_rollouts(loop: Loop, response_tokens: int) -> Rollouts:
-    """A `drafting_loop` run from its prompts until every sequence has `response_tokens` new tokens; the
-    records cut to one common length, the seconds of each phase."""
-    phases = dict.fromkeys(("prefill", "head", "verify"), 0.0)
-    _sync(loop.device)
-    started = mark = time.perf_counter()
-
-    def lap(phase: str) -> None:
-        nonlocal mark
-        _sync(loop.device)
-        now = time.perf_counter()
-        phases[phase] += now - mark
-        mark = now
-
-    loop.reset()
-    lap("prefill")
-    while loop.tap.committed() < response_tokens:
-        loop.run("first")
-        for _ in range(loop.k - 1):
-            loop.run("step")
-        lap("head")
-        loop.run("verify")
-        lap("verify")
-    records, kept = loop.tap.records()
-    return Rollouts(records=records, tau=1.0 + sum(kept) / max(1, len(kept)), cycles=len(kept),
-                    seconds=mark - started, phases=phases, counts={n: float(t) for n, t in loop.counts.items()})

@@ -4,10 +4,10 @@
 1. A policy at Qwen3-4B's widths, at the first of the depths asked (`--trainer-layers`; by default as many
    layers as the device's memory holds under ZeRO-3, `layers_that_fit`), and a random K = 5 head bound to
    it, both bf16.
-2. The reference drafter (`gpu_loop.drafting_loop`, the rollout loop with a record tap) rolls out
+2. The reference drafter (`gpu_drafter.py`, the rollout loop with a record tap) rolls out
    `trainer_responses` responses with that head on the device, its tau set to the paper's 2.91
-   (`gpu_loop.calibrate`, CALIB_CYCLES cycles per probe); its records are validated as the trainer validates them. The
-   sequences, records, policy and head are saved under a work directory and leave the device. A further
+   (`gpu_loop.calibrate`, CALIB_CYCLES cycles per probe); its records are validated as the trainer validates
+   them. The sequences, records, policy and head are saved under a work directory and leave the device. A further
    depth trains on the same sequences and records, from a policy of its own depth (random, seeded) whose
    log-probs of them are its old policy's (the drafter runs once: it takes most of the check's time).
 3. At each depth, each run in a process of its own, from the same saved policy and the same experience (the
@@ -52,7 +52,8 @@ from pathlib import Path
 import torch
 
 from benchmarks.gpu_check.gpu_fused_adam import FusedAdamBuild, no_build
-from benchmarks.gpu_check.gpu_loop import Rollouts, calibrate, draft_rollouts, drafting_loop
+from benchmarks.gpu_check.gpu_loop import calibrate
+from benchmarks.gpu_check.gpu_drafter import Rollouts, draft_rollouts, drafting_loop
 from benchmarks.gpu_check.gpu_report import Row
 from benchmarks.gpu_check.gpu_sampler import Z_LIMIT  # the drafter's first acceptance, held as check (d) holds its own
 from benchmarks.gpu_check.gpu_trainer_run import held

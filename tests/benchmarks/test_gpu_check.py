@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from benchmarks import bench_cycle_formula
-from benchmarks.gpu_check import gpu_cycle, gpu_loop, gpu_rollout_loop, gpu_sampler
+from benchmarks.gpu_check import gpu_cycle, gpu_drafter, gpu_loop, gpu_rollout_loop, gpu_sampler
 from benchmarks.gpu_check.gpu_world import TINY, tiny_config
 from benchmarks.shared import cycle_timing
 from benchmarks.shared.bench_common import fit_line, qwen3_4b_config
@@ -811,9 +811,9 @@ def test_the_drafters_records_hold_the_policys_own_log_probs_on_the_committed_pa
     policy.gradient_checkpointing_disable()
     head = build_head(policy, torch.float32)
     prompts = torch.randint(0, TINY.config.vocab_size, (4, 6), generator=torch.Generator().manual_seed(4))
-    loop = gpu_loop.drafting_loop(policy, head, prompts, 24, TINY.k, 16, seed=2)
+    loop = gpu_drafter.drafting_loop(policy, head, prompts, 24, TINY.k, 16, seed=2)
     gpu_loop.calibrate(loop, 2.5, 8, 5)
-    rollouts = gpu_loop.draft_rollouts(loop, 24)
+    rollouts = gpu_drafter.draft_rollouts(loop, 24)
     # the records are what the trainer accepts: the accepted drafts are the committed tokens, each cycle in place
     validate_records(rollouts.records, depth=TINY.k, vocab_size=TINY.config.vocab_size, topk=16)
     # every cycle run (a cycle commits at most K + 1 tokens), not only the kept ones, is a trial of the first
