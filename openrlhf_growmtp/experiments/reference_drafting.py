@@ -22,8 +22,8 @@ from collections.abc import Sequence
 
 import torch
 
-from openrlhf_growmtp.core import MTPHead, SequenceRecord
-from openrlhf_growmtp.core.head import HeadKVCache
+from openrlhf_growmtp.core import HeadKVCache, MTPHead, SequenceRecord  # the package face: where head.py's
+# pieces live is core's own business
 
 
 def sample(weights: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
