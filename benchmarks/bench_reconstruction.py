@@ -36,7 +36,7 @@ import torch
 from torch import nn
 from transformers import Qwen3Config
 
-from benchmarks.shared.bench_common import chain_by_chain, qwen3_4b_config, sync
+from benchmarks.shared.bench_common import qwen3_4b_config, sync
 from openrlhf_growmtp.core import (
     HeadLossConfig,
     Lockstep,
@@ -49,6 +49,7 @@ from openrlhf_growmtp.core import (
 )
 from openrlhf_growmtp.core.families import get_family
 from openrlhf_growmtp.core.objectives import head_loss_per_cycle
+from openrlhf_growmtp.experiments.reference_drafting import chain_by_chain
 from openrlhf_growmtp.experiments.worlds.toy import synthetic_record
 
 K, TOPK = 5, 64
@@ -104,7 +105,7 @@ def compare(head: MTPHead, rec: SequenceRecord, device: str) -> dict:
 
     sync(device)
     t0 = time.perf_counter()
-    logits = chain_by_chain(head, rec)
+    logits = chain_by_chain(head, [rec])
     acc = rec.accepted.to(device)
     loss, _ = head_loss_per_cycle(logits, rec.topk_ids.to(device), rec.topk_logprobs.to(device), acc, "dca")
     loss.mean().backward()

@@ -3,8 +3,9 @@ does with `--growmtp_draft_vocab N` (`openrlhf_growmtp/core/draft_vocab.py`), an
 draft over every id.
 
 The ids. N ids drawn at random (seed 0), ascending: which ids they are costs nothing. The loop slices their lm_head
-rows once and keeps q over them alone ([B, K, N], zero at every other id); the rejection step reads p at the
-drafts and, at a rejection, draws from max(p - q, 0), which is p itself outside the ids (`gpu_sampler`): exact.
+rows once and keeps q over them alone ([B, K, N], zero at every other id); the rejection step
+(`reference_drafting.rejection_step`) reads p at the drafts and, at a rejection, draws from max(p - q, 0), which
+is p itself outside the ids: exact.
 
 The target. A random policy spreads p over the whole vocabulary, so no q over N of its V ids could reach the
 paper's tau (sum min(p, q) <= p's mass on the ids). A real policy's mass sits on its frequent ids, which the
@@ -26,9 +27,9 @@ import math
 import torch
 
 from benchmarks.gpu_check.gpu_cycle import PAPER, at_real_layers, rollout_from_loop
-from benchmarks.gpu_check.gpu_loop import acceptance_z
 from benchmarks.gpu_check.gpu_report import Row
 from benchmarks.gpu_check.gpu_sampler import Z_LIMIT
+from openrlhf_growmtp.experiments.reference_drafting import acceptance_z
 
 OUTSIDE_MASS = 0.05  # a flat p's mass outside the draft vocabulary, in the subset's runs
 IDS_SEED = 0

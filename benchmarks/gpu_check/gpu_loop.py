@@ -1,39 +1,48 @@
-"""A minimal generation loop in place of vLLM (which the GPU check does not need on the GPU machine), timed
-autoregressive and speculative side by side by check `rollout_loop` (`gpu_rollout_loop.py`).
+"""The GPU check's one drafting loop in place of vLLM (which the GPU check does not need on the GPU machine): the
+rollout loop's timing, autoregressive and speculative side by side (check `rollout_loop`, `gpu_rollout_loop.py`),
+and, with a record tap, the reference drafter whose records the trainer check trains on (`gpu_drafter.py`).
 
 The loop. `batch` sequences (64) decode in lockstep over static KV caches (the policy's, one per layer, and
 the head's), preallocated for `capacity` positions (`cycle_timing.KVBuffer`): a forward writes its new keys and
 values at their absolute positions (a scatter per sequence) and attends over the whole buffer with a mask, key
-<= query position (`cycle_timing.cached_forward`). Slots a rejected draft or a finished chain wrote are never
-read: the next forward writes over them before any query can see them. Each phase has one shape, so on CUDA
-each is captured once in a CUDA graph (`torch.cuda.CUDAGraph`, one per shape and context; a context's graphs
-share one memory pool, freed with them before the next context's are captured: a pool whose graphs are all gone
-cannot take new ones) and replayed; on a CPU the same functions run eagerly. Nothing in a phase reads a value
-back to the host.
+<= query position (`cycle_timing.cached_forward`). Each sequence stands at its own position; slots a rejected
+draft or a finished chain wrote are never read: the next forward writes over them before any query can see
+them. Each phase has one shape, so on CUDA each is captured once in a CUDA graph (`torch.cuda.CUDAGraph`, one
+per shape and context; a context's graphs share one memory pool, freed with them before the next context's are
+captured: a pool whose graphs are all gone cannot take new ones) and replayed; on a CPU, or with a tap, the same
+functions run eagerly. Nothing in a phase reads a value back to the host (but the tap).
 - decode: one token per sequence through the policy, p = softmax (fp32), a token sampled from p;
 - first: the head writes its entries for the K + 1 positions the previous verify committed or rejected,
   (H_p, x_{p+1}) at p (masked by position, so the rejected ones are never read) and drafts d_1 from q_1 at
   the cycle's start s;
 - step (K - 1 replays of one graph): the chain's next position, (h'_{j-1}, d_{j-1}) at s + j - 1;
-- verify: the policy over [x_{s+1}, d_1..d_K] at s + 1..s + K + 1, then `gpu_sampler.rejection_step`.
-Tokens are sampled by `gpu_sampler.sample` (the exponential race: no host synchronisation).
+- verify: the policy over [x_{s+1}, d_1..d_K] at s + 1..s + K + 1, then `rejection_step`
+  (`experiments/reference_drafting.py`, as every token here is drawn: `sample`, no host synchronisation), and
+  the commit the next cycle's first phase reads.
+A reset starts every sequence from `context` random committed positions, or, given `prompts`, from the
+prompts' prefill (their whole forward, the head's entries for them, and x_P sampled from p as a decoding step
+does: the first cycle starts at the last prompt position).
+
+A tap (`gpu_drafter.Records`) is called by every reset with the prompts and x_P, and by every verify with the
+cycle's start, drafts, the target's logits at the draft positions, accepted and emitted.
 
 tau. The head's tau is set by the scale of its logits (its final norm's weight, `calibrate`): a bisection on
 log2 of the scale against the tau the loop measures (flatter q overlaps a random policy's p more). Cycles cost
 the same at every tau (every phase has one shape), so tokens per second at tau = tau x batch / cycle seconds.
+The first drafts' acceptance is held to sum min(p_1, q_1) by the counters and `acceptance_z`.
 """
 
 from __future__ import annotations
 
-import math
 import time
 
 import torch
 from transformers import Qwen3ForCausalLM
 
-from benchmarks.gpu_check.gpu_sampler import rejection_step, sample
+from benchmarks.shared.bench_common import sync
 from benchmarks.shared.cycle_timing import KVBuffer, MaskedGQA, cached_forward, visible
 from openrlhf_growmtp.core import MTPHead
+from openrlhf_growmtp.experiments.reference_drafting import rejection_step, sample
 
 COUNTERS = ("tokens", "cycles", "first_accepted", "all_accepted", "alpha_sum", "alpha_var")
 
@@ -42,19 +51,25 @@ class Loop:
     """One context's loop at one depth: views of the caches, the state (device tensors only), its phases, and
     their CUDA graphs. `drafter` is "head" (the MTP head) or "target" (the policy drafts for itself: q = p).
     `draft_ids` [N] (int64, ascending, on the device): the head drafts over these ids alone, from their lm_head
-    rows (sliced once); q is kept over them ([B, K, N]) and is zero at every other id (`core/draft_vocab.py`)."""
+    rows (sliced once); q is kept over them ([B, K, N]) and is zero at every other id (`core/draft_vocab.py`).
+    `prompts` [B, P]: a reset prefills them (P = `context`) in place of random committed positions; `tap`: a
+    `gpu_drafter.Records` (anything with its `started` and `verified`), called by every reset and verify."""
 
     PHASES = ("decode", "first", "step", "verify")
 
     def __init__(self, policy: Qwen3ForCausalLM, layers: int, head: MTPHead | None, policy_kv: list[KVBuffer],
                  head_kv: KVBuffer | None, context: int, capacity: int, k: int, seed: int = 0,
-                 drafter: str = "head", draft_ids: torch.Tensor | None = None):
+                 drafter: str = "head", draft_ids: torch.Tensor | None = None, prompts: torch.Tensor | None = None,
+                 tap=None):
         if drafter not in ("head", "target") or (drafter == "head") != (head is not None):
             raise ValueError(f"drafter must be 'head' with a head or 'target' without, got {drafter!r}")
         if draft_ids is not None and drafter != "head":
             raise ValueError("a draft vocabulary is the head's: the target drafts over every id")
+        if prompts is not None and tuple(prompts.shape) != (policy_kv[0].keys.shape[0], context):
+            raise ValueError(f"prompts must be [batch, context] = [{policy_kv[0].keys.shape[0]}, {context}], "
+                             f"got {list(prompts.shape)}")
         self.policy, self.layers, self.head, self.k, self.drafter = policy, layers, head, k, drafter
-        self.context, self.capacity = context, capacity
+        self.context, self.capacity, self.prompts, self.tap = context, capacity, prompts, tap
         self.caches = [kv.view(capacity) for kv in policy_kv[:layers]]
         self.head_cache = head_kv.view(capacity) if head is not None else None
         weight = policy.model.embed_tokens.weight
@@ -64,7 +79,7 @@ class Loop:
         # the lm_head's rows of the draft vocabulary, sliced once (the product gathers them once per ranking)
         self.draft_weight = None if draft_ids is None else policy.lm_head.weight.detach()[draft_ids].contiguous()
         self.batch = policy_kv[0].keys.shape[0]
-        self.generator = None if self.device.type == "cuda" else torch.Generator().manual_seed(seed)
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)  # `capture` drops it on CUDA
         self.init_generator = torch.Generator(device=self.device).manual_seed(seed + 1)
         self._allocate_state(weight.shape[1])
         self.graphs: dict[str, torch.cuda.CUDAGraph] = {}
@@ -127,7 +142,8 @@ class Loop:
         ids = torch.cat([self.last[:, None], self.drafts], dim=1)
         positions = (self.start + 1)[:, None] + torch.arange(k + 1, device=self.device)
         hidden = self._policy(ids, positions)
-        p = torch.softmax(self.policy.lm_head(hidden).float(), dim=-1)  # [B, K+1, V]
+        logits = self.policy.lm_head(hidden).float()
+        p = torch.softmax(logits, dim=-1)  # [B, K+1, V]
         ids = self.draft_ids
         if ids is None:
             accepted, emitted = rejection_step(p, self.q, self.drafts, self.generator)
@@ -135,6 +151,8 @@ class Loop:
         else:  # q is zero outside the ids: sum min(p, q) runs over them
             accepted, emitted = rejection_step(p, self.q, self.places, self.generator, ids)
             alpha = torch.minimum(p[:, 0].index_select(-1, ids), self.q[:, 0]).sum(-1).double()
+        if self.tap is not None:
+            self.tap.verified(self.start, self.drafts, logits[:, :k], accepted, emitted)
         c = self.counts
         c["tokens"].add_((accepted + 1).sum())
         c["cycles"].add_(self.batch)
@@ -181,7 +199,8 @@ class Loop:
     # ---- running -----------------------------------------------------------------------------------------
     def reset(self) -> None:
         """Every sequence at `context` committed positions: decode's next token at `context`; the previous
-        verify (random hidden states and tokens) at context - 1, none of its drafts accepted."""
+        verify (random hidden states and tokens, or the prompts' prefill) at context - 1, none of its drafts
+        accepted."""
         g = self.init_generator
         self.token.random_(0, self.vocab, generator=g)
         self.position.fill_(self.context)
@@ -191,12 +210,32 @@ class Loop:
         self.accepted.zero_()
         for t in self.counts.values():
             t.zero_()
+        if self.prompts is not None:
+            with torch.no_grad():
+                self._prefill()
+
+    def _prefill(self) -> None:
+        """The prompts through the policy (causal, into its caches) and the head (its entries for positions
+        0..P-2); x_P sampled from p at P - 1 stands as the previous verify's token there, with H_{P-1}."""
+        prompts, length = self.prompts, self.context
+        positions = torch.arange(length, device=self.device).expand(self.batch, -1)
+        hidden = self._policy(prompts, positions)
+        token = sample(torch.softmax(self.policy.lm_head(hidden[:, -1]).float(), dim=-1), self.generator)
+        if self.head is not None and length > 1:
+            self._head(hidden[:, :-1], prompts[:, 1:], positions[:, :-1])
+        self.verify_hidden[:, 0] = hidden[:, -1]
+        self.next_tokens[:, 0] = token
+        if self.tap is not None:
+            self.tap.started(prompts, token)
 
     def capture(self) -> None:
         """One CUDA graph per phase, all in one new memory pool (warm-up runs first, on a side stream, as
         torch.cuda.graphs asks)."""
         if self.device.type != "cuda":
             return
+        if self.tap is not None:
+            raise ValueError("a loop with a tap reads back to the host at every verify: it runs eagerly")
+        self.generator = None  # a graph draws from the device's default generator, which capture registers
         pool = torch.cuda.graph_pool_handle()
         self.reset()
         side = torch.cuda.Stream()
@@ -228,18 +267,13 @@ class Loop:
     def timed(self, what: str, count: int) -> tuple[float, dict]:
         """Seconds of `count` decode steps or cycles from a reset, and the counters after them."""
         self.reset()
-        _sync(self.device)
+        sync(self.device)
         t0 = time.perf_counter()
         for _ in range(count):
             self.run("decode") if what == "decode" else self.cycle()
-        _sync(self.device)
+        sync(self.device)
         seconds = time.perf_counter() - t0
         return seconds, {name: float(t) for name, t in self.counts.items()}
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def calibrate(loop: Loop, tau: float, cycles: int, probes: int) -> dict:
@@ -272,8 +306,3 @@ def calibrate(loop: Loop, tau: float, cycles: int, probes: int) -> dict:
             "base": base}
 
 
-def acceptance_z(counts: dict) -> float:
-    """The first drafts' acceptance rate against its expectation, the mean of sum min(p_1, q_1) over the
-    cycles, in standard errors: sqrt(sum alpha (1 - alpha)) / cycles (independent Bernoulli trials)."""
-    n = counts["cycles"]
-    return (counts["first_accepted"] - counts["alpha_sum"]) / math.sqrt(max(counts["alpha_var"], 1e-30)) if n else 0.0

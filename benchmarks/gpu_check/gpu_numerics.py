@@ -2,7 +2,7 @@
 
 (a) Batched draft-path reconstruction (`reconstruct_draft_logits`; the head update, `bench_common.head_update`,
     in chunks that cut through a response and in one chunk) against chain-by-chain drafting
-    (`bench_common.chain_by_chain`): log q at every draft position over the whole vocabulary, the
+    (`reference_drafting.chain_by_chain`): log q at every draft position over the whole vocabulary, the
     head's gradients and the loss.
 (b) α on the target's top-64 (`acceptance_rates`, log-probs stored in bf16 as records store them)
     against the dense α = sum over the vocabulary of min(p, q).
@@ -31,10 +31,11 @@ import torch
 
 from benchmarks.gpu_check.gpu_report import Row, sci
 from benchmarks.gpu_check.gpu_world import Plan, head_copy
-from benchmarks.shared.bench_common import accepted_at_tau, chain_by_chain, head_update
+from benchmarks.shared.bench_common import accepted_at_tau, head_update
 from openrlhf_growmtp.core import MTPHead, SequenceRecord, acceptance_rates, reconstruct_draft_logits
 from openrlhf_growmtp.core.objectives import head_loss_per_cycle
 from openrlhf_growmtp.core.recompute import worth_recomputing
+from openrlhf_growmtp.experiments.reference_drafting import chain_by_chain
 from openrlhf_growmtp.experiments.worlds.toy import synthetic_record
 
 # The next lower precision a path in each dtype could slip into unnoticed: TF32 matmuls (fp16's 10-bit
@@ -82,7 +83,7 @@ def _grads(head: MTPHead) -> dict[str, torch.Tensor]:
 def chain_run(head: MTPHead, records, hiddens) -> dict:
     """Chain by chain: log q [N, K, V], the loss (DCA + VGM, mean over cycles), per cycle, and its gradients."""
     head.zero_grad(set_to_none=True)
-    logits = torch.cat([chain_by_chain(head, rec, h) for rec, h in zip(records, hiddens)])
+    logits = chain_by_chain(head, records, hiddens)
     device = logits.device
     loss, _ = head_loss_per_cycle(logits, torch.cat([r.topk_ids for r in records]).to(device),
                                   torch.cat([r.topk_logprobs for r in records]).to(device),

@@ -34,10 +34,11 @@ import torch
 
 from benchmarks.gpu_check.gpu_cycle import PAPER, at_real_layers, rollout_from_loop
 from benchmarks.gpu_check.gpu_draft_vocab import draft_vocab_ids, draft_vocab_report, shifted_outside
-from benchmarks.gpu_check.gpu_loop import Loop, acceptance_z, calibrate
+from benchmarks.gpu_check.gpu_loop import Loop, calibrate
 from benchmarks.gpu_check.gpu_report import Row
 from benchmarks.gpu_check.gpu_sampler import Z_LIMIT
 from benchmarks.shared.cycle_timing import KVBuffer, policy_caches
+from openrlhf_growmtp.experiments.reference_drafting import acceptance_z
 
 
 @dataclass(frozen=True)

@@ -1,15 +1,10 @@
-"""The GPU check's rejection sampler, and check (d): its acceptance against E_{x~q}[min(1, p(x)/q(x))].
+"""Check (d) of the GPU check: the rejection rule's acceptance against E_{x~q}[min(1, p(x)/q(x))].
 
-The sampler is the check's own, in torch, since vLLM's is not on the GPU machine; the rollout loop
-(`gpu_loop.py`) and the reference drafter (`gpu_drafter.py`) draw with it too. Terms as in `core/records.py`: a
-chain drafts d_1..d_K, d_j ~ q_j; d_j is *accepted* with probability min(1, p_j(d_j) / q_j(d_j)) while every
-earlier draft was (`accepted_count`); at the first rejection j the *recovered* token is drawn from
-norm(max(p_j - q_j, 0)) (`residual`); when all K pass, the *bonus* token is drawn from p_{K+1}. `rejection_step`
-does it for a batch of sequences, each with its own rows; tokens are sampled by the exponential race
-(`sample`: argmax w / E, E ~ Exp(1)), exact for unnormalised weights and free of host synchronisation, where
-torch.multinomial is not. Check (d) holds the rule to its law on fixed rows (no context, `rejection_sample`:
-2^20 chains of one (p, q) pair, its recovered tokens drawn per position), where position j accepts with
-probability alpha_j = sum min(p_j, q_j) and the accepted count A has P(A >= l) = prod_{i<=l} alpha_i.
+The rule is the lab's one reference sampler (`experiments/reference_drafting.py`, terms there), in torch since
+vLLM's is not on the GPU machine; the loop (`gpu_loop.py`) draws with it. Check (d) holds the rule to its law on
+fixed rows (no context, `rejection_sample`: 2^20 chains of one (p, q) pair, its recovered tokens drawn per
+position), where position j accepts with probability alpha_j = sum min(p_j, q_j) and the accepted count A has
+P(A >= l) = prod_{i<=l} alpha_i.
 
 What is checked, on `trials` independent chains per (p, q) pair:
 - the first position's acceptance rate against alpha_1, within Z_LIMIT standard errors sqrt(a(1-a)/n);
@@ -28,6 +23,7 @@ import math
 import torch
 
 from benchmarks.gpu_check.gpu_report import Row
+from openrlhf_growmtp.experiments.reference_drafting import acceptance_z, accepted_count, residual
 
 Z_LIMIT = 5.0
 P_MIN = 1e-6
@@ -35,54 +31,11 @@ MIN_EXPECTED = 5.0
 BIN_IDS = 32
 
 
-def sample(weights: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """One index per row of weights [..., V] (>= 0, unnormalised) with P(i) = w_i / sum w: the exponential
-    race argmax w / E. E is floored at the smallest normal float, as a draw of exactly 0 would pick its id
-    whatever its weight."""
-    race = torch.empty_like(weights).exponential_(generator=generator).clamp_(min=torch.finfo(weights.dtype).tiny)
-    return (weights / race).argmax(-1)
-
-
-def accepted_count(p_draft: torch.Tensor, q_draft: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """Drafts accepted before the first rejection, [...] in 0..K, from p_j(d_j), q_j(d_j) and uniforms u, each
-    [..., K]: d_j passes where u < p / q, with probability min(1, p / q)."""
-    return (u * q_draft < p_draft).long().cumprod(dim=-1).sum(dim=-1)
-
-
-def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """max(p - q, 0): the unnormalised law of the token recovered at a rejection."""
-    return (p - q).clamp(min=0.0)
-
-
-def rejection_step(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor, generator: torch.Generator | None,
-                   ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """p [B, K+1, V] the target's rows, q [B, K, V] the drafter's, drafts [B, K] sampled from q.
-
-    With `ids` [N] (a draft vocabulary), q [B, K, N] holds the drafter's rows over those ids alone (zero at
-    every other id) and drafts [B, K] are places in `ids`: the same draws and results as q scattered to
-    [B, K, V], without writing its zeros (the residual is p itself outside the ids).
-
-    Returns (accepted [B] in 0..K, emitted [B]: the recovered token at the first rejection, or the bonus)."""
-    k = q.shape[1]
-    tokens = drafts if ids is None else ids[drafts]
-    p_draft = p[:, :k].gather(2, tokens[..., None])[..., 0]
-    q_draft = q.gather(2, drafts[..., None])[..., 0]
-    u = torch.rand(p_draft.shape, generator=generator, device=p.device, dtype=p.dtype)
-    accepted = accepted_count(p_draft, q_draft, u)
-    stop = accepted.clamp(max=k - 1)[:, None, None]
-    p_stop, q_stop = (rows.gather(1, stop.expand(-1, 1, rows.shape[-1]))[:, 0] for rows in (p, q))
-    if ids is None:
-        recovered = residual(p_stop, q_stop)
-    else:
-        recovered = p_stop.index_copy(1, ids, residual(p_stop.index_select(1, ids), q_stop))
-    return accepted, sample(torch.where((accepted == k)[:, None], p[:, k], recovered), generator)
-
-
 def rejection_sample(p: torch.Tensor, q: torch.Tensor, trials: int, generator: torch.Generator
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """`trials` chains of one (p, q) pair: p [K+1, V] target rows (the last for the bonus), q [K, V] draft rows,
     both normalised. The chains share their rows, so the recovered tokens of each position are drawn together
-    (rejection_step's per-chain rows would be [trials, V] at the vocabulary's size).
+    (`rejection_step`'s per-chain rows would be [trials, V] at the vocabulary's size).
 
     Returns (accepted [trials] in 0..K, emitted [trials, K+1]: the token each chain emits at each
     position, -1 past its recovered or bonus token)."""
@@ -112,7 +65,8 @@ def sampler_statistics(p: torch.Tensor, q: torch.Tensor, accepted: torch.Tensor,
     survive = torch.cumprod(alpha, 0)  # P(A >= l), l = 1..K
     rate = (accepted >= 1).double().mean().item()
     a1 = alpha[0].item()
-    z_first = (rate - a1) / math.sqrt(max(a1 * (1 - a1), 1e-12) / trials)
+    z_first = acceptance_z({"cycles": trials, "first_accepted": rate * trials, "alpha_sum": a1 * trials,
+                            "alpha_var": a1 * (1 - a1) * trials})
     mean = survive.sum().item()
     second = ((2 * torch.arange(1, depth + 1, dtype=torch.float64, device=p.device) - 1) * survive).sum().item()
     z_mean = (accepted.double().mean().item() - mean) / math.sqrt(max(second - mean * mean, 1e-12) / trials)

@@ -4,9 +4,10 @@
 1. A policy at Qwen3-4B's widths, at the first of the depths asked (`--trainer-layers`; by default as many
    layers as the device's memory holds under ZeRO-3, `layers_that_fit`), and a random K = 5 head bound to
    it, both bf16.
-2. The reference drafter (`gpu_drafter`) rolls out `trainer_responses` responses with that head on the
-   device, its tau set to the paper's 2.91; its records are validated as the trainer validates them. The
-   sequences, records, policy and head are saved under a work directory and leave the device. A further
+2. The reference drafter (`gpu_drafter.py`, the rollout loop with a record tap) rolls out
+   `trainer_responses` responses with that head on the device, its tau set to the paper's 2.91
+   (`gpu_loop.calibrate`, CALIB_CYCLES cycles per probe); its records are validated as the trainer validates
+   them. The sequences, records, policy and head are saved under a work directory and leave the device. A further
    depth trains on the same sequences and records, from a policy of its own depth (random, seeded) whose
    log-probs of them are its old policy's (the drafter runs once: it takes most of the check's time).
 3. At each depth, each run in a process of its own, from the same saved policy and the same experience (the
@@ -50,13 +51,18 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.gpu_check.gpu_drafter import calibrate_head, draft_rollouts, first_accept_z
 from benchmarks.gpu_check.gpu_fused_adam import FusedAdamBuild, no_build
+from benchmarks.gpu_check.gpu_loop import calibrate
+from benchmarks.gpu_check.gpu_drafter import Rollouts, draft_rollouts, drafting_loop
 from benchmarks.gpu_check.gpu_report import Row
 from benchmarks.gpu_check.gpu_sampler import Z_LIMIT  # the drafter's first acceptance, held as check (d) holds its own
 from benchmarks.gpu_check.gpu_trainer_run import held
 from benchmarks.gpu_check.gpu_world import build_head, flatten_policy_logits_
+from openrlhf_growmtp.experiments.reference_drafting import acceptance_z
 
+# the drafter's tau bisection: 7 probes of 16 cycles of every response (8 at Qwen3-4B's plan: 128 cycles, the
+# measured tau's standard error ~ sqrt(2.5 / 128) = 0.14 at tau 2.91), a few percent of the drafter's cycles
+CALIB_CYCLES, CALIB_PROBES = 16, 7
 RUN_ARGS = ["-m", "benchmarks.gpu_check.gpu_trainer_run"]  # a run's process: `python -m` from the repository's root
 # Bytes per parameter (the policy's and the head's) at the peak of one run's step, measured on a run that
 # started clean: on an H100 (2026-11-27, docs/data/gpu/trainer_step_head_update_graph_cycle_cost_2026-11-27.json)
@@ -132,7 +138,7 @@ class Drafted:
 
     layers: int
     sequences: torch.Tensor
-    rollouts: object  # gpu_drafter.Rollouts
+    rollouts: Rollouts
     calibration: dict
     z: float
     initial_head: dict[str, torch.Tensor]
@@ -152,8 +158,11 @@ def _draft(plan, config, device: torch.device, work: Path, log) -> Drafted:
     g = torch.Generator(device=device).manual_seed(1)
     prompts = torch.randint(0, config.vocab_size, (plan.trainer_responses, plan.trainer_prompt), device=device,
                             generator=g)
-    calibration = calibrate_head(policy, head, prompts, plan.tau_target, plan.k)
-    rollouts = draft_rollouts(policy, head, prompts, plan.trainer_response_tokens, plan.k, plan.topk)
+    loop = drafting_loop(policy, head, prompts, plan.trainer_response_tokens, plan.k, plan.topk)
+    calibration = calibrate(loop, plan.tau_target, min(CALIB_CYCLES, plan.trainer_response_tokens), CALIB_PROBES)
+    calibration.pop("base")
+    rollouts = draft_rollouts(loop, plan.trainer_response_tokens)
+    del loop
     records = rollouts.records
     validate_records(records, depth=plan.k, vocab_size=config.vocab_size, topk=plan.topk)
     log(f"  (trainer_step) drafted {len(records)} x {records[0].token_ids.numel()} tokens, {rollouts.cycles} "
@@ -168,7 +177,8 @@ def _draft(plan, config, device: torch.device, work: Path, log) -> Drafted:
     del policy, head
     _release(device)
     initial_head = {n: p.to(torch.bfloat16).float() for n, p in load_head(work / "head").state_dict().items()}
-    return Drafted(config.num_hidden_layers, sequences, rollouts, calibration, first_accept_z(rollouts), initial_head)
+    return Drafted(config.num_hidden_layers, sequences, rollouts, calibration, acceptance_z(rollouts.counts),
+                   initial_head)
 
 
 def _save_policy(policy, sequences: torch.Tensor, prompt: int, work: Path, layers: int) -> None:
@@ -310,9 +320,10 @@ def check_trainer_step(plan, depths: list[int], device: torch.device, log, out_d
 
 
 def _drafter(drafted: Drafted) -> dict:
-    r = drafted.rollouts
+    r, c = drafted.rollouts, drafted.rollouts.counts
     return {"seconds": r.seconds, "phases": r.phases, "calibration": drafted.calibration, "cycles": r.cycles,
-            "tau": r.tau, "first_accept_rate": r.first_accept_rate, "first_alpha": r.first_alpha, "z": drafted.z}
+            "tau": r.tau, "first_accept_rate": c["first_accepted"] / c["cycles"],
+            "first_alpha": c["alpha_sum"] / c["cycles"], "z": drafted.z}
 
 
 def _depth(plan, layers: int, drafted: Drafted, runner: Runner, modes, blocking: bool) -> tuple[list[Row], dict]:

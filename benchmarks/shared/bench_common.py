@@ -1,5 +1,5 @@
-"""What the benchmarks share: Qwen3-4B's shapes, records drawn at a given τ, the chain-by-chain reference,
-the policy's training step, and the one place they call the core's head update.
+"""What the benchmarks share: Qwen3-4B's shapes, records drawn at a given τ, the policy's training step, and the
+one place they call the core's head update (the chain-by-chain reference is `experiments/reference_drafting.py`'s).
 
 Imported as `benchmarks.shared.bench_common` by the benchmarks (each run from the repository's root as
 `python -m benchmarks.<script>`); nothing here imports from tests/.
@@ -14,7 +14,6 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from openrlhf_growmtp.core import HeadLossConfig, MTPHead, SequenceRecord, head_loss_backward
-from openrlhf_growmtp.core.head_cache import HeadKVCache
 from openrlhf_growmtp.experiments.worlds.toy import synthetic_record
 
 
@@ -74,24 +73,6 @@ def records_at_tau(tokens: int, prompt: int, tau: float, k: int, topk: int, voca
     accepted = accepted_at_tau(max(1, int(tokens / tau)), tau, k, g)
     return synthetic_record(prompt_len=prompt, accepted=accepted, depth=k, topk=topk, vocab_size=vocab_size,
                             hidden_size=hidden_size, seed=seed)
-
-
-def chain_by_chain(head: MTPHead, rec: SequenceRecord, hidden: torch.Tensor | None = None) -> torch.Tensor:
-    """Draft logits [R, K, V] the way drafting computes them, cycle after cycle: one incremental head KV
-    cache per response, each cycle appends its newly committed entries, runs its K chain steps one at a
-    time and crops them again. `hidden` [T, H] replaces the record's own hidden states."""
-    device = next(head.parameters()).device
-    hidden = (rec.hidden if hidden is None else hidden).to(device)
-    ids, depth = rec.token_ids.to(device), rec.depth
-    cache, written, out = HeadKVCache(), 0, []
-    for r in range(rec.num_cycles):
-        s = int(rec.start[r])
-        first = head.prefill(hidden[None, written:s + 1], ids[None, written + 1:s + 2], written, cache)
-        written = s + 1
-        _, logits = head.draft_chain(first.last(), s, rec.drafts[r:r + 1].to(device), depth, cache, rec.temperature)
-        cache.crop(written)
-        out.append(logits[0])
-    return torch.stack(out)
 
 
 def policy_hiddens(policy: Qwen3ForCausalLM, records: list[SequenceRecord], batch: int, device) -> list[torch.Tensor]:

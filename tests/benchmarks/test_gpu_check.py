@@ -16,10 +16,11 @@ import pytest
 import torch
 
 from benchmarks import bench_cycle_formula
-from benchmarks.gpu_check import gpu_cycle, gpu_drafter, gpu_rollout_loop, gpu_sampler
+from benchmarks.gpu_check import gpu_cycle, gpu_drafter, gpu_loop, gpu_rollout_loop, gpu_sampler
 from benchmarks.gpu_check.gpu_world import TINY, tiny_config
 from benchmarks.shared import cycle_timing
 from benchmarks.shared.bench_common import fit_line, qwen3_4b_config
+from openrlhf_growmtp.experiments import reference_drafting
 
 ROOT = Path(__file__).resolve().parents[2]
 CHECK = ["-m", "benchmarks.gpu_check.gpu_check"]
@@ -147,7 +148,7 @@ def _check_trainer_step(trainer, out_dir, modes=("production", "strict"), layers
     assert 1.0 < trainer["tau"] <= TINY.k + 1
     # the drafter's phases account for its loop's time (where a device's seconds go is read from them)
     drafter = trainer["drafter"]
-    assert set(drafter["phases"]) == {"prefill", "head", "verify", "sampling", "commit"}
+    assert set(drafter["phases"]) == {"prefill", "head", "verify"}
     assert sum(drafter["phases"].values()) == pytest.approx(drafter["seconds"], rel=0.05)
     # the policy's loss and gradient norm are upstream's too (the head's gradients are not in the norm)
     for key in ("policy_loss", "actor_grad_norm"):
@@ -467,14 +468,6 @@ def test_fit_line_recovers_a_line_and_reports_residuals():
     assert not fit_line([1, 2, 3, 4], [3.0, 5.0, 7.0, 9.5], nonnegative_slope=True).clipped
 
 
-def test_alpha_for_tau_inverts_the_acceptance_length():
-    for tau in (1.0, 2.91, 4.5):
-        a = gpu_drafter.alpha_for_tau(tau, 5)
-        assert sum(a ** i for i in range(6)) == pytest.approx(tau, abs=1e-9)
-    with pytest.raises(ValueError):
-        gpu_drafter.alpha_for_tau(6.5, 5)
-
-
 def test_trainer_layers_follow_the_devices_memory():
     from benchmarks.gpu_check.gpu_trainer import layers_that_fit
 
@@ -722,8 +715,6 @@ def _fp64_policy(layers, dtype):
 
 
 def test_loop_first_acceptance_matches_sum_min_p_q():
-    from benchmarks.gpu_check import gpu_loop
-
     policy, head, caches, capacity = _loop_world()
     with torch.no_grad():  # a flatter q than the random head's: acceptance near one half, where a bias shows most
         getattr(head, head.family.final_norm_name).weight.mul_(2.0 ** -3)
@@ -731,7 +722,7 @@ def test_loop_first_acceptance_matches_sum_min_p_q():
     counts = loop.timed("cycle", 30)[1]
     alpha = counts["alpha_sum"] / counts["cycles"]
     assert 0.2 < alpha < 0.9 and counts["cycles"] == 64 * 30
-    assert abs(gpu_loop.acceptance_z(counts)) <= gpu_sampler.Z_LIMIT
+    assert abs(reference_drafting.acceptance_z(counts)) <= gpu_sampler.Z_LIMIT
     # the same trials held to another expectation 0.05 away would fail: 5 sigma is ~0.05 at these trials
     sigma = counts["alpha_var"] ** 0.5 / counts["cycles"]
     assert 5 * sigma < 0.06
@@ -746,18 +737,18 @@ def test_rejection_step_over_draft_ids_is_the_step_over_q_scattered_to_every_id(
     q = torch.randn(batch, k, ids.numel(), generator=g).softmax(-1)
     places = torch.randint(0, ids.numel(), (batch, k), generator=g)
     scattered = torch.zeros(batch, k, vocab).index_copy_(2, ids, q)
-    got = gpu_sampler.rejection_step(p, q, places, torch.Generator().manual_seed(4), ids)
-    want = gpu_sampler.rejection_step(p, scattered, ids[places], torch.Generator().manual_seed(4))
+    got = reference_drafting.rejection_step(p, q, places, torch.Generator().manual_seed(4), ids)
+    want = reference_drafting.rejection_step(p, scattered, ids[places], torch.Generator().manual_seed(4))
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     assert 0 < int((got[0] < k).sum()) < batch  # rejections and recoveries were exercised
     # a step that forgot the ids (q's columns read as ids 0..N-1) gives other results
-    wrong = gpu_sampler.rejection_step(p, torch.zeros(batch, k, vocab).index_copy_(2, torch.arange(ids.numel()), q),
-                                       places, torch.Generator().manual_seed(4))
+    unplaced = torch.zeros(batch, k, vocab).index_copy_(2, torch.arange(ids.numel()), q)
+    wrong = reference_drafting.rejection_step(p, unplaced, places, torch.Generator().manual_seed(4))
     assert not torch.equal(wrong[0], want[0])
 
 
 def test_loop_over_draft_ids_drafts_inside_them_and_accepts_as_sum_min_p_q():
-    from benchmarks.gpu_check import gpu_draft_vocab, gpu_loop
+    from benchmarks.gpu_check import gpu_draft_vocab
 
     policy, head, caches, capacity = _loop_world()
     ids = gpu_draft_vocab.draft_vocab_ids(policy.config.vocab_size, 512, torch.device("cpu"))
@@ -771,7 +762,7 @@ def test_loop_over_draft_ids_drafts_inside_them_and_accepts_as_sum_min_p_q():
     assert policy.lm_head.bias is None  # the shift is gone with the block
     alpha = counts["alpha_sum"] / counts["cycles"]
     assert 0.2 < alpha < 0.9 and counts["cycles"] == 64 * 30
-    assert abs(gpu_loop.acceptance_z(counts)) <= gpu_sampler.Z_LIMIT
+    assert abs(reference_drafting.acceptance_z(counts)) <= gpu_sampler.Z_LIMIT
     assert 5 * counts["alpha_var"] ** 0.5 / counts["cycles"] < 0.06
 
 
@@ -790,9 +781,10 @@ def test_batched_rejection_step_passes_the_samplers_statistics_and_a_swapped_one
     g = torch.Generator().manual_seed(3)
 
     def run(target, draft):
-        drafts = torch.stack([gpu_sampler.sample(draft[j].expand(trials, -1), g) for j in range(draft.shape[0])], 1)
-        accepted, token = gpu_sampler.rejection_step(target.expand(trials, -1, -1), draft.expand(trials, -1, -1),
-                                                     drafts, g)
+        drafts = torch.stack([reference_drafting.sample(draft[j].expand(trials, -1), g)
+                              for j in range(draft.shape[0])], 1)
+        accepted, token = reference_drafting.rejection_step(target.expand(trials, -1, -1),
+                                                            draft.expand(trials, -1, -1), drafts, g)
         emitted = torch.full((trials, draft.shape[0] + 1), -1, dtype=torch.long)
         keep = torch.arange(draft.shape[0])[None, :] < accepted[:, None]
         emitted[:, :-1] = torch.where(keep, drafts, emitted[:, :-1])
@@ -807,19 +799,28 @@ def test_batched_rejection_step_passes_the_samplers_statistics_and_a_swapped_one
 
 
 def test_the_drafters_records_hold_the_policys_own_log_probs_on_the_committed_path():
-    # the drafter's verify runs over its append-only cache with a mask per sequence; on the committed path (draft
-    # positions 1..accepted + 1) its top-k log-probs must be those of a plain forward over the committed tokens.
+    # the drafter's verify runs over static caches written at positions, each sequence at its own, masked by
+    # position; on the committed path (draft positions 1..accepted + 1) its top-k log-probs must be those of a
+    # plain forward over the committed tokens.
     # fp32 on CPU: the two forwards differ by rounding in other reduction orders, ~1e-6 on log-probs of magnitude
     # ~log V = 7.6; 1e-4 leaves room, and a wrong slot or position moves them by the logits' spread (~1)
     from benchmarks.gpu_check.gpu_world import build_head, build_policy
+    from openrlhf_growmtp.core.validation import validate_records
 
     policy = build_policy(TINY.trainer_config(2), torch.device("cpu"), torch.float32).eval()
     policy.gradient_checkpointing_disable()
     head = build_head(policy, torch.float32)
     prompts = torch.randint(0, TINY.config.vocab_size, (4, 6), generator=torch.Generator().manual_seed(4))
+    loop = gpu_drafter.drafting_loop(policy, head, prompts, 24, TINY.k, 16, seed=2)
+    gpu_loop.calibrate(loop, 2.5, 8, 5)
+    rollouts = gpu_drafter.draft_rollouts(loop, 24)
+    # the records are what the trainer accepts: the accepted drafts are the committed tokens, each cycle in place
+    validate_records(rollouts.records, depth=TINY.k, vocab_size=TINY.config.vocab_size, topk=16)
+    # every cycle run (a cycle commits at most K + 1 tokens), not only the kept ones, is a trial of the first
+    # draft's acceptance, held to sum min(p_1, q_1)
+    assert rollouts.counts["cycles"] >= 4 * 24 / (TINY.k + 1) and rollouts.cycles <= rollouts.counts["cycles"]
+    assert abs(reference_drafting.acceptance_z(rollouts.counts)) <= gpu_sampler.Z_LIMIT
     with torch.no_grad():
-        gpu_drafter.calibrate_head(policy, head, prompts, 2.5, TINY.k)
-        rollouts = gpu_drafter.draft_rollouts(policy, head, prompts, 24, TINY.k, 16, seed=2)
         checked = 0
         for rec in rollouts.records:
             logp = torch.log_softmax(policy(input_ids=rec.token_ids[None]).logits[0].float(), dim=-1)

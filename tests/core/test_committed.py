@@ -5,11 +5,12 @@ import pytest
 import torch
 
 from helpers.ranks import TwoRanks, module_calls
-from helpers.tiny import VOCAB, chain_by_chain_logits, make_head, make_records
+from helpers.tiny import VOCAB, make_head, make_records
 from openrlhf_growmtp.core import HeadKVCache, HeadLossConfig, Lockstep
 from openrlhf_growmtp.core.committed import chain_lengths_from, committed_chains
 from openrlhf_growmtp.core.head_loss import head_loss_backward
 from openrlhf_growmtp.core.objectives import head_loss_per_cycle
+from openrlhf_growmtp.experiments.reference_drafting import chain_by_chain
 
 K = 4
 
@@ -57,7 +58,7 @@ def test_committed_chains_equal_chain_by_chain_teacher_forcing(objective, depth)
     # top-k = the whole vocabulary: the sparse α is then the full-vocabulary α, and CE its full sum
     head = make_head("qwen3")
     records = make_records(k=depth, topk=VOCAB)
-    drafted, _ = head_loss_per_cycle(chain_by_chain_logits(head, records), torch.cat([r.topk_ids for r in records]),
+    drafted, _ = head_loss_per_cycle(chain_by_chain(head, records), torch.cat([r.topk_ids for r in records]),
                                      torch.cat([r.topk_logprobs for r in records]),
                                      torch.cat([r.accepted for r in records]), objective)
     committed = _committed_reference(head, records, depth, objective)

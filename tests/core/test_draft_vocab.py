@@ -6,11 +6,12 @@ import collections
 import pytest
 import torch
 
-from helpers.tiny import FAMILY_NAMES, VOCAB, chain_by_chain_logits, make_head, make_records
+from helpers.tiny import FAMILY_NAMES, VOCAB, make_head, make_records
 from openrlhf_growmtp.core import HeadLossConfig, head_loss_backward
 from openrlhf_growmtp.core.draft_vocab import DRAFT_VOCAB_META, DraftVocab, TokenCounts, check_drafted_over
 from openrlhf_growmtp.core.objectives import (LOG_ALPHA_FLOOR, head_loss_per_cycle, log_acceptance_rates,
                                                log_acceptance_rates_at)
+from openrlhf_growmtp.experiments.reference_drafting import chain_by_chain
 
 
 def quarter(seed: int = 0) -> DraftVocab:
@@ -70,7 +71,7 @@ def test_head_loss_over_a_draft_vocabulary_equals_the_chain_by_chain_reference(f
     topk_ids = torch.cat([r.topk_ids for r in records])
     assert vocab.outside()[topk_ids].any() and (~vocab.outside())[topk_ids].any()
     topk_logprobs, accepted = torch.cat([r.topk_logprobs for r in records]), torch.cat([r.accepted for r in records])
-    loss, _ = head_loss_per_cycle(chain_by_chain_logits(head, records), topk_ids, topk_logprobs, accepted, "dca")
+    loss, _ = head_loss_per_cycle(chain_by_chain(head, records), topk_ids, topk_logprobs, accepted, "dca")
     loss.mean().backward()
     reference = {name: p.grad.clone() for name, p in head.named_parameters()}
     head.zero_grad(set_to_none=True)
@@ -93,9 +94,9 @@ def test_alpha_over_a_draft_vocabulary_is_the_exact_overlap_with_the_subset_q():
     ids = torch.cat([r.topk_ids for r in records]).long()
     p = torch.zeros(ids.shape[:2] + (VOCAB,)).scatter_(-1, ids, torch.cat([r.topk_logprobs for r in records]).exp())
     with torch.no_grad():
-        full_logits = chain_by_chain_logits(head, records)
+        full_logits = chain_by_chain(head, records)
         head.draft_vocab = quarter(seed=4)
-        logits = chain_by_chain_logits(head, records)
+        logits = chain_by_chain(head, records)
     alpha = log_acceptance_rates(logits, ids, p.log().gather(-1, ids)).exp()
     dense = torch.minimum(p, torch.softmax(logits, dim=-1)).sum(-1)
     assert (alpha - dense).abs().max() <= 1e-5

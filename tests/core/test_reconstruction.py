@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from helpers.ranks import TwoRanks, module_calls
-from helpers.tiny import FAMILY_NAMES, chain_by_chain_logits, make_head, make_records, synthetic_record
+from helpers.tiny import FAMILY_NAMES, make_head, make_records, synthetic_record
 from openrlhf_growmtp.core import HeadLossConfig, Lockstep, reconstruct_draft_logits, validate_record
 from openrlhf_growmtp.core.head_loss import head_loss_backward
 from openrlhf_growmtp.core.objectives import chain_lengths, head_loss_per_cycle
@@ -12,6 +12,7 @@ from openrlhf_growmtp.core.prefix import PrefixStore
 from openrlhf_growmtp.core.reconstruction import plan_chunks, reconstruct_states
 from openrlhf_growmtp.core.records import RecordError
 from openrlhf_growmtp.core.teacher_forcing import teacher_forced_chains, teacher_forcing_layout
+from openrlhf_growmtp.experiments.reference_drafting import chain_by_chain
 
 
 def update(head, records, hiddens=None, lockstep=None, **cfg):
@@ -34,7 +35,7 @@ def test_batched_reconstruction_equals_chain_by_chain(family):
     records = make_records(k=4)
     with torch.no_grad():
         batched = reconstruct_draft_logits(head, records, chunk_cycles=5)  # chunks cut through sequences
-        reference = chain_by_chain_logits(head, records)
+        reference = chain_by_chain(head, records)
     assert batched.shape == reference.shape == (sum(r.num_cycles for r in records), 4, 97)
     diff = (batched.log_softmax(-1) - reference.log_softmax(-1)).abs().max().item()
     assert diff <= 1e-5, diff
@@ -50,7 +51,7 @@ def test_head_gradients_equal_chain_by_chain(family):
     topk_ids = torch.cat([r.topk_ids for r in records])
     topk_lp = torch.cat([r.topk_logprobs for r in records])
     accepted = torch.cat([r.accepted for r in records])
-    loss, _ = head_loss_per_cycle(chain_by_chain_logits(head, records), topk_ids, topk_lp, accepted, "dca")
+    loss, _ = head_loss_per_cycle(chain_by_chain(head, records), topk_ids, topk_lp, accepted, "dca")
     loss.mean().backward()
     reference = _grads(head)
     _zero(head)
@@ -89,7 +90,7 @@ def test_gradients_are_exact_under_a_scaling_backward_and_reach_hidden_states_wi
     records = make_records(k=4)
     for rec in records:
         rec.hidden = rec.hidden.clone().requires_grad_()
-    loss, _ = head_loss_per_cycle(chain_by_chain_logits(head, records), torch.cat([r.topk_ids for r in records]),
+    loss, _ = head_loss_per_cycle(chain_by_chain(head, records), torch.cat([r.topk_ids for r in records]),
                                   torch.cat([r.topk_logprobs for r in records]),
                                   torch.cat([r.accepted for r in records]), "dca")
     loss.mean().backward()
@@ -222,7 +223,7 @@ def test_alpha_statistics_average_each_position_over_the_cycles_that_reached_it(
     records = make_records(k=4)
     accepted = torch.cat([r.accepted for r in records])
     with torch.no_grad():
-        _, alpha = head_loss_per_cycle(chain_by_chain_logits(head, records), torch.cat([r.topk_ids for r in records]),
+        _, alpha = head_loss_per_cycle(chain_by_chain(head, records), torch.cat([r.topk_ids for r in records]),
                                        torch.cat([r.topk_logprobs for r in records]), accepted, "dca")
     reached = torch.arange(4)[None, :] < chain_lengths(accepted, len(accepted), 4)[:, None]
     expected = (alpha * reached).sum(0) / reached.sum(0)

@@ -194,3 +194,41 @@ def test_the_smoke_switch_runs_the_matched_autoregressive_baseline_on_cpu_with_a
     for row in rows:  # the rollout and step metrics the GrowMTP arm logs, measured
         assert row["growmtp/rollout_s"] > 0 and row["growmtp/step_s"] > row["growmtp/rollout_s"]
         assert row["growmtp/mem_trainer_peak_gib"] > 0 and row["growmtp/mem_engine_peak_gib"] > 0
+
+
+def test_native_heads_speculative_sampling_commits_its_cycles_and_accepts_as_sum_min_p_q(monkeypatch):
+    """The native head's tau measurement (`native_head.accepted_counts`) on a tiny Qwen3 stand-in: every response
+    commits its cycles' accepted drafts plus one token until NEW_TOKENS, and the first drafts pass as often as
+    sum min(p_1, q_1) of the rows it verified with predicts (`reference_drafting.acceptance_z`, within 5 sigma)."""
+    from transformers import Qwen3ForCausalLM
+
+    from helpers.tiny import make_head, tiny_backbone_config
+    from openrlhf_growmtp.experiments import reference_drafting
+    from openrlhf_growmtp.experiments.rehearsal import native_head
+
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(tiny_backbone_config("qwen3")).eval()
+    head = make_head("qwen3", std=0.05)
+    counts = {"cycles": 0, "first_accepted": 0.0, "alpha_sum": 0.0, "alpha_var": 0.0}
+
+    def recording(p, q, drafts, generator):
+        accepted, token = reference_drafting.rejection_step(p, q, drafts, generator)
+        alpha = float(torch.minimum(p[0, 0], q[0, 0]).sum())
+        counts["cycles"] += 1
+        counts["first_accepted"] += float(accepted[0] >= 1)
+        counts["alpha_sum"] += alpha
+        counts["alpha_var"] += alpha * (1 - alpha)
+        return accepted, token
+
+    monkeypatch.setattr(native_head, "rejection_step", recording)
+    per_response = native_head.accepted_counts(model, head, [[1, 5, 9], [2, 7]], rows=4, k=2, seed=0)
+    assert len(per_response) == 8
+    for accepted in per_response:  # x_P from the prefill, then accepted + 1 per cycle; the last one crosses
+        made = 1 + int((accepted + 1).sum())
+        assert made >= native_head.NEW_TOKENS and made - int(accepted[-1] + 1) < native_head.NEW_TOKENS
+    assert counts["cycles"] == sum(len(a) for a in per_response)
+    # power: a few hundred cycles put 5 sigma near 0.1, while a rule that accepted every draft, or none, would miss
+    # sum min(p_1, q_1) by its whole distance to 1 or 0
+    alpha = counts["alpha_sum"] / counts["cycles"]
+    assert 0.05 < alpha < 0.95 and 5 * counts["alpha_var"] ** 0.5 / counts["cycles"] < 0.2
+    assert abs(reference_drafting.acceptance_z(counts)) <= 5.0

@@ -9,7 +9,6 @@ from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
 
 from openrlhf_growmtp.core import MTPHead, SequenceRecord, make_head_config
 from openrlhf_growmtp.core.families import get_family
-from openrlhf_growmtp.core.head_cache import HeadKVCache
 from openrlhf_growmtp.experiments.worlds.toy import synthetic_record
 
 FAMILY_NAMES = ("qwen3", "qwen3_5", "mimo")
@@ -69,16 +68,3 @@ def make_records(k: int = 4, topk: int = 8, seed: int = 0, layouts=None, vocab_s
         records[1].temperature = 0.7
     return records
 
-
-def chain_by_chain_logits(head: MTPHead, records) -> torch.Tensor:
-    """The reference: each cycle drafted on its own with the head's recurrent API (fresh KV cache)."""
-    out = []
-    for rec in records:
-        for r in range(rec.num_cycles):
-            s = int(rec.start[r])
-            cache = HeadKVCache()
-            prefix = head.prefill(rec.hidden[None, :s + 1], rec.token_ids[None, 1:s + 2], 0, cache)
-            _, logits = head.draft_chain(prefix.last(), s, rec.drafts[r:r + 1], rec.depth, cache,
-                                         temperature=rec.temperature)
-            out.append(logits[0])
-    return torch.stack(out)

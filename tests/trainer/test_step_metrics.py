@@ -11,10 +11,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from helpers.tiny import chain_by_chain_logits, make_head, make_records
+from helpers.tiny import make_head, make_records
 from helpers.trainer import cpu_support  # noqa: F401  (the CPU layer before openrlhf is imported)
 from openrlhf_growmtp.core import HeadLossConfig, Lockstep
 from openrlhf_growmtp.core.objectives import acceptance_rates
+from openrlhf_growmtp.experiments.reference_drafting import chain_by_chain
 from openrlhf_growmtp.trainer.head_step.head_update import HeadUpdateConfig, update_head
 from openrlhf_growmtp.trainer.ppo_trainer import TRUSTED_TOPK_MASS, GrowMTPStepMetrics
 
@@ -28,7 +29,7 @@ def test_the_alpha_gap_compares_the_head_and_the_engine_over_the_cycles_that_rea
     cat = lambda name: torch.cat([getattr(rec, name) for rec in records])  # noqa: E731
     # the reference: each cycle drafted on its own, α from its full logits; the engine's counts by hand
     with torch.no_grad():
-        alpha = acceptance_rates(chain_by_chain_logits(head, records), cat("topk_ids"), cat("topk_logprobs"))
+        alpha = acceptance_rates(chain_by_chain(head, records), cat("topk_ids"), cat("topk_logprobs"))
     accepted, positions = cat("accepted").long(), torch.arange(4)
     reached = positions[None, :] <= accepted[:, None]  # every earlier draft accepted
     passed = positions[None, :] < accepted[:, None]

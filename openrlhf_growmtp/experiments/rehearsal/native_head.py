@@ -20,6 +20,7 @@ import torch
 from openrlhf_growmtp.core.checkpoint import init_random_head_
 from openrlhf_growmtp.core.head import MTPHead
 from openrlhf_growmtp.core.head_cache import HeadKVCache
+from openrlhf_growmtp.experiments.reference_drafting import rejection_step, sample
 
 NEW_TOKENS = 64  # the rehearsal's response cap (common.sh, MAX_NEW under GROWMTP_REHEARSAL=1)
 
@@ -107,9 +108,10 @@ def accepted_counts(model, head: MTPHead, prompts: list[list[int]], rows: int, k
 
     A cycle, after committed tokens x_0..x_{T-1} (x_{T-1} the target's own sample): the head drafts
     d_1..d_k from (h_{T-2}, x_{T-1}) on, feeding each draft back; one target forward over x, d gives p at
-    positions T..T+k; d_i is kept with probability min(1, p_i(d_i) / q_i(d_i)), the first rejected one is
-    replaced by a sample of max(p_i - q_i, 0), and after k kept drafts a bonus token is sampled from
-    p_{k+1}. The prompt's own forward samples x_P without drafts, as the engine's prefill does.
+    positions T..T+k; the lab's one rejection step (`reference_drafting.rejection_step`) keeps d_i with
+    probability min(1, p_i(d_i) / q_i(d_i)), replaces the first rejected one by a sample of max(p_i - q_i, 0),
+    and after k kept drafts samples a bonus token from p_{k+1}. The prompt's own forward samples x_P without
+    drafts, as the engine's prefill does.
     """
     generator = torch.Generator().manual_seed(seed)
     per_response = []
@@ -119,25 +121,15 @@ def accepted_counts(model, head: MTPHead, prompts: list[list[int]], rows: int, k
             x = torch.tensor([prompt])
             hidden = model.model(x).last_hidden_state  # [1, T - 1, H] at every cycle's start: x_{T-1}'s is not needed
             p = torch.softmax(model.lm_head(hidden[:, -1]).float(), dim=-1)
-            x = torch.cat([x, torch.multinomial(p, 1, generator=generator)], dim=1)
+            x = torch.cat([x, sample(p, generator)[:, None]], dim=1)
             while x.shape[1] - len(prompt) < NEW_TOKENS:
                 length = x.shape[1]
                 out = head.prefill(hidden, x[:, 1:], 0, cache := HeadKVCache())
                 drafts, draft_logits = head.draft_chain(out.last(), length - 2, None, k, cache, generator=generator)
-                q = torch.softmax(draft_logits[0], dim=-1)  # [k, V]
                 state = model.model(torch.cat([x, drafts], dim=1)).last_hidden_state
-                p = torch.softmax(model.lm_head(state[0, length - 1:]).float(), dim=-1)  # [k + 1, V]
-                accepted, token = 0, None
-                for i in range(k):
-                    d = drafts[0, i]
-                    if torch.rand((), generator=generator) * q[i, d] < p[i, d]:  # min(1, p/q), no division
-                        accepted += 1
-                        continue
-                    residual = (p[i] - q[i]).clamp_min(0)
-                    token = torch.multinomial(residual / residual.sum(), 1, generator=generator)
-                    break
-                if token is None:
-                    token = torch.multinomial(p[k], 1, generator=generator)
+                p = torch.softmax(model.lm_head(state[:, length - 1:]).float(), dim=-1)  # [1, k + 1, V]
+                accepted, token = rejection_step(p, torch.softmax(draft_logits, dim=-1), drafts, generator)
+                accepted = int(accepted)
                 counts.append(accepted)
                 x = torch.cat([x, drafts[:, :accepted], token.view(1, 1)], dim=1)
                 hidden = state[:, :length + accepted]  # the committed prefix's states, all but the new token's
