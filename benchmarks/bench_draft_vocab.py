@@ -34,8 +34,7 @@ from pathlib import Path
 import torch
 from transformers import Qwen3ForCausalLM
 
-from benchmarks.bench_cycle_formula import with_engine_gemms
-from benchmarks.bench_profile import machine, provenance
+from benchmarks.shared.cpu_runs import machine, provenance, with_engine_gemms
 from benchmarks.shared.bench_common import median_seconds, qwen3_4b_config
 from benchmarks.shared.cycle_timing import KVBuffer, policy_times
 from openrlhf_growmtp.core import MTPHead, make_head_config

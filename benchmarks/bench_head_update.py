@@ -38,7 +38,7 @@ import time
 import torch
 from transformers import Qwen3ForCausalLM
 
-from benchmarks.bench_reconstruction import measure_peak
+from benchmarks.shared.peak_memory import measure_peak
 from benchmarks.shared.bench_common import fit_line, head_update, policy_step, qwen3_4b_config, records_at_tau, sync
 from openrlhf_growmtp.core import MTPHead, init_random_head_, make_head_config
 from openrlhf_growmtp.core.families import get_family

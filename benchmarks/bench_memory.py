@@ -37,7 +37,7 @@ from torch import nn
 from transformers import PretrainedConfig, Qwen2Config
 from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
 
-from benchmarks.bench_reconstruction import PeakMemory
+from benchmarks.shared.peak_memory import PeakMemory
 from benchmarks.shared.bench_common import fit_line, qwen3_4b_config, records_at_tau
 from openrlhf_growmtp.core import (
     HeadLossConfig,

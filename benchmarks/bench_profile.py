@@ -41,7 +41,6 @@ import functools
 import gc
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -51,6 +50,8 @@ from pathlib import Path
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+from benchmarks.shared.cpu_runs import provenance  # noqa: E402
 
 COMPONENTS = ("target forward", "head forwards", "sampling drafts", "rejection sampler", "capture", "scheduler",
               "everything else")
@@ -88,20 +89,6 @@ class Timers:
     def reset(self) -> None:
         self.seconds.clear()
         self.calls.clear()
-
-
-def machine() -> dict:
-    return {"machine": platform.node(), "processor": platform.processor() or platform.machine(),
-            "cores": os.cpu_count(), "python": platform.python_version()}
-
-
-def provenance(argv: list[str]) -> dict:
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-    dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                                text=True).stdout.strip())
-    script = Path(sys.argv[0]).stem  # this script, or another benchmark that reports through it
-    return {"commit": commit, "dirty": dirty, "command": f"python -m benchmarks.{script} " + " ".join(argv),
-            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **machine()}
 
 
 # ---- the cycle ------------------------------------------------------------------------------------

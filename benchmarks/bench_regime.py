@@ -30,8 +30,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.bench_cycle_formula import with_engine_gemms
-from benchmarks.bench_rollout import deep_policy, timed
+from benchmarks.shared.cpu_runs import deep_policy, timed, with_engine_gemms
 from benchmarks.shared.bench_common import qwen3_4b_config
 from benchmarks.shared.cycle_timing import draft_time, policy_times
 from openrlhf_growmtp.core.checkpoint import load_head, materialize_random_head

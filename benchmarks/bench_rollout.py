@@ -40,33 +40,17 @@ import gc
 import json
 import os
 import tempfile
-import time
 from pathlib import Path
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
+from benchmarks.shared.cpu_runs import deep_policy, timed, wall_time  # noqa: E402
 from openrlhf_growmtp.core.checkpoint import export_head, load_head, materialize_random_head  # noqa: E402
 from openrlhf_growmtp.experiments.worlds.toy import (  # noqa: E402
     load_policy, make_policy, random_prompts, train_head_on_records)
 
 ENGINE_ARGS = dict(dtype="float32", enforce_eager=True, max_model_len=512, max_num_seqs=32, seed=0)
-
-
-def timed(generate, repeats: int):
-    generate()  # warm-up
-    best = None
-    for _ in range(repeats):
-        result, wall = _wall(generate)
-        if best is None or wall < best[1]:
-            best = (result, wall)
-    return best
-
-
-def _wall(fn):
-    began = time.perf_counter()
-    out = fn()
-    return out, time.perf_counter() - began
 
 
 def main() -> None:
@@ -134,7 +118,7 @@ def spec_pair(args, policy_dir: Path, head_dir: Path, engine_args: dict, prompts
             engine.generate(prompts, params)
         for _, capture in [(r, c) for r in range(args.repeats) for c in (False, True)]:
             engine.set_capture(capture)
-            result, wall = _wall(lambda: engine.generate(prompts, params))
+            result, wall = wall_time(lambda: engine.generate(prompts, params))
             if capture not in best or wall < best[capture][1]:
                 best[capture] = (result, wall)
         if trained_to is not None and not trained_to.exists():
@@ -174,15 +158,6 @@ def report_compare(args, rows: dict) -> None:
             "spec_random_tokens_per_s": rows["spec_random"]["tokens_per_s"],
             "spec_capture_random_tokens_per_s": rows["spec_capture_random"]["tokens_per_s"],
             "tau_random": rows["spec_capture_random"]["tau"], "k": args.k, "deep": args.deep}))
-
-
-def deep_policy(out_dir: Path, args, layers: int | None = None) -> Path:
-    """The toy world's policy, `layers` (else --layers) deep, --hidden wide, --vocab tokens (heads of 64, 4 query
-    heads per kv head)."""
-    heads = max(args.hidden // 64, 1)
-    return make_policy(out_dir, hidden_size=args.hidden, num_hidden_layers=layers or args.layers,
-                       intermediate_size=3 * args.hidden, num_attention_heads=heads,
-                       num_key_value_heads=max(heads // 4, 1), head_dim=64, vocab_size=args.vocab)
 
 
 def sweep(args) -> None:

@@ -89,11 +89,15 @@ def run_script(script: str, args: list[str], env: dict, cwd: Path) -> subprocess
                           timeout=300)
 
 
-def run_cases(names, env: dict, cwd: Path) -> dict[str, subprocess.CompletedProcess]:
-    with ThreadPoolExecutor(2) as pool:  # two at a time: each is mostly upstream's imports
-        futures = {name: pool.submit(run_script, CASES[name][0], CASES[name][1], {**env, **CASES[name][2]}, cwd)
-                   for name in names}
+def run_many(jobs: dict) -> dict[str, subprocess.CompletedProcess]:
+    """`run_script(*job)` for each named job, two at a time: each is mostly upstream's imports."""
+    with ThreadPoolExecutor(2) as pool:
+        futures = {name: pool.submit(run_script, *job) for name, job in jobs.items()}
         return {name: future.result() for name, future in futures.items()}
+
+
+def run_cases(names, env: dict, cwd: Path) -> dict[str, subprocess.CompletedProcess]:
+    return run_many({name: (CASES[name][0], CASES[name][1], {**env, **CASES[name][2]}, cwd) for name in names})
 
 
 @pytest.fixture(scope="module")
@@ -152,14 +156,22 @@ def model_variable(case: str) -> str:
     return "MIMO_7B_SFT"  # MiMo's scripts, its baselines and the ablations (MiMo's native head)
 
 
-@pytest.mark.parametrize("extra, message", [
-    ({"K": "99"}, "deeper than this head supports"),
-    ({"HEAD": "native"}, "ships no native MTP layer"),
-    ({"QWEN3_4B": "TinyOrg/Not-Cached"}, "--actor.model_name_or_path TinyOrg/Not-Cached: not a local directory"),
-])
-def test_dry_run_reports_a_bad_override(env, tmp_path, extra, message):
-    result = run_script("qwen3_4b_math.sh", [], {**env, **extra}, tmp_path)
-    assert result.returncode == 2 and message in result.stderr
+BAD_OVERRIDES = {"K": ("99", "deeper than this head supports"), "HEAD": ("native", "ships no native MTP layer"),
+                 "QWEN3_4B": ("TinyOrg/Not-Cached",
+                              "--actor.model_name_or_path TinyOrg/Not-Cached: not a local directory")}
+
+
+@pytest.fixture(scope="module")
+def bad_overrides(env, tmp_path_factory):
+    cwd = tmp_path_factory.mktemp("bad")
+    return run_many({name: ("qwen3_4b_math.sh", [], {**env, name: value}, cwd)
+                     for name, (value, _) in BAD_OVERRIDES.items()})
+
+
+@pytest.mark.parametrize("variable", BAD_OVERRIDES)
+def test_dry_run_reports_a_bad_override(bad_overrides, variable):
+    result = bad_overrides[variable]
+    assert result.returncode == 2 and BAD_OVERRIDES[variable][1] in result.stderr
 
 
 def test_unknown_ablation_arm_is_refused(env, tmp_path):
@@ -220,12 +232,13 @@ def test_evaluate_script_refuses_a_bad_benchmark_or_head(env, finished_run, tmp_
     run, data = finished_run
     broken = write_jsonl(tmp_path / "broken.jsonl", [{"prompt": "p", "label": json.dumps(
         {"fn_name": "f", "inputs": ["[1,"], "outputs": ["3"]})}])
-    result = run_script("evaluate.sh", [str(run), "code"], {**env, **data, "LCB_LEETCODE_DATA": broken}, tmp_path)
-    assert result.returncode != 0 and "row 0 label: call-based test 0: not JSON" in result.stderr
-    result = run_script("evaluate.sh", [str(tmp_path / "no_run"), "math"], {**env, **data}, tmp_path)
-    assert result.returncode != 0 and "not a head directory" in result.stderr
-    result = run_script("evaluate.sh", [str(run), "vision"], {**env, **data}, tmp_path)
-    assert result.returncode == 2 and "unknown domain 'vision'" in result.stderr
+    data_env = {**env, **data}
+    out = run_many({"label": ("evaluate.sh", [str(run), "code"], {**data_env, "LCB_LEETCODE_DATA": broken}, tmp_path),
+                    "head": ("evaluate.sh", [str(tmp_path / "no_run"), "math"], data_env, tmp_path),
+                    "domain": ("evaluate.sh", [str(run), "vision"], data_env, tmp_path)})
+    assert out["label"].returncode != 0 and "row 0 label: call-based test 0: not JSON" in out["label"].stderr
+    assert out["head"].returncode != 0 and "not a head directory" in out["head"].stderr
+    assert out["domain"].returncode == 2 and "unknown domain 'vision'" in out["domain"].stderr
 
 
 def test_evaluate_script_reads_its_benchmarks_under_data_root(env, finished_run, tmp_path):
