@@ -29,7 +29,7 @@ $(STAMP): setup.py constraints.txt
 # CI allows 15 minutes on 2 cores, install included: the 15 slowest tests are printed to watch that budget. The
 # linter (ruff.toml, pinned in constraints.txt) runs first, in a second.
 test: $(STAMP)
-	$(PY) -m ruff check openrlhf_growmtp vllm_patches benchmarks tests
+	$(PY) -m ruff check openrlhf_growmtp vllm_patches growmtp_lab benchmarks tests
 	$(PY) -m pytest -q -m "not slow and not faults" --durations=15 tests
 
 # the tests marked slow (pytest.ini): end-to-end runs of a minute or more (README, make test-slow)
@@ -43,21 +43,21 @@ test-faults: $(STAMP)
 
 # the embedded default: AR vs GrowMTP GRPO on CPU, plots and summary under runs/demo/ (docs/demo.md)
 demo: $(STAMP)
-	$(PY) -m openrlhf_growmtp.experiments.demo $(ARGS)
+	$(PY) -m growmtp_lab.demo $(ARGS)
 
 demo-quick: $(STAMP)
-	$(PY) -m openrlhf_growmtp.experiments.demo --quick
+	$(PY) -m growmtp_lab.demo --quick
 
 # the demo's quick run twice per arm (autoregressive, GrowMTP, --growmtp_depth auto) with one seed: every logged
 # number and exported tensor compared (~5 min)
 reproduce: $(STAMP)
-	$(PY) -m openrlhf_growmtp.experiments.reproduce
+	$(PY) -m growmtp_lab.reproduce
 
 # GrowMTP (fixed K and --growmtp_depth auto) against autoregressive decoding over whole runs in the speed world:
 # 3 evaluation seeds and one repeated, arms in reversed order run to run, paired rollout measurements at checkpoints
 # (~70 min on 2 cores; runs/speed-study/, docs/demo.md, docs/depth.md). ARGS="--keep docs/data/speed-study" keeps it
 speed-study: $(STAMP)
-	$(PY) -m openrlhf_growmtp.experiments.speed_study $(ARGS)
+	$(PY) -m growmtp_lab.speed_study $(ARGS)
 
 # vLLM's OpenAI-compatible server on 127.0.0.1:8000 for the newest demo run's policy, drafting with its grown head
 # (docs/serving.md); Ctrl-C stops it
@@ -73,17 +73,17 @@ serve-check: $(STAMP)
 # repository's record instead: the export into docs/data/ablations/ and docs/figures/, every result kept under
 # docs/data/ablations/runs/
 ablations: $(STAMP)
-	$(PY) -m openrlhf_growmtp.experiments.ablations $(ARGS)
+	$(PY) -m growmtp_lab.ablations $(ARGS)
 
 # the from-scratch study (docs/from_scratch.md): every run its settings still lack, one at a time, then its export,
 # under runs/from_scratch/ (kept/, export/); resumable. ARGS=--docs: the repository's record
 # (docs/data/ablations/runs/, docs/data/from_scratch/from_scratch.json)
 from-scratch: $(STAMP)
-	while cmd="$$($(PY) -m openrlhf_growmtp.experiments.from_scratch next $(ARGS))" && [ -n "$$cmd" ]; do $$cmd || exit 1; done
-	$(PY) -m openrlhf_growmtp.experiments.from_scratch export $(ARGS)
+	while cmd="$$($(PY) -m growmtp_lab.from_scratch next $(ARGS))" && [ -n "$$cmd" ]; do $$cmd || exit 1; done
+	$(PY) -m growmtp_lab.from_scratch export $(ARGS)
 
 ablations-quick: $(STAMP)
-	$(PY) -m openrlhf_growmtp.experiments.ablations --quick
+	$(PY) -m growmtp_lab.ablations --quick
 
 # every example script for 3 RL steps on this CPU at its model's real vocabulary (docs/rehearsal.md)
 rehearse: $(STAMP)

@@ -19,8 +19,10 @@ setup(
     description="OpenRLHF extended so that an RL run grows its own speculative-decoding draft head (GrowMTP).",
     # benchmarks/ too: its scripts import one another as `benchmarks.*`, so `python benchmarks/X.py` starts from any
     # directory of an installed checkout, as `python -m benchmarks.X` does from its root
+    # growmtp_lab/: the lab (the demo, studies, worlds, rehearsal), a package beside the product that the product
+    # never imports; installed so that growmtp-demo and the scripts' GROWMTP_REHEARSAL=1 run from an install
     packages=find_packages(include=["openrlhf_growmtp", "openrlhf_growmtp.*", "vllm_patches", "vllm_patches.*",
-                                    "benchmarks", "benchmarks.*"]),
+                                    "growmtp_lab", "growmtp_lab.*", "benchmarks", "benchmarks.*"]),
     python_requires=">=3.10",
     install_requires=[STACK["torch"], STACK["transformers"], "safetensors>=0.4", "numpy"],
     extras_require={
@@ -38,7 +40,7 @@ setup(
         "console_scripts": [
             "growmtp-make-head = openrlhf_growmtp.cli.make_head:main",
             "growmtp-export = openrlhf_growmtp.cli.export:main",
-            "growmtp-demo = openrlhf_growmtp.experiments.demo:main",
+            "growmtp-demo = growmtp_lab.demo:main",
             "growmtp-paired-rollout = openrlhf_growmtp.cli.paired_rollout:main",
         ],
         # vLLM loads general plugins in every process it starts (engine core, workers)

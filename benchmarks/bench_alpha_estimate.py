@@ -35,8 +35,8 @@ import torch  # noqa: E402
 from openrlhf_growmtp.core.checkpoint import load_head  # noqa: E402
 from openrlhf_growmtp.core.head_loss import HeadLossConfig, head_loss_backward, measure_head_loss  # noqa: E402
 from openrlhf_growmtp.core.objectives import ALPHA_ESTIMATES  # noqa: E402
-from openrlhf_growmtp.experiments.ceiling import hidden_states, read_prompts  # noqa: E402
-from openrlhf_growmtp.experiments.recipes import WORLDS  # noqa: E402
+from growmtp_lab.ceiling import hidden_states, read_prompts  # noqa: E402
+from growmtp_lab.recipes import WORLDS  # noqa: E402
 
 HEADS = {"random": lambda world: world.head, "ce_k1": lambda world: world.root / "head-ce_k1"}
 

@@ -56,7 +56,7 @@ from benchmarks.shared.cpu_runs import deep_policy, with_engine_gemms
 from benchmarks.shared.bench_common import fit_line
 from benchmarks.shared.cycle_timing import cycle_prediction, draft_time, policy_times, prefill_time
 from openrlhf_growmtp.core.checkpoint import load_head, materialize_random_head
-from openrlhf_growmtp.experiments.worlds.toy import load_policy, random_prompts
+from growmtp_lab.worlds.toy import load_policy, random_prompts
 
 HERE = Path(__file__).resolve().parent
 PROMPT_VOCAB, PROMPT_SEED = 128, 7  # bench_rollout.py's sweep prompts: random_prompts(n, 128, seed=7)

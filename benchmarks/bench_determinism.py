@@ -30,9 +30,9 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from openrlhf_growmtp.experiments.demo import fresh_run_dir, run_arm
-from openrlhf_growmtp.experiments.recipes import WORLDS, train_command
-from openrlhf_growmtp.experiments.reproduce import compare_exports, compare_scalars, logged_scalars
+from growmtp_lab.demo import fresh_run_dir, run_arm
+from growmtp_lab.recipes import WORLDS, train_command
+from growmtp_lab.reproduce import compare_exports, compare_scalars, logged_scalars
 from openrlhf_growmtp.reproducibility import INGREDIENTS, OVERRIDE_ENV
 
 DETERMINISM_FLAG = "--train.full_determinism_enable"

@@ -19,7 +19,7 @@ From them, per arm: draft / decode, and the cycle speedup the formula predicts a
     python -m benchmarks.bench_draft_vocab --acceptance docs/data/draft_vocab/runs [--out FILE]
 
 --acceptance: what a smaller draft vocabulary costs in τ, from the paper and reasoning worlds' runs kept by
-    python -m openrlhf_growmtp.experiments.ablations --worlds paper,reasoning --arms growmtp --no-ceiling \
+    python -m growmtp_lab.ablations --worlds paper,reasoning --arms growmtp --no-ceiling \
         --keep docs/data/draft_vocab/runs [--draft-vocab-share 0.25 --tag vocab-quarter]
 (once plainly and once with the vocabulary, the same seeds).
 """
@@ -88,7 +88,7 @@ def acceptance(keep: Path, tag: str = "vocab-quarter") -> dict:
     each run's last 5 steps, and the mean coverage of the vocabulary's runs."""
     from statistics import mean
 
-    from openrlhf_growmtp.experiments.report import final_window
+    from growmtp_lab.report import final_window
 
     out = {}
     for plain in sorted(d for d in keep.iterdir() if d.is_dir() and not d.name.endswith(f"-{tag}")):

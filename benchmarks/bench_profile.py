@@ -143,7 +143,7 @@ def trained_head(world, work: Path, prompts, args) -> Path:
     from vllm import SamplingParams
 
     from openrlhf_growmtp.core.checkpoint import export_head, load_head
-    from openrlhf_growmtp.experiments.worlds.toy import load_policy, train_head_on_records
+    from growmtp_lab.worlds.toy import load_policy, train_head_on_records
     from vllm_patches.engine import SpecEngine
 
     engine = SpecEngine(world.policy, world.head, args.k, topk=args.topk, **engine_args(args))
@@ -192,7 +192,7 @@ def profile_engine(llm, generate, timers: Timers, repeats: int) -> dict:
 def run_cycle(args) -> dict:
     from vllm import LLM, SamplingParams
 
-    from openrlhf_growmtp.experiments.worlds.speed_world import build_speed_world
+    from growmtp_lab.worlds.speed_world import build_speed_world
     from vllm_patches.engine import SpecEngine
 
     world = build_speed_world(args.cache_dir)
@@ -262,7 +262,7 @@ def read_scalars(tensorboard_dir: Path) -> dict[str, dict[int, float]]:
 
 def run_step(args) -> dict:
     name = "profile-step"
-    cmd = [sys.executable, "-m", "openrlhf_growmtp.experiments.demo", "--steps", str(args.steps), "--name", name,
+    cmd = [sys.executable, "-m", "growmtp_lab.demo", "--steps", str(args.steps), "--name", name,
            "--runs-dir", args.runs_dir, "--cache-dir", args.cache_dir]
     if not args.read_only:
         subprocess.run(cmd, check=True)

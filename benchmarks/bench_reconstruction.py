@@ -46,8 +46,8 @@ from openrlhf_growmtp.core import (
 )
 from openrlhf_growmtp.core.families import get_family
 from openrlhf_growmtp.core.objectives import head_loss_per_cycle
-from openrlhf_growmtp.experiments.reference_drafting import chain_by_chain
-from openrlhf_growmtp.experiments.worlds.toy import synthetic_record
+from growmtp_lab.reference_drafting import chain_by_chain
+from growmtp_lab.worlds.toy import synthetic_record
 
 K, TOPK = 5, 64
 

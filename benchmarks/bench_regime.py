@@ -34,7 +34,7 @@ from benchmarks.shared.cpu_runs import deep_policy, timed, with_engine_gemms
 from benchmarks.shared.bench_common import qwen3_4b_config
 from benchmarks.shared.cycle_timing import draft_time, policy_times
 from openrlhf_growmtp.core.checkpoint import load_head, materialize_random_head
-from openrlhf_growmtp.experiments.worlds.toy import load_policy
+from growmtp_lab.worlds.toy import load_policy
 
 H100 = {"name": "H100 SXM (spec sheet)", "bandwidth_Bps": 3.35e12, "flops": 989e12}
 

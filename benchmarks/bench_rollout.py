@@ -47,7 +47,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 from benchmarks.shared.cpu_runs import deep_policy, timed, wall_time  # noqa: E402
 from openrlhf_growmtp.core.checkpoint import export_head, load_head, materialize_random_head  # noqa: E402
-from openrlhf_growmtp.experiments.worlds.toy import (  # noqa: E402
+from growmtp_lab.worlds.toy import (  # noqa: E402
     load_policy, make_policy, random_prompts, train_head_on_records)
 
 ENGINE_ARGS = dict(dtype="float32", enforce_eager=True, max_model_len=512, max_num_seqs=32, seed=0)

@@ -128,7 +128,7 @@ def same(kept, again, where: str = "") -> None:
 
 @pytest.mark.parametrize("run", ["demo", "demo/earlier"])
 def test_the_demos_summary_follows_from_its_kept_rows(run):
-    from openrlhf_growmtp.experiments import report
+    from growmtp_lab import report
     from openrlhf_growmtp.measure.paired_rollout import combine, summarize
 
     data = ROOT / "docs" / "data" / run
@@ -152,7 +152,7 @@ def test_the_demos_summary_follows_from_its_kept_rows(run):
 
 def kept_study(tmp_path: Path, data: Path) -> Path:
     """A kept study's arm files (data/<run>/<arm>.json) laid out as the study writes them (<run>/<arm>/arm.json)."""
-    from openrlhf_growmtp.experiments import speed_study
+    from growmtp_lab import speed_study
 
     for found in data.glob("*/*.json"):
         (tmp_path / found.parent.name / found.stem).mkdir(parents=True)
@@ -164,7 +164,7 @@ def kept_study(tmp_path: Path, data: Path) -> Path:
 def test_a_kept_studys_summary_and_table_follow_from_its_arm_files(tmp_path, name):
     from dataclasses import replace
 
-    from openrlhf_growmtp.experiments import speed_study
+    from growmtp_lab import speed_study
 
     data = ROOT / "docs" / "data" / name
     summary = json.loads((data / "summary.json").read_text())
@@ -186,7 +186,7 @@ def test_a_kept_studys_summary_and_table_follow_from_its_arm_files(tmp_path, nam
 
 
 def test_the_committed_checks_tau_over_the_last_steps_follows_from_its_rows():
-    from openrlhf_growmtp.experiments.committed_check import tau_final
+    from growmtp_lab.committed_check import tau_final
 
     kept = json.loads((ROOT / "docs" / "data" / "depth" / "committed_check_seed7.json").read_text())
     for arm, found in kept["arms"].items():
@@ -194,7 +194,7 @@ def test_the_committed_checks_tau_over_the_last_steps_follows_from_its_rows():
 
 
 def test_the_demos_interval_comparison_follows_from_its_files():
-    from openrlhf_growmtp.experiments.report import interval_comparison
+    from growmtp_lab.report import interval_comparison
 
     kept = json.loads((ROOT / "docs" / "data" / "demo" / "intervals.json").read_text())
     sources = kept["sources"]

@@ -35,7 +35,7 @@ from benchmarks.gpu_check.gpu_world import Plan
 from benchmarks.shared.bench_common import accepted_at_tau, head_update, policy_hiddens, sync
 from openrlhf_growmtp.core import MTPHead, SequenceRecord
 from openrlhf_growmtp.core.draft_vocab import DraftVocab
-from openrlhf_growmtp.experiments.worlds.toy import synthetic_record
+from growmtp_lab.worlds.toy import synthetic_record
 
 RECORD_VOCAB = 1024  # records' ids are drawn over the first 1,024 ids: which ids they hold costs nothing
 

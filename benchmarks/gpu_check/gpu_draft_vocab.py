@@ -29,7 +29,7 @@ import torch
 from benchmarks.gpu_check.gpu_cycle import PAPER, at_real_layers, rollout_from_loop
 from benchmarks.gpu_check.gpu_report import Row
 from benchmarks.gpu_check.gpu_sampler import Z_LIMIT
-from openrlhf_growmtp.experiments.reference_drafting import acceptance_z
+from growmtp_lab.reference_drafting import acceptance_z
 
 OUTSIDE_MASS = 0.05  # a flat p's mass outside the draft vocabulary, in the subset's runs
 IDS_SEED = 0

@@ -17,7 +17,7 @@ functions run eagerly. Nothing in a phase reads a value back to the host (but th
   the cycle's start s;
 - step (K - 1 replays of one graph): the chain's next position, (h'_{j-1}, d_{j-1}) at s + j - 1;
 - verify: the policy over [x_{s+1}, d_1..d_K] at s + 1..s + K + 1, then `rejection_step`
-  (`experiments/reference_drafting.py`, as every token here is drawn: `sample`, no host synchronisation), and
+  (`growmtp_lab/reference_drafting.py`, as every token here is drawn: `sample`, no host synchronisation), and
   the commit the next cycle's first phase reads.
 A reset starts every sequence from `context` random committed positions, or, given `prompts`, from the
 prompts' prefill (their whole forward, the head's entries for them, and x_P sampled from p as a decoding step
@@ -42,7 +42,7 @@ from transformers import Qwen3ForCausalLM
 from benchmarks.shared.bench_common import sync
 from benchmarks.shared.cycle_timing import KVBuffer, MaskedGQA, cached_forward, visible
 from openrlhf_growmtp.core import MTPHead
-from openrlhf_growmtp.experiments.reference_drafting import rejection_step, sample
+from growmtp_lab.reference_drafting import rejection_step, sample
 
 COUNTERS = ("tokens", "cycles", "first_accepted", "all_accepted", "alpha_sum", "alpha_var")
 

@@ -35,8 +35,8 @@ from benchmarks.shared.bench_common import accepted_at_tau, head_update
 from openrlhf_growmtp.core import MTPHead, SequenceRecord, acceptance_rates, reconstruct_draft_logits
 from openrlhf_growmtp.core.objectives import head_loss_per_cycle
 from openrlhf_growmtp.core.recompute import worth_recomputing
-from openrlhf_growmtp.experiments.reference_drafting import chain_by_chain
-from openrlhf_growmtp.experiments.worlds.toy import synthetic_record
+from growmtp_lab.reference_drafting import chain_by_chain
+from growmtp_lab.worlds.toy import synthetic_record
 
 # The next lower precision a path in each dtype could slip into unnoticed: TF32 matmuls (fp16's 10-bit
 # mantissa) under fp32, fp8 e4m3 under bf16.

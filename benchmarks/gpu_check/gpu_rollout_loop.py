@@ -38,7 +38,7 @@ from benchmarks.gpu_check.gpu_loop import Loop, calibrate
 from benchmarks.gpu_check.gpu_report import Row
 from benchmarks.gpu_check.gpu_sampler import Z_LIMIT
 from benchmarks.shared.cycle_timing import KVBuffer, policy_caches
-from openrlhf_growmtp.experiments.reference_drafting import acceptance_z
+from growmtp_lab.reference_drafting import acceptance_z
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """Check (d) of the GPU check: the rejection rule's acceptance against E_{x~q}[min(1, p(x)/q(x))].
 
-The rule is the lab's one reference sampler (`experiments/reference_drafting.py`, terms there), in torch since
+The rule is the lab's one reference sampler (`growmtp_lab/reference_drafting.py`, terms there), in torch since
 vLLM's is not on the GPU machine; the loop (`gpu_loop.py`) draws with it. Check (d) holds the rule to its law on
 fixed rows (no context, `rejection_sample`: 2^20 chains of one (p, q) pair, its recovered tokens drawn per
 position), where position j accepts with probability alpha_j = sum min(p_j, q_j) and the accepted count A has
@@ -23,7 +23,7 @@ import math
 import torch
 
 from benchmarks.gpu_check.gpu_report import Row
-from openrlhf_growmtp.experiments.reference_drafting import acceptance_z, accepted_count, residual
+from growmtp_lab.reference_drafting import acceptance_z, accepted_count, residual
 
 Z_LIMIT = 5.0
 P_MIN = 1e-6

@@ -58,7 +58,7 @@ from benchmarks.gpu_check.gpu_report import Row
 from benchmarks.gpu_check.gpu_sampler import Z_LIMIT  # the drafter's first acceptance, held as check (d) holds its own
 from benchmarks.gpu_check.gpu_trainer_run import held
 from benchmarks.gpu_check.gpu_world import build_head, flatten_policy_logits_
-from openrlhf_growmtp.experiments.reference_drafting import acceptance_z
+from growmtp_lab.reference_drafting import acceptance_z
 
 # the drafter's tau bisection: 7 probes of 16 cycles of every response (8 at Qwen3-4B's plan: 128 cycles, the
 # measured tau's standard error ~ sqrt(2.5 / 128) = 0.14 at tau 2.91), a few percent of the drafter's cycles

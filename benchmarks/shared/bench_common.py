@@ -1,5 +1,5 @@
 """What the benchmarks share: Qwen3-4B's shapes, records drawn at a given τ, the policy's training step, and the
-one place they call the core's head update (the chain-by-chain reference is `experiments/reference_drafting.py`'s).
+one place they call the core's head update (the chain-by-chain reference is `growmtp_lab/reference_drafting.py`'s).
 
 Imported as `benchmarks.shared.bench_common` by the benchmarks (each run from the repository's root as
 `python -m benchmarks.<script>`); nothing here imports from tests/.
@@ -14,7 +14,7 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from openrlhf_growmtp.core import HeadLossConfig, MTPHead, SequenceRecord, head_loss_backward
-from openrlhf_growmtp.experiments.worlds.toy import synthetic_record
+from growmtp_lab.worlds.toy import synthetic_record
 
 
 def qwen3_4b_config(num_layers: int = 1) -> Qwen3Config:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from openrlhf_growmtp.experiments.worlds.toy import make_policy
+from growmtp_lab.worlds.toy import make_policy
 
 
 def timed(generate, repeats: int):

@@ -160,7 +160,7 @@ run_growmtp() {
     # CPU build
     "$PYTHON" -c "import sys; from openrlhf_growmtp.cpu_support import rehearsal_install_problem as p; m = p()
 sys.exit(m and 'GROWMTP_REHEARSAL=1: ' + m)"
-    "$PYTHON" -m openrlhf_growmtp.experiments.rehearse world "$REHEARSAL_DIR/world" "$model"
+    "$PYTHON" -m growmtp_lab.rehearse world "$REHEARSAL_DIR/world" "$model"
     MODEL_PATH=$REHEARSAL_DIR/world/$model MAX_NEW=64 root=$REHEARSAL_DIR/runs/$run
     MATH_SOURCE=$REHEARSAL_DIR/world/dapo-math.jsonl MATH_DATA=$REHEARSAL_DIR/world/dapo-math.$model.jsonl
     CODE_SOURCE=$REHEARSAL_DIR/world/taco-verified.jsonl CODE_DATA=$REHEARSAL_DIR/world/taco-verified.$model.jsonl
@@ -215,7 +215,7 @@ sys.exit(m and 'GROWMTP_REHEARSAL=1: ' + m)"
     fi
     "${verdict[@]}"
   elif [[ "$REHEARSAL" == 1 ]]; then
-    local report=("$PYTHON" -m openrlhf_growmtp.experiments.rehearse report "$root/tensorboard" --steps 3 --k "$k")
+    local report=("$PYTHON" -m growmtp_lab.rehearse report "$root/tensorboard" --steps 3 --k "$k")
     if frozen "${cmd[@]}"; then
       report+=(--frozen)
     fi

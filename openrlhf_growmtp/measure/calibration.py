@@ -24,7 +24,7 @@ from __future__ import annotations
 import statistics
 import time
 
-LAYERS, HIDDEN, KV, MLP, VOCAB = 10, 512, 256, 1536, 32  # the speed world's target (experiments/worlds)
+LAYERS, HIDDEN, KV, MLP, VOCAB = 10, 512, 256, 1536, 32  # the speed world's target (growmtp_lab/worlds)
 SEQUENCES = 2  # the demo's concurrency
 REPEATS = 15
 

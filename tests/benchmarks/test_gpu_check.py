@@ -20,7 +20,7 @@ from benchmarks.gpu_check import gpu_cycle, gpu_drafter, gpu_loop, gpu_rollout_l
 from benchmarks.gpu_check.gpu_world import TINY, tiny_config
 from benchmarks.shared import cycle_timing
 from benchmarks.shared.bench_common import fit_line, qwen3_4b_config
-from openrlhf_growmtp.experiments import reference_drafting
+from growmtp_lab import reference_drafting
 
 ROOT = Path(__file__).resolve().parents[2]
 CHECK = ["-m", "benchmarks.gpu_check.gpu_check"]
@@ -836,7 +836,7 @@ def test_the_drafters_records_hold_the_policys_own_log_probs_on_the_committed_pa
 def test_fixed_shape_head_update_is_head_loss_backward():
     from benchmarks.gpu_check import gpu_head_graph
     from benchmarks.gpu_check.gpu_world import build_head, build_policy
-    from openrlhf_growmtp.experiments.worlds.toy import synthetic_record
+    from growmtp_lab.worlds.toy import synthetic_record
 
     policy = build_policy(TINY.config, torch.device("cpu"), torch.float64)
     head = build_head(policy, torch.float64)

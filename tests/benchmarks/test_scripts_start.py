@@ -23,10 +23,10 @@ def runnable(folder: Path) -> list[str]:
 
 def test_every_script_answers_help(tmp_path):
     scripts = [str(ROOT / (name.replace(".", os.sep) + ".py")) for name in runnable(ROOT / "benchmarks")]
-    names = scripts + runnable(ROOT / "openrlhf_growmtp" / "experiments")
+    names = scripts + runnable(ROOT / "growmtp_lab")
     # the discovery itself could find nothing and pass: the folders hold at least these
     assert {str(ROOT / "benchmarks" / "bench_draft_vocab.py"), str(ROOT / "benchmarks" / "gpu_check" / "gpu_check.py"),
-            "openrlhf_growmtp.experiments.demo"} <= set(names)
+            "growmtp_lab.demo"} <= set(names)
     env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
     proc = subprocess.run([sys.executable, str(ROOT / "tests" / "helpers" / "start_scripts.py"), *names],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)

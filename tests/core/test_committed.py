@@ -10,7 +10,7 @@ from openrlhf_growmtp.core import HeadKVCache, HeadLossConfig, Lockstep
 from openrlhf_growmtp.core.committed import chain_lengths_from, committed_chains
 from openrlhf_growmtp.core.head_loss import head_loss_backward
 from openrlhf_growmtp.core.objectives import head_loss_per_cycle
-from openrlhf_growmtp.experiments.reference_drafting import chain_by_chain
+from growmtp_lab.reference_drafting import chain_by_chain
 
 K = 4
 

@@ -11,7 +11,7 @@ from openrlhf_growmtp.core import HeadLossConfig, head_loss_backward
 from openrlhf_growmtp.core.draft_vocab import DRAFT_VOCAB_META, DraftVocab, TokenCounts, check_drafted_over
 from openrlhf_growmtp.core.objectives import (LOG_ALPHA_FLOOR, head_loss_per_cycle, log_acceptance_rates,
                                                log_acceptance_rates_at)
-from openrlhf_growmtp.experiments.reference_drafting import chain_by_chain
+from growmtp_lab.reference_drafting import chain_by_chain
 
 
 def quarter(seed: int = 0) -> DraftVocab:

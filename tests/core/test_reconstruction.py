@@ -12,7 +12,7 @@ from openrlhf_growmtp.core.prefix import PrefixStore
 from openrlhf_growmtp.core.reconstruction import plan_chunks, reconstruct_states
 from openrlhf_growmtp.core.records import RecordError
 from openrlhf_growmtp.core.teacher_forcing import teacher_forced_chains, teacher_forcing_layout
-from openrlhf_growmtp.experiments.reference_drafting import chain_by_chain
+from growmtp_lab.reference_drafting import chain_by_chain
 
 
 def update(head, records, hiddens=None, lockstep=None, **cfg):

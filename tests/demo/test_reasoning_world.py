@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from openrlhf_growmtp.experiments.recipes import WORLDS
-from openrlhf_growmtp.experiments.worlds import demo_world, task
-from openrlhf_growmtp.experiments.worlds.reasoning_world import ReasoningWorldSpec, build_reasoning_world
+from growmtp_lab.recipes import WORLDS
+from growmtp_lab.worlds import demo_world, task
+from growmtp_lab.worlds.reasoning_world import ReasoningWorldSpec, build_reasoning_world
 from openrlhf_growmtp.trainer.args import policy_steps_per_rl_step
 
 REPO = Path(__file__).resolve().parents[2]

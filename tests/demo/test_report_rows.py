@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from openrlhf_growmtp.experiments import report
+from growmtp_lab import report
 
 
 def test_positions_no_step_drafted_read_as_none(tmp_path):

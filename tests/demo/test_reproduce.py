@@ -1,6 +1,6 @@
 """`make reproduce`'s comparison: every logged number but wall-clock time and memory, step by step."""
 
-from openrlhf_growmtp.experiments.reproduce import compare_scalars, is_machine_reading
+from growmtp_lab.reproduce import compare_scalars, is_machine_reading
 
 
 def test_wall_clock_and_memory_tags_are_left_out_and_everything_else_is_compared():

@@ -8,9 +8,9 @@ import json
 
 import pytest
 
-from openrlhf_growmtp.experiments import paired, report, speed_study
-from openrlhf_growmtp.experiments.paired import PairedPlan, checkpoint_dir, checkpoint_flags, depth_at
-from openrlhf_growmtp.experiments.demo import paired_plan
+from growmtp_lab import paired, report, speed_study
+from growmtp_lab.paired import PairedPlan, checkpoint_dir, checkpoint_flags, depth_at
+from growmtp_lab.demo import paired_plan
 from openrlhf_growmtp.measure.intervals import verdict
 
 SAMPLES = 16

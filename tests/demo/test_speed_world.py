@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from openrlhf_growmtp.experiments.worlds.speed_world import grow, grown_config
+from growmtp_lab.worlds.speed_world import grow, grown_config
 
 # the demo world's policy shape (demo_world.WorldSpec), with random weights: the growth must not depend on them
 SMALL = dict(vocab_size=32, hidden_size=128, intermediate_size=384, num_hidden_layers=2, num_attention_heads=4,

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from openrlhf_growmtp.experiments import ablations, from_scratch
-from openrlhf_growmtp.experiments.from_scratch import Setting
+from growmtp_lab import ablations, from_scratch
+from growmtp_lab.from_scratch import Setting
 
 
 def files_under(root: Path) -> set[str]:

@@ -8,9 +8,9 @@ import pytest
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from openrlhf_growmtp.experiments import report
-from openrlhf_growmtp.experiments.worlds import demo_world as world, task
-from openrlhf_growmtp.experiments.worlds.demo_reward import reward_func
+from growmtp_lab import report
+from growmtp_lab.worlds import demo_world as world, task
+from growmtp_lab.worlds.demo_reward import reward_func
 
 
 def test_worked_solution_is_correct_arithmetic():

@@ -17,8 +17,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from openrlhf_growmtp.experiments.rehearsal import world
-from openrlhf_growmtp.experiments.rehearsal.report import MARGIN_STANDARD_ERRORS, MeasuredTau, Step, check
+from growmtp_lab.rehearsal import world
+from growmtp_lab.rehearsal.report import MARGIN_STANDARD_ERRORS, MeasuredTau, Step, check
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
@@ -73,7 +73,7 @@ def test_qwen3_5_preset_is_the_text_model_with_its_native_head_at_the_real_vocab
 
 
 def test_unknown_preset_is_refused_before_anything_is_written(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "openrlhf_growmtp.experiments.rehearse", "world",
+    result = subprocess.run([sys.executable, "-m", "growmtp_lab.rehearse", "world",
                              str(tmp_path / "w"), "qwen4_base"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and "unknown model preset 'qwen4_base'" in result.stderr
     assert not (tmp_path / "w").exists()
@@ -152,7 +152,7 @@ def test_qwen3_4b_math_rehearses_with_the_scripts_own_flags(tmp_path):
 
 
 def test_tau_statistics_design_effect_is_one_for_independent_cycles_and_grows_with_shared_loops():
-    from openrlhf_growmtp.experiments.rehearsal.native_head import tau_statistics
+    from growmtp_lab.rehearsal.native_head import tau_statistics
 
     generator = torch.Generator().manual_seed(0)
     # 40 responses of 30 cycles, accepted counts drawn independently from 0..3: the design effect estimates 1
@@ -203,8 +203,8 @@ def test_native_heads_speculative_sampling_commits_its_cycles_and_accepts_as_sum
     from transformers import Qwen3ForCausalLM
 
     from helpers.tiny import make_head, tiny_backbone_config
-    from openrlhf_growmtp.experiments import reference_drafting
-    from openrlhf_growmtp.experiments.rehearsal import native_head
+    from growmtp_lab import reference_drafting
+    from growmtp_lab.rehearsal import native_head
 
     torch.manual_seed(0)
     model = Qwen3ForCausalLM(tiny_backbone_config("qwen3")).eval()

@@ -30,7 +30,7 @@ from openrlhf_growmtp.core.depth import conditional_rates
 from openrlhf_growmtp.core.model_export import export_model, read_serve_config
 from openrlhf_growmtp.core.schedule import HeadLRSchedule
 from openrlhf_growmtp.core.whole_dir import check_whole, written_whole
-from openrlhf_growmtp.experiments.worlds import toy
+from growmtp_lab.worlds import toy
 from openrlhf_growmtp.trainer.ppo_trainer import EVAL_METRICS_FILE, METRICS_FILE, SUPERSEDED_FILE
 from openrlhf_growmtp.trainer.resume import ACTOR_DIR, LATEST, SNAPSHOT_FILE
 

@@ -4,7 +4,7 @@ its name, whether it ended with exit status 0 having printed a usage, and otherw
 raised. One process for all: each module's imports (torch, transformers, vLLM) cost seconds, paid here once
 (tests/benchmarks/test_scripts_start.py).
 
-    python tests/helpers/start_scripts.py benchmarks/bench_topk.py openrlhf_growmtp.experiments.demo ...
+    python tests/helpers/start_scripts.py benchmarks/bench_topk.py growmtp_lab.demo ...
 """
 
 import contextlib

@@ -9,7 +9,7 @@ from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
 
 from openrlhf_growmtp.core import MTPHead, SequenceRecord, make_head_config
 from openrlhf_growmtp.core.families import get_family
-from openrlhf_growmtp.experiments.worlds.toy import synthetic_record
+from growmtp_lab.worlds.toy import synthetic_record
 
 FAMILY_NAMES = ("qwen3", "qwen3_5", "mimo")
 VOCAB, HIDDEN = 97, 64

@@ -161,7 +161,7 @@ def test_the_default_baseline_engine_runs_in_a_process_of_its_own_without_the_ru
 def test_the_default_baseline_is_refused_on_a_cpu_before_any_engine(tmp_path, monkeypatch, capsys):
     from openrlhf_growmtp.cli import paired_rollout as cli
     from openrlhf_growmtp.core.checkpoint import materialize_random_head
-    from openrlhf_growmtp.experiments.worlds.toy import make_policy
+    from growmtp_lab.worlds.toy import make_policy
 
     policy = make_policy(tmp_path / "policy")
     materialize_random_head(policy, policy / "growmtp_head", seed=0)

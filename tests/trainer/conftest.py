@@ -8,7 +8,7 @@ import pytest
 import torch
 from helpers.trainer import free_port
 
-from openrlhf_growmtp.experiments.worlds import toy
+from growmtp_lab.worlds import toy
 from openrlhf_growmtp.core.checkpoint import materialize_random_head
 from openrlhf_growmtp.trainer import installer
 

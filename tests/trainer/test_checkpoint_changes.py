@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file
 
 from helpers.rewards import token_parity_reward, write_toy_prompts
-from openrlhf_growmtp.experiments.worlds import toy
+from growmtp_lab.worlds import toy
 
 pytestmark = pytest.mark.slow
 

@@ -139,7 +139,7 @@ def test_sdpa_keeps_packed_samples_apart(policy_dir):
     # what upstream's Actor does with packed samples: one row, position ids restarting at each sample, no
     # mask, no KV cache (the Actor turns use_cache off; transformers looks for packed samples only then);
     # under sdpa the logits must equal each sample's own forward (no attention across samples)
-    from openrlhf_growmtp.experiments.worlds import toy
+    from growmtp_lab.worlds import toy
 
     model = toy.load_policy(policy_dir)
     assert model.config._attn_implementation == "sdpa"

@@ -16,7 +16,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from helpers.rewards import token_parity_reward, write_toy_prompts
-from openrlhf_growmtp.experiments.worlds import toy
+from growmtp_lab.worlds import toy
 from openrlhf_growmtp.cli.train_ppo_ray import INITIAL_HEAD_DIR
 
 REWARD = token_parity_reward(0)  # the share of response tokens with an even id
@@ -88,7 +88,7 @@ def test_the_hybrid_weight_follows_the_previous_rollouts_realised_first_draft_ac
 
 
 def test_the_topk_mass_and_the_alpha_gap_are_logged_and_a_low_mass_is_warned_about_once(world):
-    from openrlhf_growmtp.experiments.reproduce import logged_scalars
+    from growmtp_lab.reproduce import logged_scalars
 
     tmp, log = world
     events = logged_scalars(tmp / "ckpt" / "tensorboard")

@@ -158,7 +158,7 @@ def _mimo_head_of_the_policys_width(head):
     from transformers import Qwen2Config
 
     from openrlhf_growmtp.core.checkpoint import materialize_random_head
-    from openrlhf_growmtp.experiments.worlds.toy import POLICY
+    from growmtp_lab.worlds.toy import POLICY
 
     shutil.rmtree(head)
     fields = {name: POLICY[name] for name in ("hidden_size", "num_attention_heads", "num_key_value_heads",
@@ -386,9 +386,9 @@ def test_upstream_contract_holds_and_breaks_loudly(monkeypatch):
 @pytest.mark.parametrize("preset", ["full", "quick"])
 def test_every_ablation_arm_command_passes_the_startup_checks(policy_dir, head_dir, tmp_path, world, preset):
     # an arm refused at startup would only show up as a failed arm an hour into `make ablations`
-    from openrlhf_growmtp.experiments.ablation_arms import ARMS
-    from openrlhf_growmtp.experiments.recipes import WORLDS, train_command
-    from openrlhf_growmtp.experiments.worlds.demo_world import World
+    from growmtp_lab.ablation_arms import ARMS
+    from growmtp_lab.recipes import WORLDS, train_command
+    from growmtp_lab.worlds.demo_world import World
     from openrlhf_growmtp.trainer.args import policy_steps_per_rl_step
 
     recipes = WORLDS[world]

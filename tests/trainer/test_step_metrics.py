@@ -15,7 +15,7 @@ from helpers.tiny import make_head, make_records
 from helpers.trainer import cpu_support  # noqa: F401  (the CPU layer before openrlhf is imported)
 from openrlhf_growmtp.core import HeadLossConfig, Lockstep
 from openrlhf_growmtp.core.objectives import acceptance_rates
-from openrlhf_growmtp.experiments.reference_drafting import chain_by_chain
+from growmtp_lab.reference_drafting import chain_by_chain
 from openrlhf_growmtp.trainer.head_step.head_update import HeadUpdateConfig, update_head
 from openrlhf_growmtp.trainer.ppo_trainer import TRUSTED_TOPK_MASS, GrowMTPStepMetrics
 

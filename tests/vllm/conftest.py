@@ -4,7 +4,7 @@ import pytest
 
 from helpers.engines import K, close_engine, core_head, make_engine
 from openrlhf_growmtp.core.checkpoint import export_head, materialize_random_head
-from openrlhf_growmtp.experiments.worlds.toy import load_policy, make_policy, random_prompts, train_head_on_records
+from growmtp_lab.worlds.toy import load_policy, make_policy, random_prompts, train_head_on_records
 
 
 @pytest.fixture(scope="session")

@@ -10,7 +10,7 @@ from vllm import SamplingParams
 
 from openrlhf_growmtp.core import validate_record
 
-from openrlhf_growmtp.experiments.worlds.toy import random_prompts
+from growmtp_lab.worlds.toy import random_prompts
 
 TOPK = 64  # the default width, narrower than the toy's 128 words: the top-k mass is below one
 

@@ -19,7 +19,7 @@ from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
 from openrlhf_growmtp.core import record_values
 from openrlhf_growmtp.core.records import SequenceRecord
 from openrlhf_growmtp.core.validation import validate_record
-from openrlhf_growmtp.experiments.worlds.toy import policy_hidden_states, random_prompts
+from growmtp_lab.worlds.toy import policy_hidden_states, random_prompts
 from vllm_patches.capture import core as capture
 from vllm_patches.capture.v1 import PLACEHOLDER_TOKEN_ID, record_verification
 from vllm_patches.collector import CHECKED_META, RecordCollectionError, RecordCollector

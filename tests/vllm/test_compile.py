@@ -6,7 +6,7 @@ from test_records_engine import assert_records_rebuild_responses, engine_q_vs_re
 from vllm import SamplingParams
 from vllm.compilation.counter import compilation_counter
 
-from openrlhf_growmtp.experiments.worlds.toy import random_prompts
+from growmtp_lab.worlds.toy import random_prompts
 
 
 def compiled_models() -> int:

@@ -22,7 +22,7 @@ from vllm import SamplingParams
 from helpers.engines import close_engine, make_engine
 
 from openrlhf_growmtp.core.draft_vocab import DraftVocab
-from openrlhf_growmtp.experiments.worlds.toy import random_prompts
+from growmtp_lab.worlds.toy import random_prompts
 
 N = 2000
 ALPHA = 1e-3

@@ -9,7 +9,7 @@ from test_records_engine import assert_records_rebuild_responses, engine_q_vs_re
 from vllm import SamplingParams
 
 from openrlhf_growmtp.core import measure_head_loss
-from openrlhf_growmtp.experiments.worlds.toy import random_prompts
+from growmtp_lab.worlds.toy import random_prompts
 
 DEPTHS = (K, 1, 0, 2)  # down, to none, and back up: each set between generates, never rebuilt
 

@@ -6,7 +6,7 @@ from helpers.engines import K, close_engine, core_head, head_sync_diff, hf_logpr
 from test_records_engine import engine_q_vs_reconstruction
 from vllm import SamplingParams
 
-from openrlhf_growmtp.experiments.worlds.toy import random_prompts, train_head_on_records
+from growmtp_lab.worlds.toy import random_prompts, train_head_on_records
 from vllm_patches.transport import dump_blob
 
 PARAMS = SamplingParams(temperature=1.0, max_tokens=48, ignore_eos=True)
@@ -100,7 +100,7 @@ def test_a_tied_embedding_reload_reaches_the_logits(tmp_path):
     from transformers import AutoModelForCausalLM
 
     from openrlhf_growmtp.core.checkpoint import load_head, materialize_random_head
-    from openrlhf_growmtp.experiments.rehearsal import world as rehearsal_world
+    from growmtp_lab.rehearsal import world as rehearsal_world
     from vllm_patches.engine import SpecEngine
 
     model_dir = rehearsal_world.build(tmp_path, "qwen3_4b") / "qwen3_4b"

@@ -9,7 +9,7 @@ import pytest
 
 from helpers.engines import close_engine
 from openrlhf_growmtp.cli import evaluate
-from openrlhf_growmtp.experiments.worlds.toy import random_prompts
+from growmtp_lab.worlds.toy import random_prompts
 from vllm_patches.engine import SpecEngine, engine_counters
 
 

@@ -12,7 +12,7 @@ from openrlhf_growmtp.core.draft_vocab import DRAFT_VOCAB_META, DraftVocab
 from openrlhf_growmtp.core.families import get_family
 from openrlhf_growmtp.core.head import MTPHead
 from openrlhf_growmtp.core.head_config import make_head_config
-from openrlhf_growmtp.experiments.worlds.toy import POLICY, make_tokenizer, random_prompts
+from growmtp_lab.worlds.toy import POLICY, make_tokenizer, random_prompts
 from test_records_engine import engine_q_vs_reconstruction
 from vllm import SamplingParams
 

@@ -17,8 +17,8 @@ from vllm import SamplingParams
 
 from openrlhf_growmtp.core.checkpoint import export_head, load_head, load_native_head
 from openrlhf_growmtp.core.reconstruction import reconstruct_draft_logits
-from openrlhf_growmtp.experiments.rehearsal.world import preset
-from openrlhf_growmtp.experiments.worlds.toy import policy_hidden_states, random_prompts
+from growmtp_lab.rehearsal.world import preset
+from growmtp_lab.worlds.toy import policy_hidden_states, random_prompts
 
 K = 3  # Qwen3.5-4B-Base's draft depth in the paper
 TOPK = 64
@@ -27,7 +27,7 @@ REAL_VOCAB = 248320
 
 def qwen3_5_config():
     """The rehearsal preset's config: Qwen3.5-4B-Base's text config with shrunk widths (its fields and
-    their sources are in `openrlhf_growmtp.experiments.rehearsal.world`)."""
+    their sources are in `growmtp_lab.rehearsal.world`)."""
     config = preset("qwen3_5_4b_base").config
     assert config.vocab_size == REAL_VOCAB and "linear_attention" in config.layer_types
     return config

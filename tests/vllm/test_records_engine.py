@@ -7,7 +7,7 @@ from vllm import SamplingParams
 
 from openrlhf_growmtp.core.draft_vocab import DRAFT_VOCAB_META, TokenCounts
 from openrlhf_growmtp.core.reconstruction import reconstruct_draft_logits
-from openrlhf_growmtp.experiments.worlds.toy import policy_hidden_states, random_prompts
+from growmtp_lab.worlds.toy import policy_hidden_states, random_prompts
 
 STOP = 7  # a token the tiny policy emits now and then: stops land inside cycles
 

@@ -4,7 +4,7 @@ from helpers.engines import close_engine, core_head, make_engine
 from test_records_engine import assert_records_rebuild_responses, engine_q_vs_reconstruction
 from vllm import SamplingParams
 
-from openrlhf_growmtp.experiments.worlds.toy import random_prompts
+from growmtp_lab.worlds.toy import random_prompts
 
 PARAMS = SamplingParams(temperature=1.0, max_tokens=40, ignore_eos=True)
 

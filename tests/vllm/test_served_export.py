@@ -21,7 +21,7 @@ from helpers.engines import K
 from openrlhf_growmtp.cli.serve import CPU_ENV, engine_settings, server_argv, server_env
 from openrlhf_growmtp.core.model_export import RUN_HEAD_DIR, export_model, read_serve_config
 from test_distribution import N, WRONG_TEMPERATURE, exact_joint, simulated_test
-from openrlhf_growmtp.experiments.worlds.toy import random_prompts
+from growmtp_lab.worlds.toy import random_prompts
 from vllm_patches.capture import core as capture
 from vllm_patches.capture.v1 import hooks_active
 from vllm_patches.engine import _in_process_core, engine_counters

@@ -16,7 +16,7 @@ from vllm import SamplingParams
 from helpers.engines import K, close_engine
 from openrlhf_growmtp.core.checkpoint import export_head, load_native_head
 from openrlhf_growmtp.core.model_export import RUN_HEAD_DIR, export_model, read_serve_config
-from openrlhf_growmtp.experiments.worlds.toy import random_prompts, train_head_on_records
+from growmtp_lab.worlds.toy import random_prompts, train_head_on_records
 from test_families import FIELDS, native_checkpoint
 from test_records_engine import engine_q_vs_reconstruction
 from test_served_export import greedy_with_and_without, served_and_plain

@@ -13,7 +13,7 @@ from test_records_engine import engine_q_vs_reconstruction
 from vllm import SamplingParams, envs
 
 from openrlhf_growmtp.cpu_support import VLLM_THREADS_BIND_ENV, omp_threads_bind
-from openrlhf_growmtp.experiments.worlds.toy import random_prompts, train_head_on_records
+from growmtp_lab.worlds.toy import random_prompts, train_head_on_records
 from vllm_patches.transport import load_blob
 
 PARAMS = SamplingParams(temperature=1.0, max_tokens=40, ignore_eos=True)

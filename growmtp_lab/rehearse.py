@@ -1,4 +1,4 @@
-"""`python -m openrlhf_growmtp.experiments.rehearse`: the two halves of `GROWMTP_REHEARSAL=1`
+"""`python -m growmtp_lab.rehearse`: the two halves of `GROWMTP_REHEARSAL=1`
 (examples/scripts/common.sh).
 
     rehearse world ROOT MODEL          build (once) the tiny stand-in for MODEL and the raw dataset rows;
@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     if args.command == "world":
-        from openrlhf_growmtp.experiments.rehearsal import world as world_module
+        from growmtp_lab.rehearsal import world as world_module
 
         try:
             world_module.build(args.root, args.model)
@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
         print(world_module.describe(args.root, args.model))
         return 0
 
-    from openrlhf_growmtp.experiments.rehearsal import report as report_module
+    from growmtp_lab.rehearsal import report as report_module
 
     try:
         steps = report_module.read_steps(args.tensorboard_dir)

@@ -22,10 +22,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from openrlhf_growmtp.experiments.worlds.paper_world import build_paper_world
-from openrlhf_growmtp.experiments.worlds.demo_world import World, build_world
-from openrlhf_growmtp.experiments.worlds.reasoning_world import build_reasoning_world
-from openrlhf_growmtp.experiments.worlds.speed_world import build_speed_world
+from growmtp_lab.worlds.paper_world import build_paper_world
+from growmtp_lab.worlds.demo_world import World, build_world
+from growmtp_lab.worlds.reasoning_world import build_reasoning_world
+from growmtp_lab.worlds.speed_world import build_speed_world
 
 WORLDS_DIR = Path(__file__).resolve().parent / "worlds"
 

@@ -1,8 +1,8 @@
 """`make speed-study`: GrowMTP against autoregressive decoding over whole RL runs, replicated, in the speed world.
 
-    python -m openrlhf_growmtp.experiments.speed_study                   # the design below
-    python -m openrlhf_growmtp.experiments.speed_study --seeds 21 --repeat none --arms ar fixed  # a part of it
-    python -m openrlhf_growmtp.experiments.speed_study --keep docs/data/speed-study   # also the repository's record
+    python -m growmtp_lab.speed_study                   # the design below
+    python -m growmtp_lab.speed_study --seeds 21 --repeat none --arms ar fixed  # a part of it
+    python -m growmtp_lab.speed_study --keep docs/data/speed-study   # also the repository's record
 
 The design, fixed before any of its runs:
 - arms: `ar` (`--growmtp_k 0`, upstream's run), `fixed` (`--growmtp_k 3`) and `auto` (the same with
@@ -12,7 +12,7 @@ The design, fixed before any of its runs:
 - order: the arms of one run back to back, their order reversed from one run to the next (ABC, CBA, ...), so a
   slow drift of the machine weighs on every arm alike;
 - checkpoints: every arm saves one every `CHECKPOINT_EVERY` steps; after a GrowMTP arm finishes, its checkpoints
-  at `PAIRED_STEPS` get the paired rollout measurement (`experiments/paired.py`, 3 fresh measurement
+  at `PAIRED_STEPS` get the paired rollout measurement (`growmtp_lab/paired.py`, 3 fresh measurement
   processes each), then are deleted;
 - the machine: calibrated before every arm and after its measurements (`measure/calibration.py`).
 
@@ -47,9 +47,9 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from statistics import mean
 
-from openrlhf_growmtp.experiments import paired, report
-from openrlhf_growmtp.experiments.demo import run_arm
-from openrlhf_growmtp.experiments.recipes import WORLDS, train_command
+from growmtp_lab import paired, report
+from growmtp_lab.demo import run_arm
+from growmtp_lab.recipes import WORLDS, train_command
 from openrlhf_growmtp.measure.calibration import calibrate
 from openrlhf_growmtp.measure.intervals import detectable_difference, mean_interval, sample_sd, verdict
 from openrlhf_growmtp.measure.provenance import provenance
@@ -332,7 +332,7 @@ def keep(out: Path, dest: Path, plan: list) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m openrlhf_growmtp.experiments.speed_study", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m growmtp_lab.speed_study", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS))
     parser.add_argument("--repeat", default=str(REPEAT), help="the seed run a second time, or 'none'")

@@ -1,6 +1,6 @@
 """The ceiling of the demo's head: the same head trained offline, to convergence, for one fixed policy.
 
-    python -m openrlhf_growmtp.experiments.ceiling --policy runs/ablations/growmtp-s42/final \\
+    python -m growmtp_lab.ceiling --policy runs/ablations/growmtp-s42/final \\
         --head runs/ablations/growmtp-s42/final/growmtp_head --prompts <world>/prompts.jsonl --k 3 --out ceiling.json
 
 The online head chases a moving policy with one Adam step per RL step. Here the policy is fixed (a run's
@@ -76,7 +76,7 @@ def train(head, records, hiddens, epochs: int, lr: float, batch: int, seed: int,
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m openrlhf_growmtp.experiments.ceiling", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m growmtp_lab.ceiling", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--policy", type=Path, required=True, help="the fixed policy (an HF export)")
     parser.add_argument("--head", type=Path, required=True, help="the head to start from (a head directory)")

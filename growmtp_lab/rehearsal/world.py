@@ -34,7 +34,7 @@ from openrlhf_growmtp.core.families import family_for_backbone
 from openrlhf_growmtp.core.head import MTPHead
 from openrlhf_growmtp.core.head_config import make_head_config
 from openrlhf_growmtp.data import loaders
-from openrlhf_growmtp.experiments.rehearsal import native_head
+from growmtp_lab.rehearsal import native_head
 
 WORLD_VERSION = 3  # bump when anything below changes what a built world holds
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"

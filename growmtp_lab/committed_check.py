@@ -1,6 +1,6 @@
 """A sanity check of the committed-sequence loss under `--growmtp_depth auto`, on one seed (not an evaluation).
 
-    python -m openrlhf_growmtp.experiments.committed_check --seed 7 --out docs/data/depth/committed_check.json
+    python -m growmtp_lab.committed_check --seed 7 --out docs/data/depth/committed_check.json
 
 Three arms of the speed world's full recipe (the demo's), one after the other, with the seed given: `fixed`
 (`--growmtp_k K`), `auto` (`--growmtp_depth auto`, the committed chains on) and `auto_nocl` (the same with
@@ -27,9 +27,9 @@ from pathlib import Path
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the held-out engine runs in this process
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
-from openrlhf_growmtp.experiments import report  # noqa: E402
-from openrlhf_growmtp.experiments.demo import run_arm  # noqa: E402
-from openrlhf_growmtp.experiments.recipes import WORLDS, train_command  # noqa: E402
+from growmtp_lab import report  # noqa: E402
+from growmtp_lab.demo import run_arm  # noqa: E402
+from growmtp_lab.recipes import WORLDS, train_command  # noqa: E402
 
 ARMS = {"fixed": [], "auto": ["--growmtp_depth", "auto", "--growmtp_committed_loss"],
         "auto_nocl": ["--growmtp_depth", "auto", "--growmtp_no_committed_loss"]}
@@ -74,7 +74,7 @@ def held_out(final: Path, prompts: Path, skip: int, count: int, samples: int, k:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m openrlhf_growmtp.experiments.committed_check",
+    parser = argparse.ArgumentParser(prog="python -m growmtp_lab.committed_check",
                                      description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seed", type=int, required=True)
     parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
     summary = {"kind": "sanity check on one seed, not the evaluation", "seed": args.seed, "steps": preset.steps,
                "k": preset.k, "world": world.info, "arms": kept,
-               "command": " ".join(["python -m openrlhf_growmtp.experiments.committed_check", *(argv or sys.argv[1:])]),
+               "command": " ".join(["python -m growmtp_lab.committed_check", *(argv or sys.argv[1:])]),
                "machine": f"{platform.node()} {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",
                "date": time.strftime("%Y-%m-%d")}
     for arm in args.arms:

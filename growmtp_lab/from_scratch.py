@@ -1,14 +1,14 @@
 """The from-scratch study (docs/from_scratch.md): its settings, the runs still to make, and its export.
 
-Every setting is a set of runs of `make ablations`' driver (`experiments.ablations`), kept under
+Every setting is a set of runs of `make ablations`' driver (`growmtp_lab.ablations`), kept under
 runs/from_scratch/kept/ (with `--docs`: with the repository's other runs under docs/data/ablations/runs/) and
 resumable as they are. Settings, seeds and the decision rule are the ones
 docs/from_scratch.md fixed before any run; two settings add seeds only on a condition stated there, which
 `runs` evaluates on the kept results of the seed before.
 
-    python -m openrlhf_growmtp.experiments.from_scratch next      # the driver command of the next run to make
-    python -m openrlhf_growmtp.experiments.from_scratch export    # runs/from_scratch/export/from_scratch.json
-    python -m openrlhf_growmtp.experiments.from_scratch export --docs   # docs/data/from_scratch/from_scratch.json
+    python -m growmtp_lab.from_scratch next      # the driver command of the next run to make
+    python -m growmtp_lab.from_scratch export    # runs/from_scratch/export/from_scratch.json
+    python -m growmtp_lab.from_scratch export --docs   # docs/data/from_scratch/from_scratch.json
 
 `make from-scratch` makes every run in turn, then exports (`make from-scratch ARGS=--docs`: the repository's).
 """
@@ -23,9 +23,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from statistics import mean
 
-from openrlhf_growmtp.experiments import ablation_arms
-from openrlhf_growmtp.experiments.ablations import DOCS_KEEP, world_facts
-from openrlhf_growmtp.experiments.recipes import WORLDS
+from growmtp_lab import ablation_arms
+from growmtp_lab.ablations import DOCS_KEEP, world_facts
+from growmtp_lab.recipes import WORLDS
 
 KEEP = Path("runs/from_scratch/kept")
 OUT = Path("runs/from_scratch/export/from_scratch.json")
@@ -131,7 +131,7 @@ def runs(setting: Setting, keep: Path = KEEP) -> list[tuple[str, int]]:
 
 def command(setting: Setting, arm: str, seed: int, keep: Path = KEEP) -> list[str]:
     """The driver command that makes (or reads back) one run of the setting."""
-    cmd = [sys.executable, "-m", "openrlhf_growmtp.experiments.ablations", "--worlds", setting.world, "--arms", arm,
+    cmd = [sys.executable, "-m", "growmtp_lab.ablations", "--worlds", setting.world, "--arms", arm,
            "--seeds", str(seed), "--start", setting.start, "--keep", str(keep), "--no-ceiling",
            "--name", "from_scratch"]
     for flag, value in (("--tag", setting.tag), ("--head-lr", setting.head_lr),
@@ -217,7 +217,7 @@ def _differences(worlds: dict) -> list[float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m openrlhf_growmtp.experiments.from_scratch", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m growmtp_lab.from_scratch", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("what", choices=("next", "export"))
     parser.add_argument("--keep", type=Path, help=f"where the runs are kept (default {KEEP})")

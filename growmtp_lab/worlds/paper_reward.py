@@ -1,13 +1,11 @@
-"""The demo's reward function for OpenRLHF (`--reward.remote_url <this file>`): 1 for a correct final answer.
-
-OpenRLHF passes the decoded prompt+response (`queries`), the prompts and the labels (the answers).
-"""
+"""The paper world's reward function for OpenRLHF (`--reward.remote_url <this file>`): 1 for a correct final
+answer, read after the last `<answer>` (the thought before it may hold any text)."""
 
 from __future__ import annotations
 
 import torch
 
-from openrlhf_growmtp.experiments.worlds.task import score
+from growmtp_lab.worlds.paper_world import score
 from openrlhf_growmtp.rewards.common import response_of
 
 

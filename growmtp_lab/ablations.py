@@ -1,11 +1,11 @@
 """`make ablations`: the paper's ablations in the CPU worlds, every arm with the same seeds, data and GRPO settings.
 
-    python -m openrlhf_growmtp.experiments.ablations          # both worlds, 3 seeds; resumes where it stopped
-    python -m openrlhf_growmtp.experiments.ablations --quick  # a few steps per arm, one seed (the smoke test's run)
+    python -m growmtp_lab.ablations          # both worlds, 3 seeds; resumes where it stopped
+    python -m growmtp_lab.ablations --quick  # a few steps per arm, one seed (the smoke test's run)
 
-Worlds (`experiments.recipes.WORLDS`): `demo` (the demo's world), `paper` (the paper's proportions) and `reasoning`
+Worlds (`growmtp_lab.recipes.WORLDS`): `demo` (the demo's world), `paper` (the paper's proportions) and `reasoning`
 (the real regime's statistics; not in the default `--worlds`). Arms
-(`experiments.ablation_arms.ARMS`): GrowMTP (DCA + VGM), CE, KL, TV, DCA without VGM, teacher forcing, joint, a frozen
+(`growmtp_lab.ablation_arms.ARMS`): GrowMTP (DCA + VGM), CE, KL, TV, DCA without VGM, teacher forcing, joint, a frozen
 random head, and autoregressive; every arm under the paper's schedule (one head step per RL step). Each
 run writes its result (`<world>/<arm>-s<seed>/result.json`) when it finishes, and a re-run skips the runs
 that have one (`--fresh` starts over), so the whole can take several invocations. `--keep DIR` (with `--docs`:
@@ -17,10 +17,10 @@ sha256) and DIR/<world>/builds.json lists every build's digest: a summary names 
 than this invocation's (`runs_on_other_builds`), whose numbers do not compare like for like. Runs are reproducible
 (`--train.full_determinism_enable`) on one machine: the same seed gives the same numbers there, so the spread
 is the seeds' (not across machines: two machines' builds of one world may differ, which the digests show).
-After the demo world's arms: its ceiling (`experiments.ceiling`) and the one-step lag (`experiments.ablation_arms.lag`).
+After the demo world's arms: its ceiling (`growmtp_lab.ceiling`) and the one-step lag (`growmtp_lab.ablation_arms.lag`).
 `--start ce_k1` starts every drafting arm from a pretrained head instead of the world's random one, as the paper's
 objective ablations do (RQ3): the random head trained offline with CE at K=1 on the world's own policy
-(`experiments.ceiling --k 1 --objective ce`, built once per world under the cache directory), at a third of the
+(`growmtp_lab.ceiling --k 1 --objective ce`, built once per world under the cache directory), at a third of the
 recipe's head LR (the paper's 1e-4 for a pretrained head against 3e-4 for a random one). Its runs, kept
 results and exports are named apart (`-from-ce_k1`), so they never mix with the random start's.
 Outputs under runs/<name>/: per world and run the demo's files, `summary.json`, and per world `tau.png`,
@@ -41,11 +41,11 @@ import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from openrlhf_growmtp.experiments.demo import run_arm
-from openrlhf_growmtp.experiments import ablation_arms, report
-from openrlhf_growmtp.experiments.recipes import WORLDS, train_command
+from growmtp_lab.demo import run_arm
+from growmtp_lab import ablation_arms, report
+from growmtp_lab.recipes import WORLDS, train_command
 from openrlhf_growmtp.core.objectives import ALPHA_ESTIMATES
-from openrlhf_growmtp.experiments.worlds.text_stats import world_text_statistics
+from growmtp_lab.worlds.text_stats import world_text_statistics
 
 SEEDS = {"full": (42, 43, 44), "quick": (42,)}
 CEILING_QUICK = ("--rounds", "1", "--train-prompts", "32", "--eval-prompts", "32", "--epochs", "2")
@@ -221,33 +221,33 @@ def _suffix(start: str, tag: str | None = None) -> str:
 
 def start(name: str, world, recipe, kept: Path | None, quick: bool):
     """The world and recipe the drafting arms run from: as they are (random), or (ce_k1) with the world's random
-    head trained offline with CE at K=1 on the world's policy (experiments.ceiling), once per world under its cache
+    head trained offline with CE at K=1 on the world's policy (growmtp_lab.ceiling), once per world under its cache
     directory, and a third of the head LR. The training's record is kept beside the runs (start_head.json)."""
     if name == "random":
         return world, recipe
     named = "head-ce_k1" + ("-quick" if quick else "")  # a quick build never stands in for the full one
     head, record = world.root / named, world.root / f"{named}.json"
     if not (head / "model.safetensors").exists():
-        code = subprocess.run([sys.executable, "-m", "openrlhf_growmtp.experiments.ceiling",
+        code = subprocess.run([sys.executable, "-m", "growmtp_lab.ceiling",
                                "--policy", str(world.policy), "--head", str(world.head),
                                "--prompts", str(world.prompts), "--k", "1",
                                "--objective", "ce", "--topk", str(recipe.topk),
                                "--max-tokens", str(recipe.max_new_tokens), "--out", str(record),
                                "--save-head", str(head), *(CEILING_QUICK if quick else CE_K1)]).returncode
         if code != 0 or not (head / "model.safetensors").exists():
-            raise RuntimeError(f"the K=1 CE head for {world.root.name} was not built (experiments.ceiling exit {code}; "
+            raise RuntimeError(f"the K=1 CE head for {world.root.name} was not built (growmtp_lab.ceiling exit {code}; "
                                "it saves a head only if training raised τ)")
     keep(record, kept, "start_head.json")
     return replace(world, head=head), replace(recipe, head_lr=f"{float(recipe.head_lr) / 3:g}")
 
 
 def _ceiling(world, out: Path, seed: int, recipe, per_seed, quick: bool, kept: Path | None) -> dict:
-    """The head trained offline to convergence for the first seed's final GrowMTP policy (experiments.ceiling)."""
+    """The head trained offline to convergence for the first seed's final GrowMTP policy (growmtp_lab.ceiling)."""
     ceiling_file = out / "ceiling.json"
     restore(kept, ceiling_file.name, ceiling_file)
     if not ceiling_file.exists():
         reference = out / f"{ablation_arms.REFERENCE}-s{seed}" / "final"
-        code = subprocess.run([sys.executable, "-m", "openrlhf_growmtp.experiments.ceiling", "--policy", str(reference),
+        code = subprocess.run([sys.executable, "-m", "growmtp_lab.ceiling", "--policy", str(reference),
                                "--head", str(reference / "growmtp_head"), "--prompts", str(world.prompts),
                                "--k", str(recipe.k), "--topk", str(recipe.topk), "--out", str(ceiling_file),
                                *(CEILING_QUICK if quick else ())]).returncode
@@ -271,7 +271,7 @@ def destinations(docs: bool, export: Path | None, keep: Path | None,
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m openrlhf_growmtp.experiments.ablations", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m growmtp_lab.ablations", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a few steps per arm, one seed, a short ceiling")
     parser.add_argument("--worlds", default="demo,paper", help=f"comma-separated, of {', '.join(WORLDS)}")

@@ -1,6 +1,6 @@
 """The ablation arms of `make ablations`, their per-seed summaries, the comparison across seeds, and the plots.
 
-Every arm is a world's GRPO run (same world, data, seed and settings, `experiments.recipes`) with the flags
+Every arm is a world's GRPO run (same world, data, seed and settings, `growmtp_lab.recipes`) with the flags
 below; the autoregressive arm is upstream's run (`--growmtp_k 0`). An ordering between two arms is claimed
 only where their seeds do not overlap: every seed of one is above every seed of the other.
 """
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from statistics import mean
 
-from openrlhf_growmtp.experiments.report import final_window
+from growmtp_lab.report import final_window
 
 
 @dataclass(frozen=True)

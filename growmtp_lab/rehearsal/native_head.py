@@ -20,7 +20,7 @@ import torch
 from openrlhf_growmtp.core.checkpoint import init_random_head_
 from openrlhf_growmtp.core.head import MTPHead
 from openrlhf_growmtp.core.head_cache import HeadKVCache
-from openrlhf_growmtp.experiments.reference_drafting import rejection_step, sample
+from growmtp_lab.reference_drafting import rejection_step, sample
 
 NEW_TOKENS = 64  # the rehearsal's response cap (common.sh, MAX_NEW under GROWMTP_REHEARSAL=1)
 

@@ -36,7 +36,7 @@ from typing import ClassVar
 import torch
 from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
-from openrlhf_growmtp.experiments.worlds.demo_world import World, WorldSpec, build_world, write_policy
+from growmtp_lab.worlds.demo_world import World, WorldSpec, build_world, write_policy
 
 WORLD_VERSION = 1  # bump when anything here changes what a cached world holds
 

@@ -1,8 +1,8 @@
 """`make demo`: grow a draft head from scratch inside a real GRPO run on CPU, next to an autoregressive arm,
 and time both side by side.
 
-    python -m openrlhf_growmtp.experiments.demo            # both arms, plots, summary
-    python -m openrlhf_growmtp.experiments.demo --quick    # the same pipeline, a few steps
+    python -m growmtp_lab.demo            # both arms, plots, summary
+    python -m growmtp_lab.demo --quick    # the same pipeline, a few steps
 
 Builds (once, cached) the speed world (`worlds/speed_world.py`: a target whose draft step, verify and decode
 cost what Qwen3-4B's do relative to each other on a GPU; docs/demo.md), then runs the project's training CLI
@@ -35,8 +35,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from openrlhf_growmtp.experiments import paired, report
-from openrlhf_growmtp.experiments.recipes import WORLDS, train_command
+from growmtp_lab import paired, report
+from growmtp_lab.recipes import WORLDS, train_command
 from openrlhf_growmtp.measure.calibration import calibrate
 from openrlhf_growmtp.measure.provenance import provenance
 
@@ -83,7 +83,7 @@ def run_arm(cmd: list[str], arm_dir: Path, label: str, steps: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m openrlhf_growmtp.experiments.demo", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m growmtp_lab.demo", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a few steps per arm: the smoke test's run")
     parser.add_argument("--name", help="run name: outputs go to <runs-dir>/<name>/ (default: demo or demo-quick)")

@@ -3,6 +3,6 @@ correct final answer read after the last `A` (the connectives hold no digit and 
 
 from __future__ import annotations
 
-from openrlhf_growmtp.experiments.worlds.demo_reward import reward_func
+from growmtp_lab.worlds.demo_reward import reward_func
 
 __all__ = ["reward_func"]

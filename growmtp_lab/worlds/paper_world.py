@@ -1,4 +1,4 @@
-"""The ablations' second world, in the paper's proportions (`python -m openrlhf_growmtp.experiments.ablations --worlds
+"""The ablations' second world, in the paper's proportions (`python -m growmtp_lab.ablations --worlds
 paper`): built once and cached like the demo's, nothing downloaded.
 
 - Text with real entropy: the corpus is CPython's own standard library source (the running interpreter's
@@ -27,9 +27,9 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
-from openrlhf_growmtp.experiments.worlds import task
-from openrlhf_growmtp.experiments.worlds.text_stats import sampled_text_statistics
-from openrlhf_growmtp.experiments.worlds.demo_world import World, write_policy
+from growmtp_lab.worlds import task
+from growmtp_lab.worlds.text_stats import sampled_text_statistics
+from growmtp_lab.worlds.demo_world import World, write_policy
 
 WORLD_VERSION = 1  # bump when anything below changes what a cached world holds
 THINK, END_THINK, ANSWER = "<think>", "</think>", "<answer>"

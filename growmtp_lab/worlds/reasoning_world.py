@@ -1,5 +1,5 @@
 """The ablations' third world, with the statistics of reasoning models' RL rollouts (`python -m
-openrlhf_growmtp.experiments.ablations --worlds reasoning`): built once and cached like the demo's, nothing downloaded.
+growmtp_lab.ablations --worlds reasoning`): built once and cached like the demo's, nothing downloaded.
 
 The demo world's task and code (`demo_world.py`, `task.py`) under another spec:
 - The task: worked additions of 3 to 6 digits, and before each column's step one connective word drawn
@@ -26,8 +26,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import ClassVar
 
-from openrlhf_growmtp.experiments.worlds import task
-from openrlhf_growmtp.experiments.worlds.demo_world import World, WorldSpec, build_world
+from growmtp_lab.worlds import task
+from growmtp_lab.worlds.demo_world import World, WorldSpec, build_world
 
 WORLD_VERSION = 1  # bump when anything here, in demo_world.py's build or in task.py changes what a cached world holds
 
