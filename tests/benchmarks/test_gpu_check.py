@@ -203,9 +203,19 @@ def test_only_runs_the_checks_named(tmp_path):
     assert "not predicted" in proc.stdout
 
 
-def test_only_refuses_an_unknown_check():
-    proc = _run("--tiny", "--only", "a,e", timeout=120)
-    assert proc.returncode == 2 and "--only takes checks among" in proc.stderr
+def refused(argv: list[str], capsys) -> str:
+    """The check's own parser run in this process (as `python -m` runs it, without paying its imports again):
+    exit status 2 and what it wrote to stderr."""
+    from benchmarks.gpu_check import gpu_check
+
+    with pytest.raises(SystemExit) as stop:
+        gpu_check.parse_args(argv)
+    assert stop.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_only_refuses_an_unknown_check(capsys):
+    assert "--only takes checks among" in refused(["--tiny", "--only", "a,e"], capsys)
 
 
 def test_the_exit_status_tells_a_failed_check_from_one_the_deadline_skipped():
@@ -242,21 +252,23 @@ def test_sigterm_leaves_the_json_of_what_was_done(tmp_path):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="refusal is what a machine without CUDA shows")
-def test_real_shapes_refuse_without_cuda_before_any_work(tmp_path):
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal of a machine without CUDA")
+def test_real_shapes_refuse_without_cuda_before_any_work(tmp_path, capsys):
+    from benchmarks.gpu_check import gpu_check
+
     out = tmp_path / "gpu_check.json"
-    proc = _run("--json", str(out), timeout=120)
-    assert proc.returncode == 2
-    assert "CUDA" in proc.stderr and "--tiny" in proc.stderr
+    assert gpu_check.main(["--json", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "CUDA" in err and "--tiny" in err
     assert not out.exists()
 
 
-def test_bad_arguments_are_refused_by_name():
-    proc = _run("--tiny", "--responses", "2", "--micro-batch", "4", timeout=120)
-    assert proc.returncode == 2 and "--micro-batch 4 is more than --responses 2" in proc.stderr
-    proc = _run("--tiny", "--draft-vocab", "2048", timeout=120)  # the tiny vocabulary is 2,048 ids
-    assert proc.returncode == 2 and "--draft-vocab must be in 1..2047" in proc.stderr
-    proc = _run("--tiny", "--tau", "1.0", timeout=120)
-    assert proc.returncode == 2 and "--tau must be in (1, 6]" in proc.stderr
+def test_bad_arguments_are_refused_by_name(capsys):
+    assert "--micro-batch 4 is more than --responses 2" in refused(["--tiny", "--responses", "2", "--micro-batch", "4"],
+                                                                   capsys)
+    # the tiny vocabulary is 2,048 ids
+    assert "--draft-vocab must be in 1..2047" in refused(["--tiny", "--draft-vocab", "2048"], capsys)
+    assert "--tau must be in (1, 6]" in refused(["--tiny", "--tau", "1.0"], capsys)
 
 
 def test_the_loop_times_the_draft_vocabulary_beside_every_id(tmp_path):
