@@ -4,8 +4,8 @@ its one z-score, and the chain-by-chain drafting reference.
 Who uses it: the GPU check's loop (`benchmarks/gpu_check/gpu_loop.py`: the rollout loop's timing and the
 reference drafter's records) and its sampler check (d) (`gpu_sampler.py`); the rehearsal's native head
 (`rehearsal/native_head.py`); the benchmarks and tests that hold the batched reconstruction to `chain_by_chain`.
-It lives in the package's lab room because the rehearsal, in the package, draws with it and must not import
-benchmarks/; the product (core, trainer, vllm_patches, cli) imports nothing from here.
+It lives in the lab because the rehearsal, in the lab, draws with it and the lab does not import benchmarks/; the
+product (core, trainer, vllm_patches, cli) imports nothing from here (tests/test_layout.py).
 
 Terms as in `core/records.py`: a chain drafts d_1..d_K, d_j ~ q_j; d_j is *accepted* with probability
 min(1, p_j(d_j) / q_j(d_j)) while every earlier draft was (`accepted_count`); at the first rejection j the
