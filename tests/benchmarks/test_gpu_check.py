@@ -42,14 +42,20 @@ def _run(*args, timeout=300):
                           timeout=timeout)
 
 
-def test_tiny_gpu_check_passes_on_cpu_and_writes_every_field(tmp_path):
-    # trainer_step's strict runs only (two processes of their own): its production runs and a second depth are
-    # the slow test's, below
-    out = tmp_path / "sub" / "gpu_check.json"
-    proc = _run("--tiny", "--trainer-runs", "strict", "--json", str(out))
+@pytest.fixture(scope="module")
+def tiny_check(tmp_path_factory):
+    """The whole check at tiny shapes, once for the tests below: trainer_step's strict runs only (two processes of
+    their own; its production runs and a second depth are the slow test's), and --draft-vocab, which adds the
+    subset's rows to the rollout loop, (c) and head_update_graph beside every id's, which stay as they are."""
+    out = tmp_path_factory.mktemp("tiny") / "sub" / "gpu_check.json"
+    proc = _run("--tiny", "--trainer-runs", "strict", "--draft-vocab", "--json", str(out))
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return proc, json.loads(out.read_text()), out
+
+
+def test_tiny_gpu_check_passes_on_cpu_and_writes_every_field(tiny_check):
+    proc, result, out = tiny_check
     assert "every check passed" in proc.stdout
-    result = json.loads(out.read_text())
     assert SECTIONS <= set(result), SECTIONS - set(result)
     assert result["complete"] and result["all_passed"] and not result["errors"] and result["cut_off"] is None
     assert result["shapes"]["k"] == 5 and result["shapes"]["topk"] == 64 and result["shapes"]["tie_word_embeddings"]
@@ -271,11 +277,9 @@ def test_bad_arguments_are_refused_by_name(capsys):
     assert "--tau must be in (1, 6]" in refused(["--tiny", "--tau", "1.0"], capsys)
 
 
-def test_the_loop_times_the_draft_vocabulary_beside_every_id(tmp_path):
-    out = tmp_path / "subset.json"
-    proc = _run("--tiny", "--only", "rollout_loop", "--draft-vocab", "--json", str(out))
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    loop = json.loads(out.read_text())["rollout_loop"]
+def test_the_loop_times_the_draft_vocabulary_beside_every_id(tiny_check):
+    proc, result, _ = tiny_check
+    loop = result["rollout_loop"]
     _check_rollout_loop(loop)  # the rows of every id as they are without it
     subset, plan = loop["draft_vocab"], gpu_rollout_loop.LOOP_PLANS["tiny"]
     assert subset["size"] == 512 and not subset["errors"] and subset["scale"]["logit_shift_outside"] > 0
@@ -290,14 +294,11 @@ def test_the_loop_times_the_draft_vocabulary_beside_every_id(tmp_path):
     assert "draft over 512 ids" in proc.stdout
 
 
-def test_the_head_update_checks_time_the_draft_vocabulary_beside_every_id(tmp_path):
+def test_the_head_update_checks_time_the_draft_vocabulary_beside_every_id(tiny_check):
     """(c) and head_update_graph with --draft-vocab: the eager update, and the fixed-shape one (captured on CUDA),
     also over 512 ids alone; on a CPU the fixed-shape path runs eagerly over the same rows and its gradients
     point where the eager update's do."""
-    out = tmp_path / "subset.json"
-    proc = _run("--tiny", "--only", "c,head_update_graph", "--draft-vocab", "--json", str(out))
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    result = json.loads(out.read_text())
+    _, result, _ = tiny_check
     cost = result["head_update_cost"]
     assert cost["draft_vocab"] == 512 and len(cost["seconds"]["head_subset"]) == cost["repeats"]
     assert cost["subset_over_all"] == pytest.approx(cost["median_s"]["head_subset"] / cost["median_s"]["head"])
