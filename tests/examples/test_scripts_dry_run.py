@@ -55,6 +55,12 @@ ABLATION_FLAGS = {"ce": "--growmtp_loss ce", "kl": "--growmtp_loss kl", "tv": "-
 # left to `make test-slow`: further K for one script, and the ablation arms past the first (each is one flag of
 # the same script, and tests/trainer/test_startup.py checks every arm's command in process)
 SLOW_CASES = ("mimo_math_k3", "mimo_math_k7", *(f"ablation_{arm}" for arm in ABLATIONS[1:]))
+# overrides each script refuses by name: variable -> (value, what stderr says)
+BAD_OVERRIDES = {"K": ("99", "deeper than this head supports"), "HEAD": ("native", "ships no native MTP layer"),
+                 "QWEN3_4B": ("TinyOrg/Not-Cached",
+                              "--actor.model_name_or_path TinyOrg/Not-Cached: not a local directory")}
+
+
 PAPER_GRPO = ["--growmtp_neg_adv_weight 0.5", "--actor.dual_clip 3.0", "--actor.loss_agg_mode token-mean",
               "--algo.kl.use_loss --algo.kl.init_coef 0.01", "--actor.adam.lr 1e-6 --actor.lr_scheduler constant",
               "--actor.eps_clip 0.2", "--rollout.batch_size 64 --rollout.n_samples_per_prompt 8",
@@ -101,9 +107,17 @@ def run_cases(names, env: dict, cwd: Path) -> dict[str, subprocess.CompletedProc
 
 
 @pytest.fixture(scope="module")
-def results(env, tmp_path_factory):
-    cwd = tmp_path_factory.mktemp("cwd")
-    return run_cases([name for name in CASES if name not in SLOW_CASES], env, cwd), cwd
+def results(env, qwen3_4b_full_size, tmp_path_factory):
+    """Every case outside SLOW_CASES, with the bad overrides' runs ("bad_<VARIABLE>", their own directory) and the
+    full-size Qwen3-4B's ("memory", its own directory) in the same pool: one queue of script runs keeps both cores
+    busy to its end."""
+    cwd, elsewhere = tmp_path_factory.mktemp("cwd"), tmp_path_factory.mktemp("elsewhere")
+    jobs = {name: (CASES[name][0], CASES[name][1], {**env, **CASES[name][2]}, cwd)
+            for name in CASES if name not in SLOW_CASES}
+    jobs.update({f"bad_{name}": ("qwen3_4b_math.sh", [], {**env, name: value}, elsewhere)
+                 for name, (value, _) in BAD_OVERRIDES.items()})
+    jobs["memory"] = ("qwen3_4b_math.sh", [], {**env, "QWEN3_4B": str(qwen3_4b_full_size)}, elsewhere)
+    return run_many(jobs), cwd
 
 
 @pytest.fixture(scope="module")
@@ -156,21 +170,9 @@ def model_variable(case: str) -> str:
     return "MIMO_7B_SFT"  # MiMo's scripts, its baselines and the ablations (MiMo's native head)
 
 
-BAD_OVERRIDES = {"K": ("99", "deeper than this head supports"), "HEAD": ("native", "ships no native MTP layer"),
-                 "QWEN3_4B": ("TinyOrg/Not-Cached",
-                              "--actor.model_name_or_path TinyOrg/Not-Cached: not a local directory")}
-
-
-@pytest.fixture(scope="module")
-def bad_overrides(env, tmp_path_factory):
-    cwd = tmp_path_factory.mktemp("bad")
-    return run_many({name: ("qwen3_4b_math.sh", [], {**env, name: value}, cwd)
-                     for name, (value, _) in BAD_OVERRIDES.items()})
-
-
 @pytest.mark.parametrize("variable", BAD_OVERRIDES)
-def test_dry_run_reports_a_bad_override(bad_overrides, variable):
-    result = bad_overrides[variable]
+def test_dry_run_reports_a_bad_override(results, variable):
+    result = results[0][f"bad_{variable}"]
     assert result.returncode == 2 and BAD_OVERRIDES[variable][1] in result.stderr
 
 
@@ -275,8 +277,7 @@ def qwen3_4b_full_size(tmp_path_factory):
     return model
 
 
-def test_the_dry_run_estimates_memory_and_warns_when_a_run_exceeds_the_card(env, qwen3_4b_full_size, tmp_path,
-                                                                            monkeypatch):
+def test_the_dry_run_estimates_memory_and_warns_when_a_run_exceeds_the_card(results, monkeypatch):
     """The script's dry run prints the estimate for its preset; the same command line, parsed here with one flag or
     the card changed, gets the warning (or the refusal) from the function the dry run prints (one script run, not
     four: each costs upstream's imports)."""
@@ -292,7 +293,7 @@ def test_the_dry_run_estimates_memory_and_warns_when_a_run_exceeds_the_card(env,
         return "\n".join(memory_lines(hierarchize(parse_train_args(argv))))
 
     preset = envelope.recipe_training_gpu(envelope.RECIPES[0])["estimate_gib"]
-    result = run_script("qwen3_4b_math.sh", [], {**env, "QWEN3_4B": str(qwen3_4b_full_size)}, tmp_path)
+    result = results[0]["memory"]  # the script's run on the full-size config (in the pool of script runs)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     fits = result.stdout
     assert f"memory per training GPU, by arithmetic (docs/guide.md, the envelope): {preset:.1f} GiB" in fits
