@@ -64,7 +64,7 @@ def read_arm(tensorboard_dir: str | Path, arm: str, k: int) -> list[dict]:
     return rows
 
 
-ENGINE_FACTS_LINE = "growmtp engine facts: "  # vllm_patches.engine.ENGINE_FACTS_LINE (not imported: vLLM)
+ENGINE_FACTS_LINE = "growmtp engine facts: "  # vllm_patches.engine_facts.ENGINE_FACTS_LINE (not imported: vLLM)
 
 
 def engine_facts(train_log: str | Path) -> list[dict]:

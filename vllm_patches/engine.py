@@ -18,7 +18,6 @@ a `collector.RecordCollector` (a cycle vLLM verified without q at run time raise
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,7 +34,9 @@ from openrlhf_growmtp.core.records import DEFAULT_TOPK, SequenceRecord
 from . import check_vllm_version
 from .collector import DROPPED_META, RecordCollector
 from .engine_depth import awaitable, calibration, run_now
-from .settings import RUNNER_ENV, CaptureConfig, SpecConfigError, check_sampling_params, spec_engine_kwargs
+from .engine_facts import (close_llm, counter_delta, engine_counters, in_process_core, summary_from_counters,
+                           worker_in_process)
+from .settings import CaptureConfig, SpecConfigError, check_sampling_params, spec_engine_kwargs
 from .transport import dump_blob
 
 check_vllm_version()
@@ -77,27 +78,6 @@ class GenerateResult:
     draft_probs: list[torch.Tensor | None] = field(default_factory=list)
 
 
-COUNTERS = ("vllm:spec_decode_", "vllm:num_preemptions", "vllm:prefix_cache_hits")
-
-
-def engine_counters(llm) -> dict:
-    """vLLM's own cumulative counters for spec decoding, preemptions and prefix-cache hits ("vllm:" dropped)."""
-    out = {}
-    for metric in llm.get_metrics():
-        if metric.name.startswith(COUNTERS):
-            name = metric.name.removeprefix("vllm:")
-            out[name] = list(metric.values) if hasattr(metric, "values") else metric.value
-    return out
-
-
-def _counter_delta(after: dict, before: dict) -> dict:
-    delta = {}
-    for name, value in after.items():
-        old = before.get(name, 0 if not isinstance(value, list) else [0] * len(value))
-        delta[name] = [a - b for a, b in zip(value, old)] if isinstance(value, list) else value - old
-    return delta
-
-
 class SpecEngine:
     """A vLLM `LLM` drafting with a GrowMTP head, with record capture and live weight updates."""
 
@@ -117,7 +97,7 @@ class SpecEngine:
         self.depth = self.k  # drafts per cycle now: K, or what set_depth chose
         self.llm = LLM(**llm_kwargs)
         self.vocab_size = self.llm.llm_engine.model_config.get_vocab_size()
-        self._in_process = _in_process(self.llm)
+        self._in_process = worker_in_process(self.llm)
         self._head_state: dict[str, torch.Tensor] | None = None
         self._slept_level = 0
         # always configured: in-process engines share the worker module state with earlier engines
@@ -145,10 +125,10 @@ class SpecEngine:
         began = time.perf_counter()
         outputs = self.llm.generate(inputs, params, use_tqdm=False)
         wall = time.perf_counter() - began
-        counters = _counter_delta(engine_counters(self.llm), before)
+        counters = counter_delta(engine_counters(self.llm), before)
         generated = sum(len(o.outputs[0].token_ids) for o in outputs)
         if not self.capture:
-            summary = _summary_from_counters(counters, self.depth)
+            summary = summary_from_counters(counters, self.depth)
             return GenerateResult(outputs, [None] * len(outputs),
                                   RolloutMetrics(summary, generated, wall, vllm_counters=counters))
         config = self.capture_config
@@ -210,7 +190,7 @@ class SpecEngine:
 
     def _core_call(self, method: str, *args):
         """An engine-core utility (`engine_depth`): called directly in-process, else through vLLM's client."""
-        core = _in_process_core(self.llm)
+        core = in_process_core(self.llm)
         if core is not None:
             return getattr(core, method)(*args)
         return self.llm.llm_engine.engine_core.call_utility(method, *args)
@@ -254,63 +234,6 @@ class SpecEngine:
         self._slept_level = 0
 
 
-def close_llm(llm) -> None:
-    """Stop a vLLM `LLM`'s engine now (`SpecEngine.close`; a plain engine beside it, e.g. the autoregressive arm
-    of a paired measurement). In process, only its executor: the full shutdown hangs in zmq's teardown."""
-    in_process = _in_process_core(llm)
-    if in_process is not None:
-        in_process.model_executor.shutdown()
-    else:
-        llm.llm_engine.engine_core.shutdown()
-
-
-ENGINE_FACTS_LINE = "growmtp engine facts: "  # a rollout actor's log line, read back by the studies (report.py)
-
-
-def engine_facts(llm) -> dict:
-    """What a vLLM `LLM` runs with, read from the engine itself (a kept measurement records it): its model
-    runner's class, asynchronous scheduling and `max_num_seqs`, as vLLM resolved them, and the runner choice
-    in the environment of the process that built it."""
-    return _facts(llm.llm_engine.vllm_config.scheduler_config, llm.collective_rpc(_runner_name)[0])
-
-
-async def engine_facts_async(llm) -> dict:
-    """`engine_facts` of an `AsyncLLM` (a rollout actor's engine)."""
-    return _facts(llm.vllm_config.scheduler_config, (await llm.collective_rpc(_runner_name))[0])
-
-
-def _facts(scheduler_config, runner: str) -> dict:
-    return {"runner": runner, "async_scheduling": bool(scheduler_config.async_scheduling),
-            "max_num_seqs": int(scheduler_config.max_num_seqs), RUNNER_ENV: os.environ.get(RUNNER_ENV)}
-
-
-def _runner_name(worker) -> str:
-    runner = type(worker.model_runner)
-    return f"{runner.__module__}.{runner.__qualname__}"
-
-
-def _in_process_core(llm):
-    """The EngineCore of an in-process engine (InprocClient, VLLM_ENABLE_V1_MULTIPROCESSING=0), else None."""
-    return getattr(llm.llm_engine.engine_core, "engine_core", None)
-
-
-def _in_process(llm) -> bool:
-    """Whether `llm`'s worker runs in this process, so that collective_rpc returns its results unserialised
-    (an in-process engine core with a single-process executor)."""
-    from vllm.v1.executor.uniproc_executor import UniProcExecutor
-
-    core = _in_process_core(llm)
-    return core is not None and isinstance(core.model_executor, UniProcExecutor)
-
-
 def _cpu_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A state dict's tensors on the host, contiguous (what `dump_blob` ships)."""
     return {name: tensor.detach().to("cpu").contiguous() for name, tensor in state.items()}
-
-
-def _summary_from_counters(counters: dict, k: int) -> AcceptanceSummary:
-    cycles = int(counters.get("spec_decode_num_drafts", 0))
-    accepted = int(counters.get("spec_decode_num_accepted_tokens", 0))
-    per_position = counters.get("spec_decode_num_accepted_tokens_per_pos", [0] * k)
-    return AcceptanceSummary(cycles=cycles, accepted_tokens=accepted, tau=1.0 + accepted / max(cycles, 1),
-                             alpha=[a / max(cycles, 1) for a in per_position])

@@ -31,7 +31,7 @@ class PlainEngine:
         self.llm = LLM(model=model, **kwargs)
 
     def facts(self) -> dict:
-        from vllm_patches.engine import engine_facts
+        from vllm_patches.engine_facts import engine_facts
 
         return engine_facts(self.llm)
 
@@ -42,7 +42,7 @@ class PlainEngine:
         return sum(len(o.outputs[0].token_ids) for o in outputs)
 
     def close(self) -> None:
-        from vllm_patches.engine import close_llm
+        from vllm_patches.engine_facts import close_llm
 
         close_llm(self.llm)
 

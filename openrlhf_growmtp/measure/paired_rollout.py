@@ -149,7 +149,7 @@ def _ar_engine(model: str, engine_kwargs: dict, baseline: str):
         return engine, engine.facts, engine.generate_tokens, engine.close
     from vllm import LLM, SamplingParams
 
-    from vllm_patches.engine import close_llm, engine_facts
+    from vllm_patches.engine_facts import close_llm, engine_facts
     from vllm_patches.settings import v1_sync_engine_kwargs
 
     llm = LLM(model=model, **v1_sync_engine_kwargs(dict(engine_kwargs)))
@@ -169,7 +169,8 @@ def measure_checkpoint(model: str, head: str, depth: int, prompts: list[list[int
     concurrency than the speculative one's."""
     from vllm import SamplingParams
 
-    from vllm_patches.engine import SpecEngine, engine_facts
+    from vllm_patches.engine import SpecEngine
+    from vllm_patches.engine_facts import engine_facts
 
     if baseline not in ("matched", "default"):
         raise ValueError(f"baseline={baseline!r}: 'matched' or 'default'")

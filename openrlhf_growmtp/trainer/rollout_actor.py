@@ -91,7 +91,7 @@ class RolloutActor(RolloutRayActor.__ray_actor_class__):
         if ordered:
             kwargs["scheduling_policy"] = "priority"  # a request's priority is its dispatch number
         await super().__init__(*args, **kwargs)
-        from vllm_patches.engine import ENGINE_FACTS_LINE, engine_facts_async
+        from vllm_patches.engine_facts import ENGINE_FACTS_LINE, engine_facts_async
 
         # the engine's runner, scheduling and concurrency as vLLM resolved them, for the run's record (one line)
         print(ENGINE_FACTS_LINE + json.dumps(await engine_facts_async(self.llm)), flush=True)

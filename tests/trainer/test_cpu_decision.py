@@ -31,7 +31,7 @@ def cuda_hidden(monkeypatch):
 def upstream_kwargs(monkeypatch):
     """The kwargs our rollout actors hand to upstream's __init__ (which would start vLLM); no engine, so no
     engine facts to read either."""
-    import vllm_patches.engine
+    import vllm_patches.engine_facts
 
     seen = {}
 
@@ -43,7 +43,7 @@ def upstream_kwargs(monkeypatch):
         return {}
 
     monkeypatch.setattr(UPSTREAM_ACTOR, "__init__", record)
-    monkeypatch.setattr(vllm_patches.engine, "engine_facts_async", no_facts)
+    monkeypatch.setattr(vllm_patches.engine_facts, "engine_facts_async", no_facts)
     return seen
 
 

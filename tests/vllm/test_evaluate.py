@@ -10,7 +10,8 @@ import pytest
 from helpers.engines import close_engine
 from openrlhf_growmtp.cli import evaluate
 from growmtp_lab.worlds.toy import random_prompts
-from vllm_patches.engine import SpecEngine, engine_counters
+from vllm_patches.engine import SpecEngine
+from vllm_patches.engine_facts import engine_counters
 
 
 def write(path, rows):

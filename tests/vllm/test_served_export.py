@@ -24,7 +24,7 @@ from test_distribution import N, WRONG_TEMPERATURE, exact_joint, simulated_test
 from growmtp_lab.worlds.toy import random_prompts
 from vllm_patches.capture import core as capture
 from vllm_patches.capture.v1 import hooks_active
-from vllm_patches.engine import _in_process_core, engine_counters
+from vllm_patches.engine_facts import engine_counters, in_process_core
 
 TEST_ENGINE = dict(max_model_len=512, seed=0, disable_log_stats=False)  # in-process test limits on top
 
@@ -55,7 +55,7 @@ def served_and_plain(settings: dict):
         yield served, plain
     finally:
         for llm in (served, plain):
-            _in_process_core(llm).model_executor.shutdown()
+            in_process_core(llm).model_executor.shutdown()
         capture.STATE = saved
 
 
@@ -113,7 +113,7 @@ def test_capture_hooks_stay_inert_in_a_served_engine(engines):
     served, _ = engines
     served.generate([{"prompt_token_ids": [3, 4, 5, 6]}], SamplingParams(temperature=1.0, max_tokens=16),
                     use_tqdm=False)
-    runner = _in_process_core(served).model_executor.driver_worker.worker.model_runner
+    runner = in_process_core(served).model_executor.driver_worker.worker.model_runner
     assert hooks_active(runner)  # installed, and on the path every step takes
     assert not capture.STATE.config.enabled
     assert capture.STATE.steps == [] and capture.STATE.errors == [] and capture.STATE.hidden == {}
