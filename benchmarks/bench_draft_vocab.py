@@ -16,12 +16,12 @@ From them, per arm: draft / decode, and the cycle speedup the formula predicts a
 (verify + K x draft) (engine overhead left out, as in docs/gpu.md's cycle formula).
 
     python -m benchmarks.bench_draft_vocab [--layers 36] [--subset 32768] [--k 5] [--tau 2.91] [--out FILE]
-    python -m benchmarks.bench_draft_vocab --acceptance docs/data/draft_vocab/runs [--out FILE]
+    python -m benchmarks.bench_draft_vocab --acceptance docs/data/draft_vocab/runs [--out FILE.json]
 
 --acceptance: what a smaller draft vocabulary costs in τ, from the paper and reasoning worlds' runs kept by
     python -m growmtp_lab.ablations --worlds paper,reasoning --arms growmtp --no-ceiling \
         --keep docs/data/draft_vocab/runs [--draft-vocab-share 0.25 --tag vocab-quarter]
-(once plainly and once with the vocabulary, the same seeds).
+(once plainly and once with the vocabulary, the same seeds); with --out, its table goes beside the JSON (FILE.md).
 """
 
 from __future__ import annotations
@@ -112,6 +112,20 @@ def acceptance(keep: Path, tag: str = "vocab-quarter") -> dict:
     return out
 
 
+def acceptance_table(result: dict) -> str:
+    """`acceptance`'s result as the markdown table docs/measurements.md shows (a `table:` block of it)."""
+    lines = ["| world | seed | ids | τ final, every id | τ final, draft vocabulary | change | coverage |",
+             "|---|---|---|---|---|---|---|"]
+    for world, seeds in result.items():
+        for seed, pair in sorted(seeds.items(), key=lambda item: int(item[0])):
+            flags = pair["flags"]
+            ids = int(flags[flags.index("--growmtp_draft_vocab") + 1])
+            lines.append(f"| {world.split('-')[0]} | {seed} | {ids:,} | {pair['tau_final_all_ids']:.3f} | "
+                         f"{pair['tau_final_subset']:.3f} | {100 * pair['tau_change']:+.1f}% | "
+                         f"{pair['coverage_mean']:.4f} |")
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=36)
@@ -127,8 +141,9 @@ def main() -> None:
     if args.acceptance:
         result = acceptance(args.acceptance)
         print(json.dumps(result, indent=2))
-        if args.out:
+        if args.out:  # and its table beside it (FILE with .md)
             Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+            Path(args.out).with_suffix(".md").write_text(acceptance_table(result))
         return
 
     began = time.perf_counter()

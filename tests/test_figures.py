@@ -185,6 +185,16 @@ def test_a_kept_studys_summary_and_table_follow_from_its_arm_files(tmp_path, nam
     assert (data / "table.md").read_text().strip() == speed_study.table(again).strip()
 
 
+def test_the_draft_vocabularys_tau_pairs_and_table_follow_from_its_kept_runs():
+    from benchmarks.bench_draft_vocab import acceptance, acceptance_table
+
+    data = ROOT / "docs" / "data" / "draft_vocab"
+    again = acceptance(data / "runs")
+    assert again, "no kept pair of runs was found"
+    assert json.loads((data / "acceptance.json").read_text()) == again  # the same arithmetic on the same rows
+    assert (data / "acceptance.md").read_text() == acceptance_table(again)
+
+
 def test_the_committed_checks_tau_over_the_last_steps_follows_from_its_rows():
     from growmtp_lab.committed_check import tau_final
 
