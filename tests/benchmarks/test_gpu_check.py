@@ -258,7 +258,6 @@ def test_sigterm_leaves_the_json_of_what_was_done(tmp_path):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="refusal is what a machine without CUDA shows")
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal of a machine without CUDA")
 def test_real_shapes_refuse_without_cuda_before_any_work(tmp_path, capsys):
     from benchmarks.gpu_check import gpu_check
 
