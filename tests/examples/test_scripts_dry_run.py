@@ -52,9 +52,12 @@ CASES = {
 ABLATION_FLAGS = {"ce": "--growmtp_loss ce", "kl": "--growmtp_loss kl", "tv": "--growmtp_loss tv",
                   "no_vgm": "--growmtp_no_vgm", "teacher_forcing": "--growmtp_teacher_forcing",
                   "joint": "--growmtp_mode joint", "frozen": "--growmtp_mode frozen"}
-# left to `make test-slow`: further K for one script, and the ablation arms past the first (each is one flag of
-# the same script, and tests/trainer/test_startup.py checks every arm's command in process)
-SLOW_CASES = ("mimo_math_k3", "mimo_math_k7", *(f"ablation_{arm}" for arm in ABLATIONS[1:]))
+# left to `make test-slow`: further K for one script, the ablation arms past the first (each is one flag of the
+# same script, and tests/trainer/test_startup.py checks every arm's command in process), the code twins of
+# Qwen's math scripts (common.sh builds both; MiMo's code script runs here as the smoke) and the autoregressive
+# baseline of Qwen3-4B (baseline_ar.sh runs here as MiMo's matched one)
+SLOW_CASES = ("mimo_math_k3", "mimo_math_k7", *(f"ablation_{arm}" for arm in ABLATIONS[1:]), "qwen3_4b_code",
+              "qwen3_5_code", "ar_qwen3_4b_math")
 # overrides each script refuses by name: variable -> (value, what stderr says)
 BAD_OVERRIDES = {"K": ("99", "deeper than this head supports"), "HEAD": ("native", "ships no native MTP layer"),
                  "QWEN3_4B": ("TinyOrg/Not-Cached",
@@ -138,7 +141,7 @@ def test_dry_run_passes_every_check_and_starts_nothing(results, name):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", SLOW_CASES)
-def test_dry_run_of_further_k_and_ablation_arms(slow_results, name):
+def test_dry_run_of_further_k_ablation_arms_code_twins_and_the_ar_baseline(slow_results, name):
     check_dry_run(*slow_results, name)
 
 

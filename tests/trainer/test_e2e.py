@@ -115,6 +115,8 @@ def test_final_export_keeps_the_head_apart(world):
     assert json.loads((head / "config.json").read_text())["growmtp_family"] == "qwen3"
 
 
+@pytest.mark.slow  # a second launch, about a minute on 2 cores: `make test-slow` (make test's checks of a resume
+# are in process: test_resume_check.py, test_head_lr_resume.py)
 def test_resume_restores_head_and_its_optimizer_state(world):
     tmp, _ = world
     launch(tmp, 8, "--ckpt.load_enable", hybrid=True)
