@@ -22,6 +22,7 @@ vocabulary, tying); nothing is downloaded. Three parts:
    the GPU check measured it (docs/gpu.md).
 
     python -m benchmarks.bench_memory [--chunks 192,320,448] [--families qwen3_4b,qwen3_5_4b,mimo_7b] [--json]
+    python -m benchmarks.bench_memory --parts records,head --out docs/data/memory/records_and_head.json  # kept
 """
 
 from __future__ import annotations
@@ -29,8 +30,10 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -39,6 +42,7 @@ from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
 
 from benchmarks.shared.peak_memory import PeakMemory
 from benchmarks.shared.bench_common import fit_line, qwen3_4b_config, records_at_tau
+from benchmarks.shared.cpu_runs import provenance
 from openrlhf_growmtp.core import (
     HeadLossConfig,
     MTPHead,
@@ -190,8 +194,13 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--tokens", type=int, default=8192, help="response length of the record table")
     parser.add_argument("--prompt", type=int, default=256)
     parser.add_argument("--ranks", type=int, default=4, help="training ranks sharing the head's state under ZeRO")
+    parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {','.join(PARTS)}")
     parser.add_argument("--json", action="store_true", help="end with one JSON line of every number")
+    parser.add_argument("--out", type=Path, help="also write every number, with the run's provenance, to this file")
     args = parser.parse_args()
+    args.part_names = args.parts.split(",")
+    if unknown_parts := [p for p in args.part_names if p not in PARTS]:
+        parser.error(f"--parts of {','.join(PARTS)} (unknown: {unknown_parts})")
     args.names = args.families.split(",")
     unknown = [n for n in args.names if n not in SHAPES]
     args.chunk_sizes = sorted({int(c) for c in args.chunks.split(",")})
@@ -221,7 +230,7 @@ def record_tables(args, report: dict) -> None:
         r = record_bytes(shape.config.hidden_size, 5, 64, 3.0, args.tokens, args.prompt)
         print(f"  {shape.name} (hidden {shape.config.hidden_size}): {r['exact_bytes_per_token']:5.0f} B/token, "
               f"{r['exact_bytes'] / MiB:5.2f} MiB per response")
-        report["families"][name] = {"exact_record": r}
+        report["families"][name]["exact_record"] = r
 
 
 def head_table(args, report: dict) -> None:
@@ -256,14 +265,20 @@ def peak_table(args, report: dict) -> None:
         report["families"][name]["chunk_fit"] = fit.as_dict()
 
 
+PARTS = {"records": record_tables, "head": head_table, "peaks": peak_table}  # the docstring's 1, 2 and 3
+
+
 def main() -> None:
     args = parse_args()
-    report: dict = {"ranks": args.ranks, "tokens": args.tokens, "prompt": args.prompt, "families": {}}
-    record_tables(args, report)
-    head_table(args, report)
-    peak_table(args, report)
+    report: dict = {"ranks": args.ranks, "tokens": args.tokens, "prompt": args.prompt,
+                    "families": {name: {} for name in args.names}}
+    for name in args.part_names:
+        PARTS[name](args, report)
     if args.json:
         print(json.dumps(report))
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({**provenance(sys.argv[1:]), **report}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

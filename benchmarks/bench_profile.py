@@ -31,7 +31,8 @@ Writes JSON (--out) with the commit, command, machine and date.
 
     python -m benchmarks.bench_profile --cycle --out docs/data/profile/cycle_before.json
     python -m benchmarks.bench_profile --step --steps 8 --out docs/data/profile/step_before.json
-    python -m benchmarks.bench_profile --markdown docs/data/profile/cycle_*.json   # kept runs as one table
+    python -m benchmarks.bench_profile --markdown docs/data/profile/cycle_{before,after}_1.json \
+        docs/data/profile/cycle_{before,after}_2.json > docs/data/profile/cycle.md      # kept runs as one table
 """
 
 from __future__ import annotations
@@ -48,10 +49,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-
-from benchmarks.shared.cpu_runs import provenance  # noqa: E402
+from benchmarks.shared.cpu_runs import provenance
 
 COMPONENTS = ("target forward", "head forwards", "sampling drafts", "rejection sampler", "capture", "scheduler",
               "everything else")
@@ -291,8 +289,8 @@ def markdown(files: list[str]) -> str:
     """The cycle profiles in `files` (kept JSON, before and after runs alternating) side by side, ms per step."""
     runs = [json.loads(Path(f).read_text()) for f in files]
     names = [*COMPONENTS, *(f"  {part}" for part in OTHER_PARTS), "step", "overhead"]
-    head = "| ms per engine step | " + " | ".join(f"{Path(f).stem} (`{r['commit'][:7]}`)" for f, r in zip(files, runs))
-    lines = [head + " | AR (vLLM alone) |", "|---" * (len(runs) + 2) + "|"]
+    head = "| ms per engine step | " + " | ".join(f"{Path(f).stem} ({r['commit'][:7]})" for f, r in zip(files, runs))
+    lines = [head + " | AR (vLLM alone, median of the runs) |", "|---" * (len(runs) + 2) + "|"]
     for name in names:
         cells = [f"{r['per_step_ms']['spec'][name.strip()]:.3f}" for r in runs]
         ar = statistics.median(r["per_step_ms"]["ar"][name.strip()] for r in runs)
@@ -325,6 +323,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.markdown:
         print(markdown(args.markdown))
         return
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process (its timers' view)
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     result = {**provenance(argv), **(run_step(args) if args.step else run_cycle(args))}
     (print_step if args.step else print_cycle)(result)
     if args.out:

@@ -108,6 +108,32 @@ def test_what_counts_as_a_figure_and_what_ties_it(kept):
     assert "page.md:1: 0.6 has no" in problems[1]
 
 
+def test_a_kept_blocks_table_cells_are_its_files_values_in_the_units_shown(kept):
+    (kept / "data" / "u.json").write_text(json.dumps({"wall_s": 702.0, "bytes": 9_615_360, "params": 114_000_000,
+                                                      "rows": [{"measured": "max|d| 2.8e-01"}]}))
+    table = ("| wall (min) | MiB | M | measured |\n|---|---|---|---|\n| {} | {} | {} | max\\|d\\| {} |\n")
+    page = write(kept, "<!-- kept: data/u.json -->\n" + table.format("11.7", "9.17", "114.0", "2.8e-01")
+                 + "<!-- /kept -->\n")
+    assert untied(page) == []  # seconds in minutes, bytes in MiB, a count in millions, a number a string holds
+    for wrong in (("11.8", "9.17", "114.0", "2.8e-01"), ("11.7", "9.16", "114.1", "2.7e-01")):
+        page = write(kept, "<!-- kept: data/u.json -->\n" + table.format(*wrong) + "<!-- /kept -->\n")
+        problems = untied(page)
+        changed = {cell for cell, right in zip(wrong, ("11.7", "9.17", "114.0", "2.8e-01")) if cell != right}
+        assert {problem.split(": ")[1].split(" ")[0] for problem in problems} == changed, problems
+    labelled = write(kept, "<!-- kept: data/u.json -->\n| <!-- derived: a sum -->12.5<!-- /derived --> |\n"
+                           "<!-- /kept -->\n")
+    assert untied(labelled) == []  # a label inside the block covers what its files do not hold
+
+
+def test_a_table_block_with_code_spans_is_compared_as_written(kept):
+    (kept / "data" / "c.md").write_text("| run | x |\n|---|---|\n| `abc1234` | 1.5 |\n")
+    page = write(kept, "<!-- table: data/c.md -->\n| run | x |\n|---|---|\n| `abc1234` | 1.5 |\n<!-- /table -->\n"
+                       "quoted: `<!-- table: data/none.md -->`\n")
+    assert check(page) == []
+    (kept / "data" / "c.md").write_text("| run | x |\n|---|---|\n| `abc1234` | 1.6 |\n")
+    assert ["differs from its file" in problem for problem in check(page)] == [True]
+
+
 # ---- summaries and tables follow from their kept rows ---------------------------------------------------------
 
 def same(kept, again, where: str = "") -> None:
@@ -193,6 +219,14 @@ def test_the_draft_vocabularys_tau_pairs_and_table_follow_from_its_kept_runs():
     assert again, "no kept pair of runs was found"
     assert json.loads((data / "acceptance.json").read_text()) == again  # the same arithmetic on the same rows
     assert (data / "acceptance.md").read_text() == acceptance_table(again)
+
+
+def test_the_cycle_profile_table_follows_from_its_kept_runs():
+    from benchmarks.bench_profile import markdown
+
+    data = ROOT / "docs" / "data" / "profile"
+    runs = [str(data / f"cycle_{code}_{i}.json") for i in (1, 2) for code in ("before", "after")]  # as they ran
+    assert (data / "cycle.md").read_text().strip() == markdown(runs).strip()
 
 
 def test_the_committed_checks_tau_over_the_last_steps_follows_from_its_rows():

@@ -13,10 +13,13 @@ stands inside a labelled block, `<!-- KIND: why -->` ... `<!-- /KIND -->`, KIND 
 - `history`: from a run that was not kept (quoted from its output at the time), or a figure withdrawn;
 - `example`: not a measurement: an illustration, a target, a setting, a spec sheet's value, worked arithmetic;
 - `derived`: arithmetic on figures quoted with marks nearby (its inputs named in the text);
-- `kept: PATH [PATH ...]`: read from those kept files (a folder: its JSON files) without a mark each; every such number
-  must be one of the files' values (any key) at the precision shown, as a value, a share in percent or seconds in
-  milliseconds (a weaker check than a mark's: it catches a number the files do not hold, not one that matches another
-  value by chance). The other labels may stand inside a kept block, for what is not read from its files.
+- `kept: PATH [PATH ...]`: read from those kept files (a folder: its JSON files) without a mark each; every such number,
+  and every decimal in a table row of the block (units or not: `| 2.31 | 0.88 |`, `2.8e-01`), must be one of the
+  files' values (any key) at the precision shown, as a value, a share in percent, seconds in milliseconds or
+  minutes, bytes in MiB or GiB, or a count in millions or billions, or a number written in one of the files'
+  strings (a row's printed `max|d| 2.8e-01`) (a weaker check than a mark's: it catches a number the files do not
+  hold, not one that matches another value by chance). The other labels may stand inside a kept block, for what
+  is not read from its files.
 `untied(markdown_path)` lists the numbers that stand in none (`tests/test_figures.py`: none may).
 
 `check(markdown_path)` lists every mark that no longer matches its file; `refresh(markdown_path)` rewrites the
@@ -71,7 +74,8 @@ def lookup(document: dict | list, key: str):
 
 def check(path: Path) -> list[str]:
     """Every figure or table of a markdown file that does not match its kept file, each with the reason."""
-    text = _outside_code(path.read_text(encoding="utf-8"))
+    raw = path.read_text(encoding="utf-8")
+    text = _outside_code(raw)
     problems, cache = [], {}
     marks = len(MARK.findall(text))
     matched = 0
@@ -94,7 +98,9 @@ def check(path: Path) -> list[str]:
         digits = len(shown.split(".")[1]) if "." in shown else 0
         if round(value, digits) != float(shown.replace(",", "")):
             problems.append(f"{where}: the kept value is {value!r}, which shows as {value:.{digits}f}")
-    for match in TABLE.finditer(text):
+    for match in TABLE.finditer(raw):  # a table's own code spans stay: it is compared as its file's text
+        if text[match.start()] != "<":
+            continue  # a table mark quoted in code
         matched += 1
         file = (path.parent / match.group(1)).resolve()
         if not file.exists():
@@ -123,8 +129,15 @@ LABEL_INNER = re.compile(r"<!-- (history|example|derived)(?::[^>]*?)? -->.*?<!--
 LABEL_KEPT = re.compile(r"<!-- kept: ([^>]*?) -->(.*?)<!-- /kept -->", re.DOTALL)
 
 
+# how a kept value may be shown: as it is, a share in percent, seconds in ms or minutes, bytes in MiB or GiB, a
+# count in millions or billions
+SHOWN_AS = (1, 100, 1000, 1 / 60, 2 ** -20, 2 ** -30, 1e-6, 1e-9)
+WRITTEN = re.compile(r"-?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?")  # a number written in a string value
+CELL = re.compile(r"(?<![\w.\-/])(\d+\.\d+(?:e[-+]\d+)?)(?![\w.])")  # a decimal in a table row
+
+
 def _numbers(document) -> set[float]:
-    """Every number in a JSON document, as it is, times 100 and times 1000 (a share in percent, seconds in ms)."""
+    """Every number in a JSON document, in each unit of SHOWN_AS, and every number written in its strings."""
     found = set()
     stack = [document]
     while stack:
@@ -133,20 +146,37 @@ def _numbers(document) -> set[float]:
             stack.extend(value.values())
         elif isinstance(value, list):
             stack.extend(value)
+        elif isinstance(value, str):
+            found.update(float(number) for number in WRITTEN.findall(value))
         elif isinstance(value, (int, float)) and not isinstance(value, bool):
-            found.update((value, 100 * value, 1000 * value))
+            found.update(scale * value for scale in SHOWN_AS)
     return found
 
 
 def _kept_in(shown: str, values: set[float]) -> bool:
+    """Whether one of `values` shows as `shown` ("1,234.5", or "2.8e-01" at its mantissa's digits)."""
+    if "e" in shown:
+        digits = len(shown.split("e")[0].partition(".")[2])
+        return any(f"{v:.{digits}e}" == shown for v in values)
     digits = len(shown.split(".")[1]) if "." in shown else 0
     target = float(shown.replace(",", ""))
     return any(round(v, digits) == target for v in values)
 
 
+def _cells(text: str) -> list[tuple[str, int]]:
+    """The decimals in the table rows of `text` (lines that start with `|`), with their offsets."""
+    found, at = [], 0
+    for line in text.split("\n"):
+        if line.lstrip().startswith("|"):
+            found += [(match.group(1), at + match.start(1)) for match in CELL.finditer(line)]
+        at += len(line) + 1
+    return found
+
+
 def untied(path: Path) -> list[str]:
     """Every number with a speed or time unit, or τ value, outside code, that carries no mark and stands in no
-    labelled block; and every number of a `kept` block that none of its files holds."""
+    labelled block; and every such number, or decimal of a table row, of a `kept` block that none of its files
+    holds."""
     text = _outside_code(path.read_text(encoding="utf-8"))
     text = TABLE.sub(_blank, text)  # a table block is its file
     problems = []
@@ -160,7 +190,8 @@ def untied(path: Path) -> list[str]:
                     values |= _numbers(json.loads(file.read_text()))
                 except (OSError, ValueError) as err:
                     problems.append(f"{path.name}: kept block's file {file}: {err}")
-        for shown, at in _figures(label.group(2)):
+        figures = dict((at, shown) for shown, at in _figures(label.group(2)) + _cells(label.group(2)))
+        for at, shown in sorted(figures.items()):
             if not _kept_in(shown, values):
                 line = text.count(chr(10), 0, label.start(2) + at) + 1
                 problems.append(f"{path.name}:{line}: {shown} is in a kept block whose files hold no such value")

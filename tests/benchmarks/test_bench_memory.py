@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -77,3 +78,18 @@ def test_chunk_peaks_run_one_chunk_per_size_on_a_tiny_head():
     peaks = bench_memory.chunk_peaks(shape, [8, 32], k=3, topk=8, tau=2.0, prompt=6)
     assert [p["chunk"] for p in peaks] == [8, 32]
     assert all(p["finite"] and p["chunks_run"] == 1 and p["peak_mib"] > 0 for p in peaks)
+
+
+def test_the_parts_asked_for_are_kept_with_their_provenance(tmp_path, monkeypatch):
+    out = tmp_path / "kept" / "memory.json"
+    monkeypatch.setattr("sys.argv", ["bench_memory", "--parts", "head", "--families", "qwen3_4b", "--out", str(out)])
+    bench_memory.main()
+    kept = json.loads(out.read_text())
+    assert {"commit", "command", "date", "machine"} <= set(kept) and "--parts head" in kept["command"]
+    assert "records" not in kept and set(kept["families"]) == {"qwen3_4b"}
+    head = kept["families"]["qwen3_4b"]["head"]
+    assert head["parameters"] == bench_memory.head_parameters(bench_memory.SHAPES["qwen3_4b"])
+    assert "chunk_peaks" not in kept["families"]["qwen3_4b"]  # the update's peaks were not asked for
+    monkeypatch.setattr("sys.argv", ["bench_memory", "--parts", "head,peak"])
+    with pytest.raises(SystemExit):
+        bench_memory.main()
