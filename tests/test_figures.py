@@ -108,7 +108,7 @@ def test_what_counts_as_a_figure_and_what_ties_it(kept):
     assert "page.md:1: 0.6 has no" in problems[1]
 
 
-def test_a_kept_blocks_table_cells_are_its_files_values_in_the_units_shown(kept):
+def test_a_kept_blocks_decimals_are_its_files_values_in_the_units_shown(kept):
     (kept / "data" / "u.json").write_text(json.dumps({"wall_s": 702.0, "bytes": 9_615_360, "params": 114_000_000,
                                                       "rows": [{"measured": "max|d| 2.8e-01"}]}))
     table = ("| wall (min) | MiB | M | measured |\n|---|---|---|---|\n| {} | {} | {} | max\\|d\\| {} |\n")
@@ -123,6 +123,12 @@ def test_a_kept_blocks_table_cells_are_its_files_values_in_the_units_shown(kept)
     labelled = write(kept, "<!-- kept: data/u.json -->\n| <!-- derived: a sum -->12.5<!-- /derived --> |\n"
                            "<!-- /kept -->\n")
     assert untied(labelled) == []  # a label inside the block covers what its files do not hold
+    (kept / "data" / "z.json").write_text(json.dumps({"z": -1.1003, "tau": 2.26}))
+    prose = write(kept, "<!-- kept: data/z.json -->z −1.10 at 2.26, version 0.11.2<!-- /kept -->\n")
+    assert untied(prose) == []  # prose too, with its sign; a version is no decimal
+    for wrong in ("z 1.10 at 2.26", "z −1.10 at 2.27"):
+        problems = untied(write(kept, f"<!-- kept: data/z.json -->{wrong}<!-- /kept -->\n"))
+        assert len(problems) == 1 and "kept block whose files hold no such value" in problems[0], (wrong, problems)
 
 
 def test_a_table_block_with_code_spans_is_compared_as_written(kept):

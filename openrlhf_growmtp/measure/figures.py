@@ -14,7 +14,7 @@ stands inside a labelled block, `<!-- KIND: why -->` ... `<!-- /KIND -->`, KIND 
 - `example`: not a measurement: an illustration, a target, a setting, a spec sheet's value, worked arithmetic;
 - `derived`: arithmetic on figures quoted with marks nearby (its inputs named in the text);
 - `kept: PATH [PATH ...]`: read from those kept files (a folder: its JSON files) without a mark each; every such number,
-  and every decimal in a table row of the block (units or not: `| 2.31 | 0.88 |`, `2.8e-01`), must be one of the
+  and every other decimal of the block (units or not: `| 2.31 | 0.88 |`, `z −1.10`, `2.8e-01`), must be one of the
   files' values (any key) at the precision shown, as a value, a share in percent, seconds in milliseconds or
   minutes, bytes in MiB or GiB, or a count in millions or billions, or a number written in one of the files'
   strings (a row's printed `max|d| 2.8e-01`) (a weaker check than a mark's: it catches a number the files do not
@@ -133,7 +133,8 @@ LABEL_KEPT = re.compile(r"<!-- kept: ([^>]*?) -->(.*?)<!-- /kept -->", re.DOTALL
 # count in millions or billions
 SHOWN_AS = (1, 100, 1000, 1 / 60, 2 ** -20, 2 ** -30, 1e-6, 1e-9)
 WRITTEN = re.compile(r"-?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?")  # a number written in a string value
-CELL = re.compile(r"(?<![\w.\-/])(\d+\.\d+(?:e[-+]\d+)?)(?![\w.])")  # a decimal in a table row
+# "2.31", "−1.10", "2.8e-01"; not "0.11.2"
+DECIMAL = re.compile(r"(?<![\w.\-/−])((?:(?<=[\s(])[−-])?\d+\.\d+(?:e[-+]\d+)?)(?![\w.])")
 
 
 def _numbers(document) -> set[float]:
@@ -154,29 +155,25 @@ def _numbers(document) -> set[float]:
 
 
 def _kept_in(shown: str, values: set[float]) -> bool:
-    """Whether one of `values` shows as `shown` ("1,234.5", or "2.8e-01" at its mantissa's digits)."""
+    """Whether one of `values` shows as `shown` ("1,234.5", "−1.10", or "2.8e-01" at its mantissa's digits)."""
+    shown = shown.replace("−", "-")
     if "e" in shown:
         digits = len(shown.split("e")[0].partition(".")[2])
-        return any(f"{v:.{digits}e}" == shown for v in values)
+        return any(float(f"{v:.{digits}e}") == float(shown) for v in values)
     digits = len(shown.split(".")[1]) if "." in shown else 0
     target = float(shown.replace(",", ""))
     return any(round(v, digits) == target for v in values)
 
 
-def _cells(text: str) -> list[tuple[str, int]]:
-    """The decimals in the table rows of `text` (lines that start with `|`), with their offsets."""
-    found, at = [], 0
-    for line in text.split("\n"):
-        if line.lstrip().startswith("|"):
-            found += [(match.group(1), at + match.start(1)) for match in CELL.finditer(line)]
-        at += len(line) + 1
-    return found
+def _decimals(text: str) -> list[tuple[str, int]]:
+    """The decimals of `text` that carry no mark, with their offsets."""
+    return [(match.group(1), match.start(1)) for match in DECIMAL.finditer(text)
+            if not MARK_AFTER.match(text[match.end(1):])]
 
 
 def untied(path: Path) -> list[str]:
     """Every number with a speed or time unit, or τ value, outside code, that carries no mark and stands in no
-    labelled block; and every such number, or decimal of a table row, of a `kept` block that none of its files
-    holds."""
+    labelled block; and every such number, or other decimal, of a `kept` block that none of its files holds."""
     text = _outside_code(path.read_text(encoding="utf-8"))
     text = TABLE.sub(_blank, text)  # a table block is its file
     problems = []
@@ -190,7 +187,7 @@ def untied(path: Path) -> list[str]:
                     values |= _numbers(json.loads(file.read_text()))
                 except (OSError, ValueError) as err:
                     problems.append(f"{path.name}: kept block's file {file}: {err}")
-        figures = dict((at, shown) for shown, at in _figures(label.group(2)) + _cells(label.group(2)))
+        figures = dict((at, shown) for shown, at in _figures(label.group(2)) + _decimals(label.group(2)))
         for at, shown in sorted(figures.items()):
             if not _kept_in(shown, values):
                 line = text.count(chr(10), 0, label.start(2) + at) + 1
