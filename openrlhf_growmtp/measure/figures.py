@@ -166,8 +166,9 @@ def _kept_in(shown: str, values: set[float]) -> bool:
 
 
 def _decimals(text: str) -> list[tuple[str, int]]:
-    """The decimals of `text` that carry no mark, with their offsets."""
-    return [(match.group(1), match.start(1)) for match in DECIMAL.finditer(text)
+    """The decimals of `text` that carry no mark, with their digits' offsets (where `_figures` puts a unit figure's:
+    a signed one replaces it)."""
+    return [(match.group(1), match.start(1) + (match.group(1)[0] in "−-")) for match in DECIMAL.finditer(text)
             if not MARK_AFTER.match(text[match.end(1):])]
 
 
