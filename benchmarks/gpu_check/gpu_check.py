@@ -65,16 +65,35 @@ from benchmarks.gpu_check.gpu_sampler import check_sampler
 from benchmarks.gpu_check.gpu_world import REAL, TINY, build_head, build_policy, flatten_policy_logits_
 
 ROOT = Path(__file__).resolve().parents[2]
-# in the order they run: the loop and the captured head update first (about 90 s together on an H100), then
-# cycle_cost (seconds); the head's math (a), (b), (d) before trainer_step (minutes), as the guide's step 2 has
-# it (they must pass before anything trains with the head); (c), a cost, last. The end-to-end prediction, which
-# needs cycle_cost and trainer_step (and reads rollout_loop where it ran), comes after every check.
+# in the order they run without --only (with it, in its order): the loop and the captured head update first (about
+# 90 s together on an H100), then cycle_cost (seconds); the head's math (a), (b), (d) before trainer_step
+# (minutes), as the guide's step 2 has it (they must pass before anything trains with the head); (c), a cost,
+# last. The end-to-end prediction, which needs cycle_cost and trainer_step (and reads rollout_loop where it ran),
+# comes after every check.
 CHECKS = ("rollout_loop", "head_update_graph", "cycle_cost", "a", "b", "d", "trainer_step", "c")
+# (b) reads (a)'s draft logits, (d) those and (b)'s log p, which every other check drops: the head's math runs as one
+# block, in this order, where --only first names one of them
+MATH_CHAIN = ("a", "b", "d")
+PREREQUISITES = {"b": ("a",), "d": ("a", "b")}
 # --draft-vocab without N: the issue's 32,768 of Qwen3-4B's 151,936 ids; at tiny shapes about the same share
 DRAFT_VOCAB_DEFAULT = {"Qwen3-4B": 32768, "tiny": 512}
 DRAFT_VOCAB_GIVEN = -1  # what argparse holds for a --draft-vocab given without N
 TRAINER_RUNS = ("production", "strict")  # gpu_trainer.RUN_MODES, in the order they run at each depth
 HOST_COMMIT_ENV = "GPU_HOST_COMMIT"
+
+
+def run_order(only: list[str]) -> list[str]:
+    """The checks `--only` names, in its order (each once; a deadline skips the last ones), except the head's math:
+    the (a), (b), (d) named and those they read (`PREREQUISITES`) run together, as `MATH_CHAIN` orders them, where
+    the first of them is named."""
+    chain = [c for c in MATH_CHAIN if c in only or any(c in PREREQUISITES.get(named, ()) for named in only)]
+    order: list[str] = []
+    for check in dict.fromkeys(only):
+        if check not in MATH_CHAIN:
+            order.append(check)
+        elif chain[0] not in order:
+            order += chain
+    return order
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -93,8 +112,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--chunk-cycles", type=int,
                         help="(c): cycles per head-update chunk (default 4096, a GPU's --growmtp_chunk_cycles; "
                         "tiny 64)")
-    parser.add_argument("--only", help=f"comma-separated checks to run, of {','.join(CHECKS)} (b and d need a, "
-                        "which then runs too)")
+    parser.add_argument("--only", help=f"comma-separated checks to run, in the order given, of {','.join(CHECKS)} "
+                        "(b needs a, d needs a and b: they then run too, just before)")
     parser.add_argument("--deadline-s", type=float, help="checks not started this many seconds after the start "
                         "are skipped (recorded as not run)")
     parser.add_argument("--trainer-layers", help="trainer_step: the policy's depths, comma-separated, each 1..36 or "
@@ -119,9 +138,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     unknown = [c for c in only if c not in CHECKS]
     if unknown or not only:
         parser.error(f"--only takes checks among {','.join(CHECKS)}; got {args.only!r}")
-    if {"b", "d"} & set(only):
-        only.append("a")
-    args.only = [c for c in CHECKS if c in only]
+    args.only = run_order(only)
     args.trainer_layers = _depths(parser, "--trainer-layers", args.trainer_layers or "auto")
     args.launch_blocking_layers = _depths(parser, "--launch-blocking-layers", args.launch_blocking_layers or "")
     args.strict_layers = None if args.strict_layers is None else _depths(parser, "--strict-layers", args.strict_layers)
@@ -243,8 +260,8 @@ class Run:
             torch.cuda.empty_cache()
 
     def all_checks(self) -> None:
-        """Every check asked for, in CHECKS' order, then the end-to-end prediction where cycle_cost ran."""
-        for check in (c for c in CHECKS if c in self.args.only):
+        """Every check asked for, in `--only`'s order, then the end-to-end prediction where cycle_cost ran."""
+        for check in self.args.only:
             if self.cuda_error is not None:  # after a device-side assert every CUDA call raises: run nothing more
                 self.rows.append(Row(check, f"not run: the CUDA error in ({self.cuda_error}) left the device "
                                      "unusable in this process", "-", "-", False))

@@ -5,8 +5,8 @@
 #   1. installs the carried wheels (.gpu-wheels/, from `make gpu-wheels`) into .gpu-site/, never into the
 #      machine's environment; without .gpu-wheels/ the environment is used as it is;
 #   2. without --tiny: refuses unless torch sees CUDA, then runs the check at Qwen3-4B's shapes with the
-#      arguments given (`--only a,c` runs a subset; every check runs in gpu_check.CHECKS' order, the ones
-#      never run on a device first: `--only rollout_loop,head_update_graph,cycle_cost,trainer_step` takes
+#      arguments given (`--only a,c` runs a subset, in its order; without it every check runs, in
+#      gpu_check.CHECKS' order, the ones never run on a device first: `--only rollout_loop,head_update_graph,cycle_cost,trainer_step` takes
 #      about 6 minutes on an H100, the install included, and fits GPU_BUDGET_S=550); no check starts within $GPU_RESERVE_S (90) seconds of the
 #      budget's end, and a check still running at its end is stopped (SIGTERM): the JSON keeps what was done.
 #      GPU_SMOKE=1 first runs the check at tiny shapes on CUDA (about 45 s on an H100);

@@ -224,6 +224,22 @@ def test_only_refuses_an_unknown_check(capsys):
     assert "--only takes checks among" in refused(["--tiny", "--only", "a,e"], capsys)
 
 
+def test_only_runs_its_checks_in_its_order_with_their_prerequisites_before_them():
+    from benchmarks.gpu_check import gpu_check
+
+    def order(only: str) -> list[str]:
+        return gpu_check.parse_args(["--tiny", "--only", only]).only
+
+    # docs/gpu.md's prepared command: the production step first, the captured head update where time is left
+    assert order("trainer_step,c,head_update_graph") == ["trainer_step", "c", "head_update_graph"]
+    assert order("d") == ["a", "b", "d"]  # (d) reads (a)'s draft logits and (b)'s log p
+    assert order("c,b,a") == ["c", "a", "b"]
+    assert order("a,c,a") == ["a", "c"]
+    # (c) drops (a)'s and (b)'s tensors: the head's math stays one block, where it is first named
+    assert order("a,b,c,d,cycle_cost") == ["a", "b", "d", "c", "cycle_cost"]
+    assert gpu_check.parse_args(["--tiny"]).only == list(gpu_check.CHECKS)
+
+
 def test_the_exit_status_tells_a_failed_check_from_one_the_deadline_skipped():
     from benchmarks.gpu_check.gpu_report import Row, exit_status
 
@@ -240,6 +256,7 @@ def test_a_run_past_its_deadline_records_what_it_skipped(tmp_path):
     result = json.loads(out.read_text())
     assert not result["complete"] and result["cut_off"]["reason"] == "deadline"
     assert [r["name"].split(":")[0] for r in result["rows"]] == ["not run", "not run"]
+    assert [r["check"] for r in result["rows"]] == ["c", "cycle_cost"]  # in --only's order
 
 
 def test_sigterm_leaves_the_json_of_what_was_done(tmp_path):
