@@ -60,13 +60,13 @@ speed-study: $(STAMP)
 	$(PY) -m growmtp_lab.speed_study $(ARGS)
 
 # vLLM's OpenAI-compatible server on 127.0.0.1:8000 for the newest demo run's policy, drafting with its grown head
-# (docs/serving.md); Ctrl-C stops it
+# (docs/serving.md); Ctrl-C stops it. ARGS="--export DIR" (or --run DIR, --port N) passes its flags
 serve: $(STAMP)
-	$(PY) -m openrlhf_growmtp.cli.serve
+	$(PY) -m openrlhf_growmtp.cli.serve $(ARGS)
 
-# the same server for a minute: the run's own prompts, vLLM's /metrics acceptance against the run's τ
+# the same server for a minute: the run's own prompts, vLLM's /metrics acceptance against the run's τ (ARGS: its flags)
 serve-check: $(STAMP)
-	$(PY) -m openrlhf_growmtp.cli.serve_check
+	$(PY) -m openrlhf_growmtp.cli.serve_check $(ARGS)
 
 # the paper's ablations in two worlds (demo; paper: 8 layers, V=4096, K=5) under the paper's head schedule, 9 arms x 3
 # seeds; a re-run resumes; results and export under runs/ablations/ (docs/ablations.md). ARGS=--docs updates the

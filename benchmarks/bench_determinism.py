@@ -1,6 +1,6 @@
 """What reproducibility costs, ingredient by ingredient (`openrlhf_growmtp/reproducibility.py`).
 
-The demo world's GrowMTP arm (the demo's own recipe, fewer RL steps) is run twice per configuration with
+The toy demo world's GrowMTP arm (`--world demo`'s recipe, fewer RL steps) is run twice per configuration with
 one seed; the configurations run one after another in one invocation, so their times compare:
 
   upstream      `--train.full_determinism_enable` as upstream's flag alone would set torch up: every new
@@ -9,7 +9,8 @@ one seed; the configurations run one after another in one invocation, so their t
   none          without the flag
   -<name>       ours with that one ingredient switched off
 
-Per configuration it prints the median over the RL steps after the first of: the rollout (generation),
+Per configuration it prints, for each run the median over the RL steps after the first, and then the mean of
+the two runs' medians, of: the rollout (generation),
 the experience (the policy's log-probs of the samples), the policy's training (upstream's `ppo_train`
 less the head's update), the head's update, the weight sync into the engine, and the whole RL step;
 the step time as a ratio of `none`'s; and whether the two runs agree in every logged number (wall-clock
@@ -101,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=4, help="RL steps per run (the first is not timed)")
     parser.add_argument("--only", help="comma-separated configuration labels (default: all)")
     parser.add_argument("--runs-dir", default="runs/bench_determinism")
-    parser.add_argument("--cache-dir", default="runs/.cache", help="where the demo world is cached (as make demo)")
+    parser.add_argument("--cache-dir", default="runs/.cache", help="where the toy demo world is cached")
     parser.add_argument("--json", action="store_true", help="print the results as JSON on the last line")
     args = parser.parse_args(argv)
     if args.steps < 2:

@@ -2,7 +2,7 @@
 
 One request, bf16, Qwen3-4B's real widths and vocabulary (151,936; hidden 2,560; 36 layers, random weights: a
 step's time does not depend on them), every linear through vLLM's CPU GEMM as the engine runs it
-(`bench_cycle_formula.with_engine_gemms`), at --context cached positions, measured side by side in one run:
+(`shared/cpu_runs.with_engine_gemms`), at --context cached positions, measured side by side in one run:
   decode      the policy's step: 36 layers, the lm_head, a token sampled (`cycle_timing.policy_times`)
   verify      the same over K + 1 positions
   draft       one head step (fc, its layer, its norm) and its logits, sampled as vLLM's draft sampler does

@@ -23,7 +23,7 @@ different rounds. The reported ratio is the one of the per-depth medians' fit; e
 a ratio too, and their median, minimum and maximum are printed as the spread: one run says where the
 ratio is and how far one round of it can be off. Peak memory (one more run of the head and of the deepest
 policy) is CUDA's peak on a GPU, else the sampled peak of the bytes malloc has handed out above the models
-(bench_reconstruction.PeakMemory).
+(`shared/peak_memory.PeakMemory`).
 
     python -m benchmarks.bench_head_update [--tokens 2048] [--tau 3] [--depths 1,2,3,4] [--rounds 5] [--json]
 """
@@ -185,7 +185,7 @@ def main() -> None:
                        median[("head", None)])
     result = {"median": median, "pooled": pooled, "tokens": int(sides.ids.shape[0]),
               "tau": 1.0 + float(sides.record.accepted.float().mean()),
-              "head_mb": measure_peak(sides.update, args.device)[2],
+              "head_mb": measure_peak(sides.update, args.device)[1],  # like the policy's: allocated, not resident
               "policy_mb": measure_peak(sides.policy_at(max(depths)), args.device)[1],
               "ratio_spread": spread([r["ratio"] for r in per_round]),
               "own_spread": spread([r["ratio_with_own_forward"] for r in per_round])}

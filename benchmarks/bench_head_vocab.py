@@ -13,9 +13,9 @@ beside it). The subset holds a random half of the ids the records' top-k are dra
 random ids above them, so about half of the recorded ids fall outside it (log q = -inf there).
 
 Exactness, in the same run: the subset arm against the masked full-vocabulary computation it replaces (the
-lm_head over every id, -inf outside the subset: `draft_vocab.MaskedLMHead`), in --dtype on the timed records and
-in fp32 on --check-cycles cycles of another response: the loss's and each parameter gradient's largest
-difference relative to its own scale.
+lm_head over every id, -inf outside the subset: `draft_vocab.MaskedLMHead`), in --dtype on the timed records and,
+where --dtype is not float32 (the default is), in fp32 on --check-cycles cycles of another response: the loss's
+and each parameter gradient's largest difference relative to its own scale.
 
 --dtype: bfloat16 is the trainer's; a CPU without bf16 matrix instructions (AVX2 only: torch runs bf16 products
 through its reference GEMM, several times slower than fp32's) times float32, the default here.

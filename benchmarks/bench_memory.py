@@ -15,7 +15,7 @@ vocabulary, tying); nothing is downloaded. Three parts:
    the weights too. The embedding and lm_head are the backbone's, shared, never copied.
 3. **The update's peak per chunk.** One head update (DCA + VGM, backward included, bf16) over one response whose
    cycles fill one chunk, at several chunk sizes: the peak of the bytes malloc has handed out above the level at
-   entry, sampled every millisecond (`bench_reconstruction.PeakMemory`), with the head, its gradients, the
+   entry, sampled every millisecond (`shared/peak_memory.PeakMemory`), with the head, its gradients, the
    backbone's embedding and the record already resident. A line through (chunk, peak) by least squares, read
    at the chunk sizes the trainer uses (1,024 on a CPU, 4,096 on a GPU). This is the CPU's plan: the lm_head
    scores a chunk in groups of 2^26 logits here and 2^28 on a GPU, so a GPU's peak has a larger constant part;

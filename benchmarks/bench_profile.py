@@ -9,7 +9,8 @@ components never overlap and add up to the generate's wall:
   head forwards      the head model's forward and its `compute_logits` (the lm_head at each draft position)
   sampling drafts    `compute_probs_and_sample_next_token` (softmax, noise, our seeded redraw)
   rejection sampler  `RejectionSampler.forward` (without the capture's read inside it)
-  capture            our hooks' own work in the step (`read_verification`, `record_verification`), and per
+  capture            our hooks' own work in the step (`read_verification`, `record_verification`,
+                     `record_hidden`), and per
                      generate vLLM's counters, the drain and the record collector (`SpecEngine.generate`
                      beyond vLLM's own generate)
   scheduler          `Scheduler.schedule` and `Scheduler.update_from_output`
@@ -23,8 +24,8 @@ work, vLLM's and ours. The same engine without a head (K = 0) gives vLLM's own s
 head is the world's random head trained for a few Adam steps on the engine's own records (a τ near the
 demo's late steps), the same head in every run of this script.
 
---step: the demo's two arms (autoregressive and GrowMTP K = 3) for --steps RL steps each, the means over the
-steps after the first of upstream's phase timers (`timing/*`) and GrowMTP's own (`growmtp/time/*`: the
+--step: the demo's two arms (autoregressive and GrowMTP K = 3) for --steps RL steps each, the medians (and
+means) over the steps after the first of upstream's phase timers (`timing/*`) and GrowMTP's own (`growmtp/time/*`: the
 records' transfer, the head RL step's parts, the head's sync).
 
 Writes JSON (--out) with the commit, command, machine and date.

@@ -38,12 +38,12 @@ import shutil
 import subprocess
 import sys
 import time
-from dataclasses import asdict, replace
+from dataclasses import MISSING, asdict, fields, replace
 from pathlib import Path
 
 from growmtp_lab.demo import run_arm
 from growmtp_lab import ablation_arms, report
-from growmtp_lab.recipes import WORLDS, train_command
+from growmtp_lab.recipes import WORLDS, Recipe, train_command
 from openrlhf_growmtp.core.objectives import ALPHA_ESTIMATES
 from growmtp_lab.worlds.text_stats import world_text_statistics
 
@@ -156,8 +156,16 @@ def restore(kept_dir: Path | None, name: str, local: Path, made_under: dict | No
     shutil.copyfile(kept, local)
 
 
+# a Recipe field added after a result was kept is read there as its default, which does what the recipe did
+# before the field existed (max_num_seqs None: no --vllm.max_num_seqs, vLLM's own)
+RECIPE_DEFAULTS = {f.name: f.default for f in fields(Recipe) if f.default is not MISSING}
+
+
 def _made_under(result: Path, made_under: dict) -> bool:
     found = json.loads(result.read_text())
+    if isinstance(found.get("settings"), dict):
+        found["settings"] = {**{k: v for k, v in RECIPE_DEFAULTS.items() if k in made_under.get("settings", {})},
+                             **found["settings"]}
     return {key: found.get(key) for key in made_under} == made_under
 
 

@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 from statistics import mean
 
-from openrlhf_growmtp.measure.intervals import BATCH, batch_ratio_interval, verdict
+from openrlhf_growmtp.measure.intervals import BATCH, batch_ratio_interval, verdict, verdict_phrase
 
 FINAL_WINDOW = 5  # "final" values are means over the last steps (one step's τ or reward is noisy)...
 SPEEDUP_WINDOW = 10  # the speedups are means over the last steps too (rollout_speedup_last10, ...)
@@ -191,15 +191,16 @@ def summary_lines(summary: dict, k: int, wall: dict[str, float]) -> list[str]:
         last = paired[-1]
         lines.append(f"paired rollout speedup after step {last['step']} (τ {last['tau']:.2f}, depth {last['depth']}, "
                      f"{last['requests']} requests, same engine settings): {_interval(last['speedup'])} per generated "
-                     f"token ({_spread(last)}): {verdict(last['speedup'])} 1")
+                     f"token ({_spread(last)}): {verdict_phrase(last['speedup'])}")
         for earlier in paired[:-1]:
             lines.append(f"  after step {earlier['step']} (τ {earlier['tau']:.2f}): {_interval(earlier['speedup'])} "
-                         f"({_spread(earlier)}): {verdict(earlier['speedup'])} 1")
+                         f"({_spread(earlier)}): {verdict_phrase(earlier['speedup'])}")
     regimes = summary.get("regimes")
     if regimes:
         s, best = regimes["speedup"], regimes["best"]
-        winner = {"above": "speculative decoding wins",
-                  "below": "autoregressive decoding wins"}.get(verdict(s), "a tie")
+        judged = verdict(s)
+        winner = {"above": "speculative decoding wins", "below": "autoregressive decoding wins",
+                  "tie": "a tie"}.get(judged, judged)
         lines.append(f"each at its best concurrency on this machine (autoregressive {best['ar']}, speculative "
                      f"{best['spec']} requests at a time): speculative {_interval(s)} per generated token "
                      f"({_spread(regimes)}): {winner}")

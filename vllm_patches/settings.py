@@ -136,6 +136,11 @@ def check_sampling_params(params, capture: bool) -> None:
     if params.top_p < 1.0 or params.top_k not in (0, -1) or params.min_p > 0.0:
         raise SpecConfigError(f"top_p={params.top_p}, top_k={params.top_k}, min_p={params.min_p}: records hold "
                               "full-vocabulary p; truncated sampling is supported only without capture")
+    if params.stop:
+        # found in the front end's detokenizer, which then aborts the request: a multiprocess engine core may
+        # verify cycles past the output's end before the abort reaches it
+        raise SpecConfigError(f"stop={params.stop!r}: a stop string ends a request after the engine core may "
+                              "have verified past it; end requests with stop_token_ids instead")
 
 
 def spec_engine_kwargs(head_dir: str | Path | None, depth: int, capture: CaptureConfig, dynamic_depth: bool = False,

@@ -4,7 +4,7 @@
 #   no_vgm                 verify-gated masking off
 #   teacher_forcing        train on the committed response instead of the recorded draft paths
 #   joint | frozen         head gradients also reach the backbone / the head is never updated
-# usage: ablation.sh <arm> [math|code] [extra flags]; MODEL=<preset> (default mimo_7b_sft, K=5)
+# usage: ablation.sh <arm> [math|code [extra flags]]; MODEL=<preset> (default mimo_7b_sft, K=5)
 source "$(dirname "$0")/common.sh"
 arm=${1:?ablation arm}
 domain=${2:-math}

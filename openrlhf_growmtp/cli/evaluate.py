@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -32,7 +33,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from openrlhf_growmtp.cli.train_ppo_ray import DRY_RUN_ENV
-from openrlhf_growmtp.core.checkpoint import read_head_config
+from openrlhf_growmtp.core.checkpoint import HeadCheckpointError, check_head_dir, resolve_backbone
 
 METRICS = {"math": "Mean@{n}", "code": "Pass@{n}"}
 DEFAULT_SAMPLES = {"math": 16, "code": 4}
@@ -180,17 +181,42 @@ def main(argv: list[str] | None = None, engine_factory=None) -> int:
     benchmarks = parse_benchmarks(args.math, "math") + parse_benchmarks(args.code, "code")
     if not benchmarks:
         parser.error("give at least one --math or --code benchmark")
+    for flag, value in (("--math-samples", args.math_samples), ("--code-samples", args.code_samples),
+                        ("--max-tokens", args.max_tokens)):
+        if value < 1:
+            parser.error(f"{flag} must be at least 1, got {value}")
+    if not 0 < args.top_p <= 1:
+        parser.error(f"--top-p must be in (0, 1], got {args.top_p}")
+    if not (math.isfinite(args.time_limit_s) and args.time_limit_s > 0):
+        parser.error(f"--time-limit-s must be a finite number of seconds > 0, got {args.time_limit_s}")
+    if any(kind == "math" for _, kind, _ in benchmarks):
+        from openrlhf_growmtp.rewards.math.score import rule_from_env
+
+        try:  # the scorer reads it after the engine has generated: an unknown rule would lose the whole run
+            rule_from_env()
+        except (ValueError, ImportError) as err:
+            parser.error(str(err))
     model = Path(args.model)
     if model.exists() and not (model / "config.json").is_file():
         parser.error(f"--model {args.model}: not a model directory (no config.json)")
-    try:
-        head_config = read_head_config(args.head)
-    except ValueError as err:
-        parser.error(str(err))
+    policy = None
+    if model.is_dir():
+        try:
+            family, text, _ = resolve_backbone(model)
+        except (KeyError, ValueError) as err:
+            parser.error(f"--model {args.model}: {err}")
+        policy = (family, text, str(model))
+    try:  # the head checked whole, and against the policy where the policy is a local directory
+        head_config = check_head_dir(args.head, policy)
+    except (HeadCheckpointError, ValueError) as err:
+        parser.error(f"--head: {err}")
     k = args.k if args.k is not None else getattr(head_config, "growmtp_trained_k", None)
     if not k or k < 1:
         parser.error(f"{args.head} does not record the depth it was trained at: pass --k")
-    if args.temperature <= 0:
+    max_depth = getattr(head_config, "max_draft_depth", None)
+    if max_depth is not None and k > max_depth:
+        parser.error(f"--k {k} is deeper than the head at {args.head} drafts (max_draft_depth {max_depth})")
+    if not (math.isfinite(args.temperature) and args.temperature > 0):
         parser.error("speculative decoding here verifies by rejection sampling: --temperature must be > 0")
     rows = {name: read_rows(path, kind) for name, kind, path in benchmarks}
     if os.environ.get(DRY_RUN_ENV) == "1":
@@ -222,11 +248,14 @@ def main(argv: list[str] | None = None, engine_factory=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     began = time.perf_counter()
     results = []
-    with (out / "generations.jsonl").open("w") as generations:
+    partial = out / "generations.jsonl.partial"  # renamed once whole: a run cut short leaves an earlier pair whole
+    with partial.open("w") as generations:
         for name, kind, _ in benchmarks:
             samples = args.math_samples if kind == "math" else args.code_samples
             results.append(evaluate(engine, tokenizer, name, kind, rows[name], samples, sampling, args.time_limit_s,
                                     generations))
+    (out / "eval.json").unlink(missing_ok=True)
+    partial.replace(out / "generations.jsonl")
     report = {"model": args.model, "head": args.head, "k": k, "temperature": args.temperature, "top_p": args.top_p,
               "max_tokens": args.max_tokens, "wall_s": time.perf_counter() - began, "torch": torch.__version__,
               "benchmarks": [asdict(r) for r in results]}

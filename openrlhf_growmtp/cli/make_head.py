@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 import torch
 
@@ -23,11 +24,17 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--backbone", required=True,
                         help="model directory or hub id (its config.json, and its weights for --native)")
-    parser.add_argument("--out", required=True, help="head directory to write")
+    parser.add_argument("--out", required=True, help="head directory to write: new, or empty")
     parser.add_argument("--seed", type=int, default=0, help="seed of the from-scratch init (default 0)")
     parser.add_argument("--native", action="store_true", help="extract the model's own MTP head instead")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     args = parser.parse_args(argv)
+    out_dir = Path(args.out)
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        # a head's files have a model's names (config.json, model.safetensors): never write over a directory
+        print(f"growmtp-make-head: --out {out_dir} exists and is not an empty directory; it writes a new one "
+              "(remove it, or choose another --out)", file=sys.stderr)
+        return 2
     try:
         backbone = local_dir(args.backbone, weights=args.native)
         if args.native:

@@ -29,7 +29,7 @@ import tempfile
 from pathlib import Path
 
 from openrlhf_growmtp.core.checkpoint import read_head_config
-from openrlhf_growmtp.measure.intervals import verdict
+from openrlhf_growmtp.measure.intervals import verdict, verdict_phrase
 from openrlhf_growmtp.measure.paired_rollout import PairedDesign, combine, measure_checkpoint, scan_concurrency
 
 HEAD_SUBDIR = "growmtp_head"
@@ -80,7 +80,7 @@ def summary_line(result: dict) -> str:
     return (f"paired rollout, {result['pairs']} pairs of {result['requests']} requests at depth {result['depth']}: "
             f"speedup {_interval(s)}x per generated token ({_how(result)}); autoregressive "
             f"{1e3 * ar['estimate']:.2f} ms/token, speculative {1e3 * spec['estimate']:.2f} ms/token; "
-            f"τ {result['tau']:.2f}: {verdict(s)} 1")
+            f"τ {result['tau']:.2f}: {verdict_phrase(s)}")
 
 
 def parse_regimes(text: str) -> dict[str, list[int]]:
@@ -113,7 +113,9 @@ def best_regimes(args, head: str, depth: int, prompts: list[list[int]], design: 
 
 def regimes_line(regimes: dict) -> str:
     s, best = regimes["speedup"], regimes["best"]
-    winner = {"above": "speculative decoding wins", "below": "autoregressive decoding wins"}.get(verdict(s), "a tie")
+    judged = verdict(s)
+    winner = {"above": "speculative decoding wins", "below": "autoregressive decoding wins", "tie": "a tie"}.get(
+        judged, judged)
     return (f"each at its best concurrency (autoregressive {best['ar']}, speculative {best['spec']} requests at a "
             f"time): speculative decoding's speedup {_interval(s)}x per generated token ({_how(regimes)}); "
             f"{winner} on this machine")
@@ -192,6 +194,9 @@ def main(argv: list[str] | None = None) -> int:
         levels = parse_regimes(args.regimes) if args.regimes else None
     except ValueError as err:
         parser.error(f"--regimes {args.regimes}: {err}")
+    if levels and args.baseline == "default":
+        # the scan picks the autoregressive level on the matched engine; it would be applied to another engine
+        parser.error("--regimes scans the matched autoregressive engine: it does not combine with --baseline default")
     from openrlhf_growmtp import cpu_support
 
     if args.baseline == "default" and cpu_support.needed():

@@ -21,6 +21,7 @@ import argparse
 import json
 import os
 import shlex
+import socket
 import subprocess
 import sys
 import time
@@ -86,6 +87,23 @@ def server_env(export_dir: Path, cpu: bool) -> dict:
     return env
 
 
+class PortInUseError(RuntimeError):
+    """Something already listens where the server would: its /health would pass for the server's own."""
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Refuse a host and port something listens on (bound as vLLM's server binds: SO_REUSEADDR, so a port that
+    a stopped server left in TIME_WAIT is free)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as err:
+            raise PortInUseError(f"{host}:{port} is taken ({err.strerror}): a server there (a `make serve` still "
+                                 "running?) would answer for this one; stop it, or pass another --port") from None
+
+
 def start_server(export_dir: Path, host: str, port: int, cpu: bool, log=None) -> subprocess.Popen:
     argv = server_argv(engine_settings(export_dir, cpu), host, port)
     print("starting: " + shlex.join(argv), flush=True)
@@ -149,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=8000)
     args = parser.parse_args(argv)
     try:
+        check_port_free(args.host, args.port)
         if args.export:
             source = export_dir = Path(args.export)
             check_served(export_dir)
@@ -156,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
             source = Path(args.run) if args.run else newest_run(Path(args.runs_dir))
             export_dir = export_run(source)
             print(f"exported {source / ARM / FINAL} -> {export_dir}")
-    except ExportError as err:
+    except (ExportError, PortInUseError) as err:
         print(f"growmtp-serve: {err}", file=sys.stderr)
         return 2
     base_url = f"http://{args.host}:{args.port}"

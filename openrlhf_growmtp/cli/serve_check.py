@@ -27,8 +27,8 @@ from pathlib import Path
 
 from openrlhf_growmtp.core.model_export import RUN_HEAD_DIR, ExportError, read_serve_config
 
-from .serve import (ARM, CPU_ENV, FINAL, SERVED_MODEL_NAME, cpu_only, export_run, newest_run, start_server, stop_server,
-                    wait_ready)
+from .serve import (ARM, CPU_ENV, FINAL, SERVED_MODEL_NAME, PortInUseError, check_port_free, cpu_only, export_run,
+                    newest_run, start_server, stop_server, wait_ready)
 
 SPEC_COUNTERS = ("vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_draft_tokens_total",
                  "vllm:spec_decode_num_accepted_tokens_total")
@@ -133,6 +133,7 @@ def check(run: Path, num_prompts: int, host: str, port: int) -> dict:
     settings = run_settings(run)
     rows = [json.loads(line) for line in settings["prompts"].read_text().splitlines() if line.strip()]
     prompts = [row[settings["input_key"]] for row in rows[-num_prompts:]]
+    check_port_free(host, port)
     export_dir = export_run(run)
     base_url = f"http://{host}:{port}"
     with (run / ARM / "serve_check.log").open("w") as log:
@@ -183,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run = Path(args.run) if args.run else newest_run(Path(args.runs_dir))
         result = check(run, args.prompts, args.host, args.port)
-    except ExportError as err:
+    except (ExportError, PortInUseError) as err:
         print(f"growmtp-serve-check: {err}", file=sys.stderr)
         return 2
     print(report(result))

@@ -19,7 +19,7 @@ cycles that accepted all d drafts, the ones a deeper draft would have reached:
   positions d+1..L only, without VGM (nothing was verified there): for DCA, -log sum_{d<l<=L} prod_{d<i<=l}
   alpha_i, the conditional chain given the first d drafts accepted;
 - a chain's loss adds to its cycle's; the batch loss stays the mean over the drafted cycles. The hidden
-  states enter detached: its gradient reaches the head's parameters only, in joint mode too.
+  states enter detached: its gradient reaches the head's parameters only (the launcher refuses it in joint mode).
 
 `committed_chains` builds them as records of depth K (drafts: the committed tokens; accepted: L - 1, so that a
 chain's length is L) that `head_loss` reconstructs and scores from position d on.

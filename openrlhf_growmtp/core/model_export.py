@@ -96,6 +96,8 @@ def plan_export(checkpoint: str | Path, out_dir: str | Path, head_dir: str | Pat
 
 
 def _check_out_dir(out: Path, checkpoint: Path, replace: bool) -> None:
+    if out.is_symlink():  # the export renames a directory into place: a link there would fail only at the end
+        raise ExportError(f"{out} is a symbolic link; give the directory it points to, or a new path")
     if out.exists() and not out.is_dir():
         raise ExportError(f"{out} exists and is not a directory")
     if out.is_dir() and any(out.iterdir()) and not (replace and (out / SERVE_FILE).is_file()):
@@ -103,6 +105,8 @@ def _check_out_dir(out: Path, checkpoint: Path, replace: bool) -> None:
                           "choose another OUT_DIR)")
     if out.resolve() == checkpoint.resolve():
         raise ExportError(f"OUT_DIR is the checkpoint itself ({checkpoint}); choose another directory")
+    if checkpoint.resolve() in out.resolve().parents:  # files its manifest does not list: it would no longer read whole
+        raise ExportError(f"OUT_DIR {out} is inside the checkpoint {checkpoint}; choose a directory outside it")
 
 
 def _served_depth(head_dir: Path, trained_k, k: int | None) -> tuple[int | None, int]:

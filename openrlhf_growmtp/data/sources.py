@@ -12,6 +12,8 @@ from pathlib import Path
 
 DATA_SUFFIXES = (".parquet", ".jsonl", ".json")
 _METADATA_FILES = {"dataset_info.json", "state.json", "dataset_dict.json"}
+# file stems that name a split (the hub's `train-00000-of-00001`, `test.jsonl`, ...)
+_SPLIT_STEM = re.compile(r"^(train|test|validation|valid|dev|eval)([-_.].*)?$")
 
 
 class DataSourceError(RuntimeError):
@@ -27,13 +29,18 @@ def _data_files(directory: Path, split: str) -> list[Path]:
     """Data files under `directory` (recursive, hidden folders skipped), those named after `split` if any are.
 
     A file counts as the split's when its stem is the split name or starts with it followed by `-`, `_` or `.`
-    (the hub's `data/train-00000-of-00001.parquet` layout); when no file is named so, all files are read.
+    (the hub's `data/train-00000-of-00001.parquet` layout); when no file is named so, all files are read, unless
+    some are named after other splits: then the split is missing, and reading every file would mix the others.
     """
     files = sorted(p for p in directory.rglob("*")
                    if p.is_file() and p.suffix in DATA_SUFFIXES and p.name not in _METADATA_FILES
                    and not any(part.startswith(".") for part in p.relative_to(directory).parts))
     pattern = re.compile(rf"^{re.escape(split)}([-_.].*)?$")
     named = [p for p in files if pattern.match(p.stem)]
+    others = sorted({found.group(1) for p in files if (found := _SPLIT_STEM.match(p.stem))})
+    if not named and others:
+        raise DataSourceError(f"{directory}: no file for split {split!r}; its files are named after the split(s) "
+                              f"{', '.join(others)}: pass one of those as the split")
     return named or files
 
 

@@ -15,6 +15,7 @@ pipe adds a few kilobytes of prompt ids each way.
 
 from __future__ import annotations
 
+import atexit
 import multiprocessing
 import os
 from typing import Callable
@@ -75,8 +76,11 @@ class EngineProcess:
     def __init__(self, build: Callable[[], object], unset: tuple[str, ...] = (RUNNER_ENV,), timeout_s: float = 900):
         context = multiprocessing.get_context("spawn")
         self._conn, child = context.Pipe()
-        self._process = context.Process(target=_serve, args=(child, build, tuple(unset)), daemon=True)
+        # not daemonic: vLLM's engine core is a process of the engine's own (VLLM_ENABLE_V1_MULTIPROCESSING's
+        # default), which a daemonic process may not start; `close` (and the pipe's end) stop it
+        self._process = context.Process(target=_serve, args=(child, build, tuple(unset)))
         self._process.start()
+        atexit.register(self.close)  # before multiprocessing's own exit handler joins it (atexit runs last-in first)
         child.close()
         self.timeout_s = timeout_s
         self.facts = self._receive("building the engine")
@@ -100,6 +104,7 @@ class EngineProcess:
         return self._receive("generating")
 
     def close(self) -> None:
+        atexit.unregister(self.close)
         if self._process.is_alive():
             try:
                 self._conn.send(None)

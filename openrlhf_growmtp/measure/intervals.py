@@ -146,14 +146,23 @@ def sample_sd(values) -> float:
     return math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1))
 
 
+def verdict_phrase(figure, reference: float = 1.0) -> str:
+    """`verdict` as a report writes it: "above 1", "tie 1", or what stands in for a verdict."""
+    judged = verdict(figure, reference)
+    return f"{judged} {reference:g}" if judged in ("below", "above", "tie") else judged
+
+
 def verdict(figure, reference: float = 1.0) -> str:
     """The one decision rule for a figure with a 95% interval (an `Interval` or its dict): "below" or "above"
     where the interval excludes `reference`, "tie" where it holds it, "one measurement" where the interval is
-    over fewer than 2 units (no spread to judge by). The detectable difference is no part of the rule: it says
-    how large a difference a tie may hide."""
-    get = figure.get if isinstance(figure, dict) else lambda name: getattr(figure, name)
+    over fewer than 2 units (no spread to judge by), "no verdict" where the interval covers less than 95% (the
+    order-statistic interval of a median over 5 or fewer pairs: [min, max] at 94% or less). The detectable
+    difference is no part of the rule: it says how large a difference a tie may hide."""
+    get = figure.get if isinstance(figure, dict) else lambda name: getattr(figure, name, None)
     if get("n") < 2:
         return "one measurement"
+    if get("coverage") is not None and get("coverage") < LEVEL:
+        return f"no verdict (a {100 * get('coverage'):.1f}% interval)"
     if get("high") < reference:
         return "below"
     if get("low") > reference:

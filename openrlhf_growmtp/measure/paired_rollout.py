@@ -86,7 +86,7 @@ def run_pairs(generate: dict[str, Callable[[], dict]], design: PairedDesign,
 
 
 def summarize(rows: list[dict]) -> dict:
-    """Per-token seconds per arm, the speedup per pair and its median with a bootstrap 95% interval, τ."""
+    """Per-token seconds per arm, the speedup per pair and its median with its 95% interval (`median_interval`), τ."""
     per_pair: dict[int, dict[str, float]] = {}
     for row in rows:
         per_pair.setdefault(row["pair"], {})[row["arm"]] = row["wall_s"] / row["tokens"]

@@ -30,7 +30,7 @@ logger = logging.getLogger("growmtp")
 
 METRICS_FILE = "growmtp_metrics.jsonl"
 EVAL_METRICS_FILE = "growmtp_eval_metrics.jsonl"  # one row per evaluation: its acceptance (eval_growmtp/*)
-SUPERSEDED_FILE = "growmtp_metrics.superseded.jsonl"  # rows of steps a resumed run logs again
+SUPERSEDED_FILE = "growmtp_metrics.superseded.jsonl"  # rows of steps a resumed run logs again (superseded(...))
 # Below this share of the policy's mass in the recorded top-k the update's α may differ from the true one by
 # more than the differences between objectives (docs/from_scratch.md).
 TRUSTED_TOPK_MASS = 0.99
@@ -44,6 +44,7 @@ class StepMetrics:
 
     def _init_step_metrics(self, args) -> None:
         self.metrics_path = Path(args.ckpt.path) / METRICS_FILE
+        self.eval_metrics_path = Path(args.ckpt.path) / EVAL_METRICS_FILE
         self._warned_topk_mass = False
 
     def init_checkpoint_states(self):
@@ -51,10 +52,11 @@ class StepMetrics:
         short between logging a step and saving its checkpoint logged it; the resumed run logs it again)."""
         states = super().init_checkpoint_states()
         step = int(states.get("global_step", 0))
-        moved = set_aside_rows_after(self.metrics_path, step)
-        if moved:
-            logger.warning("GrowMTP: %d row(s) of %s are of steps after step %d, where this run starts; moved to %s",
-                           moved, self.metrics_path, step, SUPERSEDED_FILE)
+        for path in (self.metrics_path, self.eval_metrics_path):  # the steps' rows and the evaluations'
+            moved = set_aside_rows_after(path, step)
+            if moved:
+                logger.warning("GrowMTP: %d row(s) of %s are of steps after step %d, where this run starts; moved "
+                               "to %s", moved, path, step, superseded(path).name)
         return states
 
     def train_step(self, rollout_samples, global_step):
@@ -179,9 +181,14 @@ class GrowMTPStepMetrics(StepMetrics):
             row.get("growmtp/step_s", 0.0), row.get("growmtp/record_bytes_per_token", 0.0))
 
 
+def superseded(path: Path) -> Path:
+    """Where the set-aside rows of the metrics file `path` go: growmtp_metrics.jsonl's to SUPERSEDED_FILE."""
+    return path.with_name(f"{path.stem}.superseded{path.suffix}")
+
+
 def set_aside_rows_after(path: Path, step: int) -> int:
-    """Move the rows of `path` (a metrics file) of steps after `step`, and any row cut short, to SUPERSEDED_FILE
-    beside it (appended: nothing lost); `path` is rewritten atomically. Returns how many rows moved."""
+    """Move the rows of `path` (a metrics file) of steps after `step`, and any row cut short, to `superseded(path)`
+    (appended: nothing lost); `path` is rewritten atomically. Returns how many rows moved."""
     if not path.is_file():
         return 0
     kept, later = [], []
@@ -191,7 +198,7 @@ def set_aside_rows_after(path: Path, step: int) -> int:
         except (ValueError, KeyError, TypeError):  # a row cut short by the crash the run resumes from
             later.append(line if line.endswith("\n") else line + "\n")
     if later:
-        with (path.parent / SUPERSEDED_FILE).open("a") as f:
+        with superseded(path).open("a") as f:
             f.writelines(later)
         partial = path.with_name(path.name + ".partial")
         partial.write_text("".join(kept))
@@ -241,7 +248,7 @@ class _GrowMTPController(GrowMTPStepMetrics, _OrderedController):
         for tracker in (self.wandb_logger, self.tensorboard_logger):
             if tracker:
                 tracker.log_eval(global_step, acceptance)
-        path = Path(self.args.ckpt.path) / EVAL_METRICS_FILE
+        path = self.eval_metrics_path
         path.parent.mkdir(parents=True, exist_ok=True)
         with path.open("a") as f:
             f.write(json.dumps({"step": global_step, **acceptance}) + "\n")

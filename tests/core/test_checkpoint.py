@@ -171,6 +171,22 @@ def test_make_head_cli_writes_a_loadable_head_and_reports_bad_input(tmp_path, ca
     assert make_head_main(["--backbone", str(tmp_path / "nowhere"), "--out", str(tmp_path / "x")]) == 2
 
 
+def test_make_head_cli_never_writes_over_a_directory_with_files(tmp_path, capsys):
+    """A head's files have a model's names: `--out` pointing at the backbone (or any directory with files) would
+    replace its config.json and model.safetensors. Refused before anything is read, every byte left as it was."""
+    model_dir = _backbone_dir(tmp_path, "qwen3")
+    before = {p.name: p.read_bytes() for p in model_dir.iterdir()}
+    assert make_head_main(["--backbone", str(model_dir), "--out", str(model_dir)]) == 2
+    assert f"--out {model_dir} exists and is not an empty directory" in capsys.readouterr().err
+    assert {p.name: p.read_bytes() for p in model_dir.iterdir()} == before
+    (tmp_path / "a_file").write_text("kept")
+    assert make_head_main(["--backbone", str(model_dir), "--out", str(tmp_path / "a_file")]) == 2
+    assert (tmp_path / "a_file").read_text() == "kept"
+    (tmp_path / "empty").mkdir()
+    assert make_head_main(["--backbone", str(model_dir), "--out", str(tmp_path / "empty")]) == 0
+    assert load_head(tmp_path / "empty") is not None
+
+
 def test_an_export_cut_short_leaves_every_file_whole_and_a_nonfinite_head_is_named(tmp_path, monkeypatch):
     """The in-run export rewrites a head directory an engine or a reader may load from: each file is written
     beside its name and renamed onto it, so a write that fails half-way leaves the previous file, and no

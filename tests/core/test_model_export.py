@@ -223,6 +223,16 @@ def test_an_existing_non_empty_output_directory_is_refused_and_left_alone(tmp_pa
     empty = tmp_path / "empty"
     empty.mkdir()
     assert (export_model(final, empty) / SERVE_FILE).is_file()  # an empty directory is filled
+    # inside the checkpoint: files its manifest does not list, so the checkpoint would no longer read back whole
+    with pytest.raises(ExportError, match=r"is inside the checkpoint"):
+        export_model(final, final / "served")
+    assert not (final / "served").exists()
+    # a link: the export renames a directory into place, which a link there would refuse only at the end
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(ExportError, match=r"is a symbolic link"):
+        export_model(final, tmp_path / "link")
+    assert list((tmp_path / "elsewhere").iterdir()) == []
 
 
 def test_a_failure_while_writing_leaves_no_directory(tmp_path, monkeypatch):

@@ -137,6 +137,13 @@ def test_load_rows_reads_parquet_jsonl_json_and_split_folders(tmp_path: Path, da
     pq.write_table(pa.Table.from_pylist([{"x": 9}]), hub_like / "test-00000-of-00001.parquet")
     assert [r["x"] for r in sources.load_rows(str(tmp_path / "repo"))] == [1, 2]
     assert [r["x"] for r in sources.load_rows(str(tmp_path / "repo"), split="test")] == [9]
+    # a split no file is named after: refused, where reading every file would mix train and test rows
+    with pytest.raises(sources.DataSourceError, match="no file for split 'validation'.* test, train"):
+        sources.load_rows(str(tmp_path / "repo"), split="validation")
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    write_jsonl(plain / "problems.jsonl", [{"x": 5}])  # no file named after any split: every file is the data
+    assert [r["x"] for r in sources.load_rows(str(plain), split="validation")] == [5]
 
 
 def test_load_rows_reads_save_to_disk_folders(tmp_path: Path):

@@ -89,6 +89,18 @@ def test_a_kept_result_is_restored_into_a_fresh_runs_directory_only_when_made_un
     other.write_text(json.dumps({**made_under, "settings": {"steps": 41, "k": 5}}))
     restore(None, "ce-s42.json", other, made_under)  # nothing kept: removed, so that the run goes again
     assert not other.exists()
+    # a Recipe field added after a run was kept (max_num_seqs) reads as its default there: restored under the
+    # default, not under another value
+    from growmtp_lab.recipes import Recipe
+
+    defaults = {"settings": {"steps": 40, "k": 5, "max_num_seqs": Recipe.max_num_seqs}, "flags": made_under["flags"],
+                "k": 5}
+    older = tmp_path / "sitting5" / "ce-s42" / "result.json"
+    restore(kept, "ce-s42.json", older, defaults)
+    assert older.read_bytes() == first.read_bytes()
+    newer = tmp_path / "sitting6" / "ce-s42" / "result.json"
+    restore(kept, "ce-s42.json", newer, {**defaults, "settings": {**defaults["settings"], "max_num_seqs": 2}})
+    assert not newer.exists()
     restore(kept, "missing.json", tmp_path / "sitting4" / "x.json")
     restore(None, "ce-s42.json", tmp_path / "sitting4" / "y.json")
     assert not (tmp_path / "sitting4").exists()

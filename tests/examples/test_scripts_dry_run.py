@@ -246,6 +246,21 @@ def test_evaluate_script_refuses_a_bad_benchmark_or_head(env, finished_run, tmp_
     assert out["domain"].returncode == 2 and "unknown domain 'vision'" in out["domain"].stderr
 
 
+def test_evaluate_script_refuses_a_missing_livecodebench_file_before_preparing_anything(env, finished_run, tmp_path):
+    """LiveCodeBench's file is one the user downloads: without it (nor its prepared slices) the script stops
+    first, naming LCB_SOURCE, where it used to stop after preparing the three math benchmarks."""
+    run, data = finished_run
+    root = tmp_path / "data"
+    root.mkdir()
+    math = {name: data[name] for name in ("AIME24_DATA", "AIME25_DATA", "AMC23_DATA")}
+    result = run_script("evaluate.sh", [str(run)], {**env, **math, "DATA_ROOT": str(root)}, tmp_path)
+    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-3000:]
+    assert f"LiveCodeBench: {root}/livecodebench/test6.jsonl does not exist (LCB_SOURCE)" in result.stderr
+    assert "+ " not in result.stdout and not list(root.iterdir())
+    math_only = run_script("evaluate.sh", [str(run), "math"], {**env, **math, "DATA_ROOT": str(root)}, tmp_path)
+    assert math_only.returncode == 0, math_only.stderr[-3000:]
+
+
 def test_evaluate_script_reads_its_benchmarks_under_data_root(env, finished_run, tmp_path):
     """Without AIME24_DATA and the like, the prepared files are DATA_ROOT's, as for the training scripts."""
     run, data = finished_run

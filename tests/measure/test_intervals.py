@@ -103,6 +103,8 @@ def test_one_rule_decides_win_tie_and_loss_by_the_interval_alone():
     assert verdict({"estimate": 1.04, "low": 0.956, "high": 1.13, "n": 3}) == "tie"
     assert verdict(median_interval([1.14, 1.16, 1.18, 1.2, 1.22, 1.26])) == "above"
     assert verdict({"estimate": 1.1, "low": 1.1, "high": 1.1, "n": 1}) == "one measurement"
+    # [min, max] of 3 pairs covers 75%: both above 1 is no 95% verdict
+    assert verdict(median_interval([1.14, 1.16, 1.18])) == "no verdict (a 75.0% interval)"
 
 
 def test_bad_values_are_refused():

@@ -156,6 +156,9 @@ def test_the_default_baseline_engine_runs_in_a_process_of_its_own_without_the_ru
     with pytest.raises(RuntimeError, match="failed while generating: RuntimeError: out of memory"):
         engine.generate_tokens([{"prompt_token_ids": [1]}], {"max_tokens": 1})
     assert not engine._process.is_alive()
+    # vLLM's engine core starts a process of its own (its default): a daemonic engine process may not have one
+    with EngineProcess(partial(FakePlainEngine, with_child=True)) as engine:
+        assert engine.facts["child_pid"] not in (None, os.getpid(), engine.facts["pid"])
 
 
 def test_the_default_baseline_is_refused_on_a_cpu_before_any_engine(tmp_path, monkeypatch, capsys):
@@ -172,3 +175,9 @@ def test_the_default_baseline_is_refused_on_a_cpu_before_any_engine(tmp_path, mo
         cli.main(["--model", str(policy), "--depth", "2", "--prompts", str(tmp_path / "p.jsonl"), "--prompt-count",
                   "1", "--baseline", "default"])
     assert "--baseline default on a CPU" in capsys.readouterr().err
+    # the regimes' scan picks the autoregressive level on the matched engine: not for the default one
+    monkeypatch.setenv("GROWMTP_CPU", "0")
+    with pytest.raises(SystemExit):
+        cli.main(["--model", str(policy), "--depth", "2", "--prompts", str(tmp_path / "p.jsonl"), "--prompt-count",
+                  "1", "--baseline", "default", "--regimes", "1,2:1,2"])
+    assert "does not combine with --baseline default" in capsys.readouterr().err

@@ -19,8 +19,19 @@ from openrlhf_growmtp.trainer.rollout_order import ORDER_KEY, NumberedEngines, P
 def test_request_seeds_are_distinct_stable_and_follow_the_run_seed():
     seeds = {request_seed(42, d, s) for d in range(200) for s in range(16)}
     assert len(seeds) == 200 * 16 and all(0 <= x < 2**63 for x in seeds)
-    assert request_seed(42, 7, 3) == request_seed(42, 7, 3)
     assert request_seed(43, 7, 3) not in seeds
+    # stable: a resumed run, or another process of the same one, draws the same seed (str hashing is salted per
+    # process, so a seed made from hash() would differ between these two interpreters)
+    import subprocess
+    import sys
+
+    code = ("import importlib.util, sys; spec = importlib.util.spec_from_file_location('order', sys.argv[1]); "
+            "module = sys.modules['order'] = importlib.util.module_from_spec(spec); spec.loader.exec_module(module); "
+            "print(module.request_seed(42, 7, 3))")
+    for salt in ("1", "2"):
+        out = subprocess.run([sys.executable, "-c", code, rollout_order.__file__], capture_output=True, text=True,
+                             env={"PYTHONHASHSEED": salt}, check=True).stdout
+        assert int(out) == request_seed(42, 7, 3)
 
 
 class FakeEngine:

@@ -104,6 +104,12 @@ def test_valid_configuration_has_no_errors(policy_dir):
     (["--growmtp_k", "3", "--growmtp_draft_vocab", "32", "--vllm.tensor_parallel_size", "2"],
      "--vllm.tensor_parallel_size 1"),
     (["--growmtp_k", "3", "--growmtp_committed_loss"], "--growmtp_committed_loss needs --growmtp_depth auto"),
+    # without a head (K 0) its settings go unread, but a value out of range is still a mistake
+    (["--growmtp_committed_loss"], "it needs --growmtp_k >= 1"),
+    (["--growmtp_k", "3", "--growmtp_depth", "auto", "--growmtp_committed_loss", "--growmtp_mode", "joint"],
+     "--growmtp_committed_loss is not supported with --growmtp_mode joint"),
+    (["--growmtp_head_lr", "-1"], "--growmtp_head_lr must be a finite number > 0, got -1"),
+    (["--growmtp_topk", "0"], "--growmtp_topk and --growmtp_chunk_cycles must be >= 1"),
     # a NaN or infinite number passes a `<= 0` test: each would reach the head (and through it every engine)
     (["--growmtp_k", "3", "--growmtp_head_lr", "nan"], "--growmtp_head_lr must be a finite number > 0, got nan"),
     (["--growmtp_k", "3", "--growmtp_head_lr", "inf"], "--growmtp_head_lr must be a finite number > 0, got inf"),
@@ -122,6 +128,10 @@ def test_valid_configuration_has_no_errors(policy_dir):
     (["--growmtp_k", "3", "--eval.dataset", "e.jsonl", "--eval.n_samples_per_prompt", "0"],
      "--eval.n_samples_per_prompt must be >= 1, got 0"),
     (["--growmtp_k", "3", "--ds.lora.rank", "8"], "--ds.lora.rank 8: LoRA is not supported with a GrowMTP head"),
+    (["--growmtp_k", "3", "--actor.optim", "muon"], "--actor.optim muon is not supported with a training GrowMTP"),
+    # 12 x 8 = 96 samples in windows of 64: upstream's last window of 32 would follow the policy's step
+    (["--growmtp_k", "3", "--rollout.batch_size", "12", "--rollout.n_samples_per_prompt", "8", "--train.batch_size",
+      "64"], "--train.batch_size 64 must divide the rollout's 96 samples"),
 ])
 def test_bad_combinations_are_refused(policy_dir, argv, message):
     errors = errors_for(policy_dir, *argv)
@@ -228,6 +238,16 @@ def test_a_head_directory_is_checked_whole_before_ray_naming_the_flag_and_file(p
     errors = errors_for(policy_dir, "--growmtp_k", "3", "--growmtp_head", str(head))
     assert len(errors) == 1 and errors[0].startswith("--growmtp_") and str(head / file) in errors[0], errors
     assert re.search(message, errors[0]), errors
+
+
+def test_a_head_directory_may_lower_the_depth_limit_but_not_raise_it(policy_dir, head_dir, tmp_path):
+    """K above 16 is untested (records, VGM, reconstruction), and the records count accepted drafts in a byte:
+    a head's config.json declaring a deeper max_draft_depth leaves the limit at 16."""
+    head = _head_copy(head_dir, tmp_path)
+    _edit_config(max_draft_depth=64)(head)
+    assert errors_for(policy_dir, "--growmtp_k", "16", "--growmtp_head", str(head)) == []
+    errors = errors_for(policy_dir, "--growmtp_k", "17", "--growmtp_head", str(head))
+    assert errors == ["--growmtp_k 17 is deeper than this head supports (max 16)"]
 
 
 @pytest.fixture

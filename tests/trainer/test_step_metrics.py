@@ -78,6 +78,15 @@ def test_a_resumed_run_sets_aside_the_rows_of_the_steps_it_logs_again(tmp_path):
     assert set_aside_rows_after(path, 2) == 0 and set_aside_rows_after(tmp_path / "none.jsonl", 0) == 0
     assert set_aside_rows_after(path, 0) == 2  # a fresh start in a directory with an older run's rows
     assert path.read_text() == "" and len((tmp_path / SUPERSEDED_FILE).read_text().splitlines()) == 4
+    # the evaluations' rows alike, beside their own file: a resumed run evaluates those steps again
+    from openrlhf_growmtp.trainer.ppo_trainer import EVAL_METRICS_FILE
+
+    evals = tmp_path / EVAL_METRICS_FILE
+    evals.write_text("".join(json.dumps({"step": s, "eval_growmtp/tau": 2.0}) + "\n" for s in (5, 15)))
+    assert set_aside_rows_after(evals, 10) == 1
+    assert [json.loads(line)["step"] for line in evals.read_text().splitlines()] == [5]
+    assert json.loads((tmp_path / "growmtp_eval_metrics.superseded.jsonl").read_text())["step"] == 15
+    assert len((tmp_path / SUPERSEDED_FILE).read_text().splitlines()) == 4  # the steps' file untouched
 
 
 def test_records_that_were_not_compared_with_vllms_counts_are_counted_and_warned_about(caplog):

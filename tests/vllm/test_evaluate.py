@@ -82,14 +82,15 @@ def test_mean_at_n_and_pass_at_n(kind, scores, expected):
     assert evaluate.quality(kind, scores) == pytest.approx(expected)
 
 
-def test_bad_invocations_fail_before_the_engine_starts(world, tmp_path):
+def test_bad_invocations_fail_before_the_engine_starts(world, tmp_path, capsys):
     from openrlhf_growmtp.core.checkpoint import materialize_random_head
 
     head = materialize_random_head(world["policy_dir"], tmp_path / "head", seed=0)  # records no trained depth
     bench = write(tmp_path / "m.jsonl", [{"prompt": "t3", "label": "1"}])
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit) as stop:
         evaluate.main(["--model", str(world["policy_dir"]), "--head", str(head), "--math", f"m={bench}",
                        "--out", str(tmp_path / "o")], engine_factory=lambda *a, **k: pytest.fail("engine started"))
+    assert stop.value.code == 2 and "does not record the depth it was trained at: pass --k" in capsys.readouterr().err
     with pytest.raises(SystemExit, match="not a file"):
         evaluate.main(["--model", str(world["policy_dir"]), "--head", str(head), "--k", "3", "--math",
                        f"m={tmp_path / 'missing.jsonl'}", "--out", str(tmp_path / "o")],
@@ -104,6 +105,61 @@ def test_bad_invocations_fail_before_the_engine_starts(world, tmp_path):
         evaluate.main(["--model", str(world["policy_dir"]), "--head", str(head), "--k", "3", "--code",
                        f"c={call_based}", "--out", str(tmp_path / "o")],
                       engine_factory=lambda *a, **k: pytest.fail("engine started"))
+
+
+@pytest.mark.parametrize("extra, rule, message", [
+    (["--math-samples", "0"], None, "--math-samples must be at least 1, got 0"),
+    (["--code-samples", "0"], None, "--code-samples must be at least 1, got 0"),
+    (["--max-tokens", "0"], None, "--max-tokens must be at least 1, got 0"),
+    (["--top-p", "0"], None, "--top-p must be in (0, 1], got 0.0"),
+    (["--time-limit-s", "nan"], None, "--time-limit-s must be a finite number of seconds > 0, got nan"),
+    (["--time-limit-s", "0"], None, "--time-limit-s must be a finite number of seconds > 0, got 0.0"),
+    ([], "exact", "GROWMTP_MATH_RULE='exact': the math rules are"),
+    ([], None, "config.json: intermediate_size = "),  # a head made for a policy of another MLP width
+])
+def test_bad_settings_fail_before_the_engine_starts(world, tmp_path, monkeypatch, capsys, extra, rule, message):
+    """Each of these used to surface after the engine had generated every benchmark (a rule the scorer reads,
+    a division by zero samples, a time limit that fails every test) or inside vLLM's load (a head of another
+    policy's shape)."""
+    from openrlhf_growmtp.core.checkpoint import materialize_random_head
+
+    head = materialize_random_head(world["policy_dir"], tmp_path / "head", seed=0)
+    if "intermediate_size" in message:
+        config = json.loads((head / "config.json").read_text())
+        (head / "config.json").write_text(json.dumps({**config, "intermediate_size": 2 * config["intermediate_size"]}))
+    if rule is not None:
+        monkeypatch.setenv("GROWMTP_MATH_RULE", rule)
+    math = write(tmp_path / "m.jsonl", [{"prompt": "t3", "label": "1"}])
+    code = write(tmp_path / "c.jsonl", [{"prompt": "t3", "label": json.dumps({"inputs": ["1\n"], "outputs": ["1\n"]})}])
+    argv = ["--model", str(world["policy_dir"]), "--head", str(head), "--math", f"m={math}", "--code", f"c={code}",
+            "--out", str(tmp_path / "o"), "--k", "3", *extra]
+    with pytest.raises(SystemExit) as stop:
+        evaluate.main(argv, engine_factory=lambda *a, **k: pytest.fail("engine started"))
+    assert stop.value.code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_run_that_fails_part_way_leaves_the_earlier_results_whole(world, tmp_path):
+    """eval.json and generations.jsonl describe one run: the generations go to a side file renamed only once
+    every benchmark is scored, so an engine that fails leaves an earlier pair as it was."""
+    from openrlhf_growmtp.core.checkpoint import materialize_random_head
+
+    head = materialize_random_head(world["policy_dir"], tmp_path / "head", seed=0)
+    out = tmp_path / "o"
+    out.mkdir()
+    earlier = {"eval.json": '{"earlier": true}\n', "generations.jsonl": '{"earlier": true}\n'}
+    for name, text in earlier.items():
+        (out / name).write_text(text)
+
+    class FailingEngine:  # the fault: the engine dies during the first benchmark's generate
+        def generate(self, *args, **kwargs):
+            raise RuntimeError("engine died")
+
+    math = write(tmp_path / "m.jsonl", [{"prompt": "t3", "label": "1"}])
+    with pytest.raises(RuntimeError, match="engine died"):
+        evaluate.main(["--model", str(world["policy_dir"]), "--head", str(head), "--k", "3", "--math", f"m={math}",
+                       "--out", str(out)], engine_factory=lambda *a, **k: FailingEngine())
+    assert {name: (out / name).read_text() for name in earlier} == earlier
 
 
 def test_code_scorer_runs_stdin_and_call_based_labels():

@@ -86,6 +86,7 @@ def test_speculative_configs_that_break_rejection_sampling_are_refused(tmp_path,
     (SamplingParams(temperature=1.0, n=4), "n=4"),
     (SamplingParams(temperature=1.0, top_p=0.7), "top_p=0.7"),
     (SamplingParams(temperature=1.0, top_k=20), "top_k=20"),
+    (SamplingParams(temperature=1.0, stop=["\n\n"]), "stop_token_ids instead"),
 ])
 def test_sampling_params_the_records_cannot_represent_are_refused(params, message):
     with pytest.raises(SpecConfigError, match=message):

@@ -127,11 +127,7 @@ def check_args(flat: dict) -> list[str]:
         errors.append(f"--rollout.max_new_tokens ({new_tokens}) must be below --data.max_len ({max_len}), the "
                       "prompt and response together: it leaves no room for the prompt")
     errors += check_draft_vocab(flat)
-    if k == 0:
-        if g.get("depth", "fixed") != "fixed" or g.get("cycle_costs") is not None:
-            errors.append("--growmtp_depth auto chooses a depth up to K: it needs --growmtp_k >= 1")
-        return errors
-    get = flat.get
+    # the head's own settings, with any K: a value out of range is a mistake even where K 0 leaves it unread
     if g["mode"] not in MODES:
         errors.append(f"--growmtp_mode must be one of {MODES}, got {g['mode']!r}")
     chunk_ok = g["chunk_cycles"] is None or g["chunk_cycles"] >= 1  # None: the device's (CHUNK_CYCLES)
@@ -141,6 +137,13 @@ def check_args(flat: dict) -> list[str]:
                       f"{g['head_warmup_steps']}, {g['head_min_lr_ratio']}")
     if g.get("head_lr") is not None and not 0 < g["head_lr"] < INF:  # NaN too: it would reach every engine
         errors.append(f"--growmtp_head_lr must be a finite number > 0, got {g['head_lr']}")
+    if k == 0:
+        if (g.get("depth", "fixed") != "fixed" or g.get("cycle_costs") is not None
+                or g.get("committed_loss", False)):
+            errors.append("--growmtp_depth auto (and its --growmtp_cycle_costs, --growmtp_committed_loss) chooses "
+                          "a depth up to K: it needs --growmtp_k >= 1")
+        return errors
+    get = flat.get
     # Drafting is sampled from q and verified by rejection sampling; the records describe that process only.
     # Evaluation drafts in the same engines: upstream takes every other sampling setting of it (top_p, top_k,
     # max_new_tokens) from the rollout's, so only its temperature and sample count are its own.
@@ -184,6 +187,16 @@ def _check_training_layout(flat: dict) -> list[str]:
     if get("ds.zero_stage") not in SUPPORTED_STAGES:
         errors.append(f"GrowMTP trains the head in its own param group of DeepSpeed's ZeRO-2 or ZeRO-3 optimizer: "
                       f"set --ds.zero_stage 2 or 3 (got {get('ds.zero_stage')})")
+    samples, train_batch = (get("rollout.batch_size") or 0) * (get("rollout.n_samples_per_prompt") or 1), \
+        get("train.batch_size") or 1
+    if samples % train_batch and not get("train.dynamic_batch_enable"):
+        # upstream then runs a last, partial window of micro-batches: the head would read it as a step of the
+        # rollout policy (the policy has stepped) and count a head step that the RL step does not take
+        errors.append(f"--train.batch_size {train_batch} must divide the rollout's {samples} samples "
+                      "(--rollout.batch_size x --rollout.n_samples_per_prompt) for a training head")
+    if get("actor.optim") == "muon":  # before: refused only once Ray, the engines and the model were up
+        errors.append("--actor.optim muon is not supported with a training GrowMTP head: its param group needs "
+                      "the Adam path (--actor.optim adam, or --growmtp_mode frozen)")
     # Joint mode backpropagates the head loss through one backbone graph of the rollout policy, built before
     # the policy's step: with a second policy step that graph would describe weights already changed.
     steps = policy_steps_per_rl_step(get("rollout.batch_size") or 0, get("rollout.n_samples_per_prompt") or 1,
@@ -237,10 +250,11 @@ def _check_head(flat: dict, g: dict, k: int) -> list[str]:
             config = check_head_dir(head_dir, policy)
         except (HeadCheckpointError, ModelLocationError) as err:
             return [f"--growmtp_head: {err}"]
-        max_depth = int(getattr(config, "max_draft_depth", MAX_DRAFT_DEPTH))
-        if k > max_depth:
+        declared = int(getattr(config, "max_draft_depth", MAX_DRAFT_DEPTH))
+        if k > declared:
             return [f"--growmtp_k {k} is deeper than the head at --growmtp_head {source} drafts "
-                    f"({head_dir}/config.json: max_draft_depth {max_depth})"]
+                    f"({head_dir}/config.json: max_draft_depth {declared})"]
+        max_depth = min(declared, MAX_DRAFT_DEPTH)  # a head may lower the tested limit, never raise it
     if k > max_depth:
         return [f"--growmtp_k {k} is deeper than this head supports (max {max_depth})"]
     return []

@@ -44,6 +44,11 @@ def check_depth(g: dict, k: int, async_train: bool) -> list[str]:
     errors = [] if not async_train else [
         "--growmtp_depth auto chooses each rollout's depth from the last one's acceptance: it needs the synchronous "
         "controller (not --train.async_enable)"]
+    if g.get("committed_loss", False) and g.get("mode") == "joint":
+        # joint mode's draft-path backward reaches the policy before the committed pass is scored: a non-finite
+        # committed pass would skip the head's step with the policy's gradient already holding that share
+        errors.append("--growmtp_committed_loss is not supported with --growmtp_mode joint (a non-finite committed "
+                      "pass, scored after the draft paths' gradient reached the policy, could not take it back)")
     try:
         costs = cycle_costs(g.get("cycle_costs"))
     except ValueError:
