@@ -5,7 +5,8 @@ One room, one file per concern; each file registers its flags and checks them:
   `--growmtp_neg_adv_weight`, the debugging logs) and `check_args`, which runs every file's checks;
 - `depth.py`: `--growmtp_depth`, `--growmtp_cycle_costs`, `--growmtp_(no_)committed_loss`;
 - `draft_vocab.py`: `--growmtp_draft_vocab`;
-- `engine.py`: the `--vllm.*` engine settings GrowMTP adds (`--vllm.max_num_seqs`, `--vllm.runner`).
+- `engine.py`: the `--vllm.*` engine settings GrowMTP adds (`--vllm.max_num_seqs`, `--vllm.runner`);
+- `layout.py`: what a training head needs of upstream's training layout (ZeRO stage, optimizer, batch windows).
 
 Every `--growmtp_*` flag is registered under both spellings (`--growmtp_k` and upstream's grouped style
 `--growmtp.k`) with the dotted destination, so OpenRLHF's `hierarchize` turns it into `args.growmtp.k`.
@@ -29,8 +30,8 @@ from ...hub import ModelLocationError, local_dir
 from .depth import add_depth_args, check_depth
 from .draft_vocab import add_draft_vocab_flag, check_draft_vocab
 from .engine import add_engine_args, check_engine_args
+from .layout import check_training_layout, policy_steps_per_rl_step  # noqa: F401  (importers read it here)
 
-SUPPORTED_STAGES = (2, 3)  # DeepSpeed ZeRO stages whose optimizer trainer/head_step/ knows
 
 MODES = ("detached", "joint", "frozen")
 HEAD_UPDATES = ("rl_step", "policy_step")  # once per RL step (the paper's), or with every policy optimizer step
@@ -177,45 +178,9 @@ def check_args(flat: dict) -> list[str]:
                       "on them (not --growmtp_mode frozen or --growmtp_teacher_forcing)")
     errors += check_depth(g, k, get("train.async_enable"))
     if g["mode"] != "frozen":
-        errors += _check_training_layout(flat)
+        errors += check_training_layout(flat)
     errors += _check_head(flat, g, k)
     return errors
-
-
-def _check_training_layout(flat: dict) -> list[str]:
-    errors, get = [], flat.get
-    if get("ds.zero_stage") not in SUPPORTED_STAGES:
-        errors.append(f"GrowMTP trains the head in its own param group of DeepSpeed's ZeRO-2 or ZeRO-3 optimizer: "
-                      f"set --ds.zero_stage 2 or 3 (got {get('ds.zero_stage')})")
-    samples, train_batch = (get("rollout.batch_size") or 0) * (get("rollout.n_samples_per_prompt") or 1), \
-        get("train.batch_size") or 1
-    if samples % train_batch and not get("train.dynamic_batch_enable"):
-        # upstream then runs a last, partial window of micro-batches: the head would read it as a step of the
-        # rollout policy (the policy has stepped) and count a head step that the RL step does not take
-        errors.append(f"--train.batch_size {train_batch} must divide the rollout's {samples} samples "
-                      "(--rollout.batch_size x --rollout.n_samples_per_prompt) for a training head")
-    if get("actor.optim") == "muon":  # before: refused only once Ray, the engines and the model were up
-        errors.append("--actor.optim muon is not supported with a training GrowMTP head: its param group needs "
-                      "the Adam path (--actor.optim adam, or --growmtp_mode frozen)")
-    # Joint mode backpropagates the head loss through one backbone graph of the rollout policy, built before
-    # the policy's step: with a second policy step that graph would describe weights already changed.
-    steps = policy_steps_per_rl_step(get("rollout.batch_size") or 0, get("rollout.n_samples_per_prompt") or 1,
-                                     get("train.batch_size") or 1, get("train.max_epochs") or 1)
-    if get("growmtp.mode") == "joint" and get("ds.adam_offload"):
-        # the joint head runs in a window's first micro-batch only; offloaded optimizers take each parameter's
-        # gradient from the window's last backward that reaches it
-        errors.append("--growmtp_mode joint is not supported with --ds.adam_offload")
-    if get("growmtp.mode") == "joint" and steps != 1:
-        errors.append("--growmtp_mode joint needs exactly one policy step per RL step (got "
-                      f"{steps}): --train.batch_size equal to --rollout.batch_size x --rollout.n_samples_per_prompt "
-                      "and --train.max_epochs 1")
-    return errors
-
-
-def policy_steps_per_rl_step(rollout_batch: int, samples_per_prompt: int, train_batch: int, epochs: int) -> int:
-    """Policy optimizer steps per RL step: mini-batches x epochs, counted as upstream counts its max_steps
-    (dynamic batching changes the micro-batches of a step, not the number of steps)."""
-    return rollout_batch * samples_per_prompt // max(train_batch, 1) * epochs
 
 
 def _check_head(flat: dict, g: dict, k: int) -> list[str]:
