@@ -85,6 +85,22 @@ def test_a_step_whose_positions_do_not_match_its_drafts_is_an_error_not_a_cycle(
     assert payload["req_ids"] == ["a"] and payload["start"].tolist() == [6]
 
 
+def test_a_skipped_drafter_drops_every_later_cycle_of_its_batch_and_no_earlier_one(state):
+    core.record_step(step([("a", 4, [10, 11], 2), ("b", 7, [20, 21], 1)]))
+    core.mark_drafter_skipped(["a", "b"])  # step 1 skipped the drafter: a and b are stale
+    core.record_step(step([("a", 7, [12, 13], 0), ("b", 9, [22, 23], 1)], has_q=False))  # the zeros
+    first = core.drain(as_blob=False)
+    core.record_step(step([("a", 8, [14, 15], 1), ("c", 3, [30, 31], 2)]))  # c joined after the skip
+    second = core.drain(as_blob=False)  # a request stays stale across drains
+    assert first["req_ids"] == ["a", "b"] and first["start"].tolist() == [4, 7]  # step 1's cycles: before it
+    assert {r: [t.tolist() for t in v] for r, v in first["dropped"].items()} == {"a": [[7], [0]], "b": [[9], [1]]}
+    assert second["req_ids"] == ["c"] and second["start"].tolist() == [3]
+    assert {r: [t.tolist() for t in v] for r, v in second["dropped"].items()} == {"a": [[8], [1]]}
+    core.configure(CaptureConfig(enabled=True, topk=WIDTH))  # a new engine's capture: no request is stale
+    core.record_step(step([("a", 10, [16, 17], 0)]))
+    assert core.drain(as_blob=False)["req_ids"] == ["a"]
+
+
 def test_hidden_rows_keep_each_requests_committed_positions_across_calls(state):
     hidden = torch.arange(10, dtype=torch.float32).reshape(5, 2)  # 5 tokens, H = 2
     # request r0 owns rows 0..2 and samples from row 1 (row 2 held a rejected draft); r1 owns rows 3..4

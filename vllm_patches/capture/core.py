@@ -15,8 +15,13 @@ top-k, record) are the README's glossary; the words of capture:
   (from the logits the rejection sampler turned into p: logits processors and temperature applied,
   normalised over the full vocabulary), and the accepted count.
 - *dropped cycle*: a verified cycle that cannot be a record's, because its drafts were not K samples of
-  the head's q (fewer than K drafts, or a step verified without q). Its start and accepted count are kept,
-  so the collector can still compare every verification step with vLLM's own counters.
+  the head's q on the request's path (fewer than K drafts, a step verified without q, or a stale request's).
+  Its start and accepted count are kept, so the collector can still compare every verification step with
+  vLLM's own counters.
+- *stale request*: one that was in the batch of a step that skipped the drafter (vLLM does, near
+  `max_model_len`). The draft model's cache got no entries for the positions that step committed, so every
+  later draft of the request comes from a cache with holes, not the q the trainer reconstructs: every cycle
+  verified after the skip is dropped.
 - *committed hidden rows* (exact mode, `capture_hidden`): the target's final-norm hidden states of a
   request's committed positions, as the head's first pass consumed them.
 - *payload*: what `drain` returns (a `transport.dump_blob`, or the dict itself in-process), with
@@ -38,7 +43,7 @@ top-k, record) are the README's glossary; the words of capture:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -70,6 +75,7 @@ class VerifyStep:
     q: torch.Tensor | None  # [D, V] float32, the q rows the rejection sampler received (capture_q only)
     depth: int  # drafts per cycle this step's drafts were drafted at (K, or less where set while running)
     draft_vocab: str | None = None  # the tag of the draft vocabulary the head drafted over (None: every id)
+    stale: list[bool] = field(default_factory=list)  # [N] the row's request is stale (`record_step` sets it)
 
 
 @dataclass
@@ -81,8 +87,11 @@ class CaptureState:
     # exact mode: internal id -> [(positions [n], hidden [n, H]), ...] per drafting call
     hidden: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=dict)
     errors: list[str] = field(default_factory=list)
+    # internal ids of stale requests; kept across drains (a request can outlive one), emptied by `configure`
+    stale: set[str] = field(default_factory=set)
 
     def clear(self) -> None:
+        """Forget what was captured since the last drain (the stale requests stay stale)."""
         self.steps.clear()
         self.hidden.clear()
         self.errors.clear()
@@ -96,6 +105,7 @@ def configure(config: CaptureConfig) -> None:
     if not isinstance(config, CaptureConfig):
         raise TypeError(f"configure takes a CaptureConfig, got {type(config).__name__}")
     STATE.clear()
+    STATE.stale.clear()
     STATE.config = config
 
 
@@ -137,13 +147,21 @@ def top_k_rows(rows: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def record_step(step: VerifyStep) -> None:
     """Keep one verification step for `drain`, which turns every kept step into cycle rows at once (a step
-    only keeps what it was given). A step whose verified positions do not match its rows' drafts is an
-    engine-side error, reported by the next drain."""
+    keeps what it was given, and which of its rows are stale requests' now). A step whose verified positions do
+    not match its rows' drafts is an engine-side error, reported by the next drain."""
     if sum(step.num_drafts) != step.topk_ids.shape[0]:
         report_error(f"a verification step verified {step.topk_ids.shape[0]} draft positions, but its requests "
                      f"drafted {sum(step.num_drafts)}")
         return
+    if STATE.stale:
+        step = replace(step, stale=[req_id in STATE.stale for req_id in step.req_ids])
     STATE.steps.append(step)
+
+
+def mark_drafter_skipped(req_ids: list[str]) -> None:
+    """A step skipped the drafter for its whole batch, `req_ids`: those requests are stale from now on, and
+    `record_step` marks their rows in every later step."""
+    STATE.stale.update(req_ids)
 
 
 def record_hidden(req_ids: list[str], query_start: torch.Tensor, sampled_index: torch.Tensor,
@@ -196,7 +214,9 @@ def cycle_rows(steps: list[VerifyStep]) -> tuple[list[str], torch.Tensor, dict[s
         torch.tensor([len(step.num_drafts) for step in steps]))
     start = torch.cat([step.start for step in steps])
     accepted = torch.cat([step.accepted for step in steps]).cpu()  # every step's, to the host at once
-    keep = (num_drafts == depth) & has_q
+    stale = torch.tensor([s for step in steps for s in (step.stale or [False] * len(step.num_drafts))],
+                         dtype=torch.bool)
+    keep = (num_drafts == depth) & has_q & ~stale
     dropped: dict[str, list[tuple[int, int]]] = {}
     for i in ((num_drafts > 0) & ~keep).nonzero().flatten().tolist():
         dropped.setdefault(owners_all[i], []).append((int(start[i]), int(accepted[i])))

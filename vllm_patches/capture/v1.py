@@ -9,11 +9,14 @@ Hooks (installed once per process by the plugin, inert until `core.configure` en
 - `GPUModelRunner._sample`: the batch's request ids and starts, the drafts, and the accepted counts read
   off the sampler's output (`core.record_step`);
 - `SpecDecodeBaseProposer.propose` inside `GPUModelRunner.propose_draft_token_ids`: exact mode's hidden
-  states, attributed to the step's request ids (`core.record_hidden`).
+  states, attributed to the step's request ids (`core.record_hidden`);
+- `GPUModelRunner._input_fits_in_drafter`: a step that skips the drafter for its batch marks the batch's
+  requests stale (`core.mark_drafter_skipped`).
 
-vLLM 0.29 verifies some cycles whose drafts are not K samples of q (`core` drops them): near
-`max_model_len` it drafts K zeros with no q for the whole batch when its next input would not fit the
-drafter (`GPUModelRunner.propose_draft_token_ids`), and the scheduler trims a request's drafts to what
+vLLM 0.29 verifies some cycles whose drafts are not K samples of the head's q on the request's path (`core`
+drops them): near `max_model_len` it skips the drafter and drafts K zeros with no q for the whole batch when
+its next input would not fit the drafter (`GPUModelRunner.sample_tokens`), which leaves holes in the draft
+model's cache of every request in that batch (stale), and the scheduler trims a request's drafts to what
 fits (`Scheduler.schedule`).
 """
 
@@ -49,7 +52,8 @@ class _Pending:
 def hooks_active(runner) -> bool:
     """Whether the runner actually used in this worker runs through our hooks."""
     return isinstance(runner, GPUModelRunner) and all(
-        getattr(getattr(type(runner), name), _HOOK_MARK, False) for name in ("_sample", "propose_draft_token_ids"))
+        getattr(getattr(type(runner), name), _HOOK_MARK, False)
+        for name in ("_sample", "propose_draft_token_ids", "_input_fits_in_drafter"))
 
 
 def accepted_counts(sampled: torch.Tensor) -> torch.Tensor:
@@ -153,6 +157,18 @@ def _propose_draft_token_ids_hook(original):
     return propose_draft_token_ids
 
 
+def _input_fits_in_drafter_hook(original):
+    @functools.wraps(original)
+    def _input_fits_in_drafter(self, common_attn_metadata):
+        fits = original(self, common_attn_metadata)
+        if not fits and core.STATE.config.enabled:  # the drafter will not run for this step's batch
+            core.mark_drafter_skipped(list(self.input_batch.req_ids))
+        return fits
+
+    setattr(_input_fits_in_drafter, _HOOK_MARK, True)
+    return _input_fits_in_drafter
+
+
 _INSTALLED = False
 
 
@@ -165,4 +181,5 @@ def install_hooks() -> None:
     GPUModelRunner._sample = _sample_hook(GPUModelRunner._sample)
     GPUModelRunner.propose_draft_token_ids = _propose_draft_token_ids_hook(GPUModelRunner.propose_draft_token_ids)
     SpecDecodeBaseProposer.propose = _propose_hook(SpecDecodeBaseProposer.propose)
+    GPUModelRunner._input_fits_in_drafter = _input_fits_in_drafter_hook(GPUModelRunner._input_fits_in_drafter)
     _INSTALLED = True
