@@ -9,9 +9,11 @@ Per training GPU (ranks: actor nodes x GPUs per node):
 - a training head: its parameters like the policy's, and its update's peak at chunks of 4,096 cycles, measured on
   an H100 at Qwen3-4B's shapes (`HEAD_UPDATE_PEAK_MIB`), plus its family's CPU line above Qwen3-4B's
   (`HEAD_PEAK_ABOVE_QWEN3_MIB`; docs/guide.md, "The head update's peak per chunk"), scaled with larger chunks;
-- one micro-batch's logits over the vocabulary at the longest sequence (`--data.max_len`: prompt and response),
-  bf16 and their fp32 copy, 6 bytes each (upstream casts them): in training (`--train.micro_batch_size`) and in
-  the experience forward of the reference and the policy (`--rollout.micro_batch_size`);
+- one micro-batch's logits over the vocabulary at the longest sequence (`--data.max_len`: prompt and response):
+  in the experience forward of the reference and the policy (`--rollout.micro_batch_size`) bf16 and upstream's
+  fp32 copy, 6 bytes each, at the cast; in training (`--train.micro_batch_size`) 8 bytes each, the fp32 copy
+  that the cross-entropy keeps for its backward and the fp32 gradient that backward writes beside it (flash-attn's
+  `cross_entropy_loss`, not in place; the bf16 logits are freed after the cast, which keeps nothing of them);
 - with gradient checkpointing, every layer's saved input for the training micro-batch, 2 bytes x hidden a token
   (left out where the layer count is not known).
 Training holds the weights, the head's update and the training micro-batch's logits and saved inputs; the
@@ -29,7 +31,9 @@ from pathlib import Path
 
 GIB, MIB = 2**30, 2**20
 POLICY_BYTES, REFERENCE_BYTES, ADAM_BYTES = 16, 2, 12  # a parameter: weights + grads + Adam; bf16 weights; Adam
-LOGIT_BYTES, HIDDEN_BYTES = 2 + 4, 2  # bf16 logits and their fp32 copy; a bf16 hidden state
+# a logit: in the experience forward bf16 and its fp32 copy; in training's backward the fp32 copy and its fp32
+# gradient (module docstring); a bf16 hidden state
+EXPERIENCE_LOGIT_BYTES, TRAINING_LOGIT_BYTES, HIDDEN_BYTES = 2 + 4, 4 + 4, 2
 # docs/data/gpu/head_checks_chunk4096_2026-11-27.json head_update_cost.peak_mb.head (tests/test_memory_estimate.py)
 HEAD_UPDATE_PEAK_MIB, HEAD_PEAK_CHUNK = 4443.728515625, 4096
 HEAD_PEAK_ABOVE_QWEN3_MIB = {"qwen3": 0.0, "qwen3_5": 230.0, "mimo": 820.0}  # CPU lines at 4,096 (docs/guide.md)
@@ -75,9 +79,10 @@ def training_gpu(shape: ModelShape, layout: TrainingLayout) -> dict[str, float]:
              "head_update_peak_gib": ((HEAD_UPDATE_PEAK_MIB + HEAD_PEAK_ABOVE_QWEN3_MIB.get(shape.family, 0.0))
                                       * max(1.0, layout.chunk_cycles / HEAD_PEAK_CHUNK) * MIB / GIB
                                       if layout.trains_head else 0.0),
-             "micro_batch_logits_gib": layout.micro_batch * layout.tokens * shape.vocab * LOGIT_BYTES / GIB,
-             "rollout_micro_batch_logits_gib": (layout.rollout_micro_batch * layout.tokens * shape.vocab * LOGIT_BYTES
-                                                / GIB),
+             "micro_batch_logits_gib": (layout.micro_batch * layout.tokens * shape.vocab * TRAINING_LOGIT_BYTES
+                                        / GIB),
+             "rollout_micro_batch_logits_gib": (layout.rollout_micro_batch * layout.tokens * shape.vocab
+                                                * EXPERIENCE_LOGIT_BYTES / GIB),
              "checkpointed_inputs_gib": (shape.layers * layout.micro_batch * layout.tokens * shape.hidden
                                          * HIDDEN_BYTES / GIB if layout.checkpointing and shape.layers else 0.0)}
     weights = terms["policy_gib"] + terms["reference_gib"] + terms["head_gib"]

@@ -4,7 +4,8 @@ same responses, timed and measured side by side in one run.
 - policy: the whole model (all its layers) over the responses in micro-batches, gradient checkpointing
   on as the example scripts train it: forward, the token log-probs (fp32 log-softmax), their mean,
   backward (`bench_common.policy_step`). Its final-norm hidden states are what the head reads.
-- head update: DCA + VGM over the same responses' records (K=5, τ≈3, top-64, cycles in chunks of 1024),
+- head update: DCA + VGM over the same responses' records (K=5, τ≈3, top-64, cycles in chunks of the plan's
+  `chunk_cycles`: the product's CUDA default, 4,096; the paper's are 1,024),
   reading those hidden states (`bench_common.head_update`), as the trainer does when the policy's own
   training forward hands them over;
 - own forward: the no-grad policy forward a head update runs where it cannot read the policy's training
@@ -16,7 +17,7 @@ No optimizer step on either side. The repeats alternate policy, own forward and 
 medians. Peak memory is CUDA's peak allocation above what was allocated before each run: the models,
 their gradients (allocated beforehand, as they live across a step) and the hidden states already held.
 
-Both sides are sums over units of fixed size (micro-batches of responses; chunks of 1024 cycles), so
+Both sides are sums over units of fixed size (micro-batches of responses; chunks of cycles), so
 their times grow with the number of responses alike and the ratio of a few dozen responses is the
 ratio of 512; their peaks are per unit and do not grow at all. What does grow is the hidden states the
 head update reads, 2 x H bytes per token, reported apart. The number of responses timed is the one asked

@@ -162,14 +162,32 @@ def _rows(plan, at_real: dict, per_context: dict, rollout: dict) -> list[Row]:
     return rows
 
 
+def _training_step(trainer: dict | None) -> tuple[str, float, float] | None:
+    """(which step, its seconds without the head, the head update's seconds) of check `trainer_step`'s details:
+    the production step where it ran (what a run pays), else the strict one (upstream's full determinism, slower
+    per token); None where neither ran, or its runs ran under CUDA_LAUNCH_BLOCKING."""
+    if trainer is None or trainer.get("launch_blocking"):
+        return None
+    if "production" in trainer:
+        production = trainer["production"]
+        return "production", production["step_s"]["without_head"], production["head_update_s"]
+    if "step_s_without_head" in trainer:
+        return "strict", trainer["step_s_without_head"], trainer["head_update_s"]
+    return None
+
+
 def end_to_end(plan, cycle: dict, trainer: dict | None, loop: dict | None = None) -> tuple[list[Row], dict | None]:
     """The RL step's end-to-end speedup from check `cycle_cost`'s details and check `trainer_step`'s (None
-    where it did not run or failed): the rows, and the prediction's terms. With check `rollout_loop`'s details
+    where it did not run or failed; its production step where it ran, `_training_step`): the rows, and the
+    prediction's terms. With check `rollout_loop`'s details
     (`loop`), its rollout (CUDA graphs, sampled drafts, measured) replaces the eager formula's, which is
     then printed beside it."""
-    if trainer is None or "step_s_without_head" not in trainer:
-        return [Row("cycle_cost", "end-to-end step speedup", "-", "not predicted: check trainer_step did not "
-                    "run or failed", None, {})], None
+    step = _training_step(trainer)
+    if step is None:
+        why = ("its runs ran under CUDA_LAUNCH_BLOCKING (not timings)" if trainer and trainer.get("launch_blocking")
+               else "check trainer_step has no timed step with and without the head at that depth")
+        return [Row("cycle_cost", "end-to-end step speedup", "-", f"not predicted: {why}", None, {})], None
+    train_from, step_without_head, head_update_s = step
     # the trainer's step, scaled from its tokens and depth to the paper's: 64 responses per GPU of the cap
     tokens = PAPER["responses_per_gpu"] * (plan.rollout_prompt + plan.rollout_response)
     train_fit, tau = cycle["train_fit"], cycle["tau"]
@@ -177,18 +195,20 @@ def end_to_end(plan, cycle: dict, trainer: dict | None, loop: dict | None = None
     source = "rollout_loop (CUDA graphs)" if loop is not None else "cycle_cost (eager formula)"
     depth_scale = ((train_fit["a"] + train_fit["b"] * cycle["real_layers"])
                    / (train_fit["a"] + train_fit["b"] * trainer["layers"]))
-    train = trainer["step_s_without_head"] * tokens / trainer["tokens"] * depth_scale
+    train = step_without_head * tokens / trainer["tokens"] * depth_scale
     cycles = PAPER["responses_per_gpu"] * plan.rollout_response / tau
-    head = trainer["head_update_s"] * cycles / trainer["cycles"]
+    head = head_update_s * cycles / trainer["cycles"]
     rollout_ar = rollout["ar_s"]  # the GPU's 64 sequences decode side by side: one response's steps
     measured = step_prediction(rollout_ar, rollout["speedup"], train, head)
     paper_train = PAPER["ar_step_s"] - PAPER["ar_rollout_s"]
     with_paper_split = step_prediction(PAPER["ar_rollout_s"], rollout["speedup"], paper_train,
                                        paper_train * head / train)
-    e2e = {"rollout_from": source, "rollout_ar_s": rollout_ar, "rollout_speedup": rollout["speedup"],
+    e2e = {"rollout_from": source, "train_from": train_from, "rollout_ar_s": rollout_ar,
+           "rollout_speedup": rollout["speedup"],
            "train_s": train, "head_s": head, "tokens_per_gpu": tokens, "cycles_per_gpu": cycles,
            "depth_scale": depth_scale, "speedup": measured, "speedup_with_paper_ar_split": with_paper_split}
-    rows = [Row("cycle_cost", f"end-to-end step speedup (rollout: {source}; training measured)", f"{measured:.2f}x",
+    rows = [Row("cycle_cost", f"end-to-end step speedup (rollout: {source}; training: the {train_from} step)",
+                f"{measured:.2f}x",
                 f"paper {PAPER['step_speedup']}x; rollout {rollout_ar:.0f} s, training {train:.0f} s, head "
                 f"{head:.0f} s per GPU", None, {"speedup": measured}),
             Row("cycle_cost", "end-to-end with the paper's AR rollout / training split", f"{with_paper_split:.2f}x",

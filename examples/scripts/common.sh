@@ -15,8 +15,12 @@
 #                                            it alike for a run and its baseline_ar.sh
 #   OUTPUT_ROOT                              where every run writes (default ./runs); on a cluster a directory
 #                                            of the shared filesystem that every node mounts at the same path
+#   RUN_NAME                                 the run's name, <run> below (default <model>_<domain>_k<K>): a
+#                                            second run of one script and K needs its own, or RUN_ROOT, as it
+#                                            would write into the first one's directory
 #   RUN_ROOT                                 one run's checkpoints, logs and exports (default OUTPUT_ROOT/<run>);
 #                                            under GROWMTP_SMOKE=1 the smoke writes to RUN_ROOT_smoke instead
+#   GROWMTP_RAY_TMP                          Ray's temporary directory on a CPU run (default: Ray's /tmp/ray)
 #   DATA_ROOT                                the prepared prompt files (default ./data; shared on a cluster)
 #   PYTHON                                   interpreter (default python)
 #   GROWMTP_DRY_RUN=1                        build the command, run every startup check, exit 0 before Ray
@@ -41,7 +45,7 @@ OUTPUT_ROOT=$(realpath -m "${OUTPUT_ROOT:-runs}")
 DATA_ROOT=$(realpath -m "${DATA_ROOT:-data}")
 
 # GROWMTP_REHEARSAL=1: the script's exact command on a tiny local stand-in of its model (the family's real
-# config fields, vocabulary size, special tokens and tokenizer length; `cli/rehearse.py`) and 6 raw rows of
+# config fields, vocabulary size, special tokens and tokenizer length; `growmtp_lab/rehearse.py`) and 6 raw rows of
 # its dataset in the source's schema, converted by prepare_data as usual. Only sizes shrink: one training
 # rank, one engine, 2 prompts x 4 samples per step (3 steps), 64-token responses. Every other flag is the
 # script's. Prints tau, alpha_k, reward and times per step; exits non-zero on any failure.
@@ -164,7 +168,17 @@ sys.exit(m and 'GROWMTP_REHEARSAL=1: ' + m)"
     MODEL_PATH=$REHEARSAL_DIR/world/$model MAX_NEW=64 root=$REHEARSAL_DIR/runs/$run
     MATH_SOURCE=$REHEARSAL_DIR/world/dapo-math.jsonl MATH_DATA=$REHEARSAL_DIR/world/dapo-math.$model.jsonl
     CODE_SOURCE=$REHEARSAL_DIR/world/taco-verified.jsonl CODE_DATA=$REHEARSAL_DIR/world/taco-verified.$model.jsonl
-    rm -rf "$root" "$MATH_DATA" "$CODE_DATA"
+    rm -f "$MATH_DATA" "$CODE_DATA"
+    # <rehearsal dir>/runs/<run> starts empty; emptied only if an earlier rehearsal made it (the smoke's own below)
+    if [[ "$SMOKE" != 1 && "${GROWMTP_DRY_RUN:-0}" != 1 ]]; then
+      fresh_own_dir "$root" "$REHEARSAL_MARKER" "GROWMTP_REHEARSAL=1" "a rehearsal" GROWMTP_REHEARSAL_DIR
+    fi
+  fi
+  if [[ "$SMOKE" != 1 && "$REHEARSAL" != 1 && -f "$root/ckpt/_actor/latest" && " $* " != *" --ckpt.load_enable "* ]]
+  then  # a second run into the first one's directory would rotate its checkpoints away and replace its export
+    echo "$root already holds a run's checkpoints ($root/ckpt): resume it by appending --ckpt.load_enable, or" \
+         "start another run with RUN_NAME or RUN_ROOT set elsewhere" >&2
+    return 2
   fi
   data "$domain" "$model"
   local cmd=("$PYTHON" -m openrlhf_growmtp.cli.train_ppo_ray
@@ -228,20 +242,23 @@ sys.exit(m and 'GROWMTP_REHEARSAL=1: ' + m)"
   fi
 }
 
-# fresh_smoke_dir <dir>: make <dir> an empty directory marked as the smoke's own. A directory the smoke did not
-# make (no marker) is never deleted: the smoke stops and names it.
+# fresh_own_dir <dir> <marker> <who> <maker> <where>: make <dir> an empty directory marked as <maker>'s own (a
+# smoke's, a rehearsal's). A directory it did not make (no marker) is never deleted: <who> stops, naming it and
+# <where>, the variable that puts the directory elsewhere.
 SMOKE_MARKER=.growmtp_smoke
-fresh_smoke_dir() {
-  local dir=$1
-  if [[ -e "$dir" && ! -f "$dir/$SMOKE_MARKER" ]] && [[ ! -d "$dir" || -n "$(ls -A "$dir")" ]]; then
-    echo "GROWMTP_SMOKE=1: $dir exists and was not made by a smoke (no $SMOKE_MARKER in it); the smoke deletes" \
-         "its own directory before it runs, so it stops here: move that directory or set RUN_ROOT elsewhere" >&2
+REHEARSAL_MARKER=.growmtp_rehearsal
+fresh_own_dir() {
+  local dir=$1 marker=$2 who=$3 maker=$4 where=$5
+  if [[ -e "$dir" && ! -f "$dir/$marker" ]] && [[ ! -d "$dir" || -n "$(ls -A "$dir")" ]]; then
+    echo "$who: $dir exists and was not made by $maker (no $marker in it); $maker deletes its own directory" \
+         "before it runs, so it stops here: move that directory or set $where elsewhere" >&2
     return 2
   fi
   rm -rf "$dir"
   mkdir -p "$dir"
-  touch "$dir/$SMOKE_MARKER"
+  touch "$dir/$marker"
 }
+fresh_smoke_dir() { fresh_own_dir "$1" "$SMOKE_MARKER" "GROWMTP_SMOKE=1" "a smoke" RUN_ROOT; }
 
 # frozen <command...>: whether the command's last --growmtp_mode / --growmtp.mode is "frozen"
 frozen() {

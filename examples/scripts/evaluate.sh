@@ -10,6 +10,10 @@
 # LiveCodeBench's test6.jsonl, downloaded from livecodebench/code_generation_lite: its hub loader is a script,
 # which `datasets` no longer runs). AIME24_DATA, AIME25_DATA, AMC23_DATA,
 # LCB_ATCODER_DATA and LCB_LEETCODE_DATA name prepared files instead.
+if [[ "${GROWMTP_REHEARSAL:-0}" == 1 ]]; then  # before common.sh turns on the CPU path and anything is prepared
+  echo "evaluate.sh has no rehearsal: GROWMTP_REHEARSAL=1 rehearses the training scripts (docs/rehearsal.md)" >&2
+  exit 2
+fi
 source "$(dirname "$0")/common.sh"
 run=${1:?run directory}
 domains=${2:-all}

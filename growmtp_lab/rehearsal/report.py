@@ -15,7 +15,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 PREFIX = "train/"
 # How many standard errors a native head's step tau may fall below the build's before the step fails: a
-# one-sided normal tail of 3.2e-5 per step, so about 1e-3 over the ~30 native-head steps of `make rehearse`.
+# one-sided normal tail of 3.2e-5 per step, so about 1.3e-3 over the ~40 native-head steps of `make rehearse`.
 MARGIN_STANDARD_ERRORS = 4.0
 
 

@@ -2,7 +2,7 @@
 
 Per model preset, a checkpoint directory with the family's real config fields, real vocabulary size, real
 special-token ids and the real checkpoint's tying and dtype (bf16), where only the widths and depth are
-shrunk; MiMo's checkpoint carries native MTP weights, as the real one does. A byte-level BPE tokenizer of
+shrunk; MiMo's and Qwen3.5's checkpoints carry native MTP weights, as the real ones do. A byte-level BPE tokenizer of
 the real tokenizer's length (trained on the rehearsal rows, then filled with placeholder tokens up to the
 special-token ids) with a ChatML chat template, so prompts are rendered and counted as in a real run.
 Per domain, a few raw rows in the source dataset's own schema (DAPO-Math-17k, TACO-Verified), so

@@ -46,8 +46,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def serve_argv(export_dir, serve: dict, *extra: str) -> list[str]:
-    """The `vllm serve` command line for an export (its speculative config from growmtp_serve.json)."""
-    return ["vllm", "serve", str(export_dir), "--speculative-config",
+    """The `vllm serve` command line for an export (its speculative config from growmtp_serve.json), on vLLM's
+    V1 model runner, the one the head's model class is tested on (`cli.serve.GROWMTP_ENV`; on a GPU vLLM 0.29
+    would otherwise pick V2)."""
+    return ["env", "VLLM_USE_V2_MODEL_RUNNER=0", "vllm", "serve", str(export_dir), "--speculative-config",
             json.dumps(serve["speculative_config"], separators=(",", ":")), *extra]
 
 

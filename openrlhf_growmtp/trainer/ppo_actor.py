@@ -222,7 +222,9 @@ class GrowMTPPolicyActor(PolicyActor):
 
     def save_checkpoint(self, tag, client_states=None, metric_value=None, metric_key=None):
         """Upstream's checkpoint, then the head snapshot beside it, then `latest` naming it (the strategy holds
-        DeepSpeed's back): a save cut short anywhere leaves `latest` at the last complete checkpoint."""
+        DeepSpeed's back): a save cut short anywhere leaves `latest` naming the tag it named before. Upstream
+        rotates before it saves, so that tag may be gone (`--ckpt.max_num 1`, or evicted by its eval metric or
+        `--ckpt.max_mem`); the startup check then refuses the resume, listing the checkpoints left."""
         client_states = {**(client_states or {}), ALPHA_1_STATE: self.trainer.alpha_1}
         super().save_checkpoint(tag, client_states, metric_value, metric_key)
         if head_of(self.actor.model.module) is not None and not self.disable_ds_ckpt:

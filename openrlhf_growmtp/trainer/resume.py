@@ -9,11 +9,13 @@ engines have started, with a list of unexpected keys; this check says so before 
 
 A checkpoint has a head when its tag holds SNAPSHOT_FILE, which a run with a training head writes beside every
 checkpoint it saves (`ppo_actor.GrowMTPPolicyActor`). Such a run names the tag in `latest` itself, once the
-snapshot is there too (`publish_latest`), so a save cut short leaves `latest` naming the last complete
-checkpoint, never a tag without its snapshot.
+snapshot is there too (`publish_latest`), so a save cut short leaves `latest` naming the tag it named before,
+never a tag without its snapshot (upstream's rotation, before the save, may have deleted that tag: then the
+`latest` check below refuses the resume).
 
 Every file the resume will load is checked here too (`unloadable_files`): DeepSpeed's model and optimizer states
-of every rank the checkpoint was saved by (no rank's missing) and the head snapshot, each readable and whole (a
+of every rank this run trains on (DeepSpeed loads ZeRO's states only on as many ranks as saved them; no rank's
+missing, the last one's included) and the head snapshot, each readable and whole (a
 `torch.save` file is a zip archive, whose directory is its last bytes: a file cut short has none). DeepSpeed would
 otherwise fail on a cut file only after Ray and the engines had started, naming none. No openrlhf or DeepSpeed
 import here.
@@ -90,8 +92,10 @@ def resume_problem(flat: dict) -> str | None:
         return (f"--ckpt.load_enable: {checkpoint} has no {SNAPSHOT_FILE}: it was saved without a training GrowMTP "
                 "head (--growmtp_k 0 or --growmtp_mode frozen), and a run that trains one cannot load it. Resume it "
                 f"as it was saved, or, to start growing a head from this policy, {fresh_run}")
-    checkpoints = [checkpoint, checkpoint_to_load(flat["ckpt.path"], CRITIC_DIR)]
-    problems = [problem for saved in checkpoints if saved is not None for problem in unloadable_files(saved)]
+    checkpoints = [(checkpoint, _ranks(flat, "actor")), (checkpoint_to_load(flat["ckpt.path"], CRITIC_DIR),
+                                                        _ranks(flat, "critic"))]
+    problems = [problem for saved, ranks in checkpoints if saved is not None
+                for problem in unloadable_files(saved, ranks)]
     if problems:
         saved = sorted(d.name for d in checkpoint.parent.iterdir() if d.is_dir() and d != checkpoint)
         return (f"--ckpt.load_enable: the checkpoint {checkpoint.name} would not load: {'; '.join(problems)}. Resume "
@@ -100,20 +104,34 @@ def resume_problem(flat: dict) -> str | None:
     return None
 
 
-def unloadable_files(checkpoint: Path) -> list[str]:
-    """What of the files a resume loads from `checkpoint` (a tag directory) is missing, unreadable or cut short."""
+def _ranks(flat: dict, role: str) -> int | None:
+    """The data-parallel ranks of `role` in this run, which DeepSpeed's ZeRO files are saved per (it loads
+    ZeRO's optimizer states only on as many ranks as saved them); None where ring attention or DeepSpeed's
+    tensor parallelism split them further (the files alone then)."""
+    if (flat.get("ds.ring_attn_size") or 1) > 1 or (flat.get("ds.tensor_parallel_size") or 1) > 1:
+        return None
+    return (flat.get(f"{role}.num_nodes") or 1) * (flat.get(f"{role}.num_gpus_per_node") or 1)
+
+
+def unloadable_files(checkpoint: Path, ranks: int | None = None) -> list[str]:
+    """What of the files a resume on `ranks` training ranks (None: as many as saved it) loads from `checkpoint`
+    (a tag directory) is missing, unreadable or cut short."""
     files = sorted(checkpoint.glob("*.pt"))
-    ranks: dict[str, set[int]] = {}
+    saved: dict[str, set[int]] = {}  # kind -> the ranks whose file of that kind is there
     for path in files:
         if match := RANK_FILE.match(path.name):
-            ranks.setdefault(match.group(2), set()).add(int(match.group(1)))
+            saved.setdefault(match.group(2), set()).add(int(match.group(1)))
     problems = []
-    if not (checkpoint / MODEL_STATES).is_file() and "model" not in ranks:
+    if not (checkpoint / MODEL_STATES).is_file() and "model" not in saved:
         problems.append(f"{checkpoint} holds no DeepSpeed model states ({MODEL_STATES} or "
                         "zero_pp_rank_*_model_states.pt)")
-    saved_by = max((max(found) + 1 for found in ranks.values()), default=0)  # the ranks that saved it
-    for kind, found in sorted(ranks.items()):
-        if missing := sorted(set(range(saved_by)) - found):
+    highest = max((max(ids) + 1 for ids in saved.values()), default=0)  # files there of ranks 0..highest-1
+    if ranks is not None and highest > ranks:
+        problems.append(f"{checkpoint} was saved by at least {highest} ranks, and this run trains on {ranks}: "
+                        "DeepSpeed loads ZeRO's states only on as many ranks as saved them")
+    saved_by = highest if ranks is None else ranks  # the files alone miss a last rank that lost all of its
+    for kind, ids in sorted(saved.items()):
+        if missing := sorted(set(range(saved_by)) - ids):
             problems.append(f"{checkpoint} lacks the {kind} states of rank(s) {missing} of the {saved_by} that "
                             "saved it")
     return problems + [problem for path in files if (problem := _unloadable(path))]

@@ -901,3 +901,11 @@ def test_end_to_end_reads_the_loops_rollout_where_it_ran():
     train, head = eager["train_s"], eager["head_s"]
     assert measured["speedup"] == pytest.approx((80.0 + train) / (80.0 / 2.0 + train + head))
     assert measured["eager_rollout_speedup"] == 1.5 and any("loop (graphs)" in r.name for r in rows)
+    assert eager["train_from"] == "strict" and eager["head_s"] == pytest.approx(1.0 * eager["cycles_per_gpu"] / 100)
+    # a production step where it ran (what a run pays): its times, not the strict step's
+    production = {**trainer, "production": {"step_s": {"without_head": 5.0, "with_head": 5.2}, "head_update_s": 0.2}}
+    _, fast = gpu_cycle.end_to_end(TINY, cycle, production)
+    assert fast["train_from"] == "production" and fast["train_s"] == pytest.approx(eager["train_s"] / 2)
+    assert fast["head_s"] == pytest.approx(eager["head_s"] / 5)
+    rows, none = gpu_cycle.end_to_end(TINY, cycle, {**production, "launch_blocking": True})
+    assert none is None and "CUDA_LAUNCH_BLOCKING" in rows[0].bound

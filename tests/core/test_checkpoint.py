@@ -74,11 +74,10 @@ def test_random_head_matches_the_init_statistics(family):
         assert m.bias is None or torch.count_nonzero(m.bias) == 0
     norms = [m for m in head.modules() if type(m).__name__.endswith("RMSNorm")]
     assert len(norms) >= 5
-    x = torch.randn(3, HIDDEN)
-    for norm in norms:  # every RMSNorm is a plain RMS normalisation (scale 1), whatever its parametrisation
-        if norm.weight.shape[0] == HIDDEN:
-            eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
-            assert torch.allclose(norm(x), x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps), atol=1e-6)
+    for norm in norms:  # every RMSNorm (q/k norms of head_dim included) is a plain RMS normalisation (scale 1)
+        x = torch.randn(3, norm.weight.shape[0])
+        eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
+        assert torch.allclose(norm(x), x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps), atol=1e-6)
 
 
 @pytest.mark.parametrize("family", FAMILY_NAMES)

@@ -1,4 +1,5 @@
-"""The reconstruction's attention against dense masked softmax attention: values, log-sum-exp, gradients."""
+"""The reconstruction's attention against dense masked softmax attention: values and gradients (the
+backward reads the forward's log-sum-exp, so a wrong one shows in the gradients)."""
 
 import pytest
 import torch

@@ -338,7 +338,8 @@ def test_the_cli_prints_the_serve_command_and_refuses_with_a_message(tmp_path, c
     final, _ = run_checkpoint(tmp_path / "run", "qwen3")
     assert export_main([str(final), str(tmp_path / "served")]) == 0
     printed = capsys.readouterr().out
-    assert "vllm serve" in printed and '"method":"eagle"' in printed and str(tmp_path / "served") in printed
+    assert "VLLM_USE_V2_MODEL_RUNNER=0 vllm serve" in printed and '"method":"eagle"' in printed
+    assert str(tmp_path / "served") in printed
     # as a module (the console script's target), on a checkpoint without a head (nor a manifest saying it had one)
     (final / RUN_HEAD_DIR / "config.json").unlink()
     (final / MANIFEST).unlink()
@@ -383,11 +384,12 @@ def test_the_readmes_serve_line_names_the_head_by_an_absolute_path(tmp_path):
     out = export_model(final, tmp_path / "served")
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    script = 'vllm() { printf "%s\\n" "$@"; }\n' + line.replace(documented, str(out))
+    script = 'vllm() { printf "%s\\n" "$@" "V2=$VLLM_USE_V2_MODEL_RUNNER"; }\n' + line.replace(documented, str(out))
     done = subprocess.run(["bash", "-c", script], capture_output=True, text=True, cwd=elsewhere, timeout=60)
     assert done.returncode == 0, done.stderr
     args = done.stdout.splitlines()
     assert args[:2] == ["serve", str(out)] and args[2] == "--speculative-config"
+    assert args[-1] == "V2=0"  # vLLM's V1 model runner, the one the head's model class is tested on
     config = json.loads(args[3])
     assert config == {**json.loads((out / SERVE_FILE).read_text())["speculative_config"],
                       "model": f"{out}/{RUN_HEAD_DIR}"}

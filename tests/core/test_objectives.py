@@ -7,7 +7,7 @@ import torch
 
 from openrlhf_growmtp.core import (HeadLossConfig, acceptance_rates, chain_loss, head_loss_backward, position_loss,
                                    validate_record)
-from openrlhf_growmtp.core.objectives import log_acceptance_rates
+from openrlhf_growmtp.core.objectives import log_acceptance_rates, position_loss_per_cycle
 from helpers.tiny import make_head, make_records
 
 
@@ -140,6 +140,30 @@ def test_kl_is_zero_when_q_equals_p_and_ce_is_entropy_plus_kl():
     assert ce.item() == pytest.approx(entropy.item() + kl.item(), abs=1e-5)
     full_kl = (target.exp() * (target - torch.log_softmax(other, -1))).sum(-1).mean()
     assert kl.item() == pytest.approx(full_kl.item(), abs=1e-5)
+
+
+def test_ce_and_kl_at_a_truncated_top_k_bin_the_rest_of_p_and_q():
+    """At k = 16 of V = 300 the residual bins carry p's and q's tails: the losses against a float64 sum over
+    the k ids and one bin of what is outside them, each mass from the full-vocabulary distributions."""
+    g = torch.Generator().manual_seed(5)
+    n, depth, vocab, k = 3, 2, 300, 16
+    target = torch.log_softmax(torch.randn(n, depth, vocab, generator=g) * 2, -1)
+    draft = torch.randn(n, depth, vocab, generator=g)
+    ids, lp = _topk(target, k)
+    p_full, q_full = target.double().exp(), draft.double().softmax(-1)
+    want = {"ce": torch.zeros(n, dtype=torch.float64), "kl": torch.zeros(n, dtype=torch.float64)}
+    for i in range(n):
+        for j in range(depth):
+            p, q = p_full[i, j, ids[i, j]], q_full[i, j, ids[i, j]]
+            p_rest, q_rest = 1 - p.sum(), 1 - q.sum()  # the tails, well above the 1e-6 floor here
+            ce = -(p * q.log()).sum() - p_rest * q_rest.log()
+            want["ce"][i] += ce / depth
+            want["kl"][i] += (ce + (p * p.log()).sum() + p_rest * p_rest.log()) / depth
+    assert (p_full.sum(-1) - torch.gather(p_full, -1, ids).sum(-1)).min() > 0.05  # the bins matter
+    for objective, expected in want.items():
+        # fp32 sums of 17 terms of size <= ~10: ~1e-6 of rounding
+        got = position_loss_per_cycle(draft, ids, lp, None, objective)
+        assert torch.allclose(got.double(), expected, atol=1e-5), (objective, got, expected)
 
 
 def test_position_loss_vgm_averages_positions_up_to_the_first_rejection():

@@ -151,6 +151,16 @@ def test_teacher_forcing_agrees_with_reconstruction_only_at_draft_position_one()
     assert (tf_logits[rows[0], 1:] - recon[0, 1:]).abs().max() > 1e-3
     # targets: position 1 of the chain at s is verified by row 1 of the cycle starting at s
     assert torch.equal(tf.topk_ids[rows, 0], rec.topk_ids[:, 0])
+    # and position k <= accepted + 1 by its row k: token s + 1 + k, which no later cycle verifies (the next one
+    # starts at s + accepted + 1 and verifies tokens from s + accepted + 3 on)
+    deeper = 0
+    for r, row in enumerate(rows):
+        reach = min(int(rec.accepted[r]) + 1, rec.depth)
+        assert int(tf.lengths[row]) >= reach
+        assert torch.equal(tf.topk_ids[row, :reach].long(), rec.topk_ids[r, :reach].long())
+        assert torch.equal(tf.topk_logprobs[row, :reach].float(), rec.topk_logprobs[r, :reach].float())
+        deeper += reach - 1
+    assert deeper > 0  # positions >= 2 were checked
 
 
 def test_teacher_forcing_trains_through_the_head_update():
@@ -379,12 +389,12 @@ def test_the_head_gradients_rows_are_added_as_index_add_adds_them(monkeypatch):
     assert grads["index_put"].keys() == grads["index_add"].keys() and grads["index_put"]
     for name, grad in grads["index_put"].items():
         assert torch.equal(grad, grads["index_add"][name]), name
-    # within one call, rows repeated: summed as index_add_ sums them. The values are multiples of 1/8 below
-    # 64, so every partial sum is exact in fp32 and the order of the adds cannot show
+    # within one call, rows repeated: summed as index_add_ sums them. dest and the values are multiples of 1/8
+    # below 64 in size, so every partial sum is exact in fp32 and the order of the adds cannot show
     g = torch.Generator().manual_seed(0)
     rows = torch.tensor([3, 0, 3, 5, 3, 0])
     values = torch.randint(-512, 512, (6, 7), generator=g).float() / 8
-    dest = torch.randn(6, 7, generator=g)
+    dest = torch.randint(-512, 512, (6, 7), generator=g).float() / 8  # so is every sum onto dest
     assert torch.equal(head_loss.add_rows_(dest.clone(), rows, values), dest.clone().index_add_(0, rows, values))
     # a row out of range: an error naming it (RuntimeError on CPU, IndexError from CUDA's host-side check)
     with pytest.raises((IndexError, RuntimeError), match="index 6 is out of bounds for dimension 0 with size 6"):

@@ -26,4 +26,4 @@ def test_topk_logq_gives_the_full_vocabulary_loss_and_gradient():
     # fp32, the same matmul and one logsumexp per row either way: only summation order may differ (~1e-7)
     assert abs(loss.item() - dense.item()) <= 1e-5 * max(1.0, abs(dense.item()))
     assert (grad - normed.grad).abs().max().item() <= 1e-5 * max(1.0, normed.grad.abs().max().item())
-    assert normed.grad.abs().max() > 0 and head.lm_head.weight.grad is None  # nothing reaches the lm_head
+    assert normed.grad.abs().max() > 0

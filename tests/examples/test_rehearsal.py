@@ -32,6 +32,32 @@ def test_every_training_script_is_rehearsed():
         assert f'"ablation.sh {arm}"' in text
 
 
+def test_rehearse_all_fails_on_a_refused_command_and_lists_an_unrehearsable_preset(tmp_path):
+    """Exit 2 is both a preset this machine cannot rehearse and a refused command (argparse, an invalid
+    configuration): only the first is not a failure."""
+    shutil.copy(EXAMPLES / "rehearse_all.sh", tmp_path)
+    (tmp_path / "scripts").mkdir()
+    (tmp_path / "scripts" / "qwen3_4b_math.sh").write_text(
+        "echo 'error: invalid GrowMTP configuration: --growmtp_k -1' >&2; exit 2\n")
+    (tmp_path / "scripts" / "qwen3_4b_code.sh").write_text(
+        "echo 'the qwen3_4b preset cannot be rehearsed on this machine: no room' >&2; exit 2\n")
+    env = {**os.environ, "GROWMTP_REHEARSAL_DIR": str(tmp_path / "runs")}
+    for names, code in ((["qwen3_4b_code"], 0), (["qwen3_4b_math", "qwen3_4b_code"], 1)):
+        result = subprocess.run(["bash", str(tmp_path / "rehearse_all.sh"), *names], env=env, capture_output=True,
+                                text=True, timeout=60)
+        assert result.returncode == code, result.stdout + result.stderr
+    assert "qwen3_4b_math" in result.stdout and "FAILED (exit 2" in result.stdout
+    assert "not rehearsable here: no room" in result.stdout
+
+
+def test_the_evaluation_script_refuses_a_rehearsal_before_preparing_anything(tmp_path):
+    env = {**os.environ, "GROWMTP_REHEARSAL": "1", "DATA_ROOT": str(tmp_path / "data")}
+    result = subprocess.run(["bash", str(EXAMPLES / "scripts" / "evaluate.sh"), str(tmp_path / "run")], env=env,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and "evaluate.sh has no rehearsal" in result.stderr
+    assert not (tmp_path / "data").exists()
+
+
 def test_qwen3_world_has_the_real_vocabulary_tokens_and_dtype(tmp_path):
     from transformers import AutoConfig, AutoTokenizer
 

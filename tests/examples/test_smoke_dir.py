@@ -1,4 +1,4 @@
-"""GROWMTP_SMOKE=1 never deletes a directory it did not make (`fresh_smoke_dir` in common.sh).
+"""GROWMTP_SMOKE=1 and GROWMTP_REHEARSAL=1 never delete a directory they did not make (`fresh_own_dir` in common.sh).
 
 The script runs under a stand-in python (a shell script that logs its arguments, decides a GPU run and
 succeeds), so only the shell's own file handling is exercised: which directory the smoke writes to, and what
@@ -70,3 +70,61 @@ def test_smoke_empties_its_own_directory_from_an_earlier_smoke(tmp_path):
     assert second.returncode == 0, second.stderr
     assert not leftover.exists() and (tmp_path / "my_run_smoke" / ".growmtp_smoke").is_file()
     assert not real.exists()  # the real run's directory was never made
+
+
+def run_rehearsal(tmp_path: Path, rehearsal_dir: Path) -> tuple[subprocess.CompletedProcess, str]:
+    python = tmp_path / "python"
+    python.write_text(STAND_IN)
+    python.chmod(python.stat().st_mode | stat.S_IXUSR)
+    log = tmp_path / "calls.log"
+    log.write_text("")
+    env = {key: value for key, value in os.environ.items() if key not in ("OUTPUT_ROOT", "GROWMTP_SMOKE")}
+    env.update(PYTHON=str(python), STAND_IN_LOG=str(log), GROWMTP_REHEARSAL="1",
+               GROWMTP_REHEARSAL_DIR=str(rehearsal_dir), DATA_ROOT=str(tmp_path / "data"))
+    result = subprocess.run(["bash", str(SCRIPT)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                            timeout=60)
+    return result, log.read_text()
+
+
+def test_a_rehearsal_never_deletes_a_run_directory_it_did_not_make(tmp_path):
+    """GROWMTP_REHEARSAL_DIR=. puts a rehearsal's run at ./runs/<run>, a real run's default directory."""
+    real = tmp_path / "runs" / "qwen3_4b_math_k5"
+    (real / "ckpt").mkdir(parents=True)
+    (real / "ckpt" / "weights.pt").write_text("a real run's checkpoint")
+    result, calls = run_rehearsal(tmp_path, tmp_path)
+    assert result.returncode == 2
+    assert f"{real} exists and was not made by a rehearsal" in result.stderr
+    assert (real / "ckpt" / "weights.pt").read_text() == "a real run's checkpoint"
+    assert "train_ppo_ray" not in calls
+    own = tmp_path / "rehearsal"
+    leftover = own / "runs" / "qwen3_4b_math_k5" / "leftover"
+    for _ in range(2):  # the second rehearsal empties the first one's directory
+        result, calls = run_rehearsal(tmp_path, own)
+        assert result.returncode == 0, result.stderr
+        assert "train_ppo_ray" in calls and not leftover.exists()
+        assert (own / "runs" / "qwen3_4b_math_k5" / ".growmtp_rehearsal").is_file()
+        leftover.write_text("")
+
+
+def test_a_second_run_into_a_runs_directory_is_refused_unless_it_resumes(tmp_path):
+    """Upstream rotates older checkpoints away as a run saves: a second run of one script would remove the
+    first one's checkpoints and replace its export."""
+    python = tmp_path / "python"
+    python.write_text(STAND_IN)
+    python.chmod(python.stat().st_mode | stat.S_IXUSR)
+    log = tmp_path / "calls.log"
+    root = tmp_path / "my_run"
+    (root / "ckpt" / "_actor").mkdir(parents=True)
+    (root / "ckpt" / "_actor" / "latest").write_text("global_step50")
+    env = {key: value for key, value in os.environ.items()
+           if key not in ("OUTPUT_ROOT", "GROWMTP_REHEARSAL", "GROWMTP_SMOKE")}
+    env.update(PYTHON=str(python), STAND_IN_LOG=str(log), RUN_ROOT=str(root), DATA_ROOT=str(tmp_path / "data"))
+    for extra, code in (([], 2), (["--ckpt.load_enable"], 0)):
+        log.write_text("")
+        result = subprocess.run(["bash", str(SCRIPT), *extra], cwd=tmp_path, env=env, capture_output=True,
+                                text=True, timeout=60)
+        assert result.returncode == code, result.stderr
+        assert ("train_ppo_ray" in log.read_text()) == (code == 0)
+        assert ("already holds a run's checkpoints" in result.stderr) == (code == 2)
+    smoke, _ = run_smoke(tmp_path, root)  # the smoke writes beside the run, so it goes ahead
+    assert smoke.returncode == 0, smoke.stderr

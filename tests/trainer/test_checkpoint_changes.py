@@ -127,9 +127,12 @@ def test_the_head_is_turned_off_from_the_export_and_a_resume_without_it_is_refus
     # exit status 2 with the launcher's message: argparse's refusal, made while parsing, before Ray starts
     assert "invalid GrowMTP configuration" in refused.stderr and "holds a training GrowMTP head" in refused.stderr
     assert "--actor.model_name_or_path" in refused.stderr  # the way that works
+    assert "Ray instance" not in refused.stdout + refused.stderr  # refused before Ray started
     ok(run(tmp, "off_fresh", 1, model="ckpt_final", k=0))
     assert (tmp / "off_fresh_final" / "model.safetensors").is_file()
     assert not (tmp / "off_fresh_final" / "growmtp_head").exists()
     # upstream's training: the step's times and memory logged as a GrowMTP run logs them, nothing of a head
+    off_rows = rows(tmp / "off_fresh")
+    assert [row["step"] for row in off_rows] == [1]
     assert all("growmtp/rollout_s" in row and not any("tau" in key or "head" in key for key in row)
-               for row in rows(tmp / "off_fresh"))
+               for row in off_rows)

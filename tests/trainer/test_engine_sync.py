@@ -75,9 +75,14 @@ def test_a_head_with_a_nonfinite_value_is_never_sent(one_rank):
 
 def test_a_rank_without_the_state_learns_the_outcome_from_rank_0(one_rank, monkeypatch):
     """The other ranks pass no state and raise what rank 0 broadcast (here rank 0's answer is stood in for)."""
+    handed = []
+
     def broadcast(box, src):
+        handed.append((list(box), src))
         box[0] = "GrowMTP: growmtp_load_head failed on 1 of 2 engine(s)"
 
     monkeypatch.setattr(engine_sync.dist, "broadcast_object_list", broadcast)
+    engine = Engine(BOTH_RANKS)
     with pytest.raises(EngineSyncError, match="failed on 1 of 2"):
-        send_to_engines([Engine(BOTH_RANKS)], "growmtp_load_head", None, loaded_all({}))
+        send_to_engines([engine], "growmtp_load_head", None, loaded_all({}))
+    assert engine.calls == 0 and handed == [([None], 0)]  # it sent nothing and only listened to rank 0

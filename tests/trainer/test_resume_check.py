@@ -23,8 +23,9 @@ def saved(tmp_path, with_head: bool, tag: str = "global_step7", role: str = ACTO
     return tmp_path
 
 
-def flags(ckpt, k: int, mode: str = "detached", load: bool = True) -> dict:
-    return {"ckpt.path": str(ckpt), "ckpt.load_enable": load, "growmtp.k": k, "growmtp.mode": mode}
+def flags(ckpt, k: int, mode: str = "detached", load: bool = True, ranks: int = RANKS) -> dict:
+    return {"ckpt.path": str(ckpt), "ckpt.load_enable": load, "growmtp.k": k, "growmtp.mode": mode,
+            "actor.num_nodes": 1, "actor.num_gpus_per_node": ranks, "critic.num_gpus_per_node": ranks}
 
 
 def test_the_checkpoint_is_the_one_latest_names(tmp_path):
@@ -74,11 +75,19 @@ def test_a_latest_that_names_no_checkpoint_is_refused_not_started_afresh(tmp_pat
     assert resume_problem(flags(ckpt, k, load=False)) is None
 
 
-def test_latest_is_replaced_whole(tmp_path):
+def test_latest_is_replaced_whole(tmp_path, monkeypatch):
     saved(tmp_path, True, tag="global_step1")
     publish_latest(tmp_path / ACTOR_DIR, "global_step2")
     assert (tmp_path / ACTOR_DIR / LATEST).read_text() == "global_step2"
     assert sorted(p.name for p in (tmp_path / ACTOR_DIR).iterdir()) == ["global_step1", LATEST]
+
+    def cut_short(src, dst):  # the process dies between writing the new name and putting it in place
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("openrlhf_growmtp.trainer.resume.os.replace", cut_short)
+    with pytest.raises(KeyboardInterrupt):
+        publish_latest(tmp_path / ACTOR_DIR, "global_step3")
+    assert (tmp_path / ACTOR_DIR / LATEST).read_text() == "global_step2"  # the old name, whole
 
 
 @pytest.mark.parametrize("name", [DEEPSPEED_FILES[3], DEEPSPEED_FILES[0], SNAPSHOT_FILE])
@@ -111,6 +120,22 @@ def test_a_rank_missing_its_files_and_an_unreadable_file_are_refused_by_name(tmp
     (tag / DEEPSPEED_FILES[1]).unlink()
     (tag / DEEPSPEED_FILES[1]).mkdir()  # there, but no file to read (a permission the user lacks reads alike)
     assert f"{tag / DEEPSPEED_FILES[1]} cannot be read" in resume_problem(flags(ckpt, 3))
+
+
+def test_the_last_rank_losing_every_file_and_another_world_size_are_refused(tmp_path):
+    """The files alone cannot tell a checkpoint of 2 ranks whose rank 1 lost both files from one of 1 rank: the
+    ranks this run trains on can (DeepSpeed loads ZeRO's optimizer states only on as many ranks as saved them)."""
+    ckpt = saved(tmp_path, True)
+    tag = ckpt / ACTOR_DIR / "global_step7"
+    assert "was saved by at least 2 ranks, and this run trains on 1" in resume_problem(flags(ckpt, 3, ranks=1))
+    for name in DEEPSPEED_FILES[2:]:
+        (tag / name).unlink()  # rank 1's model and optimizer states
+    problem = resume_problem(flags(ckpt, 3))
+    assert "lacks the model states of rank(s) [1] of the 2" in problem
+    assert "lacks the optim states of rank(s) [1] of the 2" in problem
+    assert resume_problem(flags(ckpt, 3, ranks=1)) is None  # as one rank saved it
+    # with ring attention DeepSpeed's data-parallel ranks are fewer than the GPUs: the files alone decide
+    assert resume_problem({**flags(ckpt, 3), "ds.ring_attn_size": 2}) is None
 
 
 def test_the_critics_checkpoint_is_checked_too(tmp_path):
