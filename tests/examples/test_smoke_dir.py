@@ -23,18 +23,24 @@ exit 0  # every other call succeeds
 """
 
 
-def run_smoke(tmp_path: Path, run_root: Path) -> tuple[subprocess.CompletedProcess, str]:
+def run_script(tmp_path: Path, *args: str, **env_vars: str) -> tuple[subprocess.CompletedProcess, str]:
+    """qwen3_4b_math.sh under the stand-in python with `env_vars` (none of the modes unless given): the result
+    and the stand-in's calls."""
     python = tmp_path / "python"
     python.write_text(STAND_IN)
     python.chmod(python.stat().st_mode | stat.S_IXUSR)
     log = tmp_path / "calls.log"
     log.write_text("")
-    env = {key: value for key, value in os.environ.items() if key not in ("OUTPUT_ROOT", "GROWMTP_REHEARSAL")}
-    env.update(PYTHON=str(python), STAND_IN_LOG=str(log), GROWMTP_SMOKE="1", RUN_ROOT=str(run_root),
-               DATA_ROOT=str(tmp_path / "data"))
-    result = subprocess.run(["bash", str(SCRIPT)], cwd=tmp_path, env=env, capture_output=True, text=True,
+    env = {key: value for key, value in os.environ.items()
+           if key not in ("OUTPUT_ROOT", "GROWMTP_REHEARSAL", "GROWMTP_SMOKE")}
+    env.update(PYTHON=str(python), STAND_IN_LOG=str(log), DATA_ROOT=str(tmp_path / "data"), **env_vars)
+    result = subprocess.run(["bash", str(SCRIPT), *args], cwd=tmp_path, env=env, capture_output=True, text=True,
                             timeout=60)
     return result, log.read_text()
+
+
+def run_smoke(tmp_path: Path, run_root: Path) -> tuple[subprocess.CompletedProcess, str]:
+    return run_script(tmp_path, GROWMTP_SMOKE="1", RUN_ROOT=str(run_root))
 
 
 def test_smoke_writes_beside_run_root_and_keeps_its_files(tmp_path):
@@ -73,17 +79,7 @@ def test_smoke_empties_its_own_directory_from_an_earlier_smoke(tmp_path):
 
 
 def run_rehearsal(tmp_path: Path, rehearsal_dir: Path) -> tuple[subprocess.CompletedProcess, str]:
-    python = tmp_path / "python"
-    python.write_text(STAND_IN)
-    python.chmod(python.stat().st_mode | stat.S_IXUSR)
-    log = tmp_path / "calls.log"
-    log.write_text("")
-    env = {key: value for key, value in os.environ.items() if key not in ("OUTPUT_ROOT", "GROWMTP_SMOKE")}
-    env.update(PYTHON=str(python), STAND_IN_LOG=str(log), GROWMTP_REHEARSAL="1",
-               GROWMTP_REHEARSAL_DIR=str(rehearsal_dir), DATA_ROOT=str(tmp_path / "data"))
-    result = subprocess.run(["bash", str(SCRIPT)], cwd=tmp_path, env=env, capture_output=True, text=True,
-                            timeout=60)
-    return result, log.read_text()
+    return run_script(tmp_path, GROWMTP_REHEARSAL="1", GROWMTP_REHEARSAL_DIR=str(rehearsal_dir))
 
 
 def test_a_rehearsal_never_deletes_a_run_directory_it_did_not_make(tmp_path):
@@ -109,22 +105,13 @@ def test_a_rehearsal_never_deletes_a_run_directory_it_did_not_make(tmp_path):
 def test_a_second_run_into_a_runs_directory_is_refused_unless_it_resumes(tmp_path):
     """Upstream rotates older checkpoints away as a run saves: a second run of one script would remove the
     first one's checkpoints and replace its export."""
-    python = tmp_path / "python"
-    python.write_text(STAND_IN)
-    python.chmod(python.stat().st_mode | stat.S_IXUSR)
-    log = tmp_path / "calls.log"
     root = tmp_path / "my_run"
     (root / "ckpt" / "_actor").mkdir(parents=True)
     (root / "ckpt" / "_actor" / "latest").write_text("global_step50")
-    env = {key: value for key, value in os.environ.items()
-           if key not in ("OUTPUT_ROOT", "GROWMTP_REHEARSAL", "GROWMTP_SMOKE")}
-    env.update(PYTHON=str(python), STAND_IN_LOG=str(log), RUN_ROOT=str(root), DATA_ROOT=str(tmp_path / "data"))
     for extra, code in (([], 2), (["--ckpt.load_enable"], 0)):
-        log.write_text("")
-        result = subprocess.run(["bash", str(SCRIPT), *extra], cwd=tmp_path, env=env, capture_output=True,
-                                text=True, timeout=60)
+        result, calls = run_script(tmp_path, *extra, RUN_ROOT=str(root))
         assert result.returncode == code, result.stderr
-        assert ("train_ppo_ray" in log.read_text()) == (code == 0)
+        assert ("train_ppo_ray" in calls) == (code == 0)
         assert ("already holds a run's checkpoints" in result.stderr) == (code == 2)
     smoke, _ = run_smoke(tmp_path, root)  # the smoke writes beside the run, so it goes ahead
     assert smoke.returncode == 0, smoke.stderr
